@@ -1,0 +1,36 @@
+"""Errors raised by hoccl.
+
+Every message starts with the name of the call that failed and says what was
+expected and what was given (or seen), so that a log line alone is enough to act on.
+"""
+
+__all__ = ["HocclError", "InvalidArgumentError", "PlanError", "HocclTimeoutError",
+           "AbortedError", "DriverError", "MismatchError"]
+
+
+class HocclError(RuntimeError):
+    """Base class of every error hoccl raises on purpose."""
+
+
+class InvalidArgumentError(HocclError, ValueError):
+    """A public call was given an argument it cannot use; nothing was enqueued."""
+
+
+class PlanError(HocclError):
+    """A plan failed verification: it could deadlock, race or leave output unwritten."""
+
+
+class HocclTimeoutError(HocclError, TimeoutError):
+    """A host-side wait ran past the communicator's timeout."""
+
+
+class AbortedError(HocclError):
+    """The communicator was aborted; its pending work was released, not completed."""
+
+
+class DriverError(HocclError):
+    """A CUDA driver call returned an error status."""
+
+
+class MismatchError(HocclError):
+    """Ranks called different collectives, or the same collective with different arguments."""

@@ -1,0 +1,152 @@
+"""The small interface every device backend implements.
+
+A ``Device`` is one rank's view of one GPU (or, on the host backend, of host
+memory).  The stream manager and the P2P executor drive it; they never touch the
+CUDA driver themselves.  Every method that takes a ``stream`` *enqueues* and
+returns: nothing here blocks the host except ``synchronize_stream`` and the
+``HostWord.value`` read.
+
+Addresses are plain ints in the device's unified address space (the host backend
+may hand out ``RemotePtr`` for another process's memory; it supports ``+ int``).
+Values written and waited for are unsigned 64-bit; waits are ``>=``.
+
+Timeline of one collective on one rank (``seq`` = the collective's signal base)::
+
+    caller stream  ──record(E)──wait_value(done_slot >= seq+K)──────────► later kernels
+    lane 0                     └wait_event(E)─signals─waits─copies─…─write_value(done_slot)
+    lane 1                      wait_event(E)─copies──────────┘
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any, Iterable, Sequence, Tuple
+
+__all__ = ["Device", "HostWord", "DTYPES", "OPS"]
+
+#: dtype names every backend accepts in ``reduce``.
+DTYPES = ("float16", "bfloat16", "float32", "float64", "int8", "uint8", "int32", "int64")
+#: reduction operators; "avg" is the sum divided by the number of inputs.
+OPS = ("sum", "prod", "max", "min", "avg")
+
+
+class HostWord(abc.ABC):
+    """A 64-bit counter the device can write with ``write_value`` and the host can read."""
+
+    address: int
+
+    @property
+    @abc.abstractmethod
+    def value(self) -> int:
+        """The counter's current value, read by the host without synchronising any stream."""
+
+
+class Device(abc.ABC):
+    """One rank's device: streams, events, memory, and the zero-SM primitives."""
+
+    backend: str = ""
+    #: device ordinal (CUDA) or None (host)
+    ordinal: Any = None
+
+    # -- streams and events ------------------------------------------------------------
+    @abc.abstractmethod
+    def create_stream(self) -> Any:
+        """A new non-blocking copy stream (a lane), highest priority where supported."""
+
+    @abc.abstractmethod
+    def destroy_stream(self, stream: Any) -> None: ...
+
+    @abc.abstractmethod
+    def resolve_stream(self, stream: Any, arrays: Sequence[Any]) -> Any:
+        """The caller's stream as a handle this device can enqueue on.
+
+        ``stream=None`` means the current stream of the arrays' framework (cupy,
+        torch), or the device's default stream.  Borrowed streams are never destroyed.
+        """
+
+    @abc.abstractmethod
+    def create_event(self) -> Any: ...
+
+    @abc.abstractmethod
+    def destroy_event(self, event: Any) -> None: ...
+
+    @abc.abstractmethod
+    def record(self, stream: Any, event: Any) -> None:
+        """Record ``event`` at the current end of ``stream``."""
+
+    @abc.abstractmethod
+    def wait_event(self, stream: Any, event: Any) -> None:
+        """Make ``stream`` wait for the latest record of ``event``."""
+
+    @abc.abstractmethod
+    def synchronize_stream(self, stream: Any, timeout: float) -> None:
+        """Block the host until ``stream`` is idle; raise HocclTimeoutError after ``timeout`` s."""
+
+    # -- memory ------------------------------------------------------------------------
+    @abc.abstractmethod
+    def alloc(self, nbytes: int) -> int:
+        """Device memory for scratch and pads (not zeroed)."""
+
+    @abc.abstractmethod
+    def free(self, address: int) -> None: ...
+
+    @abc.abstractmethod
+    def alloc_pad(self, slots: int) -> int:
+        """A zeroed array of ``slots`` 64-bit signal slots in device memory; peers map it."""
+
+    @abc.abstractmethod
+    def alloc_host_word(self) -> HostWord:
+        """A zeroed 64-bit counter in host memory that this device can write."""
+
+    @abc.abstractmethod
+    def export(self, address: int) -> Any:
+        """A picklable descriptor another process passes to ``import_`` to map ``address``."""
+
+    @abc.abstractmethod
+    def import_(self, descriptor: Any) -> Any:
+        """Map a peer process's exported buffer; returns the local address of ``address``.
+
+        Mappings are cached by allocation identity, so importing the same buffer
+        again costs no driver call.  Released by ``close``.
+        """
+
+    @abc.abstractmethod
+    def enable_peer_access(self, peer: "Device") -> None:
+        """Let this device read and write ``peer``'s memory directly (one process)."""
+
+    # -- the zero-SM primitives ---------------------------------------------------------
+    @abc.abstractmethod
+    def copy(self, stream: Any, dst: Any, src: Any, nbytes: int) -> None:
+        """One DMA on ``stream``: between devices it runs on a copy engine."""
+
+    def copy_batch(self, stream: Any, copies: Sequence[Tuple[Any, Any, int]]) -> None:
+        """Several copies with no order among them, after ``stream``'s earlier work."""
+        for dst, src, nbytes in copies:
+            self.copy(stream, dst, src, nbytes)
+
+    @abc.abstractmethod
+    def local_copy(self, stream: Any, dst: Any, src: Any, nbytes: int) -> None:
+        """A copy within this device, on at most ``max_sms`` SMs (on GPUs this needs SMs)."""
+
+    @abc.abstractmethod
+    def write_value(self, stream: Any, address: Any, value: int) -> None:
+        """Write the 64-bit ``value`` to ``address`` after ``stream``'s earlier work."""
+
+    @abc.abstractmethod
+    def wait_value(self, stream: Any, address: Any, value: int) -> None:
+        """Block ``stream`` until the 64-bit word at ``address`` (own memory) is ``>= value``."""
+
+    def wait_values(self, stream: Any, waits: Iterable[Tuple[Any, int]]) -> None:
+        """Several ``wait_value`` in one call where the backend can batch them."""
+        for address, value in waits:
+            self.wait_value(stream, address, value)
+
+    @abc.abstractmethod
+    def reduce(self, stream: Any, output: Any, inputs: Sequence[Any], count: int,
+               dtype: str, op: str) -> None:
+        """``output = op(*inputs)`` element-wise over ``count`` elements, on at most ``max_sms`` SMs."""
+
+    # -- lifetime ----------------------------------------------------------------------
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release every resource this device created; idempotent."""

@@ -1,0 +1,468 @@
+"""Algorithms: pure functions from a collective's shape to a ``Plan``.
+
+All algorithms here are *direct*: every rank talks to every peer, visiting peers in
+rotated order ``(rank + k) % world_size`` so that no GPU is the first target of
+every peer at once (incast).  Data moves by ``push``: the rank that owns the data
+issues the copy into the peer's buffer, after the peer's ``READY`` signal says the
+peer's caller stream has reached the collective, and follows it with a ``DONE``
+signal that the peer's exit waits for.
+
+Every program begins with its ``READY`` signals before any ``Wait``, so no two
+ranks can wait for each other's readiness (no deadlock whatever the interleaving).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from functools import lru_cache
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from .plan import (CHANNELS, DONE, GATHERED, P2P_DONE, P2P_READY, READY, After, BufferSpec,
+                   BufRef, Copy, Mark, Plan, Reduce, Signal, Step, Wait)
+
+__all__ = ["Shape", "Options", "build_plan", "COLLECTIVES", "split", "block_counts"]
+
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast",
+               "reduce", "gather", "scatter", "sendrecv", "barrier")
+SELF_ROUTES = ("peer", "local")
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What a collective moves, independent of where the buffers are.
+
+    ``count`` is NCCL's count: elements sent per rank (all_gather, gather), received
+    per rank (reduce_scatter, scatter), in the whole buffer (all_reduce, broadcast,
+    reduce, sendrecv), or per peer block (all_to_all).  For ``sendrecv`` ``root`` is
+    the sender and ``peer`` the receiver.
+    """
+    collective: str
+    world_size: int
+    count: int
+    dtype: str = "uint8"
+    itemsize: int = 1
+    op: str = "sum"
+    root: int = 0
+    peer: int = -1
+    in_place: bool = False
+
+
+@dataclass(frozen=True)
+class Options:
+    """How to move it.
+
+    ``copy_lanes``: copy streams per rank that share the peers (None: one per peer up
+    to 4).  ``chunk_bytes``: pipeline unit of reductions (a reduction of chunk k
+    overlaps the copies of chunk k+1).  ``self_route``: how a rank's own block reaches
+    its place in out-of-place forms: ``"peer"`` (through a peer's copy engine and
+    back: zero SMs, costs NVLink bandwidth) or ``"local"`` (a copy on a few SMs).
+    """
+    copy_lanes: Optional[int] = None
+    chunk_bytes: int = 32 << 20
+    self_route: str = "peer"
+
+
+def split(total: int, parts: int) -> List[Tuple[int, int]]:
+    """``parts`` contiguous ``(start, size)`` ranges covering ``total``, sizes differing by at most one."""
+    base, extra = divmod(total, parts)
+    ranges, start = [], 0
+    for index in range(parts):
+        size = base + (1 if index < extra else 0)
+        ranges.append((start, size))
+        start += size
+    return ranges
+
+
+def block_counts(collective: str, world_size: int, count: int) -> List[Tuple[int, int]]:
+    """The element ranges an all_reduce splits its buffer into, one per owning rank."""
+    return split(count, world_size) if collective == "all_reduce" else [
+        (rank * count, count) for rank in range(world_size)]
+
+
+def _chunks(nbytes: int, chunk_bytes: int, itemsize: int) -> List[Tuple[int, int]]:
+    """Byte ranges ``(offset, size)`` of at most ``chunk_bytes``, element aligned; one empty chunk for 0."""
+    if nbytes == 0:
+        return [(0, 0)]
+    step = max(itemsize, chunk_bytes - chunk_bytes % itemsize)
+    return [(offset, min(step, nbytes - offset)) for offset in range(0, nbytes, step)]
+
+
+class _Builder:
+    """Accumulates per-rank programs; knows the slot layout and lane assignment."""
+
+    def __init__(self, shape: Shape, options: Options):
+        self.shape, self.options = shape, options
+        n = shape.world_size
+        self.n = n
+        self.copy_lanes = max(1, min(options.copy_lanes or min(n - 1, 4), max(n - 1, 1)))
+        self.programs: List[List[Step]] = [[] for _ in range(n)]
+        self.buffers: List[Dict[str, BufferSpec]] = [{} for _ in range(n)]
+        self.max_value = 0
+        self.marks = [0] * n
+        self.extra_lanes = 0
+        self.last: Dict[Tuple[int, int, int], int] = {}  # (sender, receiver, channel) -> value
+
+    # -- lanes ------------------------------------------------------------------------
+    def lane_of(self, k: int) -> int:
+        """The copy lane that serves the peer at rotation distance ``k`` (1 .. n-1)."""
+        return (k - 1) % self.copy_lanes
+
+    def side_lane(self, index: int = 0) -> int:
+        """A lane beside the copy lanes (reductions, all_reduce's gather, local copies)."""
+        self.extra_lanes = max(self.extra_lanes, index + 1)
+        return self.copy_lanes + index
+
+    # -- buffers ----------------------------------------------------------------------
+    def buffer(self, rank: int, name: str, nbytes: int, inputs=(), outputs=()) -> None:
+        self.buffers[rank][name] = BufferSpec(name, nbytes, tuple(r for r in inputs if r[1] > r[0]),
+                                              tuple(r for r in outputs if r[1] > r[0]))
+
+    # -- steps ------------------------------------------------------------------------
+    def copy(self, rank: int, lane: int, src: BufRef, dst: BufRef, nbytes: int) -> None:
+        if nbytes:
+            self.programs[rank].append(Copy(lane, src, dst, nbytes))
+
+    def signal(self, rank: int, lane: int, peer: int, channel: int,
+               value: Optional[int] = None) -> int:
+        """Signal ``peer``; ``value`` defaults to one more than the last on that slot."""
+        key = (rank, peer, channel)
+        value = self.last.get(key, 0) + 1 if value is None else value
+        self.last[key] = value
+        self.max_value = max(self.max_value, value)
+        self.programs[rank].append(Signal(lane, peer, rank * CHANNELS + channel, value))
+        return value
+
+    def wait(self, rank: int, lane: int, peer: int, channel: int, value: int) -> None:
+        self.programs[rank].append(Wait(lane, peer * CHANNELS + channel, value))
+
+    def reduce(self, rank: int, lane: int, inputs, output: BufRef, count: int) -> None:
+        if count:
+            s = self.shape
+            self.programs[rank].append(Reduce(lane, tuple(inputs), output, count, s.dtype, s.op))
+
+    def mark(self, rank: int, lane: int) -> int:
+        self.marks[rank] += 1
+        self.programs[rank].append(Mark(lane, self.marks[rank]))
+        return self.marks[rank]
+
+    def after(self, rank: int, lane: int, mark: int) -> None:
+        self.programs[rank].append(After(lane, mark))
+
+    def finish(self) -> None:
+        """Exit waits: every rank waits on lane 0 for the last DONE/GATHERED value of each
+        peer that wrote into or read from its buffers, unless it already waited for it."""
+        waited: Dict[Tuple[int, int], int] = {}
+        for rank, program in enumerate(self.programs):
+            for step in program:
+                if isinstance(step, Wait):
+                    key = (rank, step.slot)
+                    waited[key] = max(waited.get(key, 0), step.value)
+        for (sender, receiver, channel), value in sorted(self.last.items()):
+            if channel in (DONE, GATHERED, P2P_DONE):
+                if waited.get((receiver, sender * CHANNELS + channel), 0) < value:
+                    self.wait(receiver, 0, sender, channel, value)
+
+    def plan(self, participants: Sequence[int] = (), pair: Tuple[int, ...] = ()) -> Plan:
+        self.finish()
+        s, o = self.shape, self.options
+        lanes = self.copy_lanes + self.extra_lanes
+        options = (("copy_lanes", self.copy_lanes), ("chunk_bytes", o.chunk_bytes),
+                   ("self_route", o.self_route))
+        return Plan(s.collective, self.n, lanes,
+                    tuple(tuple(b.values()) for b in self.buffers),
+                    tuple(tuple(p) for p in self.programs), self.max_value,
+                    tuple(participants) or tuple(range(self.n)), pair, options)
+
+    # -- shared shapes ----------------------------------------------------------------
+    def ready_all(self, rank: int, peers: Sequence[int]) -> None:
+        """READY to every peer, each on the lane that will later wait on that peer."""
+        for peer in peers:
+            self.signal(rank, self.lane_of((peer - rank) % self.n), peer, READY, 1)
+
+    def push(self, rank: int, peer: int, src: BufRef, dst: BufRef, nbytes: int,
+             pull_back: Optional[BufRef] = None) -> None:
+        """Wait for ``peer``'s READY, copy ``src`` into ``peer``'s ``dst``, optionally copy it
+        back from there into ``pull_back`` (the zero-SM route of a rank's own block), and
+        signal DONE so ``peer``'s exit waits for both."""
+        lane = self.lane_of((peer - rank) % self.n)
+        self.wait(rank, lane, peer, READY, 1)
+        self.copy(rank, lane, src, dst, nbytes)
+        if pull_back is not None:
+            self.copy(rank, lane, dst, pull_back, nbytes)
+        self.signal(rank, lane, peer, DONE)
+
+    def routes_through_peer(self) -> bool:
+        return self.options.self_route == "peer" and self.n > 1
+
+    def self_block(self, rank: int, src: BufRef, dst: BufRef, nbytes: int) -> None:
+        """Move ``rank``'s own block from ``src`` to ``dst`` (both on ``rank``).
+
+        ``"local"`` (or a single rank) copies on SMs, on a side lane.  ``"peer"`` sends
+        it through the next rank's scratch and back on copy engines (that rank must
+        have signalled READY and must hold a ``scratch`` of ``nbytes``).
+        """
+        if nbytes == 0:
+            return
+        if not self.routes_through_peer():
+            self.copy(rank, self.side_lane(0), src, dst, nbytes)
+            return
+        via = (rank + 1) % self.n
+        self.push(rank, via, src, BufRef(via, "scratch", 0), nbytes, pull_back=dst)
+
+
+def _peers(rank: int, n: int) -> List[int]:
+    """Every other rank, in rotated order starting after ``rank``."""
+    return [(rank + k) % n for k in range(1, n)]
+
+
+# ---------------------------------------------------------------------------------------
+def _all_gather(b: _Builder) -> Plan:
+    s, n = b.shape, b.n
+    nb = s.count * s.itemsize
+    for r in range(n):
+        own = (r * nb, (r + 1) * nb)
+        if s.in_place:
+            b.buffer(r, "recv", n * nb, inputs=[own],
+                     outputs=[(p * nb, (p + 1) * nb) for p in range(n) if p != r])
+            src = BufRef(r, "recv", r * nb)
+        else:
+            b.buffer(r, "send", nb, inputs=[(0, nb)])
+            b.buffer(r, "recv", n * nb, outputs=[(0, n * nb)])
+            src = BufRef(r, "send", 0)
+        peers = _peers(r, n)
+        b.ready_all(r, peers)
+        own = BufRef(r, "recv", r * nb)
+        for p in peers:
+            # the first peer's copy of our block comes back into our own slot (zero SMs)
+            pull_back = own if p == peers[0] and not s.in_place and b.routes_through_peer() else None
+            b.push(r, p, src, BufRef(p, "recv", r * nb), nb, pull_back=pull_back)
+        if not s.in_place and not b.routes_through_peer():
+            b.self_block(r, src, own, nb)
+    return b.plan()
+
+
+def _all_to_all(b: _Builder) -> Plan:
+    s, n = b.shape, b.n
+    nb = s.count * s.itemsize
+    for r in range(n):
+        b.buffer(r, "send", n * nb, inputs=[(0, n * nb)])
+        b.buffer(r, "recv", n * nb, outputs=[(0, n * nb)])
+        if b.routes_through_peer():
+            b.buffer(r, "scratch", nb)
+        peers = _peers(r, n)
+        b.ready_all(r, peers)
+        for p in peers:
+            b.push(r, p, BufRef(r, "send", p * nb), BufRef(p, "recv", r * nb), nb)
+        b.self_block(r, BufRef(r, "send", r * nb), BufRef(r, "recv", r * nb), nb)
+    return b.plan()
+
+
+def _rooted_copy(b: _Builder) -> Plan:
+    """broadcast, gather and scatter: copies between the root and every other rank."""
+    s, n, root = b.shape, b.n, b.shape.root
+    nb = s.count * s.itemsize
+    kind = s.collective
+    via = (root + 1) % n
+    # gather and scatter route the root's own block through ``via``'s scratch;
+    # broadcast pulls it back from the first peer's output instead.
+    staging = kind != "broadcast" and not s.in_place and b.routes_through_peer() and nb > 0
+    for r in range(n):
+        if kind == "broadcast":
+            if s.in_place:
+                b.buffer(r, "recv", nb, inputs=[(0, nb)] if r == root else [],
+                         outputs=[] if r == root else [(0, nb)])
+            else:
+                if r == root:
+                    b.buffer(r, "send", nb, inputs=[(0, nb)])
+                b.buffer(r, "recv", nb, outputs=[(0, nb)])
+        elif kind == "gather":
+            own = (root * nb, (root + 1) * nb)
+            if r == root and s.in_place:
+                b.buffer(r, "recv", n * nb, inputs=[own],
+                         outputs=[(p * nb, (p + 1) * nb) for p in range(n) if p != root])
+            else:
+                b.buffer(r, "send", nb, inputs=[(0, nb)])
+                if r == root:
+                    b.buffer(r, "recv", n * nb, outputs=[(0, n * nb)])
+        else:  # scatter
+            if r == root:
+                b.buffer(r, "send", n * nb, inputs=[(0, n * nb)])
+                if not s.in_place:
+                    b.buffer(r, "recv", nb, outputs=[(0, nb)])
+            else:
+                b.buffer(r, "recv", nb, outputs=[(0, nb)])
+        if staging and r == via:
+            b.buffer(r, "scratch", nb)
+
+    in_place_src = "recv" if s.in_place else "send"
+    peers = _peers(root, n)
+    if kind == "gather":
+        b.ready_all(root, peers)
+        if staging:
+            b.signal(via, 0, root, READY, 1)
+        for p in peers:
+            b.push(p, root, BufRef(p, "send", 0), BufRef(root, "recv", p * nb), nb)
+        if not s.in_place:
+            b.self_block(root, BufRef(root, "send", 0), BufRef(root, "recv", root * nb), nb)
+        return b.plan()
+    for p in peers:
+        b.signal(p, 0, root, READY, 1)
+    for p in peers:
+        src = (BufRef(root, in_place_src, 0) if kind == "broadcast"
+               else BufRef(root, "send", p * nb))
+        pull_back = (BufRef(root, "recv", 0) if kind == "broadcast" and p == peers[0]
+                     and not s.in_place and b.routes_through_peer() else None)
+        b.push(root, p, src, BufRef(p, "recv", 0), nb, pull_back=pull_back)
+    if not s.in_place and (kind == "scatter" or not b.routes_through_peer()):
+        own_src = BufRef(root, "send", root * nb if kind == "scatter" else 0)
+        b.self_block(root, own_src, BufRef(root, "recv", 0), nb)
+    return b.plan()
+
+
+def _reducing(b: _Builder) -> Plan:
+    """reduce_scatter, all_reduce and reduce: peers push pieces into the owner's scratch
+    chunk by chunk; the owner reduces chunk c on a side lane while chunk c+1 is in flight.
+    all_reduce then pushes each reduced chunk to every peer (the gather phase)."""
+    s, n = b.shape, b.n
+    kind, item = s.collective, s.itemsize
+    if kind == "reduce_scatter":
+        owned = [(r * s.count, s.count) for r in range(n)]  # element range each rank reduces
+        total = n * s.count
+    elif kind == "all_reduce":
+        owned = split(s.count, n)
+        total = s.count
+    else:  # reduce
+        owned = [(0, s.count) if r == s.root else (0, 0) for r in range(n)]
+        total = s.count
+    biggest = max(size for _, size in owned) * item
+
+    for r in range(n):
+        start, size = owned[r]
+        if kind == "reduce_scatter":
+            if s.in_place:
+                b.buffer(r, "send", total * item, inputs=[(0, total * item)],
+                         outputs=[(start * item, (start + size) * item)])
+            else:
+                b.buffer(r, "send", total * item, inputs=[(0, total * item)])
+                b.buffer(r, "recv", size * item, outputs=[(0, size * item)])
+        elif kind == "all_reduce":
+            if s.in_place:
+                b.buffer(r, "recv", total * item, inputs=[(0, total * item)],
+                         outputs=[(0, total * item)])
+            else:
+                b.buffer(r, "send", total * item, inputs=[(0, total * item)])
+                b.buffer(r, "recv", total * item, outputs=[(0, total * item)])
+        else:
+            if r == s.root and s.in_place:
+                b.buffer(r, "recv", total * item, inputs=[(0, total * item)],
+                         outputs=[(0, total * item)])
+            else:
+                b.buffer(r, "send", total * item, inputs=[(0, total * item)])
+                if r == s.root:
+                    b.buffer(r, "recv", total * item, outputs=[(0, total * item)])
+        if size and n > 1:
+            b.buffer(r, "scratch", (n - 1) * size * item)
+
+    def input_ref(rank: int, byte_offset: int) -> BufRef:
+        name = "recv" if s.in_place and (kind == "all_reduce" or
+                                         (kind == "reduce" and rank == s.root)) else "send"
+        return BufRef(rank, name, byte_offset)
+
+    def output_ref(rank: int, element_in_block: int) -> BufRef:
+        start = owned[rank][0]
+        if kind == "reduce_scatter":
+            return (BufRef(rank, "send", (start + element_in_block) * item) if s.in_place
+                    else BufRef(rank, "recv", element_in_block * item))
+        if kind == "all_reduce":
+            return BufRef(rank, "recv", (start + element_in_block) * item)
+        return BufRef(rank, "recv", element_in_block * item)
+
+    chunks = [_chunks(size * item, b.options.chunk_bytes, item) for _, size in owned]
+    reduce_lane = b.side_lane(0)
+    gather_lane = b.side_lane(1) if kind == "all_reduce" else None
+
+    for r in range(n):
+        # owners this rank must feed, and its own readiness to be fed
+        owners = [p for p in _peers(r, n) if owned[p][1]]
+        feeders = _peers(r, n) if owned[r][1] else []
+        if kind == "all_reduce":
+            # every peer writes its reduced block into our output in the gather phase
+            b.ready_all(r, sorted(set(feeders) | {p for p in _peers(r, n) if owned[p][1]},
+                                  key=lambda p: (p - r) % n))
+        else:
+            b.ready_all(r, feeders)
+        for p in owners:
+            lane = b.lane_of((p - r) % n)
+            slot_at_p = (r - p - 1) % n  # our block's place in p's scratch
+            b.wait(r, lane, p, READY, 1)
+            start, size = owned[p]
+            for index, (offset, nbytes) in enumerate(chunks[p]):
+                b.copy(r, lane, input_ref(r, start * item + offset),
+                       BufRef(p, "scratch", slot_at_p * size * item + offset), nbytes)
+                b.signal(r, lane, p, DONE, index + 1)
+        if not owned[r][1]:
+            continue
+        start, size = owned[r]
+        for index, (offset, nbytes) in enumerate(chunks[r]):
+            for p in feeders:
+                b.wait(r, reduce_lane, p, DONE, index + 1)
+            inputs = []
+            for q in range(n):
+                if q == r:
+                    inputs.append(input_ref(r, start * item + offset))
+                else:
+                    inputs.append(BufRef(r, "scratch", ((q - r - 1) % n) * size * item + offset))
+            b.reduce(r, reduce_lane, inputs, output_ref(r, offset // item), nbytes // item)
+            if gather_lane is not None and n > 1:
+                mark = b.mark(r, reduce_lane)
+                b.after(r, gather_lane, mark)
+                for p in _peers(r, n):
+                    b.copy(r, gather_lane, output_ref(r, offset // item),
+                           BufRef(p, "recv", (start * item) + offset), nbytes)
+                    b.signal(r, gather_lane, p, GATHERED, index + 1)
+    return b.plan()
+
+
+def _barrier(b: _Builder) -> Plan:
+    for r in range(b.n):
+        peers = _peers(r, b.n)
+        b.ready_all(r, peers)
+        for p in peers:
+            b.wait(r, b.lane_of((p - r) % b.n), p, READY, 1)
+    return b.plan()
+
+
+def _sendrecv(b: _Builder) -> Plan:
+    s = b.shape
+    sender, receiver = s.root, s.peer
+    nb = s.count * s.itemsize
+    b.buffer(sender, "send", nb, inputs=[(0, nb)])
+    b.buffer(receiver, "recv", nb, outputs=[(0, nb)])
+    b.signal(receiver, 0, sender, P2P_READY, 1)
+    b.wait(sender, 0, receiver, P2P_READY, 1)
+    b.copy(sender, 0, BufRef(sender, "send", 0), BufRef(receiver, "recv", 0), nb)
+    b.signal(sender, 0, receiver, P2P_DONE, 1)
+    b.wait(receiver, 0, sender, P2P_DONE, 1)
+    return b.plan(participants=(sender, receiver), pair=(sender, receiver))
+
+
+_ALGORITHMS = {
+    "all_gather": _all_gather, "all_to_all": _all_to_all,
+    "broadcast": _rooted_copy, "gather": _rooted_copy, "scatter": _rooted_copy,
+    "reduce_scatter": _reducing, "all_reduce": _reducing, "reduce": _reducing,
+    "barrier": _barrier, "sendrecv": _sendrecv,
+}
+
+
+@lru_cache(maxsize=512)
+def build_plan(shape: Shape, options: Options = Options()) -> Plan:
+    """The plan for ``shape``; cached, so repeated calls with one shape cost a dict lookup."""
+    if shape.collective not in _ALGORITHMS:
+        raise ValueError(f"build_plan: collective must be one of {COLLECTIVES}, "
+                         f"got {shape.collective!r}")
+    if options.self_route not in SELF_ROUTES:
+        raise ValueError(f"build_plan: self_route must be one of {SELF_ROUTES}, "
+                         f"got {options.self_route!r}")
+    if shape.world_size < 1:
+        raise ValueError(f"build_plan: world_size must be >= 1, got {shape.world_size}")
+    return _ALGORITHMS[shape.collective](_Builder(shape, options))
