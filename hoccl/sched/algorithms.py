@@ -119,7 +119,7 @@ class _Builder:
 
     # -- steps ------------------------------------------------------------------------
     def copy(self, rank: int, lane: int, src: BufRef, dst: BufRef, nbytes: int) -> None:
-        if nbytes:
+        if nbytes and src != dst:
             self.programs[rank].append(Copy(lane, src, dst, nbytes))
 
     def signal(self, rank: int, lane: int, peer: int, channel: int,
@@ -194,14 +194,16 @@ class _Builder:
     def routes_through_peer(self) -> bool:
         return self.options.self_route == "peer" and self.n > 1
 
-    def self_block(self, rank: int, src: BufRef, dst: BufRef, nbytes: int) -> None:
+    def self_block(self, rank: int, src: BufRef, dst: BufRef, nbytes: int,
+                   handshake: bool = False) -> None:
         """Move ``rank``'s own block from ``src`` to ``dst`` (both on ``rank``).
 
         ``"local"`` (or a single rank) copies on SMs, on a side lane.  ``"peer"`` sends
         it through the next rank's scratch and back on copy engines (that rank must
-        have signalled READY and must hold a ``scratch`` of ``nbytes``).
+        have signalled READY and must hold a ``scratch`` of ``nbytes``).  ``handshake``
+        keeps the peer route's signals even when there is nothing to copy.
         """
-        if nbytes == 0:
+        if nbytes == 0 and not handshake:
             return
         if not self.routes_through_peer():
             self.copy(rank, self.side_lane(0), src, dst, nbytes)
@@ -263,9 +265,11 @@ def _rooted_copy(b: _Builder) -> Plan:
     nb = s.count * s.itemsize
     kind = s.collective
     via = (root + 1) % n
-    # gather and scatter route the root's own block through ``via``'s scratch;
-    # broadcast pulls it back from the first peer's output instead.
-    staging = kind != "broadcast" and not s.in_place and b.routes_through_peer() and nb > 0
+    # gather and scatter route the root's own block through ``via``'s scratch (broadcast
+    # pulls it back from the first peer's output instead).  Only the root knows whether
+    # its call is in place, so the handshake with ``via`` is planned in both forms (its
+    # copies are empty in place): every other rank's program is the same either way.
+    staging = kind != "broadcast" and b.routes_through_peer() and nb > 0
     for r in range(n):
         if kind == "broadcast":
             if s.in_place:
@@ -302,8 +306,9 @@ def _rooted_copy(b: _Builder) -> Plan:
             b.signal(via, 0, root, READY, 1)
         for p in peers:
             b.push(p, root, BufRef(p, "send", 0), BufRef(root, "recv", p * nb), nb)
-        if not s.in_place:
-            b.self_block(root, BufRef(root, "send", 0), BufRef(root, "recv", root * nb), nb)
+        if staging or not s.in_place:
+            b.self_block(root, BufRef(root, "send", 0), BufRef(root, "recv", root * nb),
+                         0 if s.in_place else nb, handshake=staging)
         return b.plan()
     for p in peers:
         b.signal(p, 0, root, READY, 1)
@@ -313,9 +318,10 @@ def _rooted_copy(b: _Builder) -> Plan:
         pull_back = (BufRef(root, "recv", 0) if kind == "broadcast" and p == peers[0]
                      and not s.in_place and b.routes_through_peer() else None)
         b.push(root, p, src, BufRef(p, "recv", 0), nb, pull_back=pull_back)
-    if not s.in_place and (kind == "scatter" or not b.routes_through_peer()):
+    if staging or (not s.in_place and not b.routes_through_peer()):
         own_src = BufRef(root, "send", root * nb if kind == "scatter" else 0)
-        b.self_block(root, own_src, BufRef(root, "recv", 0), nb)
+        b.self_block(root, own_src, BufRef(root, "recv", 0), 0 if s.in_place else nb,
+                     handshake=staging)
     return b.plan()
 
 

@@ -1,0 +1,127 @@
+"""hoccl: collective communication on the GPUs' copy engines, with zero SMs for data.
+
+    import hoccl
+    comm = hoccl.init()                 # under mpirun: one rank per process
+    comms = hoccl.init_local([0, 1])    # one process, several ranks (Jupyter, tests)
+    comm.all_gather(send, recv, stream=s)
+
+See the README for the API, the architecture and what to do when things go wrong.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, List, Optional, Sequence, Union
+
+from ._errors import (AbortedError, DriverError, HocclError, HocclTimeoutError,
+                      InvalidArgumentError, MismatchError, PlanError)
+from .backends import cuda_device_count, open_device, pick_backend
+from .bootstrap import LocalGroup, MPIGroup
+from .comm import Communicator, ReduceOp, _options
+from .sched import Options
+
+__all__ = ["init", "init_local", "Communicator", "ReduceOp", "HocclError",
+           "InvalidArgumentError", "PlanError", "HocclTimeoutError", "AbortedError",
+           "DriverError", "MismatchError", "DEFAULT_TIMEOUT"]
+
+__version__ = "0.1.0"
+
+#: seconds a host wait may take before it raises (``HOCCL_TIMEOUT`` overrides)
+DEFAULT_TIMEOUT = 300.0
+
+log = logging.getLogger("hoccl")
+_level = os.environ.get("HOCCL_DEBUG", "").upper()
+if _level in ("INFO", "DEBUG", "WARNING"):
+    logging.basicConfig(format="hoccl %(levelname)s %(message)s")
+    log.setLevel(_level)
+
+
+def _settings(call: str, timeout: Optional[float], check: Optional[bool], max_sms: int,
+              options: dict) -> tuple:
+    if timeout is None:
+        timeout = float(os.environ.get("HOCCL_TIMEOUT", DEFAULT_TIMEOUT))
+    if not isinstance(timeout, (int, float)) or timeout <= 0:
+        raise InvalidArgumentError(f"{call}: timeout must be a positive number of seconds; "
+                                   f"got {timeout!r}")
+    if check is None:
+        check = os.environ.get("HOCCL_CHECK", "0") not in ("", "0")
+    if not isinstance(max_sms, int) or max_sms < 1:
+        raise InvalidArgumentError(f"{call}: max_sms must be a positive int; got {max_sms!r}")
+    verify_plans = os.environ.get("HOCCL_VERIFY", "0") not in ("", "0")
+    return float(timeout), bool(check), verify_plans, _options(Options(), call, **options)
+
+
+def init_local(n_or_devices: Union[int, Sequence[int]], *, backend: Optional[str] = None,
+               timeout: Optional[float] = None, check: Optional[bool] = None,
+               max_sms: int = 8, **options: Any) -> List[Communicator]:
+    """Several ranks in this process: one communicator per rank, rank i on device i.
+
+    ``n_or_devices`` is a rank count (devices 0..n-1) or a list of CUDA ordinals.  Make
+    each collective on every communicator (in any rank order) before synchronizing.
+    """
+    call = "init_local"
+    backend = pick_backend(call, backend)
+    if isinstance(n_or_devices, bool) or not isinstance(n_or_devices, (int, list, tuple)):
+        raise InvalidArgumentError(f"{call}: expected a rank count or a list of device "
+                                   f"ordinals; got {n_or_devices!r}")
+    devices = list(range(n_or_devices)) if isinstance(n_or_devices, int) else list(n_or_devices)
+    if not devices:
+        raise InvalidArgumentError(f"{call}: need at least one rank; got {n_or_devices!r}")
+    if backend == "cuda":
+        visible = cuda_device_count()
+        bad = [d for d in devices if not isinstance(d, int) or not 0 <= d < visible]
+        if bad or len(set(devices)) != len(devices):
+            raise InvalidArgumentError(f"{call}: devices must be distinct CUDA ordinals in "
+                                       f"[0, {visible}); got {devices}")
+    timeout, check, verify_plans, plan_options = _settings(call, timeout, check, max_sms, options)
+    group = LocalGroup(len(devices))
+    handles = [open_device(backend, ordinal, max_sms=max_sms) for ordinal in devices]
+    for handle in handles:
+        for peer in handles:
+            if peer is not handle:
+                handle.enable_peer_access(peer)
+    comms = [Communicator(rank=rank, world_size=len(devices), device=handle, group=group,
+                          options=plan_options, timeout=timeout, check=check,
+                          verify_plans=verify_plans)
+             for rank, handle in enumerate(handles)]
+    group.comms = comms
+    pads = [comm.pad_address for comm in comms]
+    for comm in comms:
+        comm._connect(pads)
+    log.info("init_local: %d ranks, backend %s, devices %s", len(comms), backend, devices)
+    return comms
+
+
+def init(*, backend: Optional[str] = None, mpi_comm: Any = None, device: Optional[int] = None,
+         timeout: Optional[float] = None, check: Optional[bool] = None, max_sms: int = 8,
+         **options: Any) -> Communicator:
+    """This process's rank of an mpirun job (``mpi_comm`` defaults to ``MPI.COMM_WORLD``).
+
+    ``device=None`` picks the local rank modulo the visible GPUs.
+    """
+    call = "init"
+    from mpi4py import MPI
+    backend = pick_backend(call, backend)
+    timeout, check, verify_plans, plan_options = _settings(call, timeout, check, max_sms, options)
+    group = MPIGroup(mpi_comm if mpi_comm is not None else MPI.COMM_WORLD, timeout)
+    if backend == "cuda" and device is None:
+        device = group.local_rank() % cuda_device_count()
+    handle = open_device(backend, device, max_sms=max_sms)
+    comm = Communicator(rank=group.rank, world_size=group.world_size, device=handle, group=group,
+                        options=plan_options, timeout=timeout, check=check,
+                        verify_plans=verify_plans)
+    identity = (group.host, group.pid, handle.ordinal, handle.export(comm.pad_address))
+    everyone = group.allgather(identity)
+    pads = []
+    for rank, (host, pid, ordinal, pad) in enumerate(everyone):
+        if host != group.host:
+            raise InvalidArgumentError(f"{call}: rank {rank} runs on host {host}, rank "
+                                       f"{group.rank} on {group.host}; hoccl connects the GPUs "
+                                       f"of one host (one NVLink domain)")
+        pads.append(comm.pad_address if rank == group.rank else handle.import_(pad))
+    comm._connect(pads)
+    group.barrier()
+    log.info("init: rank %d/%d backend %s device %s", group.rank, group.world_size, backend,
+             handle.ordinal)
+    return comm

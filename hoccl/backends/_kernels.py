@@ -1,0 +1,346 @@
+"""CUDA C++ source of the only kernels hoccl runs: a same-GPU copy and an element-wise reduction.
+
+Pure text: nothing here imports CUDA.  ``hoccl.backends.cuda`` compiles ``source()``
+once with NVRTC for the device's architecture and launches the kernels named by
+``reduce_kernel_name`` and ``copy_kernel_name`` with ``cuLaunchKernel``.
+
+Both kernels are written for a grid capped at a few SMs (one block per SM): each thread
+runs a grid-stride loop over 16-byte vectors and keeps several of them in flight (the
+``*_UNROLL`` constants), because a capped grid is bound by how many bytes each SM has
+outstanding, not by arithmetic.  Elements before the first 16-byte boundary (``head``)
+and after the last whole vector go one by one.
+
+Arguments travel as one struct passed by value (``__grid_constant__``), so the input
+pointer table needs no device memory and no lifetime management: the driver copies
+kernel parameters when ``cuLaunchKernel`` returns.  The ctypes mirrors of the structs live
+in ``cuda.py`` beside the launch code; the field order here is the contract.
+
+Numerics:
+- float16 and bfloat16 are accumulated in float32, float32 in float32, float64 in
+  float64; the result is rounded once (round to nearest even).
+- integers are combined in their own type and wrap like C unsigned arithmetic
+  (sum and prod modulo 2**bits).
+- ``avg`` is the sum divided by ``divisor`` (the number of inputs); for integers the
+  wrapped sum is divided with C's truncation toward zero (what NCCL does).
+- ``max``/``min`` propagate NaN, like numpy's ``maximum``/``minimum``.
+"""
+
+from __future__ import annotations
+
+from ._base import DTYPES, OPS
+
+__all__ = ["MAX_INPUTS", "REDUCE_THREADS", "COPY_THREADS", "COPY_WIDTHS",
+           "reduce_kernel_name", "copy_kernel_name", "source", "compile_options"]
+
+#: inputs one reduce launch combines; more are chained by the caller.
+MAX_INPUTS = 64
+#: threads per block (one block per SM in a capped grid).
+REDUCE_THREADS = 512
+COPY_THREADS = 1024
+#: vectors each thread keeps in flight (per input for reduce, halved for 1-byte types).
+REDUCE_UNROLL = 4
+COPY_UNROLL = 8
+#: vector widths of the copy kernels, widest first; the widest that src and dst share wins.
+COPY_WIDTHS = (16, 8, 4, 2, 1)
+
+_DTYPE_TRAITS = {
+    "float16": "Float16",
+    "bfloat16": "BFloat16",
+    "float32": "Floating<float>",
+    "float64": "Floating<double>",
+    "int8": "Integer<signed char, unsigned int>",
+    "uint8": "Integer<unsigned char, unsigned int>",
+    "int32": "Integer<int, unsigned int>",
+    "int64": "Integer<long long, unsigned long long>",
+}
+_COPY_VECTOR = {16: "uint4", 8: "uint2", 4: "unsigned int", 2: "unsigned short", 1: "unsigned char"}
+
+
+def reduce_kernel_name(dtype: str, op: str) -> str:
+    return f"hoccl_reduce_{dtype}_{op}"
+
+
+def copy_kernel_name(width: int) -> str:
+    return f"hoccl_copy_{width}"
+
+
+def compile_options(arch: str) -> list:
+    """NVRTC options for ``arch`` (e.g. ``"sm_90"``): a cubin, no host headers needed."""
+    return [f"--gpu-architecture={arch}", "-std=c++17",
+            f"-DHOCCL_MAX_INPUTS={MAX_INPUTS}",
+            f"-DHOCCL_REDUCE_THREADS={REDUCE_THREADS}", f"-DHOCCL_REDUCE_UNROLL={REDUCE_UNROLL}",
+            f"-DHOCCL_COPY_THREADS={COPY_THREADS}", f"-DHOCCL_COPY_UNROLL={COPY_UNROLL}"]
+
+
+_COMMON = r"""
+struct ReduceArgs {
+    void* output;
+    const void* inputs[HOCCL_MAX_INPUTS];
+    unsigned long long count;    // elements
+    unsigned long long head;     // leading elements done one by one (before 16-byte alignment)
+    unsigned long long vectors;  // whole 16-byte vectors after the head
+    unsigned int num_inputs;
+    unsigned int divisor;        // avg divides by this (the total number of inputs)
+};
+
+struct CopyArgs {
+    char* dst;
+    const char* src;
+    unsigned long long nbytes;
+    unsigned long long head;     // leading bytes done one by one (before the vector alignment)
+};
+
+enum Op { OP_SUM, OP_PROD, OP_MAX, OP_MIN, OP_AVG };
+
+// ---- element types: storage T, accumulator A ------------------------------------------
+struct Float16 {
+    typedef unsigned short T;
+    typedef float A;
+    static constexpr bool paired = true;
+    static __device__ __forceinline__ A load(T h) {
+        float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h)); return f;
+    }
+    static __device__ __forceinline__ T store(A f) {
+        T h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f)); return h;
+    }
+    static __device__ __forceinline__ void load2(unsigned int w, A& lo, A& hi) {
+        lo = load((T)(w & 0xffffu)); hi = load((T)(w >> 16));
+    }
+    static __device__ __forceinline__ unsigned int store2(A lo, A hi) {
+#if __CUDA_ARCH__ >= 800
+        unsigned int w; asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(w) : "f"(hi), "f"(lo)); return w;
+#else
+        return (unsigned int)store(lo) | ((unsigned int)store(hi) << 16);
+#endif
+    }
+    static __device__ __forceinline__ A add(A a, A b) { return a + b; }
+    static __device__ __forceinline__ A mul(A a, A b) { return a * b; }
+    static __device__ __forceinline__ A divide(A a, unsigned int n) { return a / (A)n; }
+};
+
+struct BFloat16 {
+    typedef unsigned short T;
+    typedef float A;
+    static constexpr bool paired = true;
+    static __device__ __forceinline__ A load(T h) { return __uint_as_float((unsigned int)h << 16); }
+    static __device__ __forceinline__ T store(A f) {
+#if __CUDA_ARCH__ >= 800
+        T h; asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f)); return h;
+#else
+        unsigned int u = __float_as_uint(f);
+        if ((u & 0x7fffffffu) > 0x7f800000u) return (T)((u >> 16) | 0x40u);  // quiet NaN
+        u += 0x7fffu + ((u >> 16) & 1u);                                     // nearest even
+        return (T)(u >> 16);
+#endif
+    }
+    static __device__ __forceinline__ void load2(unsigned int w, A& lo, A& hi) {
+        lo = __uint_as_float(w << 16); hi = __uint_as_float(w & 0xffff0000u);
+    }
+    static __device__ __forceinline__ unsigned int store2(A lo, A hi) {
+#if __CUDA_ARCH__ >= 800
+        unsigned int w; asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(w) : "f"(hi), "f"(lo)); return w;
+#else
+        return (unsigned int)store(lo) | ((unsigned int)store(hi) << 16);
+#endif
+    }
+    static __device__ __forceinline__ A add(A a, A b) { return a + b; }
+    static __device__ __forceinline__ A mul(A a, A b) { return a * b; }
+    static __device__ __forceinline__ A divide(A a, unsigned int n) { return a / (A)n; }
+};
+
+template <typename F>
+struct Floating {
+    typedef F T;
+    typedef F A;
+    static constexpr bool paired = false;
+    static __device__ __forceinline__ A load(T x) { return x; }
+    static __device__ __forceinline__ T store(A x) { return x; }
+    static __device__ __forceinline__ A add(A a, A b) { return a + b; }
+    static __device__ __forceinline__ A mul(A a, A b) { return a * b; }
+    static __device__ __forceinline__ A divide(A a, unsigned int n) { return a / (A)n; }
+};
+
+// W: the unsigned type the arithmetic wraps in (C's signed overflow is undefined).
+template <typename I, typename W>
+struct Integer {
+    typedef I T;
+    typedef I A;
+    static constexpr bool paired = false;
+    static __device__ __forceinline__ A load(T x) { return x; }
+    static __device__ __forceinline__ T store(A x) { return x; }
+    static __device__ __forceinline__ A add(A a, A b) { return (A)((W)a + (W)b); }
+    static __device__ __forceinline__ A mul(A a, A b) { return (A)((W)a * (W)b); }
+    static __device__ __forceinline__ A divide(A a, unsigned int n) {
+        if constexpr ((I)-1 < (I)0) return (A)((long long)a / (long long)n);  // C truncation
+        else return (A)((unsigned long long)a / n);
+    }
+};
+
+template <class D, int OP>
+static __device__ __forceinline__ typename D::A combine(typename D::A a, typename D::A b) {
+    if constexpr (OP == OP_SUM || OP == OP_AVG) return D::add(a, b);
+    else if constexpr (OP == OP_PROD) return D::mul(a, b);
+    else if constexpr (OP == OP_MAX) return (a != a || a > b) ? a : b;
+    else return (a != a || a < b) ? a : b;
+}
+
+template <class D, int OP>
+static __device__ __forceinline__ typename D::A finish(typename D::A a, unsigned int divisor) {
+    if constexpr (OP == OP_AVG) return D::divide(a, divisor);
+    else return a;
+}
+
+// ---- a 16-byte vector <-> N accumulators ---------------------------------------------
+template <class D>
+struct Lanes {
+    typedef typename D::T T;
+    typedef typename D::A A;
+    static constexpr int N = 16 / sizeof(T);
+
+    static __device__ __forceinline__ void unpack(const uint4& v, A (&a)[N]) {
+        if constexpr (D::paired) {
+            D::load2(v.x, a[0], a[1]); D::load2(v.y, a[2], a[3]);
+            D::load2(v.z, a[4], a[5]); D::load2(v.w, a[6], a[7]);
+        } else {
+            union { uint4 v; T t[N]; } u;
+            u.v = v;
+#pragma unroll
+            for (int k = 0; k < N; ++k) a[k] = D::load(u.t[k]);
+        }
+    }
+
+    static __device__ __forceinline__ uint4 pack(const A (&a)[N]) {
+        if constexpr (D::paired) {
+            return make_uint4(D::store2(a[0], a[1]), D::store2(a[2], a[3]),
+                              D::store2(a[4], a[5]), D::store2(a[6], a[7]));
+        } else {
+            union { uint4 v; T t[N]; } u;
+#pragma unroll
+            for (int k = 0; k < N; ++k) u.t[k] = D::store(a[k]);
+            return u.v;
+        }
+    }
+};
+
+// ---- output = op(inputs...) ----------------------------------------------------------
+template <class D, int OP>
+static __device__ __forceinline__ void reduce_body(const ReduceArgs& args) {
+    typedef typename D::T T;
+    typedef typename D::A A;
+    typedef Lanes<D> L;
+    constexpr int N = L::N;
+    constexpr int U = sizeof(T) == 1 ? (HOCCL_REDUCE_UNROLL + 1) / 2 : HOCCL_REDUCE_UNROLL;
+
+    const unsigned int n = args.num_inputs;
+    const unsigned long long threads = (unsigned long long)gridDim.x * blockDim.x;
+    const unsigned long long first = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const unsigned long long head = args.head;
+    const unsigned long long vectors = args.vectors;
+    uint4* out = reinterpret_cast<uint4*>(static_cast<T*>(args.output) + head);
+
+    for (unsigned long long v = first; v < vectors; v += U * threads) {
+        A acc[U][N];
+        // Inputs go two at a time so that two inputs' loads are in flight together.
+        for (unsigned int i = 0; i < n; i += 2) {
+            const bool pair = i + 1 < n;
+            const uint4* a = reinterpret_cast<const uint4*>(static_cast<const T*>(args.inputs[i]) + head);
+            const uint4* b = reinterpret_cast<const uint4*>(
+                static_cast<const T*>(args.inputs[pair ? i + 1 : i]) + head);
+            uint4 x[U], y[U];
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                if (v + u * threads < vectors) {
+                    x[u] = a[v + u * threads];
+                    if (pair) y[u] = b[v + u * threads];
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                A ax[N];
+                L::unpack(x[u], ax);
+                if (i == 0) {
+#pragma unroll
+                    for (int k = 0; k < N; ++k) acc[u][k] = ax[k];
+                } else {
+#pragma unroll
+                    for (int k = 0; k < N; ++k) acc[u][k] = combine<D, OP>(acc[u][k], ax[k]);
+                }
+                if (pair) {
+                    A ay[N];
+                    L::unpack(y[u], ay);
+#pragma unroll
+                    for (int k = 0; k < N; ++k) acc[u][k] = combine<D, OP>(acc[u][k], ay[k]);
+                }
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            if (v + u * threads < vectors) {
+#pragma unroll
+                for (int k = 0; k < N; ++k) acc[u][k] = finish<D, OP>(acc[u][k], args.divisor);
+                out[v + u * threads] = L::pack(acc[u]);
+            }
+        }
+    }
+
+    // The head (before the first 16-byte boundary) and the tail (after the last vector).
+    const unsigned long long body_end = head + vectors * N;
+    const unsigned long long scalars = head + (args.count - body_end);
+    T* out_elements = static_cast<T*>(args.output);
+    for (unsigned long long k = first; k < scalars; k += threads) {
+        const unsigned long long e = k < head ? k : body_end + (k - head);
+        A acc = D::load(static_cast<const T*>(args.inputs[0])[e]);
+        for (unsigned int i = 1; i < n; ++i)
+            acc = combine<D, OP>(acc, D::load(static_cast<const T*>(args.inputs[i])[e]));
+        out_elements[e] = D::store(finish<D, OP>(acc, args.divisor));
+    }
+}
+
+// ---- dst = src within one GPU ----------------------------------------------------------
+template <typename V>
+static __device__ __forceinline__ void copy_body(const CopyArgs& args) {
+    constexpr int U = HOCCL_COPY_UNROLL;
+    const unsigned long long threads = (unsigned long long)gridDim.x * blockDim.x;
+    const unsigned long long first = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const unsigned long long head = args.head;
+    const unsigned long long vectors = (args.nbytes - head) / sizeof(V);
+    const V* src = reinterpret_cast<const V*>(args.src + head);
+    V* dst = reinterpret_cast<V*>(args.dst + head);
+
+    for (unsigned long long v = first; v < vectors; v += U * threads) {
+        V r[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+            if (v + u * threads < vectors) r[u] = src[v + u * threads];
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+            if (v + u * threads < vectors) dst[v + u * threads] = r[u];
+    }
+
+    const unsigned long long body_end = head + vectors * sizeof(V);
+    const unsigned long long scalars = head + (args.nbytes - body_end);
+    for (unsigned long long k = first; k < scalars; k += threads) {
+        const unsigned long long e = k < head ? k : body_end + (k - head);
+        args.dst[e] = args.src[e];
+    }
+}
+"""
+
+_OP_ENUM = {"sum": "OP_SUM", "prod": "OP_PROD", "max": "OP_MAX", "min": "OP_MIN", "avg": "OP_AVG"}
+
+
+def source() -> str:
+    """The whole translation unit: shared templates plus one extern "C" kernel per variant."""
+    kernels = []
+    for dtype in DTYPES:
+        for op in OPS:
+            kernels.append(
+                f'extern "C" __global__ void __launch_bounds__(HOCCL_REDUCE_THREADS)\n'
+                f"{reduce_kernel_name(dtype, op)}(const __grid_constant__ ReduceArgs args) "
+                f"{{ reduce_body<{_DTYPE_TRAITS[dtype]}, {_OP_ENUM[op]}>(args); }}\n")
+    for width in COPY_WIDTHS:
+        kernels.append(
+            f'extern "C" __global__ void __launch_bounds__(HOCCL_COPY_THREADS)\n'
+            f"{copy_kernel_name(width)}(const __grid_constant__ CopyArgs args) "
+            f"{{ copy_body<{_COPY_VECTOR[width]}>(args); }}\n")
+    return _COMMON + "\n" + "".join(kernels)

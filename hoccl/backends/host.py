@@ -1,0 +1,311 @@
+"""The host backend: the same semantics as the CUDA backend on host memory.
+
+Streams are FIFO queues run by one worker thread each; events, 64-bit signal
+slots with wait-value ``>=``, copies and reductions act on plain host memory.  In
+one process peers' addresses are used directly.  Across processes (mpirun) a
+peer's memory is reached with Linux cross-memory attach (``process_vm_readv`` /
+``process_vm_writev``, as MPI libraries use for large intra-node messages): a
+buffer is "exported" as (pid, address) and "imported" as a ``RemotePtr``.
+
+It is a real CPU backend (like Gloo for torch), and the reference the CUDA
+backend's semantics are checked against in CI.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Dict, List, Sequence
+
+import numpy as np
+
+from .._dtypes import numpy_dtype, reduce_arrays
+from .._errors import HocclError, HocclTimeoutError, InvalidArgumentError
+from ._base import Device, HostWord
+
+__all__ = ["HostDevice", "HostStream", "RemotePtr", "open_device"]
+
+
+@dataclass(frozen=True)
+class RemotePtr:
+    """An address in another process on this host."""
+    pid: int
+    address: int
+
+    def __add__(self, offset: int) -> "RemotePtr":
+        return RemotePtr(self.pid, self.address + int(offset))
+
+
+class _IoVec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("length", ctypes.c_size_t)]
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _cross_process(function_name: str, pid: int, local: int, remote: int, nbytes: int) -> None:
+    function = getattr(_libc, function_name)
+    done = 0
+    while done < nbytes:
+        local_vec = _IoVec(local + done, nbytes - done)
+        remote_vec = _IoVec(remote + done, nbytes - done)
+        moved = function(pid, ctypes.byref(local_vec), 1, ctypes.byref(remote_vec), 1, 0)
+        if moved <= 0:
+            error = ctypes.get_errno()
+            raise HocclError(f"{function_name}: moving {nbytes} bytes with process {pid} failed: "
+                             f"{os.strerror(error)} (errno {error}); cross-process host transfers "
+                             f"need ptrace permission between the ranks (same user, "
+                             f"kernel.yama.ptrace_scope=0, or root)")
+        done += moved
+
+
+def _move(dst: Any, src: Any, nbytes: int) -> None:
+    """memmove between any two addresses, at least one of them in this process."""
+    if nbytes == 0:
+        return
+    if isinstance(dst, RemotePtr) and isinstance(src, RemotePtr):
+        bounce = np.empty(nbytes, dtype=np.uint8)
+        _cross_process("process_vm_readv", src.pid, bounce.ctypes.data, src.address, nbytes)
+        _cross_process("process_vm_writev", dst.pid, bounce.ctypes.data, dst.address, nbytes)
+    elif isinstance(dst, RemotePtr):
+        _cross_process("process_vm_writev", dst.pid, src, dst.address, nbytes)
+    elif isinstance(src, RemotePtr):
+        _cross_process("process_vm_readv", src.pid, dst, src.address, nbytes)
+    else:
+        ctypes.memmove(dst, src, nbytes)
+
+
+def _read_u64(address: int) -> int:
+    return ctypes.c_uint64.from_address(address).value
+
+
+class _Aborted(Exception):
+    """Raised inside a worker when its device was aborted: the item is dropped."""
+
+
+class HostStream:
+    """An in-order queue of work run by one worker thread (a host "stream")."""
+
+    def __init__(self, device: "HostDevice", name: str):
+        self._device = device
+        self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._idle = threading.Condition()
+        self._pending = 0
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def enqueue(self, work) -> None:
+        with self._idle:
+            self._pending += 1
+        self._queue.put(work)
+
+    def _run(self) -> None:
+        while True:
+            work = self._queue.get()
+            if work is None:
+                return
+            try:
+                if self.error is None:
+                    work()
+            except _Aborted:
+                pass
+            except BaseException as error:  # surfaced by synchronize
+                self.error = error
+            with self._idle:
+                self._pending -= 1
+                if self._pending == 0:
+                    self._idle.notify_all()
+
+    def synchronize(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        with self._idle:
+            while self._pending:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise HocclTimeoutError(f"synchronize_stream: host stream still has "
+                                            f"{self._pending} items after {timeout:.1f} s")
+                self._idle.wait(min(left, 0.05))
+        if self.error is not None:
+            raise HocclError(f"synchronize_stream: work on a host stream failed: "
+                             f"{self.error!r}") from self.error
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=5)
+
+
+class _Event:
+    """Like a CUDA event: a wait binds to the latest record at the time of the wait call."""
+
+    def __init__(self):
+        self.latest: List[bool] = [True]  # the latest record's "reached" flag
+
+
+class _HostWord(HostWord):
+    def __init__(self, array: np.ndarray):
+        self._array = array
+        self.address = array.ctypes.data
+
+    @property
+    def value(self) -> int:
+        return int(self._array[0])
+
+
+class HostDevice(Device):
+    """One rank's host "device"."""
+
+    backend = "host"
+
+    def __init__(self, *, max_sms: int = 8):
+        self.ordinal = None
+        self.max_sms = max_sms  # kept for interface parity; host reductions use one thread
+        self._memory: Dict[int, np.ndarray] = {}
+        self._streams: List[HostStream] = []
+        self._default: HostStream | None = None
+        self._aborted = threading.Event()
+        self._pid = os.getpid()
+        self._closed = False
+
+    # -- streams and events ------------------------------------------------------------
+    def create_stream(self) -> HostStream:
+        stream = HostStream(self, f"hoccl-host-lane-{len(self._streams)}")
+        self._streams.append(stream)
+        return stream
+
+    def destroy_stream(self, stream: HostStream) -> None:
+        if stream in self._streams:
+            self._streams.remove(stream)
+            stream.close()
+
+    @property
+    def default_stream(self) -> HostStream:
+        if self._default is None:
+            self._default = self.create_stream()
+        return self._default
+
+    def resolve_stream(self, stream: Any, arrays: Sequence[Any]) -> HostStream:
+        if stream is None:
+            return self.default_stream
+        if isinstance(stream, HostStream):
+            return stream
+        raise InvalidArgumentError(f"resolve_stream: the host backend takes stream=None or a "
+                                   f"stream from comm.new_stream(); got {type(stream).__name__}")
+
+    def create_event(self) -> _Event:
+        return _Event()
+
+    def destroy_event(self, event: _Event) -> None:
+        pass
+
+    def record(self, stream: HostStream, event: _Event) -> None:
+        reached = event.latest = [False]
+
+        def reach():
+            reached[0] = True
+        stream.enqueue(reach)
+
+    def wait_event(self, stream: HostStream, event: _Event) -> None:
+        reached = event.latest
+        stream.enqueue(lambda: self._poll(lambda: reached[0]))
+
+    def synchronize_stream(self, stream: HostStream, timeout: float) -> None:
+        stream.synchronize(timeout)
+
+    def _poll(self, ready) -> None:
+        """Spin, then sleep with back-off, until ``ready()``; abort releases it."""
+        delay = 0.0
+        while not ready():
+            if self._aborted.is_set():
+                raise _Aborted()
+            time.sleep(delay)
+            delay = min(delay * 2 + 20e-6, 1e-3)
+
+    # -- memory ------------------------------------------------------------------------
+    def alloc(self, nbytes: int) -> int:
+        array = np.empty(max(nbytes, 8), dtype=np.uint8)
+        self._memory[array.ctypes.data] = array
+        return array.ctypes.data
+
+    def free(self, address: int) -> None:
+        self._memory.pop(address, None)
+
+    def alloc_pad(self, slots: int) -> int:
+        array = np.zeros(slots, dtype=np.uint64)
+        self._memory[array.ctypes.data] = array
+        return array.ctypes.data
+
+    def alloc_host_word(self) -> HostWord:
+        array = np.zeros(1, dtype=np.uint64)
+        self._memory[array.ctypes.data] = array
+        return _HostWord(array)
+
+    def export(self, address: int) -> tuple:
+        return ("host", self._pid, int(address))
+
+    def import_(self, descriptor: tuple) -> Any:
+        kind, pid, address = descriptor
+        if kind != "host":
+            raise InvalidArgumentError(f"import_: expected a host descriptor, got {kind!r}")
+        return address if pid == self._pid else RemotePtr(pid, address)
+
+    def enable_peer_access(self, peer: Device) -> None:
+        pass
+
+    # -- the primitives ----------------------------------------------------------------
+    def copy(self, stream: HostStream, dst: Any, src: Any, nbytes: int) -> None:
+        stream.enqueue(lambda: _move(dst, src, nbytes))
+
+    def local_copy(self, stream: HostStream, dst: Any, src: Any, nbytes: int) -> None:
+        self.copy(stream, dst, src, nbytes)
+
+    def write_value(self, stream: HostStream, address: Any, value: int) -> None:
+        word = np.array([value], dtype=np.uint64)
+
+        def write():
+            _move(address, word.ctypes.data, 8)
+        stream.enqueue(write)
+
+    def wait_value(self, stream: HostStream, address: Any, value: int) -> None:
+        if isinstance(address, RemotePtr):
+            raise InvalidArgumentError("wait_value: waits are on this rank's own pad")
+        stream.enqueue(lambda: self._poll(lambda: _read_u64(address) >= value))
+
+    def reduce(self, stream: HostStream, output: Any, inputs: Sequence[Any], count: int,
+               dtype: str, op: str) -> None:
+        np_dtype = numpy_dtype(dtype)
+        nbytes = count * np_dtype.itemsize
+
+        def run():
+            views = [np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(address))
+                     .view(np_dtype) for address in inputs]
+            result = reduce_arrays(views, op, np_dtype)
+            out = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(output))
+            out[...] = result.view(np.uint8)
+        if count:
+            stream.enqueue(run)
+
+    # -- lifetime ----------------------------------------------------------------------
+    def abort(self) -> None:
+        """Release every blocked wait of this device's streams; pending items are dropped."""
+        self._aborted.set()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._aborted.set()
+        for stream in list(self._streams):
+            stream.close()
+        self._streams.clear()
+        self._default = None
+        self._memory.clear()
+
+
+def open_device(ordinal: Any = None, *, max_sms: int = 8) -> HostDevice:
+    """A host device for one rank (``ordinal`` is ignored: host memory is one space)."""
+    return HostDevice(max_sms=max_sms)

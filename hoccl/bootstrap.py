@@ -1,0 +1,163 @@
+"""Rendezvous: how ranks find each other and match their calls.
+
+Two groups, one interface (``submit(comm, op)``):
+
+* ``LocalGroup`` — several ranks in one Python process (Jupyter, tests).  All
+  ranks' calls come from one thread, rank after rank, so no call may wait for
+  another rank's call: an operation is held until every participant has
+  submitted it, then issued for each of them (in each rank's own call order).
+* ``MPIGroup`` — one rank per process under mpirun.  Init-time exchange (pads,
+  process and device identity) is an MPI allgather; per call, the participants
+  swap buffer descriptors (exported handles, cached by the importer) with
+  non-blocking point-to-point messages, bounded by the communicator's timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections import deque
+from typing import Any, Dict, List, Tuple
+
+from ._errors import HocclTimeoutError, MismatchError
+
+__all__ = ["LocalGroup", "MPIGroup"]
+
+
+class LocalGroup:
+    """In-process rendezvous of several communicators."""
+
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+        self.comms: List[Any] = []
+        self._pending: Dict[tuple, Dict[int, Any]] = {}
+        self._queues: List[deque] = [deque() for _ in range(world_size)]
+
+    def allgather(self, values: List[Any]) -> List[Any]:
+        return list(values)
+
+    def submit(self, comm: Any, op: Any) -> None:
+        group = self._pending.setdefault(op.key, {})
+        group[comm.rank] = op
+        self._queues[comm.rank].append(op)
+        if comm.check and len(group) > 1:
+            first_rank, first = next(iter(group.items()))
+            if op.signature != first.signature:
+                del group[comm.rank]
+                self._queues[comm.rank].pop()
+                raise MismatchError(_mismatch(op.call, comm.rank, op.signature,
+                                              first_rank, first.signature))
+        self.progress()
+
+    def waiting_for(self, op: Any) -> List[int]:
+        """The participants that have not yet made the call ``op`` belongs to."""
+        group = self._pending.get(op.key, {})
+        return [rank for rank in op.plan.participants if rank not in group]
+
+    def progress(self) -> None:
+        """Issue, for every rank, the operations at the head of its queue that are complete."""
+        moved = True
+        while moved:
+            moved = False
+            for rank, queue in enumerate(self._queues):
+                while queue:
+                    op = queue[0]
+                    group = self._pending.get(op.key, {})
+                    if len(group) < len(op.plan.participants):
+                        break
+                    queue.popleft()
+                    addresses = {(peer, name): address for peer, peer_op in group.items()
+                                 for name, address in peer_op.local.items()}
+                    self.comms[rank]._issue(op, addresses)
+                    op.issued = True
+                    if all(member.issued for member in group.values()):
+                        del self._pending[op.key]
+                    moved = True
+
+    def close(self) -> None:
+        self._pending.clear()
+        for queue in self._queues:
+            queue.clear()
+
+
+class MPIGroup:
+    """One rank of an mpirun job."""
+
+    def __init__(self, mpi_comm: Any, timeout: float):
+        self.mpi = mpi_comm.Dup()
+        self.rank = self.mpi.Get_rank()
+        self.world_size = self.mpi.Get_size()
+        self.timeout = timeout
+        self.host = socket.gethostname()
+        self.pid = os.getpid()
+
+    def allgather(self, value: Any) -> List[Any]:
+        return self.mpi.allgather(value)
+
+    def local_rank(self) -> int:
+        """This rank's index among the ranks on its host."""
+        hosts = self.allgather(self.host)
+        return sum(1 for host in hosts[:self.rank] if host == self.host)
+
+    def submit(self, comm: Any, op: Any) -> None:
+        """Swap descriptors with the other participants, import theirs, then issue."""
+        device = comm.device_handle
+        payload = ({name: device.export(address) for name, address in op.local.items()},
+                   op.signature if comm.check else None)
+        peers = [rank for rank in op.plan.participants if rank != self.rank]
+        received = self._exchange(peers, op.tag, payload, op.call)
+        addresses = {(self.rank, name): address for name, address in op.local.items()}
+        for peer, (descriptors, signature) in received.items():
+            if comm.check and signature != op.signature:
+                raise MismatchError(_mismatch(op.call, self.rank, op.signature, peer, signature))
+            for name, descriptor in descriptors.items():
+                addresses[(peer, name)] = comm.import_cached(peer, descriptor)
+        comm._issue(op, addresses)
+        op.issued = True
+
+    def _exchange(self, peers: List[int], tag: int, payload: Any, call: str) -> Dict[int, Any]:
+        requests = [self.mpi.isend(payload, dest=peer, tag=tag) for peer in peers]
+        received: Dict[int, Any] = {}
+        deadline = time.monotonic() + self.timeout
+        delay = 0.0
+        while len(received) < len(peers):
+            progressed = False
+            for peer in peers:
+                if peer in received:
+                    continue
+                message = self.mpi.improbe(source=peer, tag=tag)
+                if message is not None:
+                    received[peer] = message.recv()
+                    progressed = True
+            if progressed:
+                delay = 0.0
+                continue
+            if time.monotonic() > deadline:
+                missing = [peer for peer in peers if peer not in received]
+                raise HocclTimeoutError(
+                    f"{call}: rank {self.rank} waited {self.timeout:.0f} s for ranks {missing} "
+                    f"to make the matching call (tag {tag}); they never did — a mismatched "
+                    f"sequence of calls or a dead process")
+            time.sleep(delay)
+            delay = min(delay * 2 + 5e-6, 1e-3)
+        for request in requests:
+            request.wait()
+        return received
+
+    def barrier(self) -> None:
+        self.mpi.Barrier()
+
+    def close(self) -> None:
+        if self.mpi is not None:
+            self.mpi.Free()
+            self.mpi = None
+
+
+def _mismatch(call: str, rank: int, mine: Tuple, peer: int, theirs: Tuple) -> str:
+    return (f"{call}: rank {rank} called {_describe(mine)} but rank {peer} called "
+            f"{_describe(theirs)}")
+
+
+def _describe(signature: Tuple) -> str:
+    return "(" + ", ".join(f"{key}={value!r}" for key, value in signature) + ")"

@@ -1,0 +1,469 @@
+"""The Communicator: validate, resolve buffers and stream, plan, hand over to the executor."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+from ._buffers import Buffer, as_buffer
+from ._dtypes import ITEMSIZE
+from ._errors import AbortedError, HocclTimeoutError, InvalidArgumentError
+from .backends._base import OPS
+from .p2p import Executor
+from .sched import Options, Shape, build_plan, verify
+from .sched.plan import CHANNELS, Plan
+from .streams import StreamManager
+
+__all__ = ["Communicator", "ReduceOp"]
+
+log = logging.getLogger("hoccl")
+
+
+class ReduceOp:
+    """Reduction operators (strings are accepted too)."""
+    SUM = "sum"
+    PROD = "prod"
+    MAX = "max"
+    MIN = "min"
+    AVG = "avg"
+
+
+@dataclass
+class _Op:
+    """One call of one rank, from submission to issue."""
+    call: str
+    plan: Plan
+    key: tuple
+    tag: int
+    local: Dict[str, Any]      # buffer name -> address on this rank
+    entry: Any                 # event recorded on the caller's stream
+    value: int                 # completion value this op publishes
+    signature: tuple
+    keepalive: Tuple[Any, ...] = ()
+    issued: bool = False
+
+
+class Communicator:
+    """One rank of a group.  Create with ``hoccl.init`` or ``hoccl.init_local``."""
+
+    def __init__(self, *, rank: int, world_size: int, device: Any, group: Any,
+                 options: Options, timeout: float, check: bool, verify_plans: bool):
+        self.rank = rank
+        self.world_size = world_size
+        self.device_handle = device
+        self.backend = device.backend
+        self.device = device.ordinal
+        self.options = options
+        self.timeout = timeout
+        self.check = check
+        self.verify_plans = verify_plans
+        self._group = group
+        self._pad = device.alloc_pad(world_size * CHANNELS + 1)
+        self._completion = self._pad + 8 * world_size * CHANNELS
+        self._host_word = device.alloc_host_word()
+        self._streams = StreamManager(device, self._completion)
+        self._executor: Optional[Executor] = None
+        self._ops = 0               # completion value of the latest submitted op
+        self._collectives = 0       # collectives submitted (matching key across ranks)
+        self._pair_calls: Dict[Tuple[int, int], int] = {}
+        self._signal_base = 0
+        self._pair_base: Dict[Tuple[int, int], int] = {}
+        self._scratch: Tuple[Any, int] = (None, 0)
+        self._retired: List[Any] = []
+        self._imports: Dict[Tuple[int, Any], Any] = {}
+        self._inflight: List[_Op] = []
+        self._closed = False
+        self._aborted = False
+
+    # -- wiring (called by init) -----------------------------------------------------------
+    def _connect(self, pads: List[Any]) -> None:
+        self._executor = Executor(self.rank, self.device_handle, self._streams, pads)
+
+    @property
+    def pad_address(self) -> Any:
+        return self._pad
+
+    def import_cached(self, peer: int, descriptor: Any) -> Any:
+        key = (peer, descriptor)
+        address = self._imports.get(key)
+        if address is None:
+            address = self._imports[key] = self.device_handle.import_(descriptor)
+        return address
+
+    # -- public collectives ----------------------------------------------------------------
+    def all_gather(self, sendbuf, recvbuf, *, stream=None) -> None:
+        """``recvbuf[r*count:(r+1)*count] = sendbuf of rank r`` for every rank r.
+
+        Naive equivalent: ``recv = concatenate([send_of(r) for r in range(world_size)])``.
+        In place when ``sendbuf`` is this rank's own block of ``recvbuf`` (no copy of
+        the own block at all).  Ordered after the work already on ``stream`` and before
+        the work enqueued on it later; returns without waiting.
+        """
+        call = "all_gather"
+        send, recv = self._buffers(call, sendbuf=sendbuf, recvbuf=recvbuf)
+        self._same_dtype(call, send, recv)
+        if recv.count != send.count * self.world_size:
+            raise InvalidArgumentError(
+                f"{call}: recvbuf must hold world_size * sendbuf.size = {self.world_size} * "
+                f"{send.count} = {send.count * self.world_size} elements; got {recv.count}")
+        in_place = self._in_place(call, send, recv.block(self.rank, send.count), send.count, recv)
+        self._submit(call, Shape(call, self.world_size, send.count, send.dtype,
+                                 ITEMSIZE[send.dtype], in_place=in_place),
+                     {"send": send, "recv": recv}, stream)
+
+    def reduce_scatter(self, sendbuf, recvbuf, op="sum", *, stream=None) -> None:
+        """``recvbuf = op over ranks r of sendbuf_r[rank*count:(rank+1)*count]``.
+
+        In place when ``recvbuf`` is this rank's own block of ``sendbuf``.  Reductions
+        run on at most ``max_sms`` SMs, overlapped with the copies.
+        """
+        call = "reduce_scatter"
+        send, recv = self._buffers(call, sendbuf=sendbuf, recvbuf=recvbuf)
+        op = self._op(call, op)
+        self._same_dtype(call, send, recv)
+        if send.count != recv.count * self.world_size:
+            raise InvalidArgumentError(
+                f"{call}: sendbuf must hold world_size * recvbuf.size = {self.world_size} * "
+                f"{recv.count} = {recv.count * self.world_size} elements; got {send.count}")
+        in_place = self._in_place(call, send.block(self.rank, recv.count), recv, recv.count, send)
+        self._submit(call, Shape(call, self.world_size, recv.count, recv.dtype,
+                                 ITEMSIZE[recv.dtype], op=op, in_place=in_place),
+                     {"send": send, "recv": recv}, stream)
+
+    def all_reduce(self, sendbuf, recvbuf, op="sum", *, stream=None) -> None:
+        """``recvbuf = op over ranks of sendbuf`` on every rank.  In place when they are one buffer."""
+        call = "all_reduce"
+        send, recv = self._buffers(call, sendbuf=sendbuf, recvbuf=recvbuf)
+        op = self._op(call, op)
+        self._same_shape(call, send, recv)
+        in_place = self._in_place(call, send, recv, send.count, recv)
+        self._submit(call, Shape(call, self.world_size, send.count, send.dtype,
+                                 ITEMSIZE[send.dtype], op=op, in_place=in_place),
+                     {"send": send, "recv": recv}, stream)
+
+    def all_to_all(self, sendbuf, recvbuf, *, stream=None) -> None:
+        """Block j of rank i's ``sendbuf`` goes to block i of rank j's ``recvbuf``."""
+        call = "all_to_all"
+        send, recv = self._buffers(call, sendbuf=sendbuf, recvbuf=recvbuf)
+        self._same_shape(call, send, recv)
+        if send.count % self.world_size:
+            raise InvalidArgumentError(f"{call}: sendbuf.size must be a multiple of world_size "
+                                       f"{self.world_size}; got {send.count}")
+        self._disjoint(call, send, recv)
+        count = send.count // self.world_size
+        self._submit(call, Shape(call, self.world_size, count, send.dtype, ITEMSIZE[send.dtype]),
+                     {"send": send, "recv": recv}, stream)
+
+    def broadcast(self, sendbuf, recvbuf, root, *, stream=None) -> None:
+        """Every rank's ``recvbuf`` = root's ``sendbuf`` (``sendbuf`` is ignored off the root
+        and may be None).  In place when ``sendbuf is recvbuf`` on the root."""
+        call = "broadcast"
+        root = self._root(call, root)
+        is_root = self.rank == root
+        send, recv = self._buffers(call, sendbuf=sendbuf if is_root else None, recvbuf=recvbuf,
+                                   optional=() if is_root else ("sendbuf",))
+        in_place = False  # only the root knows; the plans of other ranks do not depend on it
+        if is_root:
+            self._same_shape(call, send, recv)
+            in_place = self._in_place(call, send, recv, send.count, recv)
+        self._submit(call, Shape(call, self.world_size, recv.count, recv.dtype,
+                                 ITEMSIZE[recv.dtype], root=root, in_place=in_place),
+                     {"send": send, "recv": recv}, stream)
+
+    def reduce(self, sendbuf, recvbuf, root, op="sum", *, stream=None) -> None:
+        """Root's ``recvbuf`` = op over ranks of ``sendbuf`` (``recvbuf`` may be None elsewhere)."""
+        call = "reduce"
+        root = self._root(call, root)
+        op = self._op(call, op)
+        is_root = self.rank == root
+        send, recv = self._buffers(call, sendbuf=sendbuf, recvbuf=recvbuf if is_root else None,
+                                   optional=() if is_root else ("recvbuf",))
+        in_place = False
+        if is_root:
+            self._same_shape(call, send, recv)
+            in_place = self._in_place(call, send, recv, send.count, recv)
+        self._submit(call, Shape(call, self.world_size, send.count, send.dtype,
+                                 ITEMSIZE[send.dtype], op=op, root=root,
+                                 in_place=in_place),
+                     {"send": send, "recv": recv}, stream)
+
+    def gather(self, sendbuf, recvbuf, root, *, stream=None) -> None:
+        """Root's ``recvbuf[r*count:(r+1)*count]`` = rank r's ``sendbuf``."""
+        call = "gather"
+        root = self._root(call, root)
+        is_root = self.rank == root
+        send, recv = self._buffers(call, sendbuf=sendbuf, recvbuf=recvbuf if is_root else None,
+                                   optional=() if is_root else ("recvbuf",))
+        in_place = False
+        if is_root:
+            self._same_dtype(call, send, recv)
+            if recv.count != send.count * self.world_size:
+                raise InvalidArgumentError(
+                    f"{call}: the root's recvbuf must hold world_size * sendbuf.size = "
+                    f"{send.count * self.world_size} elements; got {recv.count}")
+            in_place = self._in_place(call, send, recv.block(root, send.count), send.count, recv)
+        self._submit(call, Shape(call, self.world_size, send.count, send.dtype,
+                                 ITEMSIZE[send.dtype], root=root,
+                                 in_place=in_place),
+                     {"send": send, "recv": recv}, stream)
+
+    def scatter(self, sendbuf, recvbuf, root, *, stream=None) -> None:
+        """Rank r's ``recvbuf`` = root's ``sendbuf[r*count:(r+1)*count]``."""
+        call = "scatter"
+        root = self._root(call, root)
+        is_root = self.rank == root
+        send, recv = self._buffers(call, sendbuf=sendbuf if is_root else None, recvbuf=recvbuf,
+                                   optional=() if is_root else ("sendbuf",))
+        in_place = False
+        if is_root:
+            self._same_dtype(call, send, recv)
+            if send.count != recv.count * self.world_size:
+                raise InvalidArgumentError(
+                    f"{call}: the root's sendbuf must hold world_size * recvbuf.size = "
+                    f"{recv.count * self.world_size} elements; got {send.count}")
+            in_place = self._in_place(call, send.block(root, recv.count), recv, recv.count, send)
+        self._submit(call, Shape(call, self.world_size, recv.count, recv.dtype,
+                                 ITEMSIZE[recv.dtype], root=root,
+                                 in_place=in_place),
+                     {"send": send, "recv": recv}, stream)
+
+    def send(self, buf, peer, *, stream=None) -> None:
+        """Send ``buf`` to ``peer``, which must call ``recv`` with a buffer of the same size."""
+        self._p2p("send", buf, peer, stream)
+
+    def recv(self, buf, peer, *, stream=None) -> None:
+        """Receive into ``buf`` what ``peer`` sends with ``send``."""
+        self._p2p("recv", buf, peer, stream)
+
+    def barrier(self, *, stream=None) -> None:
+        """Work enqueued on ``stream`` after the barrier starts only after every rank's
+        stream reached its barrier.  Zero SMs, no data."""
+        self._submit("barrier", Shape("barrier", self.world_size, 0), {}, stream)
+
+    # -- host side ---------------------------------------------------------------------
+    def synchronize(self) -> None:
+        """Block until all work this communicator enqueued has finished (or raise after ``timeout``)."""
+        self._usable("synchronize")
+        target = self._ops
+        not_issued = [op for op in self._inflight if not op.issued]
+        if not_issued:
+            op = not_issued[0]
+            waiting = self._group.waiting_for(op) if hasattr(self._group, "waiting_for") else []
+            raise HocclTimeoutError(
+                f"synchronize: rank {self.rank}'s {op.call} (call {op.key}) cannot run: ranks "
+                f"{waiting} have not made the matching call yet; with init_local make every "
+                f"rank's call before synchronizing")
+        deadline = time.monotonic() + self.timeout
+        delay = 0.0
+        while self._host_word.value < target:
+            if time.monotonic() > deadline:
+                raise HocclTimeoutError(
+                    f"synchronize: rank {self.rank} waited {self.timeout:.0f} s; completed "
+                    f"{self._host_word.value} of {target} operations")
+            time.sleep(delay)
+            delay = min(delay * 2 + 2e-6, 1e-3)
+        self._inflight.clear()
+        for address in self._retired:
+            self.device_handle.free(address)
+        self._retired.clear()
+
+    def set_options(self, **changes) -> None:
+        """Change planning options (``self_route``, ``chunk_bytes``, ``copy_lanes``) for later calls."""
+        self.options = _options(self.options, "set_options", **changes)
+
+    def close(self) -> None:
+        """Release streams, events, pads, mappings and the device; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._streams.close()
+        self._imports.clear()
+        self._inflight.clear()
+
+    def __enter__(self) -> "Communicator":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"<hoccl.Communicator rank {self.rank}/{self.world_size} backend={self.backend} "
+                f"device={self.device}>")
+
+    # -- internals ---------------------------------------------------------------------
+    def _usable(self, call: str) -> None:
+        if self._closed:
+            raise InvalidArgumentError(f"{call}: the communicator is closed")
+        if self._aborted:
+            raise AbortedError(f"{call}: the communicator was aborted")
+
+    def _buffers(self, call: str, optional: Tuple[str, ...] = (), **arrays) -> List[Optional[Buffer]]:
+        self._usable(call)
+        resolved = []
+        for name, array in arrays.items():
+            if array is None:
+                if name in optional:
+                    resolved.append(None)
+                    continue
+                raise InvalidArgumentError(f"{call}: {name} is required on rank {self.rank}; "
+                                           f"got None")
+            buffer = as_buffer(call, name, array)
+            self._on_device(call, name, buffer)
+            resolved.append(buffer)
+        return resolved
+
+    def _on_device(self, call: str, name: str, buffer: Buffer) -> None:
+        if self.backend == "host":
+            if buffer.device is not None:
+                raise InvalidArgumentError(f"{call}: {name} is on GPU {buffer.device}, but this "
+                                           f"communicator uses the host backend; pass host memory")
+        elif buffer.device is None:
+            raise InvalidArgumentError(f"{call}: {name} is host memory, but this communicator "
+                                       f"runs on GPU {self.device}; pass a device array")
+        elif buffer.device != self.device:
+            raise InvalidArgumentError(f"{call}: {name} is on GPU {buffer.device}; this rank's "
+                                       f"communicator runs on GPU {self.device}")
+
+    def _same_dtype(self, call: str, send: Buffer, recv: Buffer) -> None:
+        if send.dtype != recv.dtype:
+            raise InvalidArgumentError(f"{call}: sendbuf and recvbuf must have one dtype; got "
+                                       f"{send.dtype} and {recv.dtype}")
+
+    def _same_shape(self, call: str, send: Buffer, recv: Buffer) -> None:
+        self._same_dtype(call, send, recv)
+        if send.count != recv.count:
+            raise InvalidArgumentError(f"{call}: sendbuf and recvbuf must have the same number "
+                                       f"of elements; got {send.count} and {recv.count}")
+
+    @staticmethod
+    def _overlaps(a: Buffer, b: Buffer) -> bool:
+        return a.address < b.address + b.nbytes and b.address < a.address + a.nbytes
+
+    def _disjoint(self, call: str, send: Buffer, recv: Buffer) -> None:
+        if self._overlaps(send, recv) and send.nbytes and recv.nbytes:
+            raise InvalidArgumentError(f"{call}: sendbuf and recvbuf overlap; this collective "
+                                       f"has no in-place form, pass separate buffers")
+
+    def _in_place(self, call: str, small: Buffer, block: Buffer, count: int, big: Buffer) -> bool:
+        """True when ``small`` is exactly ``block`` (the in-place form); an overlap that is not
+        exactly that block is an error."""
+        if small.address == block.address and count:
+            return True
+        if count and self._overlaps(small, big):
+            raise InvalidArgumentError(
+                f"{call}: sendbuf and recvbuf overlap but not as the in-place form (the send "
+                f"data must be exactly this rank's block of the larger buffer)")
+        return False
+
+    def _op(self, call: str, op: Any) -> str:
+        name = getattr(op, "value", op)
+        if isinstance(name, str) and name.lower() in OPS:
+            return name.lower()
+        raise InvalidArgumentError(f"{call}: op must be one of {', '.join(OPS)} or a "
+                                   f"hoccl.ReduceOp member; got {op!r}")
+
+    def _root(self, call: str, root: Any) -> int:
+        if not isinstance(root, int) or isinstance(root, bool) or not 0 <= root < self.world_size:
+            raise InvalidArgumentError(f"{call}: root must be a rank in [0, {self.world_size}); "
+                                       f"got {root!r}")
+        return root
+
+    def _p2p(self, call: str, buf, peer, stream) -> None:
+        (buffer,) = self._buffers(call, buf=buf)
+        if not isinstance(peer, int) or isinstance(peer, bool) or not 0 <= peer < self.world_size \
+                or peer == self.rank:
+            raise InvalidArgumentError(f"{call}: peer must be another rank in "
+                                       f"[0, {self.world_size}) other than {self.rank}; got {peer!r}")
+        sender, receiver = (self.rank, peer) if call == "send" else (peer, self.rank)
+        shape = Shape("sendrecv", self.world_size, buffer.count, buffer.dtype,
+                      ITEMSIZE[buffer.dtype], root=sender, peer=receiver)
+        name = "send" if call == "send" else "recv"
+        self._submit(call, shape, {name: buffer}, stream)
+
+    def _signature(self, shape: Shape) -> tuple:
+        return (("collective", shape.collective), ("count", shape.count), ("dtype", shape.dtype),
+                ("op", shape.op), ("root", shape.root), ("peer", shape.peer))
+
+    def _plan(self, shape: Shape) -> Plan:
+        plan = build_plan(shape, self.options)
+        if self.verify_plans:
+            _verified(plan)
+        return plan
+
+    def _submit(self, call: str, shape: Shape, buffers: Dict[str, Optional[Buffer]],
+                stream: Any) -> None:
+        plan = self._plan(shape)
+        arrays = [b.owner for b in buffers.values() if b is not None]
+        caller = self.device_handle.resolve_stream(stream, arrays)
+        if plan.pair:
+            count = self._pair_calls.get(plan.pair, 0)
+            self._pair_calls[plan.pair] = count + 1
+            key: tuple = ("p2p",) + plan.pair + (count,)
+            tag = 1 + (0x4000 | (count & 0x3FFF))
+        else:
+            key = ("coll", self._collectives)
+            tag = 1 + (self._collectives & 0x3FFF)
+            self._collectives += 1
+        local = {}
+        for spec in plan.buffers[self.rank]:
+            if spec.name == "scratch":
+                local["scratch"] = self._scratch_of(spec.nbytes)
+            else:
+                local[spec.name] = buffers[spec.name].address
+        self._ops += 1
+        entry = self._streams.fence_in(caller, self._ops)
+        op = _Op(call, plan, key, tag, local, entry, self._ops, self._signature(shape),
+                 tuple(arrays))
+        self._inflight.append(op)
+        log.debug("rank %d %s %s key=%s in_place=%s", self.rank, call, shape, key, shape.in_place)
+        self._group.submit(self, op)
+
+    def _scratch_of(self, nbytes: int) -> Any:
+        address, size = self._scratch
+        if size < nbytes:
+            if address is not None:
+                self._retired.append(address)  # earlier ops may still use it; freed on sync
+            address = self.device_handle.alloc(nbytes)
+            self._scratch = (address, nbytes)
+        return address
+
+    def _issue(self, op: _Op, addresses: Dict[Tuple[int, str], Any]) -> None:
+        plan = op.plan
+        if plan.pair:
+            base = self._pair_base.get(plan.pair, 0)
+            self._pair_base[plan.pair] = base + plan.max_value
+        else:
+            base = self._signal_base
+            self._signal_base += plan.max_value
+        self._streams.enter(plan.lanes, op.entry)
+        self._executor.issue(plan, addresses, base)
+        self._streams.leave(plan.lanes, op.value, self._host_word.address)
+
+
+_VERIFIED: Dict[int, Plan] = {}
+
+
+def _verified(plan: Plan) -> None:
+    if id(plan) not in _VERIFIED:
+        verify(plan)
+        _VERIFIED[id(plan)] = plan
+
+
+def _options(base: Options, call: str, **changes) -> Options:
+    allowed = {"self_route", "chunk_bytes", "copy_lanes"}
+    unknown = set(changes) - allowed
+    if unknown:
+        raise InvalidArgumentError(f"{call}: unknown options {sorted(unknown)}; expected any of "
+                                   f"{sorted(allowed)}")
+    route = changes.get("self_route", base.self_route)
+    if route not in ("peer", "local"):
+        raise InvalidArgumentError(f"{call}: self_route must be 'peer' or 'local'; got {route!r}")
+    chunk = changes.get("chunk_bytes", base.chunk_bytes)
+    if not isinstance(chunk, int) or chunk < 1:
+        raise InvalidArgumentError(f"{call}: chunk_bytes must be a positive int; got {chunk!r}")
+    lanes = changes.get("copy_lanes", base.copy_lanes)
+    if lanes is not None and (not isinstance(lanes, int) or lanes < 1):
+        raise InvalidArgumentError(f"{call}: copy_lanes must be None or a positive int; got {lanes!r}")
+    return Options(copy_lanes=lanes, chunk_bytes=chunk, self_route=route)
