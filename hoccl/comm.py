@@ -108,7 +108,7 @@ class Communicator:
             raise InvalidArgumentError(
                 f"{call}: recvbuf must hold world_size * sendbuf.size = {self.world_size} * "
                 f"{send.count} = {send.count * self.world_size} elements; got {recv.count}")
-        in_place = self._in_place(call, send, recv.block(self.rank, send.count), send.count, recv)
+        in_place = self._in_place(call, send, recv, recv.block(self.rank, send.count), send)
         self._submit(call, Shape(call, self.world_size, send.count, send.dtype,
                                  ITEMSIZE[send.dtype], in_place=in_place),
                      {"send": send, "recv": recv}, stream)
@@ -127,7 +127,7 @@ class Communicator:
             raise InvalidArgumentError(
                 f"{call}: sendbuf must hold world_size * recvbuf.size = {self.world_size} * "
                 f"{recv.count} = {recv.count * self.world_size} elements; got {send.count}")
-        in_place = self._in_place(call, send.block(self.rank, recv.count), recv, recv.count, send)
+        in_place = self._in_place(call, send, recv, send.block(self.rank, recv.count), recv)
         self._submit(call, Shape(call, self.world_size, recv.count, recv.dtype,
                                  ITEMSIZE[recv.dtype], op=op, in_place=in_place),
                      {"send": send, "recv": recv}, stream)
@@ -138,7 +138,7 @@ class Communicator:
         send, recv = self._buffers(call, sendbuf=sendbuf, recvbuf=recvbuf)
         op = self._op(call, op)
         self._same_shape(call, send, recv)
-        in_place = self._in_place(call, send, recv, send.count, recv)
+        in_place = self._in_place(call, send, recv, recv, send)
         self._submit(call, Shape(call, self.world_size, send.count, send.dtype,
                                  ITEMSIZE[send.dtype], op=op, in_place=in_place),
                      {"send": send, "recv": recv}, stream)
@@ -167,7 +167,7 @@ class Communicator:
         in_place = False  # only the root knows; the plans of other ranks do not depend on it
         if is_root:
             self._same_shape(call, send, recv)
-            in_place = self._in_place(call, send, recv, send.count, recv)
+            in_place = self._in_place(call, send, recv, recv, send)
         self._submit(call, Shape(call, self.world_size, recv.count, recv.dtype,
                                  ITEMSIZE[recv.dtype], root=root, in_place=in_place),
                      {"send": send, "recv": recv}, stream)
@@ -183,7 +183,7 @@ class Communicator:
         in_place = False
         if is_root:
             self._same_shape(call, send, recv)
-            in_place = self._in_place(call, send, recv, send.count, recv)
+            in_place = self._in_place(call, send, recv, recv, send)
         self._submit(call, Shape(call, self.world_size, send.count, send.dtype,
                                  ITEMSIZE[send.dtype], op=op, root=root,
                                  in_place=in_place),
@@ -203,7 +203,7 @@ class Communicator:
                 raise InvalidArgumentError(
                     f"{call}: the root's recvbuf must hold world_size * sendbuf.size = "
                     f"{send.count * self.world_size} elements; got {recv.count}")
-            in_place = self._in_place(call, send, recv.block(root, send.count), send.count, recv)
+            in_place = self._in_place(call, send, recv, recv.block(root, send.count), send)
         self._submit(call, Shape(call, self.world_size, send.count, send.dtype,
                                  ITEMSIZE[send.dtype], root=root,
                                  in_place=in_place),
@@ -223,7 +223,7 @@ class Communicator:
                 raise InvalidArgumentError(
                     f"{call}: the root's sendbuf must hold world_size * recvbuf.size = "
                     f"{recv.count * self.world_size} elements; got {send.count}")
-            in_place = self._in_place(call, send.block(root, recv.count), recv, recv.count, send)
+            in_place = self._in_place(call, send, recv, send.block(root, recv.count), recv)
         self._submit(call, Shape(call, self.world_size, recv.count, recv.dtype,
                                  ITEMSIZE[recv.dtype], root=root,
                                  in_place=in_place),
@@ -346,15 +346,16 @@ class Communicator:
             raise InvalidArgumentError(f"{call}: sendbuf and recvbuf overlap; this collective "
                                        f"has no in-place form, pass separate buffers")
 
-    def _in_place(self, call: str, small: Buffer, block: Buffer, count: int, big: Buffer) -> bool:
-        """True when ``small`` is exactly ``block`` (the in-place form); an overlap that is not
-        exactly that block is an error."""
-        if small.address == block.address and count:
+    def _in_place(self, call: str, send: Buffer, recv: Buffer, own_block: Buffer,
+                  inner: Buffer) -> bool:
+        """True when ``inner`` (the smaller of send and recv) is exactly ``own_block`` of the
+        larger one: the in-place form.  Any other overlap of send and recv is an error."""
+        if inner.nbytes and inner.address == own_block.address:
             return True
-        if count and self._overlaps(small, big):
+        if send.nbytes and recv.nbytes and self._overlaps(send, recv):
             raise InvalidArgumentError(
-                f"{call}: sendbuf and recvbuf overlap but not as the in-place form (the send "
-                f"data must be exactly this rank's block of the larger buffer)")
+                f"{call}: sendbuf and recvbuf overlap but not as the in-place form (the smaller "
+                f"buffer must be exactly rank {self.rank}'s block of the larger one)")
         return False
 
     def _op(self, call: str, op: Any) -> str:

@@ -13,7 +13,8 @@ The model is the *happens-before* (hb) partial order of the plan's steps, a DAG:
   ones.
 
 For "first" to mean anything, every ``(receiver, slot)`` must have one writer (one
-rank, one lane) whose values strictly increase; ``verify`` rejects anything else.
+rank, one lane: the rank the slot names, ``slot // CHANNELS``) whose values strictly
+increase; ``verify`` rejects anything else.
 A ``Wait`` that no ``Signal`` reaches, or a cycle in the graph, is a deadlock: a
 step can run exactly when its predecessors have, so an acyclic graph always has a
 runnable step.  Step ``a`` happens before step ``b`` in *every* legal interleaving
@@ -267,6 +268,9 @@ class _Verifier:
                 elif isinstance(step, Wait):
                     waits.append((node, rank))
                 elif isinstance(step, Signal):
+                    if step.slot // CHANNELS != rank:
+                        self.fail(f"signals rank {step.peer}'s {self.slot_name(step.slot)}, "
+                                  f"but a pad slot belongs to the rank it names", node)
                     key = (step.peer, step.slot)
                     writer = writers.setdefault(key, [rank, step.lane, [], []])
                     if (writer[0], writer[1]) != (rank, step.lane):

@@ -1,0 +1,483 @@
+"""Smoke test of ``hoccl.backends.cuda`` on a machine with two GPUs (a script, not pytest).
+
+    PYTHONPATH=. python3 tests/gpu/cuda_device_smoke.py
+
+Opens both GPUs in one process, checks every primitive of ``CudaDevice`` against numpy
+on fresh random data with poisoned outputs, prints one PASS/FAIL line per check and a
+summary, then measures the capped kernels' bandwidth.  Exits non-zero on any failure.
+"""
+
+from __future__ import annotations
+
+import collections
+import faulthandler
+import sys
+import time
+import traceback
+
+import cupy as cp
+import numpy as np
+
+from hoccl._errors import HocclTimeoutError, InvalidArgumentError
+from hoccl.backends._base import DTYPES, OPS
+from hoccl.backends.cuda import open_device
+
+MiB = 1 << 20
+#: kernel builds compared (``_kernels.TUNING`` changes); the first is the default.
+VARIANTS = [
+    ("default", {}),
+    ("streaming loads", {"streaming_loads": 1}),
+    ("reduce 1024x2, copy 512x16, streaming",
+     {"reduce_threads": 1024, "reduce_unroll": 2, "copy_threads": 512, "copy_unroll": 16,
+      "streaming_loads": 1}),
+    ("reduce 256x8, copy 256x16, streaming",
+     {"reduce_threads": 256, "reduce_unroll": 8, "copy_threads": 256, "copy_unroll": 16,
+      "streaming_loads": 1}),
+    ("reduce 1024x2, copy 512x16, plain loads",
+     {"reduce_threads": 1024, "reduce_unroll": 2, "copy_threads": 512, "copy_unroll": 16}),
+]
+SEED = int(np.random.SeedSequence().entropy % (1 << 32))
+rng = np.random.default_rng(SEED)
+outcomes = []
+inexact = collections.Counter()  # float elements within rounding of numpy but not bit-exact
+
+
+def report(name, passed, detail=""):
+    outcomes.append(passed)
+    print(f"{'PASS' if passed else 'FAIL'} {name}{': ' + detail if detail else ''}", flush=True)
+
+
+def check(name):
+    """Run the decorated function now; an exception or a returned message is a failure."""
+    def run(function):
+        try:
+            problem = function()
+        except Exception:
+            problem = traceback.format_exc(limit=4).strip().replace("\n", "\n    ")
+        report(name, not problem, problem or "")
+        return function
+    return run
+
+
+# -- helpers -------------------------------------------------------------------------------
+def on(ordinal, host):
+    """A cupy copy of ``host`` on GPU ``ordinal``, finished before return."""
+    with cp.cuda.Device(ordinal):
+        array = cp.asarray(host)
+        cp.cuda.Device(ordinal).synchronize()
+    return array
+
+
+def poisoned(ordinal, nbytes, byte=0xAB):
+    return on(ordinal, np.full(nbytes, byte, np.uint8))
+
+
+def host(array):
+    with cp.cuda.Device(array.device.id):
+        return cp.asnumpy(array)
+
+
+def words(ordinal, address, slots):
+    """A uint64 cupy view of device memory this script does not own (a pad)."""
+    memory = cp.cuda.UnownedMemory(address, slots * 8, owner=None, device_id=ordinal)
+    return cp.ndarray((slots,), cp.uint64, cp.cuda.MemoryPointer(memory, 0))
+
+
+def release(ordinal, pad, slots):
+    """Write a huge value into every slot from the host side, so a hung wait ends."""
+    with cp.cuda.Device(ordinal):
+        words(ordinal, pad, slots)[:] = cp.uint64(1 << 63)
+        cp.cuda.Device(ordinal).synchronize()
+
+
+def random_bytes(nbytes):
+    return rng.integers(0, 256, nbytes, dtype=np.uint8)
+
+
+def blocked(device, stream, seconds=0.05):
+    """True if ``stream`` is still busy after ``seconds``."""
+    try:
+        device.synchronize_stream(stream, seconds)
+    except HocclTimeoutError:
+        return True
+    return False
+
+
+def bf16_to_f32(bits):
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def f32_to_bf16(values):
+    u = values.astype(np.float32).view(np.uint32)
+    rounded = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    return np.where(np.isnan(values), ((u >> 16) | 0x40).astype(np.uint16), rounded)
+
+
+STORAGE = {"float16": np.float16, "bfloat16": np.uint16, "float32": np.float32,
+           "float64": np.float64, "int8": np.int8, "uint8": np.uint8, "int32": np.int32,
+           "int64": np.int64}
+
+
+def random_elements(dtype, count):
+    if dtype == "bfloat16":
+        return f32_to_bf16(rng.uniform(-2, 2, count).astype(np.float32))
+    if dtype.startswith("float"):
+        return rng.uniform(-2, 2, count).astype(STORAGE[dtype])
+    info = np.iinfo(STORAGE[dtype])
+    return rng.integers(info.min, info.max, count, dtype=STORAGE[dtype], endpoint=True)
+
+
+def reference(dtype, op, inputs):
+    """What the kernel computes, in numpy: float16/bfloat16/float32 accumulate in float32
+    (float64 in float64) in input order; integers wrap; integer avg truncates toward zero."""
+    combine = {"sum": np.add, "avg": np.add, "prod": np.multiply,
+               "max": np.maximum, "min": np.minimum}[op]
+    if dtype == "bfloat16" or dtype.startswith("float"):
+        accumulator = np.float64 if dtype == "float64" else np.float32
+        values = [bf16_to_f32(x) if dtype == "bfloat16" else x.astype(accumulator) for x in inputs]
+        acc = values[0].copy()
+        for value in values[1:]:
+            acc = combine(acc, value)
+        if op == "avg":
+            acc = acc / accumulator(len(inputs))
+        return f32_to_bf16(acc) if dtype == "bfloat16" else acc.astype(STORAGE[dtype])
+    acc = inputs[0].copy()
+    with np.errstate(over="ignore"):
+        for value in inputs[1:]:
+            acc = combine(acc, value)
+    if op == "avg":
+        n = STORAGE[dtype](len(inputs))
+        floor = acc // n
+        acc = (floor + ((acc % n != 0) & (acc < 0))).astype(STORAGE[dtype])
+    return acc
+
+
+def compare(dtype, got, want):
+    """None when equal (floats: bit-exact, or within rounding with a note)."""
+    if np.array_equal(got.view(np.uint8), want.view(np.uint8)):
+        return None
+    if dtype in ("float16", "float32", "float64", "bfloat16"):
+        g = bf16_to_f32(got) if dtype == "bfloat16" else got.astype(np.float64)
+        w = bf16_to_f32(want) if dtype == "bfloat16" else want.astype(np.float64)
+        tolerance = {"float16": 2e-3, "bfloat16": 1e-2, "float32": 1e-6, "float64": 1e-13}[dtype]
+        if np.allclose(g, w, rtol=tolerance, atol=tolerance):
+            inexact[dtype] += int(np.count_nonzero(g != w))
+            return None
+    differ = np.flatnonzero((got.view(np.uint8).reshape(got.size, -1)
+                             != want.view(np.uint8).reshape(want.size, -1)).any(axis=1))
+    index = int(differ[0])
+    return (f"{differ.size} of {got.size} differ; first at {index}: "
+            f"got {got[index]!r} want {want[index]!r}")
+
+
+def local_copy_problems(dev0, s0):
+    for nbytes in (1, 15, 16, 17, 4097, 65536 + 5, 3 * MiB + 11):
+        for src_offset, dst_offset in ((0, 0), (1, 1), (5, 13), (8, 0), (2, 6), (1, 2), (3, 0)):
+            data = random_bytes(nbytes)
+            src = on(0, np.concatenate([np.zeros(src_offset, np.uint8), data]))
+            dst = poisoned(0, nbytes + dst_offset + 32)
+            dev0.local_copy(s0, dst.data.ptr + dst_offset, src.data.ptr + src_offset, nbytes)
+            dev0.synchronize_stream(s0, 10)
+            got = host(dst)
+            if not (np.array_equal(got[dst_offset:dst_offset + nbytes], data)
+                    and (got[:dst_offset] == 0xAB).all()
+                    and (got[dst_offset + nbytes:] == 0xAB).all()):
+                return f"local_copy wrong at nbytes={nbytes} offsets src {src_offset} dst {dst_offset}"
+    return None
+
+
+def reduce_problems(dev0, s0, dtype):
+    """Every op with 2, 3 and 8 inputs, odd counts, same-misaligned heads, and in place
+    with one input on the peer GPU."""
+    itemsize = np.dtype(STORAGE[dtype]).itemsize
+    problems = []
+    for op in OPS:
+        for n, count, offset in ((2, 10007, 0), (3, 4099, 1), (8, 1001, 3), (2, 7, 0)):
+            inputs = [random_elements(dtype, count) for _ in range(n)]
+            pad = np.zeros(offset, STORAGE[dtype])
+            arrays = [on(0, np.concatenate([pad, x])) for x in inputs]
+            out = poisoned(0, (count + offset) * itemsize + 64)
+            dev0.reduce(s0, out.data.ptr + offset * itemsize,
+                        [a.data.ptr + offset * itemsize for a in arrays], count, dtype, op)
+            dev0.synchronize_stream(s0, 10)
+            raw = host(out)
+            body = raw[offset * itemsize:(offset + count) * itemsize].view(STORAGE[dtype])
+            problem = compare(dtype, body, reference(dtype, op, inputs))
+            if problem is None and not ((raw[:offset * itemsize] == 0xAB).all()
+                                        and (raw[(offset + count) * itemsize:] == 0xAB).all()):
+                problem = "wrote outside the output"
+            if problem:
+                problems.append(f"{dtype} {op} n={n} count={count} offset={offset}: {problem}")
+        inputs = [random_elements(dtype, 3001) for _ in range(2)]
+        a, b = on(0, inputs[0]), on(1, inputs[1])
+        dev0.reduce(s0, a.data.ptr, [a.data.ptr, b.data.ptr], 3001, dtype, op)
+        dev0.synchronize_stream(s0, 10)
+        problem = compare(dtype, host(a), reference(dtype, op, inputs))
+        if problem:
+            problems.append(f"{dtype} {op} in place with a peer input: {problem}")
+    return "; ".join(problems[:4]) or None
+
+
+def chain_problems(dev0, s0):
+    """More inputs than one launch takes, and mutually misaligned inputs."""
+    problems = []
+    for dtype, op in (("float32", "sum"), ("float32", "avg"), ("int32", "avg")):
+        inputs = [random_elements(dtype, 1001) for _ in range(70)]
+        arrays = [on(0, x) for x in inputs]
+        out = poisoned(0, 1001 * 4)
+        dev0.reduce(s0, out.data.ptr, [a.data.ptr for a in arrays], 1001, dtype, op)
+        dev0.synchronize_stream(s0, 10)
+        problem = compare(dtype, host(out).view(STORAGE[dtype]), reference(dtype, op, inputs))
+        if problem:
+            problems.append(f"{dtype} {op} x70: {problem}")
+    inputs = [random_elements("bfloat16", 5003) for _ in range(3)]
+    arrays = [on(0, np.concatenate([np.zeros(k, np.uint16), x])) for k, x in enumerate(inputs)]
+    out = poisoned(0, 5003 * 2)
+    dev0.reduce(s0, out.data.ptr, [a.data.ptr + 2 * k for k, a in enumerate(arrays)], 5003,
+                "bfloat16", "avg")
+    dev0.synchronize_stream(s0, 10)
+    problem = compare("bfloat16", host(out).view(np.uint16), reference("bfloat16", "avg", inputs))
+    if problem:
+        problems.append(f"misaligned bf16 avg: {problem}")
+    return "; ".join(problems) or None
+
+
+# -- the checks ----------------------------------------------------------------------------
+def main():
+    faulthandler.dump_traceback_later(225, exit=True)  # a hung stream must not eat the lease
+    print(f"seed {SEED}; cupy {cp.__version__}; GPUs {cp.cuda.runtime.getDeviceCount()}")
+    started = time.perf_counter()
+    dev0, dev1 = open_device(0), open_device(1)
+    print(f"{dev0!r} {dev1!r}; sm_count {dev0.sm_count}")
+    dev0.enable_peer_access(dev1)
+    dev1.enable_peer_access(dev0)
+    s0, s1 = dev0.create_stream(), dev1.create_stream()
+    for device, stream in ((dev0, s0), (dev1, s1)):  # kernels compile here, outside timings
+        device.local_copy(stream, device.alloc(16), device.alloc(16), 16)
+        device.synchronize_stream(stream, 60)
+    print(f"opened and compiled in {time.perf_counter() - started:.1f} s")
+
+    @check("copy GPU0->GPU1 push and pull, odd size")
+    def _():
+        nbytes = 3 * MiB + 7
+        data = random_bytes(nbytes)
+        src = on(0, data)
+        for device, stream in ((dev0, s0), (dev1, s1)):
+            dst = poisoned(1, nbytes + 64)
+            device.copy(stream, dst.data.ptr + 32, src.data.ptr, nbytes)
+            device.synchronize_stream(stream, 10)
+            got = host(dst)
+            if not (np.array_equal(got[32:-32], data) and (got[:32] == 0xAB).all()
+                    and (got[-32:] == 0xAB).all()):
+                return f"wrong bytes with the stream on GPU{device.ordinal}"
+
+    @check("copy_batch GPU0->GPU1, 5 copies of odd sizes, plus legacy-stream fallback")
+    def _():
+        sizes = [1, 4099, 65536, 1 * MiB + 3, 17]
+        data = random_bytes(sum(sizes))
+        src = on(0, data)
+        for stream in (s0, 0):
+            dst = poisoned(1, sum(sizes))
+            offsets = np.cumsum([0] + sizes[:-1])
+            dev0.copy_batch(stream, [(dst.data.ptr + int(o), src.data.ptr + int(o), n)
+                                     for o, n in zip(offsets, sizes)])
+            dev0.synchronize_stream(stream, 10)
+            if not np.array_equal(host(dst), data):
+                return f"wrong bytes (stream {stream!r})"
+
+    @check("write_value into GPU1's pad from GPU0 releases wait_value on GPU1's stream")
+    def _():
+        pad = dev1.alloc_pad(4)
+        if host(words(1, pad, 4)).any():
+            return "alloc_pad not zeroed"
+        data = random_bytes(MiB + 1)
+        src, dst = on(1, data), poisoned(1, MiB + 1)
+        value = int(rng.integers(1, 1 << 62))
+        dev1.wait_value(s1, pad + 8, value)
+        dev1.copy(s1, dst.data.ptr, src.data.ptr, MiB + 1)
+        if not blocked(dev1, s1):
+            return "the stream did not wait"
+        dev0.write_value(s0, pad + 8, value - 1)
+        dev0.synchronize_stream(s0, 5)
+        if not blocked(dev1, s1):
+            return "value - 1 released a >= wait"
+        dev0.write_value(s0, pad + 8, value)
+        try:
+            dev1.synchronize_stream(s1, 5)
+        except HocclTimeoutError:
+            release(1, pad, 4)  # so that the script can go on
+            dev1.synchronize_stream(s1, 5)
+            return "the peer's write did not release the wait"
+        if int(host(words(1, pad, 4))[1]) != value or not np.array_equal(host(dst), data):
+            return "pad value or copied bytes wrong"
+
+    @check("wait_values (300 slots, several batches) waits for every slot")
+    def _():
+        slots = 300
+        pad = dev1.alloc_pad(slots)
+        values = [int(v) for v in rng.integers(1, 1 << 40, slots)]
+        dev1.wait_values(s1, [(pad + 8 * i, v) for i, v in enumerate(values)])
+        word = dev1.alloc_host_word()
+        dev1.write_value(s1, word.address, 99)
+        for i in range(slots - 1):
+            dev0.write_value(s0, pad + 8 * i, values[i])
+        dev0.synchronize_stream(s0, 5)
+        if not blocked(dev1, s1) or word.value != 0:
+            return "released before the last slot was written"
+        dev0.write_value(s0, pad + 8 * (slots - 1), values[-1] + 5)
+        try:
+            dev1.synchronize_stream(s1, 5)
+        except HocclTimeoutError:
+            release(1, pad, slots)
+            dev1.synchronize_stream(s1, 5)
+            return "not released after every slot was written"
+        if word.value != 99:
+            return f"host word reads {word.value}, want 99"
+
+    @check("host word: write_value from GPU0 and GPU1, read on the host")
+    def _():
+        word = dev0.alloc_host_word()
+        if word.value != 0:
+            return "not zeroed"
+        value = int(rng.integers(1, 1 << 63))
+        dev0.write_value(s0, word.address, value)
+        dev0.synchronize_stream(s0, 5)
+        if word.value != value:
+            return f"GPU0 wrote {value}, host reads {word.value}"
+        dev1.write_value(s1, word.address, value + 1)
+        dev1.synchronize_stream(s1, 5)
+        if word.value != value + 1:
+            return f"GPU1 wrote {value + 1}, host reads {word.value}"
+
+    check("local_copy: odd sizes, aligned / same-misaligned / mutually misaligned")(
+        lambda: local_copy_problems(dev0, s0))
+    for dtype in DTYPES:
+        check(f"reduce {dtype}: every op x 2/3/8 inputs, odd counts, head offsets, in place")(
+            lambda dtype=dtype: reduce_problems(dev0, s0, dtype))
+    check("reduce: 70 inputs chain (float32 sum/avg, int32 avg) and mutually misaligned inputs")(
+        lambda: chain_problems(dev0, s0))
+    for label, tuning in VARIANTS[1:]:
+        dev0._retune(**tuning)
+        check(f"kernels built with {label}: local_copy, reduce (every dtype x op), chains")(
+            lambda: "; ".join(problem for problem in
+                              [local_copy_problems(dev0, s0), chain_problems(dev0, s0)]
+                              + [reduce_problems(dev0, s0, dtype) for dtype in DTYPES]
+                              if problem) or None)
+    dev0._retune()
+
+    @check("export: same buffer gives identical cached descriptors; refuses non-CUDA memory")
+    def _():
+        buffer = on(0, random_bytes(4 * MiB))
+        first = dev0.export(buffer.data.ptr + 4096)
+        again = dev0.export(buffer.data.ptr + 4096)
+        other = dev0.export(buffer.data.ptr + 8192)
+        own = dev0.alloc(MiB)
+        mine = dev0.export(own + 100)
+        if first != again or first.handle is not again.handle or other.handle is not first.handle:
+            return f"not cached: {first} vs {again}"
+        if other.offset - first.offset != 4096 or first[0] != "cuda-ipc" or len(first.handle) != 64:
+            return f"bad descriptor {first}"
+        if mine.base != own or mine.offset != 100 or mine.handle == first.handle:
+            return f"bad descriptor for alloc: {mine}"
+        try:
+            dev0.export(dev0.alloc_host_word().address)
+        except InvalidArgumentError:
+            return None
+        return "exported pinned host memory"
+
+    @check("resolve_stream: cupy arrays and streams, torch tensors and streams, ints, legacy")
+    def _():
+        array = on(1, np.zeros(4, np.float32))
+        with cp.cuda.Device(1):
+            stream = cp.cuda.Stream(non_blocking=True)
+            with stream:
+                if int(dev1.resolve_stream(None, [array])) != stream.ptr:
+                    return "cupy current stream not found"
+        if int(dev1.resolve_stream(stream, [])) != stream.ptr or int(dev1.resolve_stream(stream.ptr, [])) != stream.ptr:
+            return "explicit cupy stream"
+        if int(dev1.resolve_stream(None, [np.zeros(1)])) != 1:
+            return "numpy arrays should give the legacy stream"
+        try:
+            import torch
+        except ImportError:
+            print("     note: torch not importable; torch branch skipped")
+            return None
+        tensor = torch.zeros(4, device="cuda:1")
+        torch_stream = torch.cuda.Stream(device=1)
+        with torch.cuda.stream(torch_stream):
+            if int(dev1.resolve_stream(None, [tensor])) != torch_stream.cuda_stream:
+                return "torch current stream not found"
+        if int(dev1.resolve_stream(torch_stream, [])) != torch_stream.cuda_stream:
+            return "explicit torch stream"
+
+    @check("close is idempotent and releases what it made")
+    def _():
+        device = open_device(0)
+        device.create_stream(), device.create_event(), device.alloc(MiB), device.alloc_pad(8)
+        word = device.alloc_host_word()
+        device.enable_peer_access(dev1)
+        device.close()
+        device.close()
+        try:
+            word.value
+        except InvalidArgumentError:
+            return None
+        return "host word readable after close"
+
+    if inexact:
+        print(f"     note: elements not bit-exact with numpy (within rounding): {dict(inexact)}")
+    passed = sum(outcomes)
+    print(f"checks: {passed} passed, {len(outcomes) - passed} failed "
+          f"({time.perf_counter() - started:.1f} s)", flush=True)
+    benchmark(dev0, s0)
+    dev0.close()
+    dev1.close()
+    return 0 if all(outcomes) else 1
+
+
+def timed(device, stream, run, repeats=10):
+    run()
+    device.synchronize_stream(stream, 30)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        run()
+    device.synchronize_stream(stream, 60)
+    return (time.perf_counter() - start) / repeats
+
+
+def benchmark(dev0, s0):
+    nbytes = 256 * MiB
+    count = nbytes // 2
+    with cp.cuda.Device(0):
+        a = cp.random.random(count, dtype=cp.float32).astype(cp.float16).view(cp.uint16)
+        b = cp.random.random(count, dtype=cp.float32).astype(cp.float16).view(cp.uint16)
+        out = cp.empty(count, cp.uint16)
+        cp.cuda.Device(0).synchronize()
+    print("bandwidth, GPU0, 256 MiB, bytes read + written (GB/s = 1e9 B/s; per SM in brackets):")
+    print("  reduce = bf16 sum of 2 inputs (3 x 256 MiB moved); local_copy = 2 x 256 MiB moved")
+    for label, tuning in VARIANTS:
+        dev0._retune(**tuning)
+        print(f"  kernels: {label}", flush=True)
+        for cap in (4, 8, 16, 32, dev0.sm_count):
+            dev0.max_sms = cap
+            reduce_time = timed(dev0, s0, lambda: dev0.reduce(
+                s0, out.data.ptr, [a.data.ptr, b.data.ptr], count, "bfloat16", "sum"))
+            copy_time = timed(dev0, s0, lambda: dev0.local_copy(s0, out.data.ptr, a.data.ptr, nbytes))
+            reduce_rate = 3 * nbytes / reduce_time / 1e9
+            copy_rate = 2 * nbytes / copy_time / 1e9
+            print(f"    max_sms={cap:3d}  reduce {reduce_rate:6.0f} GB/s ({reduce_rate / cap:5.1f}) "
+                  f"{reduce_time * 1e3:6.2f} ms   local_copy {copy_rate:6.0f} GB/s "
+                  f"({copy_rate / cap:5.1f}) {copy_time * 1e3:6.2f} ms", flush=True)
+    dev0._retune()
+    dev0.max_sms = 8
+    memcpy_time = timed(dev0, s0, lambda: dev0.copy(s0, out.data.ptr, a.data.ptr, nbytes))
+    print(f"  reference: cuMemcpyAsync same GPU (all SMs) {2 * nbytes / memcpy_time / 1e9:.0f} GB/s")
+    with cp.cuda.Device(1):
+        remote = cp.empty(count, cp.uint16)
+        cp.cuda.Device(1).synchronize()
+    peer_time = timed(dev0, s0, lambda: dev0.copy(s0, remote.data.ptr, a.data.ptr, nbytes))
+    print(f"  reference: peer copy GPU0->GPU1 {nbytes / peer_time / 1e9:.0f} GB/s (bytes moved once)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,186 @@
+"""The public API on the host backend, every rank in this process (init_local)."""
+
+import gc
+
+import numpy as np
+import pytest
+
+import hoccl
+from hoccl.testing import IN_PLACE_FORMS, check_collective, poison, random_array
+
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast", "reduce",
+               "gather", "scatter")
+ROOTED = ("broadcast", "reduce", "gather", "scatter")
+REDUCING = ("reduce_scatter", "all_reduce", "reduce")
+DTYPES = ("float16", "bfloat16", "float32", "float64", "int8", "uint8", "int32", "int64")
+
+
+@pytest.fixture(scope="module", params=[1, 2, 3, 4, 5])
+def comms(request):
+    comms = hoccl.init_local(request.param, backend="host", chunk_bytes=96)
+    yield comms
+    for comm in comms:
+        comm.close()
+
+
+@pytest.mark.parametrize("collective", COLLECTIVES)
+def test_every_collective_matches_numpy(comms, collective):
+    n = comms[0].world_size
+    seed = 0
+    for dtype in DTYPES:
+        for count in (0, 1, 7, 61):
+            for in_place in ([False, True] if collective in IN_PLACE_FORMS else [False]):
+                for root in (sorted({0, n - 1}) if collective in ROOTED else [0]):
+                    for op in (("sum", "prod", "max", "min", "avg") if collective in REDUCING
+                               else ("sum",)):
+                        seed += 1
+                        check_collective(comms, collective, count=count, dtype=dtype, op=op,
+                                         root=root, in_place=in_place, seed=seed)
+
+
+@pytest.mark.parametrize("route", ["peer", "local"])
+def test_both_self_block_routes_give_the_same_result(route):
+    comms = hoccl.init_local(3, backend="host", self_route=route)
+    for seed, collective in enumerate(("all_gather", "all_to_all", "gather", "scatter", "broadcast")):
+        check_collective(comms, collective, count=29, dtype="float32", root=1, seed=seed)
+    assert all(comm.options.self_route == route for comm in comms)
+
+
+def test_ranks_may_call_in_any_order_and_calls_queue_without_synchronizing():
+    comms = hoccl.init_local(4, backend="host", chunk_bytes=64)
+    rng = np.random.default_rng(5)
+    rounds = 200
+    data = [[random_array(rng, 16, "int64") for _ in range(4)] for _ in range(rounds)]
+    outputs = [[poison(16, "int64") for _ in range(4)] for _ in range(rounds)]
+    for i in range(rounds):
+        order = rng.permutation(4)
+        for rank in order:
+            comms[rank].all_reduce(data[i][rank], outputs[i][rank])
+    for comm in comms:
+        comm.synchronize()
+    for i in range(rounds):
+        for rank in range(4):
+            np.testing.assert_array_equal(outputs[i][rank], sum(data[i]))
+
+
+def test_a_thousand_collectives_back_to_back_reuse_pads_correctly():
+    comms = hoccl.init_local(2, backend="host")
+    rng = np.random.default_rng(11)
+    sends = [random_array(rng, 8, "int32") for _ in range(2)]
+    recvs = [[poison(16, "int32") for _ in range(2)] for _ in range(1000)]
+    for i in range(1000):
+        for rank in range(2):
+            comms[rank].all_gather(sends[rank], recvs[i][rank])
+    for comm in comms:
+        comm.synchronize()
+    want = np.concatenate(sends)
+    assert all(np.array_equal(r, want) for pair in recvs for r in pair)
+
+
+def test_send_recv_ring_and_barrier():
+    """Sends complete only once the receiver's stream reaches the matching recv (as NCCL's
+    without a group), so the ring alternates: even ranks send first, odd ranks receive first."""
+    n = 4
+    comms = hoccl.init_local(n, backend="host", timeout=60)
+    rng = np.random.default_rng(3)
+    data = [random_array(rng, 33, "float64") for _ in range(n)]
+    out = [poison(33, "float64") for _ in range(n)]
+    for rank in range(n):
+        if rank % 2 == 0:
+            comms[rank].send(data[rank], (rank + 1) % n)
+            comms[rank].recv(out[rank], (rank - 1) % n)
+        else:
+            comms[rank].recv(out[rank], (rank - 1) % n)
+            comms[rank].send(data[rank], (rank + 1) % n)
+    for comm in comms:
+        comm.barrier()
+    for comm in comms:
+        comm.synchronize()
+    for rank in range(n):
+        np.testing.assert_array_equal(out[rank], data[(rank - 1) % n])
+
+
+def test_buffers_stay_alive_after_the_caller_drops_them():
+    comms = hoccl.init_local(2, backend="host")
+    rng = np.random.default_rng(8)
+    expected = [random_array(rng, 1 << 16, "float32") for _ in range(2)]
+    outputs = [poison(1 << 17, "float32") for _ in range(2)]
+    for rank in range(2):
+        comms[rank].all_gather(expected[rank].copy(), outputs[rank])  # temporary send buffer
+    gc.collect()
+    for comm in comms:
+        comm.synchronize()
+    for rank in range(2):
+        np.testing.assert_array_equal(outputs[rank], np.concatenate(expected))
+
+
+def _untouched(call, *outputs):
+    before = [o.copy() for o in outputs]
+    with pytest.raises(hoccl.InvalidArgumentError) as info:
+        call()
+    for o, b in zip(outputs, before):
+        assert np.array_equal(o.view(np.uint8), b.view(np.uint8)), "output changed by a rejected call"
+    return str(info.value)
+
+
+def test_bad_input_is_rejected_by_name_before_anything_is_enqueued():
+    comms = hoccl.init_local(2, backend="host")
+    comm = comms[0]
+    send = np.ones(4, np.float32)
+    recv = poison(8, "float32")
+    ops_before = comm._ops
+    message = _untouched(lambda: comm.all_gather(send, poison(7, "float32")), recv)
+    assert message.startswith("all_gather:") and "8" in message and "7" in message
+    assert _untouched(lambda: comm.all_gather(send, recv.astype(np.float64)), recv) \
+        .startswith("all_gather: sendbuf and recvbuf must have one dtype")
+    assert "root" in _untouched(lambda: comm.broadcast(send, send, 2), recv)
+    assert "op must be one of" in _untouched(lambda: comm.all_reduce(send, send, "xor"), recv)
+    assert "C-contiguous" in _untouched(lambda: comm.all_reduce(np.ones((4, 4))[:, 0],
+                                                                np.ones(4)), recv)
+    assert "complex128" in _untouched(lambda: comm.all_reduce(np.ones(2, complex),
+                                                              np.ones(2, complex)), recv)
+    assert "peer" in _untouched(lambda: comm.send(send, 0), recv)
+    assert "overlap" in _untouched(lambda: comm.all_gather(recv[1:5], recv), recv)
+    assert "must be a numpy" in _untouched(lambda: comm.all_gather([1, 2], recv), recv)
+    assert comm._ops == ops_before
+    # the communicator still works afterwards
+    check_collective(comms, "all_gather", count=4, dtype="float32", seed=1)
+
+
+def test_mismatched_calls_raise_in_check_mode():
+    comms = hoccl.init_local(2, backend="host", check=True)
+    a = np.zeros(4, np.float32)
+    comms[0].all_reduce(a, a.copy())
+    with pytest.raises(hoccl.MismatchError) as info:
+        comms[1].all_reduce(np.zeros(5, np.float32), np.zeros(5, np.float32))
+    assert "rank 1" in str(info.value) and "rank 0" in str(info.value) and "count=5" in str(info.value)
+
+
+def test_synchronize_names_the_ranks_that_have_not_called():
+    comms = hoccl.init_local(3, backend="host", timeout=1)
+    a = np.zeros(4, np.float32)
+    comms[0].all_reduce(a, a)
+    with pytest.raises(hoccl.HocclTimeoutError) as info:
+        comms[0].synchronize()
+    assert "all_reduce" in str(info.value) and "[1, 2]" in str(info.value)
+
+
+def test_close_is_idempotent_and_the_context_manager_closes():
+    comms = hoccl.init_local(2, backend="host")
+    with comms[0] as comm:
+        assert comm.rank == 0 and comm.world_size == 2 and comm.backend == "host"
+    comms[0].close()
+    with pytest.raises(hoccl.InvalidArgumentError, match="closed"):
+        comms[0].all_reduce(np.zeros(2), np.zeros(2))
+    comms[1].close()
+
+
+def test_init_local_rejects_bad_arguments():
+    with pytest.raises(hoccl.InvalidArgumentError, match="init_local: backend"):
+        hoccl.init_local(2, backend="nccl")
+    with pytest.raises(hoccl.InvalidArgumentError, match="init_local: need at least one"):
+        hoccl.init_local([], backend="host")
+    with pytest.raises(hoccl.InvalidArgumentError, match="self_route"):
+        hoccl.init_local(2, backend="host", self_route="sideways")
+    with pytest.raises(hoccl.InvalidArgumentError, match="unknown options"):
+        hoccl.init_local(2, backend="host", chunk=3)
