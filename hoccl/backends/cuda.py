@@ -1,0 +1,729 @@
+"""The CUDA device backend: the only module in hoccl that calls the CUDA driver.
+
+Everything hoccl does on a GPU goes through ``CudaDevice``: streams and events, memory,
+IPC export and import, peer access, the zero-SM primitives (copies on copy engines,
+``cuStreamWriteValue64`` / ``cuStreamWaitValue64`` signals) and the two SM kernels
+(a capped same-GPU copy and the reduction).  Keeping the driver behind this one module
+means the scheduler and the executor stay testable without a GPU (the host backend
+implements the same ``Device`` interface), and every driver call is checked in one
+place: ``_check`` turns a failing status into a ``DriverError`` that names the call,
+the error and what to do about it when that is known.
+
+The device works in its GPU's *primary* context, the one cupy and torch use, so
+pointers and streams from those frameworks are valid here without translation.
+
+Typical use (one process, two GPUs)::
+
+    dev0, dev1 = open_device(0), open_device(1)
+    dev0.enable_peer_access(dev1)
+    lane = dev0.create_stream()
+    dev0.copy(lane, dst_on_gpu1, src_on_gpu0, nbytes)   # a copy engine, no SM
+    dev0.write_value(lane, pad_on_gpu1, seq)            # lands after the copy
+    ...
+    dev0.close(); dev1.close()
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import hashlib
+import os
+import threading
+import time
+import weakref
+from typing import Any, Iterable, Sequence, Tuple
+
+from cuda.bindings import driver
+
+from .._errors import DriverError, HocclTimeoutError, InvalidArgumentError
+from . import _kernels
+from ._base import DTYPES, OPS, Device, HostWord
+
+__all__ = ["CudaDevice", "CudaIpcDescriptor", "device_count", "open_device"]
+
+_NOT_READY = driver.CUresult.CUDA_ERROR_NOT_READY
+_PEER_ALREADY_ENABLED = driver.CUresult.CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED
+#: statuses a teardown tolerates: the peer's context (or access to it) is already gone.
+_GONE = (driver.CUresult.CUDA_ERROR_PEER_ACCESS_NOT_ENABLED,
+         driver.CUresult.CUDA_ERROR_INVALID_CONTEXT,
+         driver.CUresult.CUDA_ERROR_CONTEXT_IS_DESTROYED)
+_LEGACY_STREAMS = (0, int(driver.CU_STREAM_LEGACY))
+#: cuStreamBatchMemOp takes fewer than 256 operations per call.
+_MAX_BATCH_MEMOPS = 255
+
+_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8,
+             "int8": 1, "uint8": 1, "int32": 4, "int64": 8}
+
+_HINTS = {
+    driver.CUresult.CUDA_ERROR_OUT_OF_MEMORY: "free GPU memory or use smaller buffers",
+    driver.CUresult.CUDA_ERROR_PEER_ACCESS_UNSUPPORTED:
+        "these GPUs cannot map each other's memory (see `nvidia-smi topo -m`)",
+    driver.CUresult.CUDA_ERROR_TOO_MANY_PEERS: "a GPU can map at most 8 peers at once",
+    driver.CUresult.CUDA_ERROR_NO_DEVICE: "no GPU is visible (check CUDA_VISIBLE_DEVICES)",
+    driver.CUresult.CUDA_ERROR_INVALID_DEVICE: "the device ordinal is out of range",
+    driver.CUresult.CUDA_ERROR_NOT_SUPPORTED:
+        "the driver or GPU does not support this operation (64-bit stream memory "
+        "operations need CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS)",
+    driver.CUresult.CUDA_ERROR_INVALID_CONTEXT:
+        "the handle belongs to another context (e.g. an IPC handle opened in the "
+        "process that exported it)",
+}
+
+
+# -- the gateway ---------------------------------------------------------------------------
+def _error(call_name: str, status: Any) -> DriverError:
+    _, name = driver.cuGetErrorName(status)
+    _, text = driver.cuGetErrorString(status)
+    name = name.decode() if isinstance(name, bytes) else str(status)
+    text = text.decode() if isinstance(text, bytes) else "unknown error"
+    hint = _HINTS.get(status)
+    return DriverError(f"{call_name} failed: {name} ({text})" + (f"; {hint}" if hint else ""))
+
+
+def _check(result: tuple, call_name: str) -> Any:
+    """Unpack a cuda-bindings result tuple ``(status, *values)``; raise unless success.
+
+    Returns None, the single value, or the tuple of values.
+    """
+    if result[0]:
+        raise _error(call_name, result[0])
+    if len(result) == 1:
+        return None
+    return result[1] if len(result) == 2 else result[1:]
+
+
+def _status(result: tuple, call_name: str, allow: Tuple[Any, ...]) -> Any:
+    """The status of a call for which the statuses in ``allow`` are answers, not errors."""
+    status = result[0]
+    if status and status not in allow:
+        raise _error(call_name, status)
+    return status
+
+
+def _call(function: Any, *args: Any) -> Any:
+    """Call a driver function and check it; the error names the function."""
+    return _check(function(*args), function.__name__)
+
+
+_init_lock = threading.Lock()
+_initialised = False
+
+
+def _init_driver() -> None:
+    global _initialised
+    with _init_lock:
+        if not _initialised:
+            _call(driver.cuInit, 0)
+            _initialised = True
+
+
+# -- kernels -------------------------------------------------------------------------------
+_cubin_lock = threading.Lock()
+_cubins: dict = {}
+
+
+def _nvrtc_check(nvrtc: Any, result: tuple, call_name: str, program: Any = None) -> Any:
+    if result[0]:
+        _, text = nvrtc.nvrtcGetErrorString(result[0])
+        message = f"{call_name} failed: {text.decode() if isinstance(text, bytes) else result[0]}"
+        if program is not None:
+            _, size = nvrtc.nvrtcGetProgramLogSize(program)
+            log = b" " * size
+            nvrtc.nvrtcGetProgramLog(program, log)
+            message += "\n" + log.decode(errors="replace")
+        raise DriverError(message)
+    return result[1] if len(result) == 2 else result[1:]
+
+
+def _cache_dir() -> str:
+    explicit = os.environ.get("HOCCL_CACHE_DIR")
+    if explicit:
+        return explicit
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "hoccl")
+
+
+def _cubin(arch: str) -> bytes:
+    """The kernels built for ``arch`` (e.g. ``"sm_90"``), compiled once per process and
+    kept on disk, keyed by the source, the options and the NVRTC version."""
+    options = _kernels.compile_options(arch)
+    with _cubin_lock:
+        if tuple(options) in _cubins:
+            return _cubins[tuple(options)]
+        from cuda.bindings import nvrtc
+        version = _nvrtc_check(nvrtc, nvrtc.nvrtcVersion(), "nvrtcVersion")
+        supported = _nvrtc_check(nvrtc, nvrtc.nvrtcGetSupportedArchs(), "nvrtcGetSupportedArchs")
+        if int(arch[3:]) not in supported:
+            raise DriverError(
+                f"nvrtcCompileProgram: NVRTC {version[0]}.{version[1]} cannot build for {arch} "
+                f"(it supports sm_{supported}); install an nvidia-cuda-nvrtc that matches the GPU")
+        text = _kernels.source()
+        key = hashlib.sha256(repr((text, options, tuple(version))).encode()).hexdigest()[:24]
+        path = os.path.join(_cache_dir(), f"kernels-{arch}-{key}.cubin")
+        try:
+            with open(path, "rb") as cached:
+                image = cached.read()
+        except OSError:
+            image = _compile(nvrtc, text, options)
+            try:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                partial = f"{path}.{os.getpid()}.tmp"
+                with open(partial, "wb") as out:
+                    out.write(image)
+                os.replace(partial, path)
+            except OSError:
+                pass  # an unwritable cache only costs a compile next time
+        _cubins[tuple(options)] = image
+        return image
+
+
+def _compile(nvrtc: Any, text: str, options: list) -> bytes:
+    program = _nvrtc_check(nvrtc, nvrtc.nvrtcCreateProgram(text.encode(), b"hoccl_kernels.cu",
+                                                           0, [], []), "nvrtcCreateProgram")
+    try:
+        encoded = [option.encode() for option in options]
+        _nvrtc_check(nvrtc, nvrtc.nvrtcCompileProgram(program, len(encoded), encoded),
+                     "nvrtcCompileProgram", program)
+        size = _nvrtc_check(nvrtc, nvrtc.nvrtcGetCUBINSize(program), "nvrtcGetCUBINSize")
+        image = b" " * size
+        _nvrtc_check(nvrtc, nvrtc.nvrtcGetCUBIN(program, image), "nvrtcGetCUBIN")
+        return image
+    finally:
+        nvrtc.nvrtcDestroyProgram(program)
+
+
+class _ReduceArgs(ctypes.Structure):
+    """Mirror of ``ReduceArgs`` in ``_kernels``; passed by value to every reduce launch."""
+    _fields_ = [("output", ctypes.c_void_p),
+                ("inputs", ctypes.c_void_p * _kernels.MAX_INPUTS),
+                ("count", ctypes.c_uint64),
+                ("head", ctypes.c_uint64),
+                ("vectors", ctypes.c_uint64),
+                ("num_inputs", ctypes.c_uint32),
+                ("divisor", ctypes.c_uint32)]
+
+
+class _CopyArgs(ctypes.Structure):
+    """Mirror of ``CopyArgs`` in ``_kernels``."""
+    _fields_ = [("dst", ctypes.c_void_p),
+                ("src", ctypes.c_void_p),
+                ("nbytes", ctypes.c_uint64),
+                ("head", ctypes.c_uint64)]
+
+
+class _Kernels:
+    """The loaded module and its functions in one context."""
+
+    def __init__(self, arch: str):
+        self.module = _call(driver.cuModuleLoadData, _cubin(arch))
+        self.reduce = {(dtype, op): _call(driver.cuModuleGetFunction, self.module,
+                                          _kernels.reduce_kernel_name(dtype, op).encode())
+                       for dtype in DTYPES for op in OPS}
+        self.copy = {width: _call(driver.cuModuleGetFunction, self.module,
+                                  _kernels.copy_kernel_name(width).encode())
+                     for width in _kernels.COPY_WIDTHS}
+
+
+# -- owned handles -------------------------------------------------------------------------
+class _PinnedWord(HostWord):
+    """A 64-bit counter in pinned, device-mapped host memory."""
+
+    def __init__(self, host_address: int, device_address: int):
+        self._host_address = host_address
+        self.address = device_address
+
+    @property
+    def value(self) -> int:
+        if not self._host_address:
+            raise InvalidArgumentError("HostWord.value: the device that owned this word is closed")
+        return ctypes.c_uint64.from_address(self._host_address).value
+
+    def __repr__(self) -> str:
+        return f"<cuda HostWord at {self.address:#x}>"
+
+
+class _Owned:
+    """Every handle a CudaDevice created, released by ``_release`` in teardown order.
+
+    Kept apart from the device so that ``weakref.finalize`` can release it without
+    holding the device alive.
+    """
+
+    def __init__(self, device: Any):
+        self.device = device
+        self.context: Any = None
+        self.imports: dict = {}          # (handle bytes, base, buffer id) -> mapped base
+        self.peers: list = []            # peer contexts whose access this device enabled
+        self.events: set = set()
+        self.streams: set = set()
+        self.pads: set = set()
+        self.host_words: list = []
+        self.allocations: set = set()
+        self.kernels: Any = None
+
+
+def _release(owned: _Owned) -> None:
+    """Release in order: imports, peer access, events, streams, pads, host words,
+    allocations, the kernel module, and last the primary context."""
+    if owned.context is None:
+        return
+    errors = []
+
+    def attempt(function: Any, *args: Any, allow: Tuple[Any, ...] = ()) -> None:
+        try:
+            _status(function(*args), function.__name__, allow)
+        except DriverError as error:
+            errors.append(error)
+
+    attempt(driver.cuCtxSetCurrent, owned.context)
+    for mapped in owned.imports.values():
+        attempt(driver.cuIpcCloseMemHandle, mapped)
+    for peer_context in owned.peers:
+        attempt(driver.cuCtxDisablePeerAccess, peer_context, allow=_GONE)
+    for event in owned.events:
+        attempt(driver.cuEventDestroy, event)
+    for stream in owned.streams:
+        attempt(driver.cuStreamDestroy, stream)
+    for pad in owned.pads:
+        attempt(driver.cuMemFree, pad)
+    for word in owned.host_words:
+        attempt(driver.cuMemFreeHost, word._host_address)
+        word._host_address = 0
+    for address in owned.allocations:
+        attempt(driver.cuMemFree, address)
+    if owned.kernels is not None:
+        attempt(driver.cuModuleUnload, owned.kernels.module)
+    attempt(driver.cuDevicePrimaryCtxRelease, owned.device)
+    for handles in (owned.imports, owned.peers, owned.events, owned.streams, owned.pads,
+                    owned.host_words, owned.allocations):
+        handles.clear()
+    owned.kernels = None
+    owned.context = None
+    if errors:
+        raise DriverError("close: " + "; ".join(str(error) for error in errors))
+
+
+#: what ``export`` returns; a plain tuple on the wire (it pickles as a namedtuple).
+CudaIpcDescriptor = collections.namedtuple(
+    "CudaIpcDescriptor", ["kind", "handle", "base", "size", "buffer_id", "offset"])
+
+
+# -- the device ----------------------------------------------------------------------------
+def device_count() -> int:
+    """Visible CUDA devices; 0 when there is no driver (libcuda) or no GPU."""
+    try:
+        _init_driver()
+        return _call(driver.cuDeviceGetCount)
+    except (DriverError, RuntimeError):  # cuda-bindings raises RuntimeError without libcuda
+        return 0
+
+
+def open_device(ordinal: int, *, max_sms: int = 8) -> "CudaDevice":
+    """Open GPU ``ordinal`` in its primary context; ``max_sms`` caps the SM kernels' grid."""
+    if not isinstance(ordinal, int) or isinstance(ordinal, bool):
+        raise InvalidArgumentError(
+            f"open_device: expected an int ordinal, got {type(ordinal).__name__}")
+    _init_driver()
+    count = _call(driver.cuDeviceGetCount)
+    if not 0 <= ordinal < count:
+        raise InvalidArgumentError(
+            f"open_device: expected an ordinal in [0, {count}), got {ordinal}")
+    return CudaDevice(ordinal, max_sms=max_sms)
+
+
+class CudaDevice(Device):
+    """One GPU seen through its primary context.  Create it with ``open_device``.
+
+    Streams, events and addresses are the driver's own handles (``CUstream``,
+    ``CUevent``, int device pointers); methods accept ints for streams too.
+    """
+
+    backend = "cuda"
+
+    def __init__(self, ordinal: int, *, max_sms: int = 8):
+        self.ordinal = ordinal
+        self.max_sms = max_sms
+        self._device = _call(driver.cuDeviceGet, ordinal)
+        self._owned = _Owned(self._device)
+        self._context = _call(driver.cuDevicePrimaryCtxRetain, self._device)
+        self._owned.context = self._context
+        self._finalizer = weakref.finalize(self, _release, self._owned)
+        self._finalizer.atexit = False
+        self._kernel_lock = threading.Lock()
+        self._exports: dict = {}
+
+        def attribute(name: str) -> int:
+            return _call(driver.cuDeviceGetAttribute, getattr(driver.CUdevice_attribute, name),
+                         self._device)
+
+        self.compute_capability = (attribute("CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR"),
+                                   attribute("CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR"))
+        self.sm_count = attribute("CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT")
+        self._make_current()
+        _, self._priority = _call(driver.cuCtxGetStreamPriorityRange)
+        # A private stream for setup work that must finish before a call returns.
+        self._setup_stream = self.create_stream()
+        self._batch_attributes = driver.CUmemcpyAttributes()
+        self._batch_attributes.srcAccessOrder = \
+            driver.CUmemcpySrcAccessOrder.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+
+    def __repr__(self) -> str:
+        state = "closed" if self._owned.context is None else f"max_sms={self._max_sms}"
+        major, minor = self.compute_capability
+        return f"<CudaDevice {self.ordinal} sm_{major}{minor} {state}>"
+
+    def __enter__(self) -> "CudaDevice":
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+    @property
+    def max_sms(self) -> int:
+        """The most SMs (thread blocks) ``local_copy`` and ``reduce`` may occupy."""
+        return self._max_sms
+
+    @max_sms.setter
+    def max_sms(self, value: int) -> None:
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise InvalidArgumentError(f"max_sms: expected a positive int, got {value!r}")
+        self._max_sms = value
+
+    def _make_current(self) -> None:
+        if self._owned.context is None:
+            raise InvalidArgumentError(f"CudaDevice {self.ordinal}: the device is closed")
+        _call(driver.cuCtxSetCurrent, self._context)
+
+    # -- streams and events ----------------------------------------------------------------
+    def create_stream(self) -> Any:
+        self._make_current()
+        stream = _call(driver.cuStreamCreateWithPriority,
+                       driver.CUstream_flags.CU_STREAM_NON_BLOCKING, self._priority)
+        self._owned.streams.add(stream)
+        return stream
+
+    def destroy_stream(self, stream: Any) -> None:
+        stream = driver.CUstream(int(stream))
+        if stream not in self._owned.streams:
+            raise InvalidArgumentError(
+                f"destroy_stream: expected a stream this device created, got {int(stream):#x}")
+        self._make_current()
+        self._owned.streams.discard(stream)
+        _call(driver.cuStreamDestroy, stream)
+
+    def resolve_stream(self, stream: Any, arrays: Sequence[Any]) -> Any:
+        if stream is None:
+            for array in arrays:
+                module = type(array).__module__
+                if module.startswith("torch"):
+                    import torch
+                    return driver.CUstream(torch.cuda.current_stream(self.ordinal).cuda_stream)
+                if module.startswith("cupy"):
+                    import cupy
+                    with cupy.cuda.Device(self.ordinal):
+                        return driver.CUstream(cupy.cuda.get_current_stream().ptr)
+            return driver.CUstream(driver.CU_STREAM_LEGACY)
+        if isinstance(stream, driver.CUstream):
+            return stream
+        if isinstance(stream, int) and not isinstance(stream, bool):
+            return driver.CUstream(stream)
+        protocol = getattr(stream, "__cuda_stream__", None)
+        if protocol is not None:
+            _, handle = protocol() if callable(protocol) else protocol
+            return driver.CUstream(int(handle))
+        module = type(stream).__module__
+        if module.startswith("cupy") and hasattr(stream, "ptr"):
+            return driver.CUstream(stream.ptr)
+        if module.startswith("torch") and hasattr(stream, "cuda_stream"):
+            return driver.CUstream(stream.cuda_stream)
+        raise InvalidArgumentError(
+            "resolve_stream: expected None, an int stream handle, a CUstream, a cupy or torch "
+            f"stream, or an object with __cuda_stream__; got {type(stream).__module__}."
+            f"{type(stream).__qualname__}")
+
+    def create_event(self) -> Any:
+        self._make_current()
+        event = _call(driver.cuEventCreate, driver.CUevent_flags.CU_EVENT_DISABLE_TIMING)
+        self._owned.events.add(event)
+        return event
+
+    def destroy_event(self, event: Any) -> None:
+        if event not in self._owned.events:
+            raise InvalidArgumentError(
+                f"destroy_event: expected an event this device created, got {event!r}")
+        self._make_current()
+        self._owned.events.discard(event)
+        _call(driver.cuEventDestroy, event)
+
+    def record(self, stream: Any, event: Any) -> None:
+        self._make_current()
+        _call(driver.cuEventRecord, event, stream)
+
+    def wait_event(self, stream: Any, event: Any) -> None:
+        self._make_current()
+        _call(driver.cuStreamWaitEvent, stream, event, 0)
+
+    def synchronize_stream(self, stream: Any, timeout: float) -> None:
+        """Poll ``cuStreamQuery``: spin ~50 µs, then sleep with backoff up to 1 ms."""
+        self._make_current()
+        start = time.monotonic()
+        spin_until, deadline, delay = start + 50e-6, start + timeout, 10e-6
+        while _status(driver.cuStreamQuery(stream), "cuStreamQuery", (_NOT_READY,)):
+            now = time.monotonic()
+            if now >= deadline:
+                raise HocclTimeoutError(
+                    f"synchronize_stream: stream {int(stream):#x} on GPU {self.ordinal} still had "
+                    f"unfinished work after {timeout} s (cuStreamQuery kept answering "
+                    "CUDA_ERROR_NOT_READY; a wait_value whose signal never came blocks a "
+                    "stream forever)")
+            if now >= spin_until:
+                time.sleep(delay)
+                delay = min(delay * 2, 1e-3)
+
+    # -- memory ------------------------------------------------------------------------------
+    def alloc(self, nbytes: int) -> int:
+        self._make_current()
+        address = int(_call(driver.cuMemAlloc, nbytes))
+        self._owned.allocations.add(address)
+        return address
+
+    def free(self, address: int) -> None:
+        address = int(address)
+        owner = next((pool for pool in (self._owned.allocations, self._owned.pads)
+                      if address in pool), None)
+        if owner is None:
+            raise InvalidArgumentError(
+                "free: expected an address from this device's alloc or alloc_pad, "
+                f"got {address:#x}")
+        self._make_current()
+        owner.discard(address)
+        _call(driver.cuMemFree, address)
+
+    def alloc_pad(self, slots: int) -> int:
+        self._make_current()
+        address = int(_call(driver.cuMemAlloc, slots * 8))
+        self._owned.pads.add(address)
+        # A small memset runs without SMs; on a private stream so that no caller's work waits.
+        _call(driver.cuMemsetD32Async, address, 0, slots * 2, self._setup_stream)
+        _call(driver.cuStreamSynchronize, self._setup_stream)
+        return address
+
+    def alloc_host_word(self) -> HostWord:
+        self._make_current()
+        flags = driver.CU_MEMHOSTALLOC_DEVICEMAP | driver.CU_MEMHOSTALLOC_PORTABLE
+        host_address = int(_call(driver.cuMemHostAlloc, 8, flags))
+        ctypes.c_uint64.from_address(host_address).value = 0
+        try:
+            device_address = int(_call(driver.cuMemHostGetDevicePointer, host_address, 0))
+        except DriverError:
+            _call(driver.cuMemFreeHost, host_address)
+            raise
+        word = _PinnedWord(host_address, device_address)
+        self._owned.host_words.append(word)
+        return word
+
+    def export(self, address: int) -> CudaIpcDescriptor:
+        """``("cuda-ipc", handle, base, size, buffer_id, offset)`` for the allocation
+        holding ``address``; the handle of an allocation is made once and cached."""
+        self._make_current()
+        address = int(address)
+        try:
+            base, size = _call(driver.cuMemGetAddressRange, address)
+        except DriverError as error:
+            raise InvalidArgumentError(
+                "export: expected an address inside a CUDA device allocation, "
+                f"got {address:#x} ({error})")
+        base = int(base)
+        buffer_id = int(_call(driver.cuPointerGetAttribute,
+                              driver.CUpointer_attribute.CU_POINTER_ATTRIBUTE_BUFFER_ID, address))
+        entry = self._exports.get((base, buffer_id))
+        if entry is None:
+            capable = _call(
+                driver.cuPointerGetAttribute,
+                driver.CUpointer_attribute.CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE, address)
+            if not int(capable):
+                raise InvalidArgumentError(
+                    f"export: the buffer at {address:#x} (allocation {base:#x}, {int(size)} bytes) "
+                    "cannot be shared with cuIpcGetMemHandle; it must come from a cudaMalloc-style "
+                    "allocation (cupy's default memory pool, torch's caching allocator without "
+                    "expandable_segments, or hoccl's alloc), not from cuMemCreate/VMM or "
+                    "expandable segments")
+            handle = _call(driver.cuIpcGetMemHandle, base)
+            entry = (bytes(handle.reserved), int(size))
+            self._exports[(base, buffer_id)] = entry
+        return CudaIpcDescriptor("cuda-ipc", entry[0], base, entry[1], buffer_id, address - base)
+
+    def import_(self, descriptor: Any) -> int:
+        if not (isinstance(descriptor, tuple) and len(descriptor) == 6
+                and descriptor[0] == "cuda-ipc"):
+            raise InvalidArgumentError(
+                "import_: expected a ('cuda-ipc', handle, base, size, buffer_id, offset) "
+                f"descriptor from CudaDevice.export, got {type(descriptor).__name__}")
+        _, handle, base, _, buffer_id, offset = descriptor
+        key = (handle, base, buffer_id)
+        mapped = self._owned.imports.get(key)
+        if mapped is None:
+            self._make_current()
+            ipc_handle = driver.CUipcMemHandle()
+            ipc_handle.reserved = handle
+            mapped = int(_call(driver.cuIpcOpenMemHandle, ipc_handle,
+                               driver.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS))
+            self._owned.imports[key] = mapped
+        return mapped + offset
+
+    def enable_peer_access(self, peer: Device) -> None:
+        if not isinstance(peer, CudaDevice):
+            raise InvalidArgumentError(
+                f"enable_peer_access: expected a CudaDevice, got {type(peer).__name__}")
+        if peer.ordinal == self.ordinal or peer._context in self._owned.peers:
+            return
+        self._make_current()
+        status = _status(driver.cuCtxEnablePeerAccess(peer._context, 0), "cuCtxEnablePeerAccess",
+                         (_PEER_ALREADY_ENABLED,))
+        if not status:  # enabled by someone else: theirs to disable
+            self._owned.peers.append(peer._context)
+
+    # -- the zero-SM primitives -------------------------------------------------------------
+    def copy(self, stream: Any, dst: Any, src: Any, nbytes: int) -> None:
+        if nbytes:
+            self._make_current()
+            _call(driver.cuMemcpyAsync, dst, src, nbytes, stream)
+
+    def copy_batch(self, stream: Any, copies: Sequence[Tuple[Any, Any, int]]) -> None:
+        """One ``cuMemcpyBatchAsync`` (no order among the copies); single copies and the
+        legacy stream, which the batch call refuses, go through ``copy``."""
+        copies = [copy for copy in copies if copy[2]]
+        if len(copies) < 2 or int(stream) in _LEGACY_STREAMS:
+            for dst, src, nbytes in copies:
+                self.copy(stream, dst, src, nbytes)
+            return
+        self._make_current()
+        _call(driver.cuMemcpyBatchAsync,
+              [driver.CUdeviceptr(int(dst)) for dst, _, _ in copies],
+              [driver.CUdeviceptr(int(src)) for _, src, _ in copies],
+              [nbytes for _, _, nbytes in copies], len(copies),
+              [self._batch_attributes], [0], 1, stream)
+
+    def write_value(self, stream: Any, address: Any, value: int) -> None:
+        self._make_current()
+        _call(driver.cuStreamWriteValue64, stream, address, value,
+              driver.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT)
+
+    def wait_value(self, stream: Any, address: Any, value: int) -> None:
+        self._make_current()
+        _call(driver.cuStreamWaitValue64, stream, address, value,
+              driver.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ)
+
+    def wait_values(self, stream: Any, waits: Iterable[Tuple[Any, int]]) -> None:
+        """All waits in ``cuStreamBatchMemOp`` calls of up to 255 operations each."""
+        wait_64 = driver.CUstreamBatchMemOpType.CU_STREAM_MEM_OP_WAIT_VALUE_64
+        operations = []
+        for address, value in waits:
+            operation = driver.CUstreamBatchMemOpParams()
+            operation.waitValue.operation = wait_64
+            operation.waitValue.address = int(address)
+            operation.waitValue.value64 = value
+            operation.waitValue.flags = driver.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
+            operations.append(operation)
+        if not operations:
+            return
+        self._make_current()
+        for start in range(0, len(operations), _MAX_BATCH_MEMOPS):
+            chunk = operations[start:start + _MAX_BATCH_MEMOPS]
+            _call(driver.cuStreamBatchMemOp, stream, len(chunk), chunk, 0)
+
+    # -- SM work -----------------------------------------------------------------------------
+    def _kernels(self) -> _Kernels:
+        kernels = self._owned.kernels
+        if kernels is None:
+            with self._kernel_lock:
+                if self._owned.kernels is None:
+                    self._make_current()
+                    major, minor = self.compute_capability
+                    self._owned.kernels = _Kernels(f"sm_{major}{minor}")
+                kernels = self._owned.kernels
+        return kernels
+
+    def _blocks(self, work_items: int, threads: int) -> int:
+        return max(1, min(self._max_sms, self.sm_count, -(-work_items // threads)))
+
+    def _launch(self, function: Any, blocks: int, threads: int, stream: Any,
+                args: ctypes.Structure) -> None:
+        # The driver copies the argument struct during the call: no lifetime to manage.
+        parameters = (ctypes.c_void_p * 1)(ctypes.addressof(args))
+        _call(driver.cuLaunchKernel, function, blocks, 1, 1, threads, 1, 1, 0, stream,
+              ctypes.addressof(parameters), 0)
+
+    def local_copy(self, stream: Any, dst: Any, src: Any, nbytes: int) -> None:
+        """A same-GPU copy on at most ``max_sms`` SMs (``cuMemcpyAsync`` would take them all)."""
+        if not nbytes:
+            return
+        dst, src = int(dst), int(src)
+        width = next(width for width in _kernels.COPY_WIDTHS if dst % width == src % width)
+        head = min(nbytes, -dst % width)
+        kernels = self._kernels()
+        self._make_current()
+        threads = _kernels.TUNING["copy_threads"]
+        blocks = self._blocks((nbytes - head) // width, threads)
+        self._launch(kernels.copy[width], blocks, threads, stream,
+                     _CopyArgs(dst, src, nbytes, head))
+
+    def reduce(self, stream: Any, output: Any, inputs: Sequence[Any], count: int,
+               dtype: str, op: str) -> None:
+        """``output = op(*inputs)`` on at most ``max_sms`` SMs; ``output`` may be an input.
+
+        Up to 64 inputs per launch; more are chained (the output joins the next launch
+        as its first input; ``avg`` sums until the last launch divides by the total).
+        """
+        if dtype not in _ITEMSIZE:
+            raise InvalidArgumentError(f"reduce: expected dtype in {DTYPES}, got {dtype!r}")
+        if op not in OPS:
+            raise InvalidArgumentError(f"reduce: expected op in {OPS}, got {op!r}")
+        if not inputs:
+            raise InvalidArgumentError("reduce: expected at least one input, got none")
+        if not count:
+            return
+        itemsize = _ITEMSIZE[dtype]
+        output = int(output)
+        inputs = [int(address) for address in inputs]
+        misaligned = [address for address in [output] + inputs if address % itemsize]
+        if misaligned:
+            raise InvalidArgumentError(
+                f"reduce: expected addresses aligned to the {itemsize}-byte {dtype} elements, "
+                f"got {', '.join(f'{address:#x}' for address in misaligned)}")
+        kernels = self._kernels()
+        self._make_current()
+        total, taken = len(inputs), 0
+        while taken < total:
+            room = _kernels.MAX_INPUTS - (1 if taken else 0)
+            chunk = ([output] if taken else []) + inputs[taken:taken + room]
+            taken += room
+            kernel_op = "sum" if op == "avg" and taken < total else op
+            self._launch_reduce(kernels.reduce[dtype, kernel_op], stream, output, chunk, count,
+                                itemsize, total)
+
+    def _launch_reduce(self, function: Any, stream: Any, output: int, inputs: list, count: int,
+                       itemsize: int, divisor: int) -> None:
+        threads = _kernels.TUNING["reduce_threads"]
+        offset = output % 16
+        if all(address % 16 == offset for address in inputs):
+            head = min(count, (-output % 16) // itemsize)
+            vectors = (count - head) * itemsize // 16
+        else:  # mutually misaligned: element by element
+            head, vectors = count, 0
+        scalars = count - vectors * 16 // itemsize
+        args = _ReduceArgs(output, (ctypes.c_void_p * _kernels.MAX_INPUTS)(*inputs), count,
+                           head, vectors, len(inputs), divisor)
+        self._launch(function, self._blocks(max(vectors, scalars), threads), threads, stream, args)
+
+    # -- lifetime ----------------------------------------------------------------------------
+    def close(self) -> None:
+        """Release everything this device created (see ``_release`` for the order); idempotent.
+
+        Work still queued on streams keeps running; wait for it first.  Pointers from
+        ``import_`` and this device's allocations are invalid afterwards.
+        """
+        self._exports.clear()
+        self._finalizer()
+
