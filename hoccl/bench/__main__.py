@@ -1,0 +1,177 @@
+"""python -m hoccl.bench: bus bandwidth of hoccl and NCCL side by side, nccl-tests style.
+
+  mpirun -np 2 python -m hoccl.bench                     # hoccl, NCCL (torch.distributed,
+                                                          # nccl4py) and NCCL's zero-SM mode
+  python -m hoccl.bench --local 2                         # one process, hoccl only
+
+Prints one table per collective (time in µs, algbw and busbw in GB/s = 1e9 B/s,
+#wrong elements after a checked run), the ratio of hoccl's busbw to the best NCCL
+figure of the same size and form, and writes JSON and PNG plots to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any, Dict, List
+
+from ._harness import (COLLECTIVES, FORMS, bus_factor, count_wrong, human, libraries,
+                       make_buffers, metadata, parse_size, setup_ranks, time_loop, write_json)
+
+
+def arguments(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m hoccl.bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--local", type=int, default=0, metavar="N",
+                        help="drive N GPUs from this one process (hoccl only); default: one "
+                             "rank per mpirun process")
+    parser.add_argument("--collectives", default=",".join(COLLECTIVES),
+                        help="comma-separated subset of %(default)s")
+    parser.add_argument("--libraries", default="hoccl,hoccl-local,nccl,nccl4py,nccl-zero",
+                        help="comma-separated: hoccl (zero-SM own-block route), hoccl-local "
+                             "(own block on capped SMs), nccl (torch.distributed), nccl4py, "
+                             "nccl-zero (NCCL CTA policy ZERO, symmetric windows)")
+    parser.add_argument("--min-bytes", default="1K", help="smallest size (nccl-tests' size)")
+    parser.add_argument("--max-bytes", default="1G", help="largest size")
+    parser.add_argument("--factor", type=int, default=4, help="size multiplier between rows")
+    parser.add_argument("--forms", default="out,in", help="out (out-of-place), in (in-place)")
+    parser.add_argument("--dtype", default="bfloat16", help="torch dtype name")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed calls per measurement")
+    parser.add_argument("--time-budget", type=float, default=0.05,
+                        help="seconds of timed calls per measurement (5 to 200 calls)")
+    parser.add_argument("--max-sms", type=int, default=8, help="hoccl's SM cap for sums and "
+                        "local copies")
+    parser.add_argument("--out", default="results/bench", help="folder for JSON and PNG")
+    return parser.parse_args(argv)
+
+
+def sweep(args: argparse.Namespace):
+    """Returns (result, whether this process reports)."""
+    import torch
+    ranks = setup_ranks(args.local, max_sms=args.max_sms)
+    dtype = getattr(torch, args.dtype)
+    libs = libraries(ranks, args.libraries.split(","))
+    sizes, size = [], parse_size(args.min_bytes)
+    while size <= parse_size(args.max_bytes):
+        sizes.append(size)
+        size *= args.factor
+    forms = args.forms.split(",")
+    streams = [torch.cuda.current_stream(device) for device in ranks.devices]
+    records: List[Dict[str, Any]] = []
+    n = ranks.world_size
+    ranks.say(f"# hoccl.bench: {n} ranks, {args.dtype}, libraries "
+              f"{', '.join(lib.name for lib in libs)}")
+    for collective in args.collectives.split(","):
+        for form in FORMS[collective]:
+            if form not in forms:
+                continue
+            for nbytes in sizes:
+                estimate = None
+                for lib in libs:
+                    if not lib.supports(collective, form):
+                        continue
+                    if hasattr(lib, "prepare"):
+                        lib.prepare()
+                    buffers = make_buffers(lib, ranks, collective, form, nbytes, dtype)
+                    wrong = count_wrong(lib, ranks, collective, form, buffers, dtype,
+                                        lambda i: streams[i])
+                    probe = time_loop(lib, ranks, collective, buffers, 3, 1, lambda i: streams[i])
+                    iters = int(min(200, max(5, args.time_budget / max(probe * 1e-6, 1e-9))))
+                    iters = int(ranks.max(iters))
+                    micros = time_loop(lib, ranks, collective, buffers, iters, args.warmup,
+                                       lambda i: streams[i])
+                    algbw = nbytes / (micros * 1e-6) / 1e9
+                    record = dict(collective=collective, form=form, bytes=nbytes,
+                                  library=lib.name, time_us=micros, algbw=algbw,
+                                  busbw=algbw * bus_factor(collective, n), wrong=wrong,
+                                  iters=iters, sms=lib.sms)
+                    records.append(record)
+                    ranks.say(f"  {collective:14s} {form:3s} {human(nbytes):>5s} {lib.name:11s} "
+                              f"{micros:10.1f} us {record['busbw']:7.1f} GB/s  wrong {wrong}")
+                    if hasattr(lib, "release"):
+                        lib.release()
+                    del buffers
+                    torch.cuda.empty_cache()
+    return ({"meta": metadata(sys.argv), "world_size": n, "dtype": args.dtype,
+             "records": records}, ranks.leader)
+
+
+def table(result: Dict[str, Any]) -> str:
+    """One block per collective and form: a row per size, a column pair per library."""
+    records = result["records"]
+    lines = []
+    keys = sorted({(r["collective"], r["form"]) for r in records},
+                  key=lambda k: (COLLECTIVES.index(k[0]), k[1]))
+    for collective, form in keys:
+        rows = [r for r in records if r["collective"] == collective and r["form"] == form]
+        names = list(dict.fromkeys(r["library"] for r in rows))
+        lines.append(f"\n## {collective} ({'in-place' if form == 'in' else 'out-of-place'}), "
+                     f"busbw GB/s (time us), {result['world_size']} ranks {result['dtype']}")
+        header = "| size | " + " | ".join(names) + " | hoccl / best NCCL |"
+        lines += [header, "|" + "---|" * (len(names) + 2)]
+        for nbytes in sorted({r["bytes"] for r in rows}):
+            by_name = {r["library"]: r for r in rows if r["bytes"] == nbytes}
+            cells = []
+            for name in names:
+                r = by_name.get(name)
+                cells.append("" if r is None else
+                             f"{r['busbw']:.1f} ({r['time_us']:.0f})" + (
+                                 f" WRONG {r['wrong']}" if r["wrong"] else ""))
+            nccl = [r["busbw"] for name, r in by_name.items() if name.startswith("nccl")]
+            ratio = (f"{by_name['hoccl']['busbw'] / max(nccl):.2f}x"
+                     if nccl and "hoccl" in by_name else "")
+            lines.append(f"| {human(nbytes)} | " + " | ".join(cells) + f" | {ratio} |")
+    return "\n".join(lines)
+
+
+def plots(result: Dict[str, Any], folder: str) -> List[str]:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    written = []
+    records = result["records"]
+    for collective in COLLECTIVES:
+        rows = [r for r in records if r["collective"] == collective]
+        if not rows:
+            continue
+        figure, axis = plt.subplots(figsize=(7, 4.5))
+        for (name, form) in sorted({(r["library"], r["form"]) for r in rows}):
+            series = sorted((r["bytes"], r["busbw"]) for r in rows
+                            if r["library"] == name and r["form"] == form)
+            axis.plot([s for s, _ in series], [b for _, b in series], marker="o",
+                      linestyle="-" if name.startswith("hoccl") else "--",
+                      label=f"{name} ({form}-of-place)" if form == "out" else f"{name} (in-place)")
+        axis.set_xscale("log", base=2)
+        axis.set_xlabel("size (bytes)")
+        axis.set_ylabel("bus bandwidth (GB/s)")
+        axis.set_title(f"{collective}, {result['world_size']} x {result['meta']['gpu']}")
+        axis.grid(True, alpha=0.3)
+        axis.legend(fontsize=7)
+        path = os.path.join(folder, f"{collective}.png")
+        figure.tight_layout()
+        figure.savefig(path, dpi=110)
+        plt.close(figure)
+        written.append(path)
+    return written
+
+
+def main(argv=None) -> None:
+    args = arguments(argv)
+    result, leader = sweep(args)
+    if leader:
+        os.makedirs(args.out, exist_ok=True)
+        write_json(os.path.join(args.out, "bench.json"), result)
+        text = table(result)
+        with open(os.path.join(args.out, "bench.md"), "w") as handle:
+            handle.write(text + "\n")
+        print(text)
+        try:
+            for path in plots(result, args.out):
+                print("wrote", path)
+        except ImportError as error:
+            print(f"# plots skipped: {error}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,365 @@
+"""What the benchmark programs share: ranks, libraries, buffers, timing, bandwidth formulas."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any, Callable, Dict, List, Optional
+
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
+#: forms each collective is measured in
+FORMS = {"all_gather": ("out", "in"), "reduce_scatter": ("out", "in"),
+         "all_reduce": ("out", "in"), "all_to_all": ("out",)}
+
+
+def bus_factor(collective: str, n: int) -> float:
+    """nccl-tests' busbw / algbw."""
+    return 2 * (n - 1) / n if collective == "all_reduce" else (n - 1) / n
+
+
+def parse_size(text: str) -> int:
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    text = text.strip().upper().rstrip("B")
+    return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
+
+
+def human(nbytes: int) -> str:
+    for unit, size in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if nbytes >= size and nbytes % size == 0:
+            return f"{nbytes // size}{unit}"
+    return str(nbytes)
+
+
+@dataclass
+class Ranks:
+    """The ranks this process drives: one under mpirun, several with --local."""
+    comms: List[Any]
+    world_size: int
+    mpi: Any = None  # mpi4py communicator, or None
+    devices: List[int] = field(default_factory=list)
+
+    @property
+    def leader(self) -> bool:
+        return self.mpi is None or self.mpi.rank == 0
+
+    def barrier(self) -> None:
+        if self.mpi is not None:
+            self.mpi.Barrier()
+
+    def max(self, value: float) -> float:
+        if self.mpi is None:
+            return value
+        from mpi4py import MPI
+        return self.mpi.allreduce(value, op=MPI.MAX)
+
+    def sum(self, value: float) -> float:
+        if self.mpi is None:
+            return value
+        from mpi4py import MPI
+        return self.mpi.allreduce(value, op=MPI.SUM)
+
+    def say(self, *args) -> None:
+        if self.leader:
+            print(*args, flush=True)
+
+
+def setup_ranks(local: int, **options) -> Ranks:
+    import torch
+    import hoccl
+    if local:
+        comms = hoccl.init_local(list(range(local)), backend="cuda", **options)
+        return Ranks(comms, local, None, list(range(local)))
+    from mpi4py import MPI
+    comm = hoccl.init(backend="cuda", **options)
+    torch.cuda.set_device(comm.device)
+    return Ranks([comm], comm.world_size, MPI.COMM_WORLD, [comm.device])
+
+
+def metadata(command: List[str]) -> Dict[str, Any]:
+    import torch
+    info = {"command": " ".join(command), "date": datetime.now(timezone.utc).isoformat(),
+            "host": platform.node(), "python": sys.version.split()[0],
+            "torch": torch.__version__, "gpu": torch.cuda.get_device_name(0),
+            "gpus": torch.cuda.device_count()}
+    try:
+        info["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+    except Exception as error:  # report, do not fail the benchmark
+        info["nccl"] = f"unknown ({error})"
+    try:
+        from cuda.bindings import driver
+        info["cuda_driver"] = driver.cuDriverGetVersion()[1]
+        import cuda.bindings
+        info["cuda_bindings"] = cuda.bindings.__version__
+    except Exception as error:
+        info["cuda_driver"] = f"unknown ({error})"
+    try:
+        import subprocess
+        info["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version",
+                                         "--format=csv,noheader"], capture_output=True,
+                                        text=True, timeout=20).stdout.split()[0]
+    except Exception as error:
+        info["driver"] = f"unknown ({error})"
+    import hoccl
+    info["hoccl"] = hoccl.__version__
+    return info
+
+
+def write_json(path: str, payload: Dict[str, Any]) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as handle:
+        json.dump(payload, handle, indent=1, default=str)
+
+
+# -- libraries -------------------------------------------------------------------------------
+class Library:
+    """One way to run a collective on this process's ranks."""
+    name = ""
+    sms = ""  # how many SMs it occupies, in words
+
+    def supports(self, collective: str, form: str) -> bool:
+        return True
+
+    def empty(self, rank_index: int, count: int, dtype: Any) -> Any:
+        import torch
+        return torch.empty(count, dtype=dtype, device=f"cuda:{self.ranks.devices[rank_index]}")
+
+    def run(self, rank_index: int, collective: str, send: Any, recv: Any, stream: Any) -> None:
+        raise NotImplementedError
+
+
+class Hoccl(Library):
+    def __init__(self, ranks: Ranks, route: str, name: str):
+        self.ranks, self.route, self.name = ranks, route, name
+        self.sms = "0 (copy engines)" if route == "peer" else "≤ max_sms for the own block"
+
+    def supports(self, collective: str, form: str) -> bool:
+        if self.route == "local":  # the local route only differs out of place, for moves
+            return form == "out" and collective in ("all_gather", "all_to_all")
+        return True
+
+    def prepare(self) -> None:
+        for comm in self.ranks.comms:
+            comm.set_options(self_route=self.route)
+
+    def run(self, rank_index, collective, send, recv, stream):
+        comm = self.ranks.comms[rank_index]
+        if collective in ("reduce_scatter", "all_reduce"):
+            getattr(comm, collective)(send, recv, "sum", stream=stream)
+        else:
+            getattr(comm, collective)(send, recv, stream=stream)
+
+
+class TorchNccl(Library):
+    """NCCL through torch.distributed (its default settings)."""
+    name = "nccl"
+    sms = "NCCL kernels (CTAs per channel)"
+
+    def __init__(self, ranks: Ranks):
+        import torch
+        import torch.distributed as dist
+        self.ranks, self.dist = ranks, dist
+        if not dist.is_initialized():
+            port = ranks.mpi.bcast(29500 + os.getpid() % 2000 if ranks.mpi.rank == 0 else None)
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ["MASTER_PORT"] = str(port)
+            dist.init_process_group("nccl", rank=ranks.mpi.rank, world_size=ranks.world_size,
+                                    device_id=torch.device(f"cuda:{ranks.devices[0]}"))
+
+    def supports(self, collective, form):
+        return not (collective == "all_reduce" and form == "out")  # torch's is in place only
+
+    def run(self, rank_index, collective, send, recv, stream):
+        import torch
+        dist = self.dist
+        with torch.cuda.stream(stream):
+            if collective == "all_gather":
+                dist.all_gather_into_tensor(recv, send)
+            elif collective == "reduce_scatter":
+                dist.reduce_scatter_tensor(recv, send)
+            elif collective == "all_reduce":
+                dist.all_reduce(recv)
+            else:
+                dist.all_to_all_single(recv, send)
+
+
+class Nccl4py(Library):
+    """NCCL through nccl4py: default mode, or the zero-SM mode (CTA policy ZERO with
+    symmetric windows on NCCL-allocated buffers), which exists for all_gather and all_to_all."""
+
+    def __init__(self, ranks: Ranks, zero: bool):
+        import nccl.core as nccl
+        self.nccl, self.ranks, self.zero = nccl, ranks, zero
+        self.name = "nccl-zero" if zero else "nccl4py"
+        self.sms = ("0 for remote blocks; own block copied on SMs" if zero
+                    else "NCCL kernels (CTAs per channel)")
+        uid = nccl.get_unique_id() if ranks.mpi.rank == 0 else None
+        uid = ranks.mpi.bcast(uid)
+        config = nccl.NCCLConfig(cta_policy=nccl.CTAPolicy.ZERO) if zero else None
+        self.comm = nccl.Communicator.init(ranks.world_size, ranks.mpi.rank, uid, config)
+        self.windows = []
+
+    def supports(self, collective, form):
+        return not self.zero or collective in ("all_gather", "all_to_all")
+
+    def empty(self, rank_index, count, dtype):
+        if not self.zero:
+            return super().empty(rank_index, count, dtype)
+        from nccl.core.interop import torch as nccl_torch
+        tensor = nccl_torch.empty(count, dtype=dtype, device=self.ranks.devices[rank_index])
+        self.windows.append(self.comm.register_window(tensor, self.nccl.WindowFlag.COLL_SYMMETRIC))
+        return tensor
+
+    def release(self) -> None:
+        for window in self.windows:
+            window.close()
+        self.windows.clear()
+
+    def run(self, rank_index, collective, send, recv, stream):
+        handle = stream.cuda_stream
+        if collective == "all_gather":
+            self.comm.allgather(send, recv, stream=handle)
+        elif collective == "reduce_scatter":
+            self.comm.reduce_scatter(send, recv, self.nccl.NcclRedOp.SUM, stream=handle)
+        elif collective == "all_reduce":
+            self.comm.allreduce(send, recv, self.nccl.NcclRedOp.SUM, stream=handle)
+        else:
+            self.comm.alltoall(send, recv, stream=handle)
+
+
+def libraries(ranks: Ranks, wanted: List[str]) -> List[Library]:
+    """The libraries asked for that can run here (NCCL baselines need mpirun)."""
+    found: List[Library] = []
+    for name in wanted:
+        try:
+            if name == "hoccl":
+                found.append(Hoccl(ranks, "peer", "hoccl"))
+            elif name == "hoccl-local":
+                found.append(Hoccl(ranks, "local", "hoccl-local"))
+            elif ranks.mpi is None:
+                ranks.say(f"# {name}: skipped (NCCL baselines need mpirun, one rank per process)")
+            elif name == "nccl":
+                found.append(TorchNccl(ranks))
+            elif name in ("nccl4py", "nccl-zero"):
+                found.append(Nccl4py(ranks, zero=name == "nccl-zero"))
+            else:
+                raise ValueError(f"unknown library {name!r}")
+        except ImportError as error:
+            ranks.say(f"# {name}: skipped ({error})")
+    return found
+
+
+# -- buffers and checking ------------------------------------------------------------------
+def counts_for(collective: str, nbytes: int, itemsize: int, n: int):
+    """(send elements, recv elements) for nccl-tests' "size" = ``nbytes``."""
+    total = max(nbytes // itemsize // n * n, n)
+    if collective == "all_gather":
+        return total // n, total
+    if collective == "reduce_scatter":
+        return total, total // n
+    return total, total
+
+
+def pattern(rank: int, count: int, dtype: Any, device: int) -> Any:
+    """Rank-specific small integers: exact in every dtype, and in sums of a few ranks."""
+    import torch
+    values = (torch.arange(count, device=f"cuda:{device}", dtype=torch.int64) * 7 + 13 * rank) % 5
+    return values.to(dtype)
+
+
+def expected(collective: str, rank: int, n: int, send_count: int, dtype: Any, device: int):
+    import torch
+    inputs = [pattern(r, send_count, dtype, device) for r in range(n)]
+    if collective == "all_gather":
+        return torch.cat(inputs)
+    if collective == "all_reduce":
+        return sum(x.float() for x in inputs).to(dtype)
+    block = send_count // n
+    if collective == "reduce_scatter":
+        return sum(x[rank * block:(rank + 1) * block].float() for x in inputs).to(dtype)
+    return torch.cat([x[rank * block:(rank + 1) * block] for x in inputs])
+
+
+def make_buffers(library: Library, ranks: Ranks, collective: str, form: str, nbytes: int,
+                 dtype: Any):
+    """Per local rank: (send, recv, the recv view to check, send pattern)."""
+    import torch
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    n = ranks.world_size
+    buffers = []
+    for index, comm in enumerate(ranks.comms):
+        rank = comm.rank
+        send_count, recv_count = counts_for(collective, nbytes, itemsize, n)
+        if form == "in" and collective == "all_gather":
+            recv = library.empty(index, recv_count, dtype)
+            send = recv[rank * send_count:(rank + 1) * send_count]
+        elif form == "in" and collective == "reduce_scatter":
+            send = library.empty(index, send_count, dtype)
+            recv = send[rank * recv_count:(rank + 1) * recv_count]
+        elif form == "in":
+            send = recv = library.empty(index, send_count, dtype)
+        else:
+            send = library.empty(index, send_count, dtype)
+            recv = library.empty(index, recv_count, dtype)
+        buffers.append((send, recv, send_count))
+    return buffers
+
+
+def count_wrong(library: Library, ranks: Ranks, collective: str, form: str, buffers, dtype,
+                stream_of) -> int:
+    """Fill the inputs with the pattern, poison the outputs, run once, count wrong elements."""
+    import torch
+    n = ranks.world_size
+    for index, (comm, (send, recv, send_count)) in enumerate(zip(ranks.comms, buffers)):
+        device = ranks.devices[index]
+        with torch.cuda.device(device):
+            recv.fill_(float("nan") if dtype.is_floating_point else 99)
+            send.copy_(pattern(comm.rank, send_count, dtype, device))
+            torch.cuda.synchronize(device)
+    ranks.barrier()
+    for index, (send, recv, _) in enumerate(buffers):
+        library.run(index, collective, send, recv, stream_of(index))
+    wrong = 0
+    for index, (comm, (send, recv, send_count)) in enumerate(zip(ranks.comms, buffers)):
+        device = ranks.devices[index]
+        with torch.cuda.device(device):
+            torch.cuda.synchronize(device)
+            want = expected(collective, comm.rank, n, send_count, dtype, device)
+            wrong += int((recv.float() != want.float()).sum().item())
+    return int(ranks.sum(wrong))
+
+
+def time_loop(library: Library, ranks: Ranks, collective: str, buffers, iters: int, warmup: int,
+              stream_of) -> float:
+    """Median-free nccl-tests style: average µs per call over ``iters`` back-to-back calls,
+    the slowest rank's."""
+    import torch
+
+    def once():
+        for index, (send, recv, _) in enumerate(buffers):
+            library.run(index, collective, send, recv, stream_of(index))
+    for _ in range(warmup):
+        once()
+    for device in ranks.devices:
+        torch.cuda.synchronize(device)
+    ranks.barrier()
+    starts, ends = [], []
+    for index, device in enumerate(ranks.devices):
+        start = torch.cuda.Event(enable_timing=True)
+        start.record(stream_of(index))
+        starts.append(start)
+    for _ in range(iters):
+        once()
+    for index, device in enumerate(ranks.devices):
+        end = torch.cuda.Event(enable_timing=True)
+        end.record(stream_of(index))
+        ends.append(end)
+    worst = 0.0
+    for start, end in zip(starts, ends):
+        end.synchronize()
+        worst = max(worst, start.elapsed_time(end) * 1000 / iters)
+    return ranks.max(worst)

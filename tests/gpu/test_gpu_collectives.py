@@ -1,0 +1,149 @@
+"""Every collective on real GPUs in one process (init_local over all visible GPUs),
+against numpy, fresh random data, poisoned outputs.  The mpirun mode runs
+tests/mpi/run_checks.py --backend cuda on the device machine."""
+
+import numpy as np
+import pytest
+
+from hoccl.testing import IN_PLACE_FORMS, ArrayModule, check_collective, poison, random_array
+
+pytestmark = pytest.mark.gpu
+
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast", "reduce",
+               "gather", "scatter")
+ROOTED = ("broadcast", "reduce", "gather", "scatter")
+REDUCING = ("reduce_scatter", "all_reduce", "reduce")
+DTYPES = ("float16", "bfloat16", "float32", "float64", "int8", "uint8", "int32", "int64")
+
+
+@pytest.mark.parametrize("collective", COLLECTIVES)
+@pytest.mark.parametrize("route", ["peer", "local"])
+def test_every_collective_every_dtype_small_and_odd_sizes(gpu_comms, collective, route):
+    for comm in gpu_comms:
+        comm.set_options(self_route=route, chunk_bytes=4096)
+    n, seed = gpu_comms[0].world_size, 0
+    for dtype in DTYPES:
+        for count in (0, 1, 3, 1001, 65537):
+            for in_place in ([False, True] if collective in IN_PLACE_FORMS else [False]):
+                for root in (sorted({0, n - 1}) if collective in ROOTED else [0]):
+                    for op in (("sum", "prod", "max", "min", "avg") if collective in REDUCING
+                               else ("sum",)):
+                        seed += 1
+                        check_collective(gpu_comms, collective, count=count, dtype=dtype, op=op,
+                                         root=root, in_place=in_place, seed=seed)
+    for comm in gpu_comms:
+        comm.set_options(self_route="peer", chunk_bytes=32 << 20)
+
+
+@pytest.mark.parametrize("collective,dtype,total_bytes", [
+    ("all_gather", "uint8", 1 << 30), ("all_to_all", "uint8", 1 << 30),
+    ("all_reduce", "float32", 1 << 30), ("reduce_scatter", "bfloat16", 256 << 20),
+    ("broadcast", "int32", 256 << 20), ("gather", "int64", 64 << 20),
+    ("scatter", "uint8", 64 << 20), ("reduce", "float16", 64 << 20)])
+@pytest.mark.parametrize("in_place", [False, True])
+def test_large_messages_up_to_one_gibibyte(gpu_comms, collective, dtype, total_bytes, in_place):
+    if in_place and collective not in IN_PLACE_FORMS:
+        pytest.skip("no in-place form")
+    n = gpu_comms[0].world_size
+    itemsize = np.dtype("float16" if dtype == "bfloat16" else dtype).itemsize
+    per_rank = total_bytes // itemsize // n
+    count = per_rank if collective in ("all_gather", "gather", "reduce_scatter", "all_to_all",
+                                       "scatter") else per_rank * n
+    if collective == "all_to_all":
+        count //= n
+    check_collective(gpu_comms, collective, count=count + 3 if collective != "all_to_all" else count,
+                     dtype=dtype, in_place=in_place, seed=7, root=n - 1)
+
+
+def test_user_streams_cupy_and_torch(gpu_comms):
+    import cupy
+    import torch
+    cupy_streams = []
+    for comm in gpu_comms:
+        with cupy.cuda.Device(comm.device):
+            cupy_streams.append(cupy.cuda.Stream(non_blocking=True))
+    check_collective(gpu_comms, "all_gather", count=4099, dtype="float32", seed=3,
+                     streams=cupy_streams)
+    torch_streams = [torch.cuda.Stream(device=comm.device) for comm in gpu_comms]
+    check_collective(gpu_comms, "all_reduce", count=4099, dtype="bfloat16", seed=4,
+                     streams=torch_streams)
+    handles = [s.ptr for s in cupy_streams]
+    check_collective(gpu_comms, "all_to_all", count=333, dtype="int32", seed=5, streams=handles)
+
+
+def test_kernels_before_and_after_on_the_same_stream_need_no_host_sync(gpu_comms):
+    """A kernel writes the input just before the collective and another reads the output just
+    after, on the caller's current stream; the host never synchronizes in between."""
+    import cupy
+    n, count = gpu_comms[0].world_size, 1 << 22
+    rng = np.random.default_rng(17)
+    values = [random_array(rng, count, "float32") for _ in range(n)]
+    sources, sends, recvs, doubled = [], [], [], []
+    for comm in gpu_comms:
+        with cupy.cuda.Device(comm.device):
+            sources.append(cupy.asarray(values[comm.rank]))
+            sends.append(cupy.empty(count, cupy.float32))
+            recvs.append(cupy.asarray(poison(count * n, "float32")))
+    cupy.cuda.runtime.deviceSynchronize()
+    for comm in gpu_comms:
+        with cupy.cuda.Device(comm.device):
+            cupy.multiply(sources[comm.rank], 2, out=sends[comm.rank])   # kernel before
+            comm.all_gather(sends[comm.rank], recvs[comm.rank])          # stream=None: current
+            doubled.append(recvs[comm.rank] + 1)                          # kernel after
+    want = np.concatenate(values) * 2 + 1
+    for comm in gpu_comms:
+        with cupy.cuda.Device(comm.device):
+            np.testing.assert_array_equal(doubled[comm.rank].get(), want)
+
+
+def test_back_to_back_on_different_streams_and_a_thousand_in_a_loop(gpu_comms):
+    import cupy
+    n = gpu_comms[0].world_size
+    streams = []
+    for comm in gpu_comms:
+        with cupy.cuda.Device(comm.device):
+            streams.append([cupy.cuda.Stream(non_blocking=True) for _ in range(2)])
+    check_collective(gpu_comms, "all_reduce", count=1 << 20, dtype="int32", seed=21,
+                     streams=[s[0] for s in streams], synchronize=False)
+    check_collective(gpu_comms, "all_gather", count=1 << 18, dtype="float32", seed=22,
+                     streams=[s[1] for s in streams])
+    arrays = ArrayModule("cupy")
+    rng = np.random.default_rng(23)
+    loops = 1000
+    data = [[random_array(rng, 64, "int32") for _ in range(n)] for _ in range(loops)]
+    sends = [[arrays.asarray(d[c.rank], c.device) for c in gpu_comms] for d in data]
+    recvs = [[arrays.asarray(poison(64 * n, "int32"), c.device) for c in gpu_comms]
+             for _ in range(loops)]
+    for i in range(loops):
+        for comm in gpu_comms:
+            comm.all_gather(sends[i][comm.rank], recvs[i][comm.rank])
+    for comm in gpu_comms:
+        comm.synchronize()
+    for i in range(0, loops, 37):
+        for comm in gpu_comms:
+            np.testing.assert_array_equal(arrays.to_numpy(recvs[i][comm.rank], "int32"),
+                                          np.concatenate(data[i]))
+
+
+def test_send_recv_and_barrier(gpu_comms):
+    n = gpu_comms[0].world_size
+    arrays = ArrayModule("cupy")
+    rng = np.random.default_rng(31)
+    data = [random_array(rng, 12345, "float64") for _ in range(n)]
+    sends = [arrays.asarray(data[c.rank], c.device) for c in gpu_comms]
+    recvs = [arrays.asarray(poison(12345, "float64"), c.device) for c in gpu_comms]
+    for comm in gpu_comms:
+        r = comm.rank
+        if r % 2 == 0:
+            comm.send(sends[r], (r + 1) % n)
+            comm.recv(recvs[r], (r - 1) % n)
+        else:
+            comm.recv(recvs[r], (r - 1) % n)
+            comm.send(sends[r], (r + 1) % n)
+    for comm in gpu_comms:
+        comm.barrier()
+    for comm in gpu_comms:
+        comm.synchronize()
+    for comm in gpu_comms:
+        np.testing.assert_array_equal(arrays.to_numpy(recvs[comm.rank], "float64"),
+                                      data[(comm.rank - 1) % n])

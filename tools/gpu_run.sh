@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The device machine's session: GPU tests (one process, and mpirun -np 2), then the
+# benchmarks against NCCL.  Usage: bash tools/gpu_run.sh [tests|bench|overlap|all] [pytest args]
+# Logs and JSON go to $OUT (default ./gpu-out); a short summary is printed last.
+set -u
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
+OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
+what=${1:-all}; shift || true
+DEPS=/tmp/hoccl-deps
+if ls .wheels/*.whl >/dev/null 2>&1 && [ ! -d "$DEPS/nccl" ]; then
+  python3 -m pip install -q --no-index --no-deps --target "$DEPS" .wheels/*.whl > "$OUT/pip.log" 2>&1
+fi
+export PYTHONPATH=$PWD:$DEPS
+MPIRUN="mpirun -np 2 -x PYTHONPATH -x NCCL_NVLS_ENABLE -x TORCH_SYMM_MEM_DISABLE_MULTICAST -x NVSHMEM_DISABLE_NVLS"
+summary=()
+step() {  # step NAME TIMEOUT COMMAND...
+  local name=$1 limit=$2; shift 2
+  local start=$SECONDS
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  summary+=("$(printf '%-14s rc=%-3s %4ss  %s' "$name" "$rc" "$((SECONDS - start))" "$(tail -n 1 "$OUT/$name.log")")")
+}
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,power.draw --format=csv > "$OUT/gpus.txt" 2>&1
+if [ "$what" = tests ] || [ "$what" = all ]; then
+  step gpu-local 420 python3 -m pytest -q -x -p no:cacheprovider tests/gpu "$@"
+  step gpu-mpirun 240 $MPIRUN python3 tests/mpi/run_checks.py --backend cuda --counts 0,1,17,100003
+fi
+if [ "$what" = bench ] || [ "$what" = all ]; then
+  step bench 420 $MPIRUN python3 -m hoccl.bench --out "$OUT/bench"
+fi
+if [ "$what" = overlap ] || [ "$what" = all ]; then
+  step overlap 300 $MPIRUN python3 -m hoccl.bench.overlap --out "$OUT/overlap"
+fi
+cat "$OUT/gpus.txt"
+printf '%s\n' "${summary[@]}"
