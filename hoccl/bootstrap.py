@@ -37,17 +37,22 @@ class LocalGroup:
     def allgather(self, values: List[Any]) -> List[Any]:
         return list(values)
 
-    def submit(self, comm: Any, op: Any) -> None:
-        group = self._pending.setdefault(op.key, {})
-        group[comm.rank] = op
-        self._queues[comm.rank].append(op)
-        if comm.check and len(group) > 1:
+    def prepare(self, comm: Any, local: Dict[str, Any]) -> None:
+        """Nothing to export in one process: peers use each other's addresses."""
+        return None
+
+    def admit(self, comm: Any, op: Any) -> None:
+        """Check mode: compare with the ranks that already made this call."""
+        group = self._pending.get(op.key, {})
+        if comm.check and group:
             first_rank, first = next(iter(group.items()))
             if op.signature != first.signature:
-                del group[comm.rank]
-                self._queues[comm.rank].pop()
                 raise MismatchError(_mismatch(op.call, comm.rank, op.signature,
                                               first_rank, first.signature))
+
+    def submit(self, comm: Any, op: Any, payload: Any) -> None:
+        self._pending.setdefault(op.key, {})[comm.rank] = op
+        self._queues[comm.rank].append(op)
         self.progress()
 
     def waiting_for(self, op: Any) -> List[int]:
@@ -100,11 +105,17 @@ class MPIGroup:
         hosts = self.allgather(self.host)
         return sum(1 for host in hosts[:self.rank] if host == self.host)
 
-    def submit(self, comm: Any, op: Any) -> None:
-        """Swap descriptors with the other participants, import theirs, then issue."""
+    def prepare(self, comm: Any, local: Dict[str, Any]) -> Any:
+        """Export this rank's buffers (cached by allocation): what peers need to map them."""
         device = comm.device_handle
-        payload = ({name: device.export(address) for name, address in op.local.items()},
-                   op.signature if comm.check else None)
+        return {name: device.export(address) for name, address in local.items()}
+
+    def admit(self, comm: Any, op: Any) -> None:
+        """Mismatches are found in ``submit``, when the peers' signatures arrive."""
+
+    def submit(self, comm: Any, op: Any, exports: Any) -> None:
+        """Swap descriptors with the other participants, import theirs, then issue."""
+        payload = (exports, op.signature if comm.check else None)
         peers = [rank for rank in op.plan.participants if rank != self.rank]
         received = self._exchange(peers, op.tag, payload, op.call)
         addresses = {(self.rank, name): address for name, address in op.local.items()}

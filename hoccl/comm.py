@@ -395,31 +395,51 @@ class Communicator:
 
     def _submit(self, call: str, shape: Shape, buffers: Dict[str, Optional[Buffer]],
                 stream: Any) -> None:
+        """Everything that can fail (planning, stream resolution, scratch, exports) happens
+        before the caller's stream is fenced; after that the call cannot leave it blocked."""
         plan = self._plan(shape)
         arrays = [b.owner for b in buffers.values() if b is not None]
         caller = self.device_handle.resolve_stream(stream, arrays)
+        local = {}
+        for spec in plan.buffers[self.rank]:
+            if spec.nbytes == 0:
+                continue  # a plan never addresses an empty buffer (and it may have no address)
+            if spec.name == "scratch":
+                local["scratch"] = self._scratch_of(spec.nbytes)
+            else:
+                local[spec.name] = buffers[spec.name].address
+        payload = self._group.prepare(self, local)
         if plan.pair:
             count = self._pair_calls.get(plan.pair, 0)
-            self._pair_calls[plan.pair] = count + 1
             key: tuple = ("p2p",) + plan.pair + (count,)
             tag = 1 + (0x4000 | (count & 0x3FFF))
         else:
             key = ("coll", self._collectives)
             tag = 1 + (self._collectives & 0x3FFF)
-            self._collectives += 1
-        local = {}
-        for spec in plan.buffers[self.rank]:
-            if spec.name == "scratch":
-                local["scratch"] = self._scratch_of(spec.nbytes)
-            else:
-                local[spec.name] = buffers[spec.name].address
-        self._ops += 1
-        entry = self._streams.fence_in(caller, self._ops)
-        op = _Op(call, plan, key, tag, local, entry, self._ops, self._signature(shape),
+        op = _Op(call, plan, key, tag, local, None, self._ops + 1, self._signature(shape),
                  tuple(arrays))
+        self._group.admit(self, op)  # check mode: a mismatch raises here, nothing enqueued
+        if plan.pair:
+            self._pair_calls[plan.pair] = count + 1
+        else:
+            self._collectives += 1
+        self._ops += 1
+        op.entry = self._streams.fence_in(caller, self._ops)
         self._inflight.append(op)
-        log.debug("rank %d %s %s key=%s in_place=%s", self.rank, call, shape, key, shape.in_place)
-        self._group.submit(self, op)
+        log.debug("rank %d %s %s key=%s", self.rank, call, shape, key)
+        try:
+            self._group.submit(self, op, payload)
+        except BaseException:
+            # The peers never answered (or answered wrongly): release our caller's stream
+            # instead of leaving it blocked, and report; the output was not written.
+            self._release(op)
+            raise
+
+    def _release(self, op: _Op) -> None:
+        self._streams.ensure_lanes(1)
+        self.device_handle.write_value(self._streams.lanes[0], self._completion, op.value)
+        self.device_handle.write_value(self._streams.lanes[0], self._host_word.address, op.value)
+        op.issued = True
 
     def _scratch_of(self, nbytes: int) -> Any:
         address, size = self._scratch

@@ -23,14 +23,14 @@ step() {  # step NAME TIMEOUT COMMAND...
 }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,power.draw --format=csv > "$OUT/gpus.txt" 2>&1
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  step gpu-local 420 python3 -m pytest -q -x -p no:cacheprovider tests/gpu "$@"
-  step gpu-mpirun 240 $MPIRUN python3 tests/mpi/run_checks.py --backend cuda --counts 0,1,17,100003
+  step gpu-local 200 python3 -m pytest -q -x -p no:cacheprovider --timeout=90 tests/gpu "$@"
+  step gpu-mpirun 90 $MPIRUN python3 tests/mpi/run_checks.py --backend cuda --counts 0,1,17,100003
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
-  step bench 420 $MPIRUN python3 -m hoccl.bench --out "$OUT/bench"
+  step bench 170 $MPIRUN python3 -m hoccl.bench --sizes ${BENCH_SIZES:-64K,1M,16M,256M,1G} --out "$OUT/bench"
 fi
 if [ "$what" = overlap ] || [ "$what" = all ]; then
-  step overlap 300 $MPIRUN python3 -m hoccl.bench.overlap --out "$OUT/overlap"
+  step overlap 110 $MPIRUN python3 -m hoccl.bench.overlap --out "$OUT/overlap"
 fi
 cat "$OUT/gpus.txt"
 printf '%s\n' "${summary[@]}"

@@ -329,7 +329,11 @@ def open_device(ordinal: int, *, max_sms: int = 8) -> "CudaDevice":
     if not 0 <= ordinal < count:
         raise InvalidArgumentError(
             f"open_device: expected an ordinal in [0, {count}), got {ordinal}")
-    return CudaDevice(ordinal, max_sms=max_sms)
+    device = CudaDevice(ordinal, max_sms=max_sms)
+    # Load the kernels now: a module load may synchronize the device, which must never
+    # happen while a caller's stream waits on a collective another rank has yet to issue.
+    device._kernels()
+    return device
 
 
 class CudaDevice(Device):

@@ -35,6 +35,8 @@ def arguments(argv=None) -> argparse.Namespace:
     parser.add_argument("--min-bytes", default="1K", help="smallest size (nccl-tests' size)")
     parser.add_argument("--max-bytes", default="1G", help="largest size")
     parser.add_argument("--factor", type=int, default=4, help="size multiplier between rows")
+    parser.add_argument("--sizes", default="", help="explicit comma-separated sizes (e.g. "
+                        "1M,16M,256M,1G); overrides --min-bytes/--max-bytes/--factor")
     parser.add_argument("--forms", default="out,in", help="out (out-of-place), in (in-place)")
     parser.add_argument("--dtype", default="bfloat16", help="torch dtype name")
     parser.add_argument("--warmup", type=int, default=3, help="untimed calls per measurement")
@@ -56,6 +58,8 @@ def sweep(args: argparse.Namespace):
     while size <= parse_size(args.max_bytes):
         sizes.append(size)
         size *= args.factor
+    if args.sizes:
+        sizes = [parse_size(text) for text in args.sizes.split(",")]
     forms = args.forms.split(",")
     streams = [torch.cuda.current_stream(device) for device in ranks.devices]
     records: List[Dict[str, Any]] = []
