@@ -74,6 +74,7 @@ class LocalGroup:
                     queue.popleft()
                     addresses = {(peer, name): address for peer, peer_op in group.items()
                                  for name, address in peer_op.local.items()}
+                    self.comms[rank].device_handle.activate()
                     self.comms[rank]._issue(op, addresses)
                     op.issued = True
                     if all(member.issued for member in group.values()):
@@ -128,30 +129,32 @@ class MPIGroup:
         op.issued = True
 
     def _exchange(self, peers: List[int], tag: int, payload: Any, call: str) -> Dict[int, Any]:
+        """Send ``payload`` to every peer and receive theirs.  Peers usually arrive within
+        microseconds, so poll without sleeping for a while, then back off to 1 ms sleeps;
+        give up after the communicator's timeout."""
         requests = [self.mpi.isend(payload, dest=peer, tag=tag) for peer in peers]
         received: Dict[int, Any] = {}
-        deadline = time.monotonic() + self.timeout
-        delay = 0.0
-        while len(received) < len(peers):
-            progressed = False
-            for peer in peers:
-                if peer in received:
-                    continue
+        missing = list(peers)
+        start = time.monotonic()
+        spin_until, deadline = start + 2e-3, start + self.timeout
+        delay = 50e-6
+        while missing:
+            for peer in list(missing):
                 message = self.mpi.improbe(source=peer, tag=tag)
                 if message is not None:
                     received[peer] = message.recv()
-                    progressed = True
-            if progressed:
-                delay = 0.0
-                continue
-            if time.monotonic() > deadline:
-                missing = [peer for peer in peers if peer not in received]
+                    missing.remove(peer)
+            if not missing:
+                break
+            now = time.monotonic()
+            if now > deadline:
                 raise HocclTimeoutError(
                     f"{call}: rank {self.rank} waited {self.timeout:.0f} s for ranks {missing} "
                     f"to make the matching call (tag {tag}); they never did — a mismatched "
                     f"sequence of calls or a dead process")
-            time.sleep(delay)
-            delay = min(delay * 2 + 5e-6, 1e-3)
+            if now > spin_until:
+                time.sleep(delay)
+                delay = min(delay * 2, 1e-3)
         for request in requests:
             request.wait()
         return received

@@ -38,8 +38,7 @@ class _Op:
     key: tuple
     tag: int
     local: Dict[str, Any]      # buffer name -> address on this rank
-    entry: Any                 # event recorded on the caller's stream
-    value: int                 # completion value this op publishes
+    value: int                 # this rank's call number: its entry and completion value
     signature: tuple
     keepalive: Tuple[Any, ...] = ()
     issued: bool = False
@@ -60,10 +59,11 @@ class Communicator:
         self.check = check
         self.verify_plans = verify_plans
         self._group = group
-        self._pad = device.alloc_pad(world_size * CHANNELS + 1)
-        self._completion = self._pad + 8 * world_size * CHANNELS
+        self._pad = device.alloc_pad(world_size * CHANNELS + 2)
         self._host_word = device.alloc_host_word()
-        self._streams = StreamManager(device, self._completion)
+        self._completion = self._pad + 8 * world_size * CHANNELS
+        self._streams = StreamManager(device, self._completion + 8, self._completion,
+                                      self._host_word.address)
         self._executor: Optional[Executor] = None
         self._ops = 0               # completion value of the latest submitted op
         self._collectives = 0       # collectives submitted (matching key across ranks)
@@ -257,6 +257,7 @@ class Communicator:
                 f"rank's call before synchronizing")
         deadline = time.monotonic() + self.timeout
         delay = 0.0
+        self.device_handle.activate()
         while self._host_word.value < target:
             if time.monotonic() > deadline:
                 raise HocclTimeoutError(
@@ -278,9 +279,11 @@ class Communicator:
         if self._closed:
             return
         self._closed = True
+        self.device_handle.activate()
         self._streams.close()
         self._imports.clear()
         self._inflight.clear()
+        self.device_handle.close()
 
     def __enter__(self) -> "Communicator":
         return self
@@ -399,6 +402,7 @@ class Communicator:
         before the caller's stream is fenced; after that the call cannot leave it blocked."""
         plan = self._plan(shape)
         arrays = [b.owner for b in buffers.values() if b is not None]
+        self.device_handle.activate()
         caller = self.device_handle.resolve_stream(stream, arrays)
         local = {}
         for spec in plan.buffers[self.rank]:
@@ -416,7 +420,7 @@ class Communicator:
         else:
             key = ("coll", self._collectives)
             tag = 1 + (self._collectives & 0x3FFF)
-        op = _Op(call, plan, key, tag, local, None, self._ops + 1, self._signature(shape),
+        op = _Op(call, plan, key, tag, local, self._ops + 1, self._signature(shape),
                  tuple(arrays))
         self._group.admit(self, op)  # check mode: a mismatch raises here, nothing enqueued
         if plan.pair:
@@ -424,7 +428,7 @@ class Communicator:
         else:
             self._collectives += 1
         self._ops += 1
-        op.entry = self._streams.fence_in(caller, self._ops)
+        self._streams.fence_in(caller, self._ops)
         self._inflight.append(op)
         log.debug("rank %d %s %s key=%s", self.rank, call, shape, key)
         try:
@@ -437,8 +441,7 @@ class Communicator:
 
     def _release(self, op: _Op) -> None:
         self._streams.ensure_lanes(1)
-        self.device_handle.write_value(self._streams.lanes[0], self._completion, op.value)
-        self.device_handle.write_value(self._streams.lanes[0], self._host_word.address, op.value)
+        self.device_handle.memops(self._streams.lanes[0], self._streams.completion_writes(op.value))
         op.issued = True
 
     def _scratch_of(self, nbytes: int) -> Any:
@@ -458,9 +461,7 @@ class Communicator:
         else:
             base = self._signal_base
             self._signal_base += plan.max_value
-        self._streams.enter(plan.lanes, op.entry)
-        self._executor.issue(plan, addresses, base)
-        self._streams.leave(plan.lanes, op.value, self._host_word.address)
+        self._executor.issue(plan, addresses, base, op.value)
 
 
 _VERIFIED: Dict[int, Plan] = {}

@@ -12,9 +12,9 @@ Values written and waited for are unsigned 64-bit; waits are ``>=``.
 
 Timeline of one collective on one rank (``seq`` = the collective's signal base)::
 
-    caller stream  ──record(E)──wait_value(done_slot >= seq+K)──────────► later kernels
-    lane 0                     └wait_event(E)─signals─waits─copies─…─write_value(done_slot)
-    lane 1                      wait_event(E)─copies──────────┘
+    caller stream  ─write(entry=k)─wait(done >= k)──────────────────────► later kernels
+    lane 0           wait(entry >= k)─signals─waits─copies─…─join─write(done=k)
+    lane 1           wait(entry >= k)─copies──────────────────┘
 """
 
 from __future__ import annotations
@@ -140,6 +140,19 @@ class Device(abc.ABC):
         """Several ``wait_value`` in one call where the backend can batch them."""
         for address, value in waits:
             self.wait_value(stream, address, value)
+
+    def memops(self, stream: Any, operations: Sequence[Tuple[bool, Any, int]]) -> None:
+        """Writes (``True``) and waits (``False``) of ``(is_write, address, value)``, in order,
+        in one call where the backend can batch them (``cuStreamBatchMemOp``)."""
+        for is_write, address, value in operations:
+            if is_write:
+                self.write_value(stream, address, value)
+            else:
+                self.wait_value(stream, address, value)
+
+    def activate(self) -> None:
+        """Make this device current for the calls that follow on this thread (CUDA: its
+        context); called once at the start of every public call, not per operation."""
 
     @abc.abstractmethod
     def reduce(self, stream: Any, output: Any, inputs: Sequence[Any], count: int,

@@ -277,6 +277,7 @@ def _release(owned: _Owned) -> None:
             errors.append(error)
 
     attempt(driver.cuCtxSetCurrent, owned.context)
+    _ACTIVE.context = None
     for mapped in owned.imports.values():
         attempt(driver.cuIpcCloseMemHandle, mapped)
     for peer_context in owned.peers:
@@ -310,6 +311,9 @@ CudaIpcDescriptor = collections.namedtuple(
 
 
 # -- the device ----------------------------------------------------------------------------
+_ACTIVE = threading.local()  # the context hoccl last made current on this thread
+
+
 def device_count() -> int:
     """Visible CUDA devices; 0 when there is no driver (libcuda) or no GPU."""
     try:
@@ -365,7 +369,10 @@ class CudaDevice(Device):
                                    attribute("CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR"))
         self.sm_count = attribute("CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT")
         self._make_current()
-        _, self._priority = _call(driver.cuCtxGetStreamPriorityRange)
+        least, greatest = _call(driver.cuCtxGetStreamPriorityRange)
+        # Copy lanes default to the highest priority; HOCCL_LANE_PRIORITY=normal gives the
+        # default priority (for measuring how SM work of reductions meets other kernels).
+        self._priority = least if os.environ.get("HOCCL_LANE_PRIORITY") == "normal" else greatest
         # A private stream for setup work that must finish before a call returns.
         self._setup_stream = self.create_stream()
         self._batch_attributes = driver.CUmemcpyAttributes()
@@ -395,9 +402,20 @@ class CudaDevice(Device):
         self._max_sms = value
 
     def _make_current(self) -> None:
+        """Set this device's context unless ``activate`` already did on this thread, in the
+        public call now running (nothing but hoccl runs between its driver calls)."""
+        if self._owned.context is None:
+            raise InvalidArgumentError(f"CudaDevice {self.ordinal}: the device is closed")
+        if getattr(_ACTIVE, "context", None) is not self._context:
+            _call(driver.cuCtxSetCurrent, self._context)
+            _ACTIVE.context = self._context
+
+    def activate(self) -> None:
+        """Set the context now (user code may have changed it since hoccl's last call)."""
         if self._owned.context is None:
             raise InvalidArgumentError(f"CudaDevice {self.ordinal}: the device is closed")
         _call(driver.cuCtxSetCurrent, self._context)
+        _ACTIVE.context = self._context
 
     # -- streams and events ----------------------------------------------------------------
     def create_stream(self) -> Any:
@@ -635,6 +653,34 @@ class CudaDevice(Device):
         self._make_current()
         for start in range(0, len(operations), _MAX_BATCH_MEMOPS):
             chunk = operations[start:start + _MAX_BATCH_MEMOPS]
+            _call(driver.cuStreamBatchMemOp, stream, len(chunk), chunk, 0)
+
+    def memops(self, stream: Any, operations: Sequence[Tuple[bool, Any, int]]) -> None:
+        """Writes and waits in order, in ``cuStreamBatchMemOp`` calls of up to 255 each."""
+        if len(operations) == 1:
+            is_write, address, value = operations[0]
+            (self.write_value if is_write else self.wait_value)(stream, address, value)
+            return
+        write_64 = driver.CUstreamBatchMemOpType.CU_STREAM_MEM_OP_WRITE_VALUE_64
+        wait_64 = driver.CUstreamBatchMemOpType.CU_STREAM_MEM_OP_WAIT_VALUE_64
+        geq = driver.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
+        params = []
+        for is_write, address, value in operations:
+            operation = driver.CUstreamBatchMemOpParams()
+            if is_write:
+                operation.writeValue.operation = write_64
+                operation.writeValue.address = int(address)
+                operation.writeValue.value64 = value
+                operation.writeValue.flags = 0
+            else:
+                operation.waitValue.operation = wait_64
+                operation.waitValue.address = int(address)
+                operation.waitValue.value64 = value
+                operation.waitValue.flags = geq
+            params.append(operation)
+        self._make_current()
+        for start in range(0, len(params), _MAX_BATCH_MEMOPS):
+            chunk = params[start:start + _MAX_BATCH_MEMOPS]
             _call(driver.cuStreamBatchMemOp, stream, len(chunk), chunk, 0)
 
     # -- SM work -----------------------------------------------------------------------------

@@ -28,7 +28,7 @@ def arguments(argv=None) -> argparse.Namespace:
                              "rank per mpirun process")
     parser.add_argument("--collectives", default=",".join(COLLECTIVES),
                         help="comma-separated subset of %(default)s")
-    parser.add_argument("--libraries", default="hoccl,hoccl-local,nccl,nccl4py,nccl-zero",
+    parser.add_argument("--libraries", default="hoccl,hoccl-local,nccl,nccl-zero",
                         help="comma-separated: hoccl (zero-SM own-block route), hoccl-local "
                              "(own block on capped SMs), nccl (torch.distributed), nccl4py, "
                              "nccl-zero (NCCL CTA policy ZERO, symmetric windows)")
@@ -44,6 +44,7 @@ def arguments(argv=None) -> argparse.Namespace:
                         help="seconds of timed calls per measurement (5 to 200 calls)")
     parser.add_argument("--max-sms", type=int, default=8, help="hoccl's SM cap for sums and "
                         "local copies")
+    parser.add_argument("--chunk-bytes", default="32M", help="hoccl's pipeline chunk for sums")
     parser.add_argument("--out", default="results/bench", help="folder for JSON and PNG")
     return parser.parse_args(argv)
 
@@ -51,7 +52,8 @@ def arguments(argv=None) -> argparse.Namespace:
 def sweep(args: argparse.Namespace):
     """Returns (result, whether this process reports)."""
     import torch
-    ranks = setup_ranks(args.local, max_sms=args.max_sms)
+    ranks = setup_ranks(args.local, max_sms=args.max_sms,
+                        chunk_bytes=parse_size(args.chunk_bytes))
     dtype = getattr(torch, args.dtype)
     libs = libraries(ranks, args.libraries.split(","))
     sizes, size = [], parse_size(args.min_bytes)
@@ -61,7 +63,9 @@ def sweep(args: argparse.Namespace):
     if args.sizes:
         sizes = [parse_size(text) for text in args.sizes.split(",")]
     forms = args.forms.split(",")
-    streams = [torch.cuda.current_stream(device) for device in ranks.devices]
+    # a dedicated stream per rank for every library (NCCL's copy-engine mode refuses the
+    # legacy default stream)
+    streams = [torch.cuda.Stream(device=device) for device in ranks.devices]
     records: List[Dict[str, Any]] = []
     n = ranks.world_size
     ranks.say(f"# hoccl.bench: {n} ranks, {args.dtype}, libraries "
@@ -78,13 +82,21 @@ def sweep(args: argparse.Namespace):
                     if hasattr(lib, "prepare"):
                         lib.prepare()
                     buffers = make_buffers(lib, ranks, collective, form, nbytes, dtype)
-                    wrong = count_wrong(lib, ranks, collective, form, buffers, dtype,
-                                        lambda i: streams[i])
+                    try:
+                        wrong = count_wrong(lib, ranks, collective, form, buffers, dtype,
+                                            lambda i: streams[i])
+                    except Exception as error:  # a baseline that cannot run this size
+                        ranks.say(f"  {collective:14s} {form:3s} {human(nbytes):>5s} "
+                                  f"{lib.name:11s} failed: {error}")
+                        records.append(dict(collective=collective, form=form, bytes=nbytes,
+                                            library=lib.name, error=str(error)))
+                        continue
                     probe = time_loop(lib, ranks, collective, buffers, 3, 1, lambda i: streams[i])
                     iters = int(min(200, max(5, args.time_budget / max(probe * 1e-6, 1e-9))))
                     iters = int(ranks.max(iters))
-                    micros = time_loop(lib, ranks, collective, buffers, iters, args.warmup,
-                                       lambda i: streams[i])
+                    # warm up for a quarter of the timed calls: clocks ramp up from idle
+                    micros = time_loop(lib, ranks, collective, buffers, iters,
+                                       max(args.warmup, iters // 4), lambda i: streams[i])
                     algbw = nbytes / (micros * 1e-6) / 1e9
                     record = dict(collective=collective, form=form, bytes=nbytes,
                                   library=lib.name, time_us=micros, algbw=algbw,
@@ -103,12 +115,13 @@ def sweep(args: argparse.Namespace):
 
 def table(result: Dict[str, Any]) -> str:
     """One block per collective and form: a row per size, a column pair per library."""
-    records = result["records"]
+    records = [r for r in result["records"] if "error" not in r]
     lines = []
     keys = sorted({(r["collective"], r["form"]) for r in records},
                   key=lambda k: (COLLECTIVES.index(k[0]), k[1]))
     for collective, form in keys:
-        rows = [r for r in records if r["collective"] == collective and r["form"] == form]
+        rows = [r for r in records if r["collective"] == collective and r["form"] == form
+                and "error" not in r]
         names = list(dict.fromkeys(r["library"] for r in rows))
         lines.append(f"\n## {collective} ({'in-place' if form == 'in' else 'out-of-place'}), "
                      f"busbw GB/s (time us), {result['world_size']} ranks {result['dtype']}")
@@ -134,7 +147,7 @@ def plots(result: Dict[str, Any], folder: str) -> List[str]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     written = []
-    records = result["records"]
+    records = [r for r in result["records"] if "error" not in r]
     for collective in COLLECTIVES:
         rows = [r for r in records if r["collective"] == collective]
         if not rows:

@@ -35,7 +35,8 @@ def arguments(argv=None) -> argparse.Namespace:
     parser.add_argument("--gemm", type=int, default=8192, help="M = N = K of the GEMM")
     parser.add_argument("--gemms", type=int, default=60, help="GEMMs per measurement")
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--max-sms", type=int, default=8)
+    parser.add_argument("--max-sms", type=int, default=8, help="hoccl's SM cap for sums")
+    parser.add_argument("--chunk-bytes", default="32M", help="hoccl's pipeline chunk for sums")
     parser.add_argument("--out", default="results/overlap")
     return parser.parse_args(argv)
 
@@ -62,7 +63,8 @@ def _gemm_span(ranks, operands, count: int, streams) -> float:
 
 def run(args: argparse.Namespace):
     import torch
-    ranks = setup_ranks(args.local, max_sms=args.max_sms)
+    ranks = setup_ranks(args.local, max_sms=args.max_sms,
+                        chunk_bytes=parse_size(args.chunk_bytes))
     dtype = getattr(torch, args.dtype)
     nbytes = parse_size(args.bytes)
     m = args.gemm

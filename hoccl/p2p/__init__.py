@@ -3,22 +3,24 @@
 The executor holds no algorithm: it interprets the steps a plan gives this rank,
 resolving ``BufRef`` (rank, buffer, offset) to addresses and pad slots to the
 peers' mapped signal pads, and adding the communicator's signal base to every
-value.  Consecutive copies on one lane with nothing between them are one batch
-(no order among them is needed: the plan put no signal between them); consecutive
-waits on one lane are one batched memop.
+value.  Stream memory operations are buffered per lane and flushed as one batched
+call before the lane's next copy, kernel or event (``cuStreamBatchMemOp`` keeps
+their order); consecutive independent copies on one lane become one batch.  A
+rank's whole collective on two GPUs is then a handful of driver calls.
 """
 
 from __future__ import annotations
 
-from functools import lru_cache
 from typing import Any, Dict, List, Sequence, Tuple
 
 from ..sched.plan import After, Copy, Mark, Plan, Reduce, Signal, Wait
+from ..streams import WAIT, WRITE
 
 __all__ = ["Executor", "compile_program"]
 
 # compiled op kinds
 _COPY, _LOCAL_COPY, _SIGNAL, _WAIT, _REDUCE, _MARK, _AFTER = range(7)
+_COMPILED: Dict[Tuple[int, int], Tuple[Plan, tuple]] = {}
 
 
 def _overlap(a, a_bytes, b, b_bytes) -> bool:
@@ -33,10 +35,14 @@ def _independent(batch, item) -> bool:
                    or _overlap(dst, nbytes, s, n) for d, s, n in batch)
 
 
-@lru_cache(maxsize=1024)
 def compile_program(plan: Plan, rank: int) -> Tuple[tuple, ...]:
-    """``rank``'s steps as tuples the executor runs without isinstance checks, with
-    runs of copies (and of waits) on one lane merged into one op."""
+    """``rank``'s steps as tuples the executor runs without isinstance checks, with runs
+    of independent copies on one lane merged.  Cached per plan object (plans are built
+    once per shape), so a hot call pays a dict lookup, not a hash of the plan."""
+    key = (id(plan), rank)
+    cached = _COMPILED.get(key)
+    if cached is not None and cached[0] is plan:
+        return cached[1]
     ops: List[list] = []
     for step in plan.programs[rank]:
         if isinstance(step, Copy):
@@ -50,10 +56,7 @@ def compile_program(plan: Plan, rank: int) -> Tuple[tuple, ...]:
             else:
                 ops.append([kind, step.lane, [item]])
         elif isinstance(step, Wait):
-            if ops and ops[-1][0] == _WAIT and ops[-1][1] == step.lane:
-                ops[-1][2].append((step.slot, step.value))
-            else:
-                ops.append([_WAIT, step.lane, [(step.slot, step.value)]])
+            ops.append([_WAIT, step.lane, (step.slot, step.value)])
         elif isinstance(step, Signal):
             ops.append([_SIGNAL, step.lane, (step.peer, step.slot, step.value)])
         elif isinstance(step, Reduce):
@@ -65,8 +68,12 @@ def compile_program(plan: Plan, rank: int) -> Tuple[tuple, ...]:
             ops.append([_MARK, step.lane, step.mark])
         elif isinstance(step, After):
             ops.append([_AFTER, step.lane, step.mark])
-    return tuple((kind, lane, tuple(arg) if isinstance(arg, list) else arg)
-                 for kind, lane, arg in ops)
+    compiled = tuple((kind, lane, tuple(arg) if isinstance(arg, list) else arg)
+                     for kind, lane, arg in ops)
+    if len(_COMPILED) > 4096:
+        _COMPILED.clear()
+    _COMPILED[key] = (plan, compiled)
+    return compiled
 
 
 class Executor:
@@ -82,16 +89,37 @@ class Executor:
         self.streams = streams
         self.pads = list(pads)
 
-    def issue(self, plan: Plan, addresses: Dict[Tuple[int, str], Any], base: int) -> None:
-        """Enqueue ``plan``'s steps for this rank; ``addresses[(rank, name)]`` are buffer bases."""
-        device, lanes, pads, own_pad = self.device, self.streams.lanes, self.pads, self.pads[self.rank]
+    def issue(self, plan: Plan, addresses: Dict[Tuple[int, str], Any], base: int,
+              value: int) -> None:
+        """Enqueue this rank's part of ``plan`` for the call numbered ``value``:
+        entry waits, the steps (signal values offset by ``base``), the join of the lanes
+        and the completion writes.  ``addresses[(rank, name)]`` are buffer bases."""
+        device, streams = self.device, self.streams
+        streams.ensure_lanes(plan.lanes)
+        lanes, pads = streams.lanes, self.pads
+        own_pad = pads[self.rank]
+        pending: List[list] = [streams.entry_waits(value) for _ in range(plan.lanes)]
         marks: Dict[int, Any] = {}
 
         def at(ref):
             return addresses[(ref[0], ref[1])] + ref[2]
 
+        def flush(lane_index: int) -> None:
+            if pending[lane_index]:
+                device.memops(lanes[lane_index], pending[lane_index])
+                pending[lane_index] = []
+
         try:
             for kind, lane_index, arg in compile_program(plan, self.rank):
+                if kind == _SIGNAL:
+                    peer, slot, signal_value = arg
+                    pending[lane_index].append((WRITE, pads[peer] + 8 * slot,
+                                                base + signal_value))
+                    continue
+                if kind == _WAIT:
+                    pending[lane_index].append((WAIT, own_pad + 8 * arg[0], base + arg[1]))
+                    continue
+                flush(lane_index)
                 lane = lanes[lane_index]
                 if kind == _COPY:
                     if len(arg) == 1:
@@ -102,24 +130,25 @@ class Executor:
                 elif kind == _LOCAL_COPY:
                     for dst, src, nbytes in arg:
                         device.local_copy(lane, at(dst), at(src), nbytes)
-                elif kind == _WAIT:
-                    if len(arg) == 1:
-                        device.wait_value(lane, own_pad + 8 * arg[0][0], base + arg[0][1])
-                    else:
-                        device.wait_values(lane, [(own_pad + 8 * slot, base + value)
-                                                  for slot, value in arg])
-                elif kind == _SIGNAL:
-                    peer, slot, value = arg
-                    device.write_value(lane, pads[peer] + 8 * slot, base + value)
                 elif kind == _REDUCE:
                     inputs, output, count, dtype, op = arg
                     device.reduce(lane, at(output), [at(ref) for ref in inputs], count, dtype, op)
                 elif kind == _MARK:
-                    event = self.streams.event()
+                    event = streams.event()
                     device.record(lane, event)
                     marks[arg] = event
                 else:  # _AFTER
                     device.wait_event(lane, marks[arg])
+            # join: lane 0 continues only after every other lane's last step
+            for lane_index in range(1, plan.lanes):
+                flush(lane_index)
+                flush(0)
+                event = streams.event()
+                marks[-lane_index] = event
+                device.record(lanes[lane_index], event)
+                device.wait_event(lanes[0], event)
+            pending[0].extend(streams.completion_writes(value))
+            flush(0)
         finally:
             for event in marks.values():
-                self.streams.release(event)
+                streams.release(event)

@@ -1,17 +1,19 @@
 """The stream manager: copy lanes per device, fences against the caller's stream.
 
-Each rank owns ``lanes`` non-blocking, high-priority copy streams.  A collective
-is ordered among the caller's kernels by two fences::
+Each rank owns ``lanes`` non-blocking, high-priority copy streams and two words of
+its signal pad: *entry* and *completion*.  A call fences the caller's stream with one
+batched stream-memory operation, enqueued at call time::
 
-    caller ──record(E)──wait_value(done >= k)──────────────────────► later work
-    lane 0          wait_event(E) ─ plan steps ─ join(lanes) ─ write_value(done, k)
-    lane i          wait_event(E) ─ plan steps ─ record(J_i) ┘
+    caller ──write(entry = k)──wait(completion >= k)───────────────────► later work
+    lane 0          wait(entry >= k) ─ plan steps ─ join(lanes) ─ write(completion = k)
+    lane i          wait(entry >= k) ─ plan steps ─ record(J_i) ┘
 
-The exit fence is a stream memory wait on the rank's completion word, enqueued
-at call time, so the call may return before its copies are issued (a peer's
-buffers may not be known yet) and still keep its place on the caller's stream.
-Lane 0 joins every other lane before writing the completion value, so one
-collective's lanes are idle before the next one's start on that rank.
+``k`` counts this rank's calls.  Because the exit fence is a wait on a value rather
+than on an event, the call may return before its copies are issued (a peer's buffers
+may not be known yet) and still keep its place on the caller's stream; and because
+the entry is a value, the lanes may be told to wait for it later.  Lane 0 joins
+every other lane before publishing completion, so one call's lanes are idle before
+the next call's steps start on that rank.
 """
 
 from __future__ import annotations
@@ -20,19 +22,23 @@ from typing import Any, List
 
 from ..backends._base import Device
 
-__all__ = ["StreamManager"]
+__all__ = ["StreamManager", "WRITE", "WAIT"]
+
+WRITE, WAIT = True, False
 
 
 class StreamManager:
-    """Lanes, an event pool and the completion counter of one rank."""
+    """Lanes, an event pool and the entry/completion words of one rank."""
 
-    def __init__(self, device: Device, completion_address: Any):
+    def __init__(self, device: Device, entry_address: Any, completion_address: Any,
+                 host_word_address: Any):
         self.device = device
         self.lanes: List[Any] = []
         self._free_events: List[Any] = []
         self._all_events: List[Any] = []
-        self._completion = completion_address
-        self.completed_value = 0  # the value the last issued collective writes
+        self.entry = entry_address
+        self.completion = completion_address
+        self.host_word = host_word_address
 
     def ensure_lanes(self, count: int) -> None:
         while len(self.lanes) < count:
@@ -49,33 +55,18 @@ class StreamManager:
         """Return ``event`` to the pool: safe once every wait on it has been enqueued."""
         self._free_events.append(event)
 
-    def fence_in(self, caller: Any, value: int) -> Any:
-        """At call time: mark the caller's position (event) and make the caller wait for
-        completion value ``value`` before anything it enqueues later."""
-        event = self.event()
-        self.device.record(caller, event)
-        self.device.wait_value(caller, self._completion, value)
-        return event
+    def fence_in(self, caller: Any, value: int) -> None:
+        """At call time: publish the caller's position as ``entry = value`` and make the
+        caller wait for ``completion >= value`` before anything it enqueues later."""
+        self.device.memops(caller, [(WRITE, self.entry, value), (WAIT, self.completion, value)])
 
-    def enter(self, lane_count: int, entry_event: Any) -> None:
-        """At issue time: every lane the plan uses starts after the caller's mark."""
-        self.ensure_lanes(lane_count)
-        for lane in self.lanes[:lane_count]:
-            self.device.wait_event(lane, entry_event)
-        self.release(entry_event)
+    def entry_waits(self, value: int) -> list:
+        """The memop each lane starts with: wait for the caller to reach the call."""
+        return [(WAIT, self.entry, value)]
 
-    def leave(self, lane_count: int, value: int, host_word_address: Any = None) -> None:
-        """Join the lanes on lane 0 and publish ``value`` to the caller's fence."""
-        device, first = self.device, self.lanes[0]
-        for lane in self.lanes[1:lane_count]:
-            event = self.event()
-            device.record(lane, event)
-            device.wait_event(first, event)
-            self.release(event)
-        device.write_value(first, self._completion, value)
-        if host_word_address is not None:
-            device.write_value(first, host_word_address, value)
-        self.completed_value = value
+    def completion_writes(self, value: int) -> list:
+        """The memops lane 0 ends with: release the caller and tell the host."""
+        return [(WRITE, self.completion, value), (WRITE, self.host_word, value)]
 
     def close(self) -> None:
         for event in self._all_events:
