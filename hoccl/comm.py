@@ -271,8 +271,16 @@ class Communicator:
         self._retired.clear()
 
     def set_options(self, **changes) -> None:
-        """Change planning options (``self_route``, ``chunk_bytes``, ``copy_lanes``) for later calls."""
-        self.options = _options(self.options, "set_options", **changes)
+        """Change options for later calls: ``self_route``, ``chunk_bytes``, ``copy_lanes``
+        (planning) and ``max_sms`` (the SM cap of reductions and local copies)."""
+        max_sms = changes.pop("max_sms", None)
+        options = _options(self.options, "set_options", **changes)
+        if max_sms is not None:
+            if isinstance(max_sms, bool) or not isinstance(max_sms, int) or max_sms < 1:
+                raise InvalidArgumentError(f"set_options: max_sms must be a positive int; "
+                                           f"got {max_sms!r}")
+            self.device_handle.max_sms = max_sms
+        self.options = options
 
     def close(self) -> None:
         """Release streams, events, pads, mappings and the device; idempotent."""

@@ -133,9 +133,17 @@ class Library:
 
 
 class Hoccl(Library):
-    def __init__(self, ranks: Ranks, route: str, name: str):
+    """hoccl with the communicator's options, changed by ``settings`` (``max_sms``,
+    ``chunk_bytes``...): a variant is named like ``hoccl+max_sms=32+chunk_bytes=128M``."""
+
+    def __init__(self, ranks: Ranks, route: str, name: str, settings: Dict[str, Any]):
         self.ranks, self.route, self.name = ranks, route, name
-        self.sms = "0 (copy engines)" if route == "peer" else "≤ max_sms for the own block"
+        self.settings = settings
+        self.defaults = {"max_sms": ranks.comms[0].device_handle.max_sms,
+                         "chunk_bytes": ranks.comms[0].options.chunk_bytes}
+        sms = settings.get("max_sms", self.defaults["max_sms"])
+        self.sms = (f"0 for moves; ≤ {sms} summing" if route == "peer"
+                    else f"≤ {sms} for the own block")
 
     def supports(self, collective: str, form: str) -> bool:
         if self.route == "local":  # the local route only differs out of place, for moves
@@ -144,7 +152,7 @@ class Hoccl(Library):
 
     def prepare(self) -> None:
         for comm in self.ranks.comms:
-            comm.set_options(self_route=self.route)
+            comm.set_options(self_route=self.route, **{**self.defaults, **self.settings})
 
     def run(self, rank_index, collective, send, recv, stream):
         comm = self.ranks.comms[rank_index]
@@ -235,11 +243,12 @@ def libraries(ranks: Ranks, wanted: List[str]) -> List[Library]:
     """The libraries asked for that can run here (NCCL baselines need mpirun)."""
     found: List[Library] = []
     for name in wanted:
+        base, *assignments = name.split("+")
+        settings = {key: parse_size(value) for key, value in
+                    (assignment.split("=") for assignment in assignments)}
         try:
-            if name == "hoccl":
-                found.append(Hoccl(ranks, "peer", "hoccl"))
-            elif name == "hoccl-local":
-                found.append(Hoccl(ranks, "local", "hoccl-local"))
+            if base in ("hoccl", "hoccl-local"):
+                found.append(Hoccl(ranks, "peer" if base == "hoccl" else "local", name, settings))
             elif ranks.mpi is None:
                 ranks.say(f"# {name}: skipped (NCCL baselines need mpirun, one rank per process)")
             elif name == "nccl":
