@@ -28,10 +28,11 @@ def arguments(argv=None) -> argparse.Namespace:
                              "rank per mpirun process")
     parser.add_argument("--collectives", default=",".join(COLLECTIVES),
                         help="comma-separated subset of %(default)s")
-    parser.add_argument("--libraries", default="hoccl,hoccl-local,nccl,nccl-zero",
-                        help="comma-separated: hoccl (zero-SM own-block route), hoccl-local "
-                             "(own block on capped SMs), nccl (torch.distributed), nccl4py, "
-                             "nccl-zero (NCCL CTA policy ZERO, symmetric windows)")
+    parser.add_argument("--libraries", default="hoccl,hoccl-peer,hoccl+max_sms=32,nccl,nccl-zero",
+                        help="comma-separated: hoccl (default options), hoccl-peer / hoccl-local "
+                             "(out-of-place own block through the peer / on capped SMs), any "
+                             "of them +max_sms=N+chunk_bytes=S, nccl (torch.distributed), "
+                             "nccl4py, nccl-zero (NCCL CTA policy ZERO, symmetric windows)")
     parser.add_argument("--min-bytes", default="1K", help="smallest size (nccl-tests' size)")
     parser.add_argument("--max-bytes", default="1G", help="largest size")
     parser.add_argument("--factor", type=int, default=4, help="size multiplier between rows")
@@ -94,9 +95,11 @@ def sweep(args: argparse.Namespace):
                     probe = time_loop(lib, ranks, collective, buffers, 3, 1, lambda i: streams[i])
                     iters = int(min(200, max(5, args.time_budget / max(probe * 1e-6, 1e-9))))
                     iters = int(ranks.max(iters))
-                    # warm up for a quarter of the timed calls: clocks ramp up from idle
+                    # warm up for ~0.1 s first: the GPUs' clocks ramp up from idle, and the
+                    # first library at a size would otherwise be timed while they do
+                    warmup = int(ranks.max(max(args.warmup, 0.1 / max(probe * 1e-6, 1e-9))))
                     micros = time_loop(lib, ranks, collective, buffers, iters,
-                                       max(args.warmup, iters // 4), lambda i: streams[i])
+                                       min(warmup, 400), lambda i: streams[i])
                     algbw = nbytes / (micros * 1e-6) / 1e9
                     record = dict(collective=collective, form=form, bytes=nbytes,
                                   library=lib.name, time_us=micros, algbw=algbw,
@@ -137,7 +140,7 @@ def table(result: Dict[str, Any]) -> str:
                                  f" WRONG {r['wrong']}" if r["wrong"] else ""))
             nccl = [r["busbw"] for name, r in by_name.items() if name.startswith("nccl")]
             ratio = (f"{by_name['hoccl']['busbw'] / max(nccl):.2f}x"
-                     if nccl and "hoccl" in by_name else "")
+                     if nccl and "hoccl" in by_name else "")  # default options vs best NCCL
             lines.append(f"| {human(nbytes)} | " + " | ".join(cells) + f" | {ratio} |")
     return "\n".join(lines)
 

@@ -133,20 +133,23 @@ class Library:
 
 
 class Hoccl(Library):
-    """hoccl with the communicator's options, changed by ``settings`` (``max_sms``,
-    ``chunk_bytes``...): a variant is named like ``hoccl+max_sms=32+chunk_bytes=128M``."""
+    """hoccl with its default options (``hoccl``), or a variant: ``hoccl-peer`` (own block
+    through the peer: zero SMs), ``hoccl-local``, and options appended like
+    ``hoccl+max_sms=32+chunk_bytes=128M``."""
 
-    def __init__(self, ranks: Ranks, route: str, name: str, settings: Dict[str, Any]):
-        self.ranks, self.route, self.name = ranks, route, name
-        self.settings = settings
-        self.defaults = {"max_sms": ranks.comms[0].device_handle.max_sms,
-                         "chunk_bytes": ranks.comms[0].options.chunk_bytes}
+    def __init__(self, ranks: Ranks, route: Optional[str], name: str, settings: Dict[str, Any]):
+        comm = ranks.comms[0]
+        self.ranks, self.name, self.settings = ranks, name, settings
+        self.route = route or comm.options.self_route
+        self.defaults = {"max_sms": comm.device_handle.max_sms,
+                         "chunk_bytes": comm.options.chunk_bytes}
         sms = settings.get("max_sms", self.defaults["max_sms"])
-        self.sms = (f"0 for moves; ≤ {sms} summing" if route == "peer"
-                    else f"≤ {sms} for the own block")
+        moves = "0" if self.route == "peer" else f"≤ {sms} for the own block out of place"
+        self.sms = f"moves: {moves} (in place: 0); sums: ≤ {sms}"
+        self.variant = route is not None  # only measured where the route matters
 
     def supports(self, collective: str, form: str) -> bool:
-        if self.route == "local":  # the local route only differs out of place, for moves
+        if self.variant:
             return form == "out" and collective in ("all_gather", "all_to_all")
         return True
 
@@ -247,8 +250,9 @@ def libraries(ranks: Ranks, wanted: List[str]) -> List[Library]:
         settings = {key: parse_size(value) for key, value in
                     (assignment.split("=") for assignment in assignments)}
         try:
-            if base in ("hoccl", "hoccl-local"):
-                found.append(Hoccl(ranks, "peer" if base == "hoccl" else "local", name, settings))
+            if base in ("hoccl", "hoccl-local", "hoccl-peer"):
+                route = None if base == "hoccl" else base.split("-")[1]
+                found.append(Hoccl(ranks, route, name, settings))
             elif ranks.mpi is None:
                 ranks.say(f"# {name}: skipped (NCCL baselines need mpirun, one rank per process)")
             elif name == "nccl":

@@ -103,6 +103,8 @@ def test_all_gather_needs_no_sm(gpu_comms, in_place):
 
 def test_all_to_all_broadcast_gather_scatter_send_recv_barrier_need_no_sm(gpu_comms):
     import cupy
+    for comm in gpu_comms:
+        comm.set_options(self_route="peer")
     n, count = gpu_comms[0].world_size, 16 << 20
     arrays = ArrayModule("cupy")
     rng = np.random.default_rng(43)
