@@ -31,6 +31,7 @@ class LocalGroup:
     def __init__(self, world_size: int):
         self.world_size = world_size
         self.comms: List[Any] = []
+        self._closed: set = set()
         self._pending: Dict[tuple, Dict[int, Any]] = {}
         self._queues: List[deque] = [deque() for _ in range(world_size)]
 
@@ -54,6 +55,14 @@ class LocalGroup:
         self._pending.setdefault(op.key, {})[comm.rank] = op
         self._queues[comm.rank].append(op)
         self.progress()
+
+    def abort(self, reason: str) -> None:
+        """One rank of the process aborted: so do the others (they share its fate)."""
+        for comm in self.comms:
+            comm.abort(reason)
+        self._pending.clear()
+        for queue in self._queues:
+            queue.clear()
 
     def waiting_for(self, op: Any) -> List[int]:
         """The participants that have not yet made the call ``op`` belongs to."""
@@ -81,10 +90,16 @@ class LocalGroup:
                         del self._pending[op.key]
                     moved = True
 
-    def close(self) -> None:
-        self._pending.clear()
-        for queue in self._queues:
-            queue.clear()
+    def leave(self, comm: Any) -> None:
+        """``comm`` closed its streams.  Its pad and scratch stay mapped by the other ranks'
+        lanes until they have closed theirs too: free every device only then."""
+        self._closed.add(comm.rank)
+        if len(self._closed) == len(self.comms):
+            for member in self.comms:
+                member.device_handle.close()
+            self._pending.clear()
+            for queue in self._queues:
+                queue.clear()
 
 
 class MPIGroup:
@@ -162,9 +177,13 @@ class MPIGroup:
     def barrier(self) -> None:
         self.mpi.Barrier()
 
-    def close(self) -> None:
+    def leave(self, comm: Any) -> None:
+        """Free the device and the duplicated MPI communicator (unless MPI is gone)."""
+        comm.device_handle.close()
         if self.mpi is not None:
-            self.mpi.Free()
+            from mpi4py import MPI
+            if not MPI.Is_finalized():
+                self.mpi.Free()
             self.mpi = None
 
 

@@ -2,23 +2,33 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
+import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 from ._buffers import Buffer, as_buffer
 from ._dtypes import ITEMSIZE
-from ._errors import AbortedError, HocclTimeoutError, InvalidArgumentError
+from ._errors import (AbortedError, HocclError, HocclTimeoutError, InvalidArgumentError,
+                      MismatchError)
 from .backends._base import OPS
 from .p2p import Executor
 from .sched import Options, Shape, build_plan, verify
-from .sched.plan import CHANNELS, Plan
+from .sched.plan import CHANNELS, Plan, Wait
 from .streams import StreamManager
 
-__all__ = ["Communicator", "ReduceOp"]
+__all__ = ["Communicator", "ReduceOp", "POISON"]
 
 log = logging.getLogger("hoccl")
+
+#: written into signal pads by ``abort``: larger than any value a collective waits for,
+#: so every stream-side wait is released; seeing it in a pad means "aborted".
+POISON = 1 << 62
+_CHANNEL_NAMES = ("READY", "DONE", "GATHERED", "P2P_READY", "P2P_DONE")
+_OPEN: "weakref.WeakSet[Communicator]" = weakref.WeakSet()
 
 
 class ReduceOp:
@@ -42,6 +52,8 @@ class _Op:
     signature: tuple
     keepalive: Tuple[Any, ...] = ()
     issued: bool = False
+    base: int = 0              # the signal base it was issued with
+    submitted: float = field(default_factory=time.monotonic)
 
 
 class Communicator:
@@ -76,9 +88,16 @@ class Communicator:
         self._inflight: List[_Op] = []
         self._closed = False
         self._aborted = False
+        self._abort_reason = ""
+        self._lock = threading.RLock()
+        self._watchdog: Optional[threading.Thread] = None
+        self._stop = threading.Event()
+        self._pads: List[Any] = []
+        _OPEN.add(self)
 
     # -- wiring (called by init) -----------------------------------------------------------
     def _connect(self, pads: List[Any]) -> None:
+        self._pads = list(pads)
         self._executor = Executor(self.rank, self.device_handle, self._streams, pads)
 
     @property
@@ -244,10 +263,16 @@ class Communicator:
 
     # -- host side ---------------------------------------------------------------------
     def synchronize(self) -> None:
-        """Block until all work this communicator enqueued has finished (or raise after ``timeout``)."""
+        """Block until all work this communicator enqueued has finished.
+
+        After ``timeout`` seconds it aborts the communicator (so no stream stays blocked)
+        and raises HocclTimeoutError naming the call, its number and the peers whose
+        signals never came.
+        """
         self._usable("synchronize")
-        target = self._ops
-        not_issued = [op for op in self._inflight if not op.issued]
+        with self._lock:
+            target = self._ops
+            not_issued = [op for op in self._inflight if not op.issued]
         if not_issued:
             op = not_issued[0]
             waiting = self._group.waiting_for(op) if hasattr(self._group, "waiting_for") else []
@@ -257,18 +282,139 @@ class Communicator:
                 f"rank's call before synchronizing")
         deadline = time.monotonic() + self.timeout
         delay = 0.0
-        self.device_handle.activate()
         while self._host_word.value < target:
+            if self._aborted or self.device_handle.failure():
+                break
             if time.monotonic() > deadline:
-                raise HocclTimeoutError(
-                    f"synchronize: rank {self.rank} waited {self.timeout:.0f} s; completed "
-                    f"{self._host_word.value} of {target} operations")
+                reason = self._diagnose("synchronize")
+                self.abort(reason)
+                raise HocclTimeoutError(reason)
             time.sleep(delay)
             delay = min(delay * 2 + 2e-6, 1e-3)
-        self._inflight.clear()
-        for address in self._retired:
-            self.device_handle.free(address)
-        self._retired.clear()
+        self._check_health("synchronize")
+        with self._lock:
+            self._inflight.clear()
+            self.device_handle.activate()
+            for address in self._retired:
+                self.device_handle.free(address)
+            self._retired.clear()
+
+    def abort(self, reason: str = "") -> None:
+        """Release every stream-side wait of this communicator and make later calls raise.
+
+        Poison values go into this rank's signal pad, entry and completion words (so its
+        lanes and the callers' streams run on) and into the slots this rank signals in
+        every peer's pad (so the peers' waits on it are released and they learn of the
+        abort).  Outputs of unfinished calls are undefined.  The GPU stays usable and a
+        new communicator can be created.  Idempotent.
+        """
+        with self._lock:
+            if self._aborted or self._closed:
+                return
+            self._aborted = True
+            self._abort_reason = reason or f"rank {self.rank}: abort() was called"
+        log.warning("rank %d aborting: %s", self.rank, self._abort_reason)
+        device = self.device_handle
+        own = [(self._pad + 8 * slot, POISON) for slot in range(self.world_size * CHANNELS + 2)]
+        own.append((self._host_word.address, POISON))
+        try:
+            device.activate()
+            device.abort()
+            device.poke(own)
+        except HocclError as error:
+            log.warning("rank %d abort: could not poison its own pad: %s", self.rank, error)
+        for peer, pad in enumerate(self._pads):
+            if peer == self.rank:
+                continue
+            try:  # a dead peer's memory may be gone: best effort
+                device.poke([(pad + 8 * (self.rank * CHANNELS + channel), POISON)
+                             for channel in range(CHANNELS)])
+            except HocclError as error:
+                log.warning("rank %d abort: could not release peer %d: %s", self.rank, peer, error)
+        abort_group = getattr(self._group, "abort", None)
+        if abort_group is not None:
+            abort_group(self._abort_reason)
+
+    def _diagnose(self, call: str) -> str:
+        """What the oldest unfinished call is waiting for, read from this rank's pad."""
+        with self._lock:
+            pending = [op for op in self._inflight if op.value > self._host_word.value]
+        if not pending:
+            return f"{call}: rank {self.rank} timed out after {self.timeout:.0f} s"
+        op = pending[0]
+        head = (f"{call}: rank {self.rank}'s {op.call} (call {op.value} on this rank, "
+                f"{'collective' if op.key[0] == 'coll' else 'pair'} sequence {op.key[1:]}) "
+                f"did not finish within {self.timeout:.0f} s")
+        try:
+            slots = self.world_size * CHANNELS + 2
+            words = self.device_handle.peek(self._pad, slots)
+        except HocclError as error:
+            return f"{head}; the signal pad could not be read: {error}"
+        entry = words[-1]
+        if entry < op.value:
+            return (f"{head}: the caller's stream never reached the call (entry word "
+                    f"{entry}, expected {op.value}); work enqueued on it earlier is stuck")
+        missing = []
+        for step in op.plan.programs[self.rank]:
+            if isinstance(step, Wait) and words[step.slot] < op.base + step.value:
+                peer, channel = divmod(step.slot, CHANNELS)
+                missing.append(f"rank {peer} {_CHANNEL_NAMES[channel]} (have "
+                               f"{words[step.slot]}, need {op.base + step.value})")
+        if not missing:
+            return f"{head}: every signal arrived; the copies or reductions did not finish"
+        peers = sorted({int(text.split()[1]) for text in missing})
+        return f"{head}: signals missing from peers {peers}: " + "; ".join(missing)
+
+    def _check_health(self, call: str) -> None:
+        failure = self.device_handle.failure()
+        if failure and not self._aborted:
+            self.abort(f"{call}: rank {self.rank}: device work failed: {failure}")
+        if self._aborted:
+            raise AbortedError(f"{call}: the communicator was aborted: {self._abort_reason}")
+        poisoned = self._peer_abort()
+        if poisoned is not None:
+            self.abort(f"{call}: rank {self.rank}: rank {poisoned} aborted the communicator")
+            raise AbortedError(f"{call}: the communicator was aborted: {self._abort_reason}")
+
+    def _peer_abort(self) -> Optional[int]:
+        """The peer that poisoned this rank's pad, if one did."""
+        try:
+            words = self.device_handle.peek(self._pad, self.world_size * CHANNELS)
+        except HocclError:
+            return None
+        for slot, word in enumerate(words):
+            if word >= POISON:
+                return slot // CHANNELS
+        return None
+
+    def _watch(self) -> None:
+        """The watchdog: aborts when the oldest issued call outlives the timeout, or a
+        peer aborted, without anyone calling synchronize."""
+        period = max(0.05, min(1.0, self.timeout / 10))
+        while not self._stop.wait(period):
+            with self._lock:
+                if self._closed or self._aborted:
+                    return
+                done = self._host_word.value
+                pending = [op for op in self._inflight if op.issued and op.value > done]
+            if not pending:
+                continue
+            try:
+                self.device_handle.activate()
+                failure = self.device_handle.failure()
+                if failure:
+                    self.abort(f"watchdog: rank {self.rank}: device work failed: {failure}")
+                    return
+                if time.monotonic() - pending[0].submitted > self.timeout:
+                    self.abort("watchdog: " + self._diagnose("watchdog"))
+                    return
+                peer = self._peer_abort()
+                if peer is not None:
+                    self.abort(f"watchdog: rank {self.rank}: rank {peer} aborted the communicator")
+                    return
+            except Exception as error:  # the watchdog must never die silently
+                log.error("rank %d watchdog: %r", self.rank, error)
+                return
 
     def set_options(self, **changes) -> None:
         """Change options for later calls: ``self_route``, ``chunk_bytes``, ``copy_lanes``
@@ -283,15 +429,24 @@ class Communicator:
         self.options = options
 
     def close(self) -> None:
-        """Release streams, events, pads, mappings and the device; idempotent."""
+        """Wait for outstanding work (aborting it after ``timeout``), then release streams,
+        events, pads, mappings, peer access and the device.  Idempotent."""
         if self._closed:
             return
-        self._closed = True
+        if not self._aborted and any(op.issued for op in self._inflight):
+            try:
+                self.synchronize()
+            except HocclError as error:
+                log.warning("rank %d close: %s", self.rank, error)
+        with self._lock:
+            self._closed = True
+        self._stop.set()
         self.device_handle.activate()
         self._streams.close()
         self._imports.clear()
         self._inflight.clear()
-        self.device_handle.close()
+        self._group.leave(self)  # frees the device once no peer of this process can write to it
+        _OPEN.discard(self)
 
     def __enter__(self) -> "Communicator":
         return self
@@ -308,7 +463,7 @@ class Communicator:
         if self._closed:
             raise InvalidArgumentError(f"{call}: the communicator is closed")
         if self._aborted:
-            raise AbortedError(f"{call}: the communicator was aborted")
+            raise AbortedError(f"{call}: the communicator was aborted: {self._abort_reason}")
 
     def _buffers(self, call: str, optional: Tuple[str, ...] = (), **arrays) -> List[Optional[Buffer]]:
         self._usable(call)
@@ -431,20 +586,31 @@ class Communicator:
         op = _Op(call, plan, key, tag, local, self._ops + 1, self._signature(shape),
                  tuple(arrays))
         self._group.admit(self, op)  # check mode: a mismatch raises here, nothing enqueued
+        self._usable(call)  # the watchdog may have aborted meanwhile
         if plan.pair:
             self._pair_calls[plan.pair] = count + 1
         else:
             self._collectives += 1
         self._ops += 1
         self._streams.fence_in(caller, self._ops)
+        done = self._host_word.value
+        self._inflight = [old for old in self._inflight if old.value > done or not old.issued]
         self._inflight.append(op)
+        if self._watchdog is None:
+            self._watchdog = threading.Thread(target=self._watch, daemon=True,
+                                              name=f"hoccl-watchdog-{self.rank}")
+            self._watchdog.start()
         log.debug("rank %d %s %s key=%s", self.rank, call, shape, key)
         try:
             self._group.submit(self, op, payload)
-        except BaseException:
-            # The peers never answered (or answered wrongly): release our caller's stream
-            # instead of leaving it blocked, and report; the output was not written.
+        except MismatchError:
+            # Every rank saw the same mismatch before any data moved: release our caller's
+            # stream (the output was not written) and report; the communicator stays usable.
             self._release(op)
+            raise
+        except BaseException as error:
+            # The peers never answered: nothing can be matched up any more.
+            self.abort(f"{call}: rank {self.rank}: {error}")
             raise
 
     def _release(self, op: _Op) -> None:
@@ -469,7 +635,24 @@ class Communicator:
         else:
             base = self._signal_base
             self._signal_base += plan.max_value
+        op.base = base
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("rank %d issue %s call %d base %d lanes %d steps %d sms=%s", self.rank,
+                      plan.collective, op.value, base, plan.lanes,
+                      len(plan.programs[self.rank]), plan.uses_sms(self.rank))
         self._executor.issue(plan, addresses, base, op.value)
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    """Interpreter exit: release whatever is still blocked, then close (never hang)."""
+    for comm in list(_OPEN):
+        try:
+            if any(op.value > comm._host_word.value for op in comm._inflight):
+                comm.abort("interpreter exit with unfinished work")
+            comm.close()
+        except Exception as error:  # exit must go on
+            log.warning("rank %d exit: %r", comm.rank, error)
 
 
 _VERIFIED: Dict[int, Plan] = {}

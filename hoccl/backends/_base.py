@@ -20,7 +20,7 @@ Timeline of one collective on one rank (``seq`` = the collective's signal base):
 from __future__ import annotations
 
 import abc
-from typing import Any, Iterable, Sequence, Tuple
+from typing import Any, Iterable, List, Optional, Sequence, Tuple
 
 __all__ = ["Device", "HostWord", "DTYPES", "OPS"]
 
@@ -158,6 +158,24 @@ class Device(abc.ABC):
     def reduce(self, stream: Any, output: Any, inputs: Sequence[Any], count: int,
                dtype: str, op: str) -> None:
         """``output = op(*inputs)`` element-wise over ``count`` elements, on at most ``max_sms`` SMs."""
+
+    # -- out of band (diagnosis and abort) --------------------------------------------------
+    @abc.abstractmethod
+    def peek(self, address: Any, count: int) -> List[int]:
+        """Read ``count`` 64-bit words from the host, ordered after no stream (a blocked
+        stream cannot delay it); raises HocclTimeoutError if the device does not answer."""
+
+    @abc.abstractmethod
+    def poke(self, writes: Sequence[Tuple[Any, int]]) -> None:
+        """Write 64-bit words from the host, ordered after no stream: how ``abort``
+        releases waits that no stream operation will ever release."""
+
+    def failure(self) -> Optional[str]:
+        """A description of work that failed on this device's streams, if any."""
+        return None
+
+    def abort(self) -> None:
+        """Drop work still queued where the backend can (the host backend's queues)."""
 
     # -- lifetime ----------------------------------------------------------------------
     @abc.abstractmethod

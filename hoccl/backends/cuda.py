@@ -503,6 +503,26 @@ class CudaDevice(Device):
                 time.sleep(delay)
                 delay = min(delay * 2, 1e-3)
 
+    # -- out of band -------------------------------------------------------------------------
+    def _out_of_band(self, copy: Any, *args: Any, timeout: float = 10.0) -> None:
+        """A copy on the private non-blocking setup stream: it queues behind no lane and
+        no caller stream, so a blocked collective cannot delay it."""
+        self._make_current()
+        stream = self._setup_stream
+        _call(copy, *args, stream)
+        self.synchronize_stream(stream, timeout)
+
+    def peek(self, address: Any, count: int) -> list:
+        words = (ctypes.c_uint64 * count)()
+        self._out_of_band(driver.cuMemcpyDtoHAsync, ctypes.addressof(words), int(address),
+                          8 * count)
+        return [int(word) for word in words]
+
+    def poke(self, writes: Sequence[Tuple[Any, int]]) -> None:
+        for address, value in writes:
+            word = (ctypes.c_uint64 * 1)(value)
+            self._out_of_band(driver.cuMemcpyHtoDAsync, int(address), ctypes.addressof(word), 8)
+
     # -- memory ------------------------------------------------------------------------------
     def alloc(self, nbytes: int) -> int:
         self._make_current()

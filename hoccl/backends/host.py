@@ -19,7 +19,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -288,6 +288,23 @@ class HostDevice(Device):
             out[...] = result.view(np.uint8)
         if count:
             stream.enqueue(run)
+
+    # -- out of band ---------------------------------------------------------------------
+    def peek(self, address: Any, count: int) -> List[int]:
+        words = np.zeros(count, dtype=np.uint64)
+        _move(words.ctypes.data, address, 8 * count)
+        return [int(word) for word in words]
+
+    def poke(self, writes: Sequence[Tuple[Any, int]]) -> None:
+        for address, value in writes:
+            word = np.array([value], dtype=np.uint64)
+            _move(address, word.ctypes.data, 8)
+
+    def failure(self) -> Optional[str]:
+        for stream in self._streams:
+            if stream.error is not None:
+                return f"{type(stream.error).__name__}: {stream.error}"
+        return None
 
     # -- lifetime ----------------------------------------------------------------------
     def abort(self) -> None:
