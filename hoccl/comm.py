@@ -340,11 +340,11 @@ class Communicator:
         with self._lock:
             pending = [op for op in self._inflight if op.value > self._host_word.value]
         if not pending:
-            return f"{call}: rank {self.rank} timed out after {self.timeout:.0f} s"
+            return f"{call}: rank {self.rank} timed out after {self.timeout:g} s"
         op = pending[0]
         head = (f"{call}: rank {self.rank}'s {op.call} (call {op.value} on this rank, "
                 f"{'collective' if op.key[0] == 'coll' else 'pair'} sequence {op.key[1:]}) "
-                f"did not finish within {self.timeout:.0f} s")
+                f"did not finish within {self.timeout:g} s")
         try:
             slots = self.world_size * CHANNELS + 2
             words = self.device_handle.peek(self._pad, slots)

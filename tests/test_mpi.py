@@ -32,3 +32,29 @@ def test_api_under_mpiexec_on_the_host_backend(ranks):
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-4000:]
     assert f"mpi ranks={ranks} backend=host:" in output and " 0 failed" in output, output[-4000:]
+
+
+FAILURES = Path(__file__).parent / "mpi" / "run_failures.py"
+
+
+def keep_going_flags(mpiexec: str):
+    """Let the other ranks run on when one process dies (to see them raise)."""
+    version = subprocess.run([mpiexec, "--version"], capture_output=True, text=True).stdout
+    if "HYDRA" in version.upper() or "MPICH" in version.upper():
+        return ["-disable-auto-cleanup"]
+    return ["--mca", "orte_abort_on_non_zero_status", "0"]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("scenario,survivors", [("mismatch", [0, 1]), ("dead", [0]),
+                                                ("abort", [0, 1])])
+def test_failures_across_processes_raise_instead_of_hanging(scenario, survivors):
+    mpiexec = _mpiexec()
+    command = [mpiexec, *keep_going_flags(mpiexec), "-n", "2", sys.executable, str(FAILURES),
+               scenario, "--backend", "host"]
+    env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
+    output = result.stdout + result.stderr
+    for rank in survivors:
+        assert f"rank {rank}: OK" in output, output[-4000:]
+    assert "FAILED" not in output, output[-4000:]

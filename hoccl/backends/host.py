@@ -14,6 +14,7 @@ backend's semantics are checked against in CI.
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import queue
 import threading
@@ -56,10 +57,12 @@ def _cross_process(function_name: str, pid: int, local: int, remote: int, nbytes
         moved = function(pid, ctypes.byref(local_vec), 1, ctypes.byref(remote_vec), 1, 0)
         if moved <= 0:
             error = ctypes.get_errno()
+            hint = ("; cross-process host transfers need ptrace permission between the ranks "
+                    "(same user and kernel.yama.ptrace_scope=0, or root)"
+                    if error == errno.EPERM else
+                    "; the peer process is gone" if error == errno.ESRCH else "")
             raise HocclError(f"{function_name}: moving {nbytes} bytes with process {pid} failed: "
-                             f"{os.strerror(error)} (errno {error}); cross-process host transfers "
-                             f"need ptrace permission between the ranks (same user, "
-                             f"kernel.yama.ptrace_scope=0, or root)")
+                             f"{os.strerror(error)} (errno {error}){hint}")
         done += moved
 
 

@@ -1,0 +1,121 @@
+"""Failure scenarios under mpirun (2 ranks): ``python run_failures.py SCENARIO [--backend B]``.
+
+mismatch   ranks call all_reduce with different counts (check mode): both raise
+           MismatchError naming the call, the other rank and both values; the next
+           collective still works.
+dead       rank 1 dies right after its call; rank 0 raises within the timeout.
+           Launch with the MPI's keep-going flag (MPICH: -disable-auto-cleanup).
+abort      rank 0's stream is held (a long kernel) so rank 1's all_reduce waits for it;
+           rank 0 aborts; rank 1's wait is released and it learns of the abort
+           (AbortedError naming rank 0) within its timeout, without hanging.
+Each surviving rank prints ``rank R: OK <what happened>`` or ``rank R: FAILED ...``.
+"""
+
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+import hoccl
+from hoccl.testing import array_module_for, poison
+
+
+def _held_stream(comm, seconds):
+    """A stream of ``comm``'s device held busy for ``seconds``: work enqueued on it after
+    this waits (the twin of a long kernel before a collective)."""
+    if comm.backend == "host":
+        device = comm.device_handle
+        stream = device.create_stream()
+        stream.enqueue(lambda: time.sleep(seconds))
+        return stream
+    import cupy
+    with cupy.cuda.Device(comm.device):
+        spin = cupy.RawKernel(r"""
+            extern "C" __global__ void spin(long long cycles) {
+                long long start = clock64();
+                while (clock64() - start < cycles) { }
+            }""", "spin")
+        stream = cupy.cuda.Stream(non_blocking=True)
+        rate = cupy.cuda.runtime.getDeviceProperties(comm.device)["clockRate"]
+        spin((1,), (1,), (np.int64(seconds * rate * 1000),), stream=stream)
+        return stream
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("scenario", choices=["mismatch", "dead", "abort"])
+    parser.add_argument("--backend", default=None)
+    args = parser.parse_args()
+    world = MPI.COMM_WORLD
+    comm = hoccl.init(backend=args.backend, timeout=5, check=args.scenario == "mismatch")
+    arrays = array_module_for(comm.backend, "float32")
+    r = comm.rank
+
+    def buffer(count, fill=1.0):
+        return arrays.asarray(np.full(count, fill, np.float32), comm.device)
+
+    ok = False
+    started = time.monotonic()
+    try:
+        if args.scenario == "mismatch":
+            count = 10 + r
+            out = arrays.asarray(poison(count, "float32"), comm.device)
+            before = arrays.to_numpy(out, "float32").tobytes()
+            try:
+                comm.all_reduce(buffer(count), out)
+                comm.synchronize()
+                print(f"rank {r}: FAILED no error", flush=True)
+            except hoccl.MismatchError as error:
+                text = str(error)
+                untouched = arrays.to_numpy(out, "float32").tobytes() == before
+                ok = (text.startswith("all_reduce:") and f"rank {1 - r}" in text
+                      and "count=10" in text and "count=11" in text and untouched)
+                # the communicator is still usable
+                total = buffer(4, r + 1)
+                comm.all_reduce(total, total)
+                comm.synchronize()
+                ok = ok and np.allclose(arrays.to_numpy(total, "float32"), 3.0)
+                print(f"rank {r}: {'OK' if ok else 'FAILED'} {text}", flush=True)
+        elif args.scenario == "dead":
+            out = buffer(1 << 16, 0.0)
+            comm.all_reduce(buffer(1 << 16), out)
+            if r == 1:
+                os._exit(3)
+            time.sleep(0.2)
+            try:
+                comm.synchronize()
+                print(f"rank {r}: FAILED synchronize returned", flush=True)
+            except hoccl.HocclError as error:
+                waited = time.monotonic() - started
+                ok = waited < 20
+                print(f"rank {r}: {'OK' if ok else 'FAILED'} {type(error).__name__} after "
+                      f"{waited:.1f} s: {error}", flush=True)
+        else:  # abort
+            out = buffer(1 << 16, 0.0)
+            stream = _held_stream(comm, seconds=3) if r == 0 else None
+            comm.all_reduce(buffer(1 << 16), out, stream=stream)
+            world.Barrier()
+            if r == 0:
+                comm.abort("rank 0 gives up")
+                ok = comm._aborted
+                print(f"rank {r}: OK aborted", flush=True)
+            else:
+                try:
+                    comm.synchronize()
+                    print(f"rank {r}: FAILED synchronize returned", flush=True)
+                except hoccl.HocclError as error:
+                    waited = time.monotonic() - started
+                    ok = waited < 20 and "rank 0" in str(error)
+                    print(f"rank {r}: {'OK' if ok else 'FAILED'} {type(error).__name__} after "
+                          f"{waited:.1f} s: {error}", flush=True)
+    except Exception as error:  # report, then fail
+        print(f"rank {r}: FAILED unexpected {type(error).__name__}: {error}", flush=True)
+    sys.stdout.flush()
+    os._exit(0 if ok else 1)  # skip MPI_Finalize: a peer may be gone
+
+
+if __name__ == "__main__":
+    main()

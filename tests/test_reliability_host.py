@@ -1,0 +1,160 @@
+"""What happens when things go wrong, on the host backend: stuck work, timeouts, abort,
+teardown, interpreter exit, logging.  (Dead peers and mismatches across processes are in
+tests/test_mpi.py.)"""
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import hoccl
+from hoccl.testing import check_collective, poison, random_array
+
+
+def _block_default_stream(comm):
+    """Hold the caller's (default) stream of ``comm`` until the returned event is set:
+    the host twin of a kernel that never ends."""
+    gate = threading.Event()
+    comm.device_handle.default_stream.enqueue(lambda: gate.wait(30))
+    return gate
+
+
+def test_watchdog_aborts_stuck_work_and_names_the_missing_peer():
+    comms = hoccl.init_local(2, backend="host", timeout=1)
+    gate = _block_default_stream(comms[1])
+    data = [np.ones(8, np.float32) for _ in range(2)]
+    out = [poison(8, "float32") for _ in range(2)]
+    for comm in comms:
+        comm.all_reduce(data[comm.rank], out[comm.rank])
+    deadline = time.monotonic() + 10
+    while not comms[0]._aborted and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert comms[0]._aborted, "the watchdog did not abort within 10 s"
+    reason = comms[0]._abort_reason
+    assert "all_reduce" in reason and "rank 1" in reason, reason
+    with pytest.raises(hoccl.AbortedError, match="all_reduce"):
+        comms[0].synchronize()
+    with pytest.raises(hoccl.AbortedError):
+        comms[1].all_gather(data[1], np.zeros(16, np.float32))
+    gate.set()
+    # abort released every wait: the lanes and caller streams drain
+    for comm in comms:
+        comm.device_handle.synchronize_stream(comm.device_handle.default_stream, 5)
+        for lane in comm._streams.lanes:
+            comm.device_handle.synchronize_stream(lane, 5)
+        comm.close()
+    # and a new communicator works
+    check_collective(hoccl.init_local(2, backend="host"), "all_reduce", count=9,
+                     dtype="int32", seed=1)
+
+
+def test_synchronize_timeout_says_which_signal_is_missing():
+    comms = hoccl.init_local(2, backend="host", timeout=0.5)
+    comms[0]._stop.set()  # keep the watchdog out of it: this is synchronize's own timeout
+    comms[1]._stop.set()
+    gate = _block_default_stream(comms[1])
+    send = [np.ones(4, np.float32) for _ in range(2)]
+    recv = [poison(8, "float32") for _ in range(2)]
+    for comm in comms:
+        comm.all_gather(send[comm.rank], recv[comm.rank])
+    time.sleep(0.2)
+    assert "the caller's stream never reached the call" in comms[1]._diagnose("synchronize")
+    started = time.monotonic()
+    with pytest.raises(hoccl.HocclTimeoutError) as info:
+        comms[0].synchronize()
+    assert time.monotonic() - started < 5
+    message = str(info.value)
+    assert message.startswith("synchronize: rank 0's all_gather") and "peers [1]" in message
+    assert "READY (have 0, need 1)" in message, message
+    gate.set()
+
+
+def test_abort_releases_waits_and_later_calls_raise():
+    comms = hoccl.init_local(3, backend="host", timeout=60)
+    gate = _block_default_stream(comms[2])
+    for comm in comms:
+        comm.barrier()
+    comms[0].abort("test abort")
+    assert all(comm._aborted for comm in comms)  # one process: its ranks share the fate
+    for comm in comms:
+        for lane in comm._streams.lanes:
+            comm.device_handle.synchronize_stream(lane, 5)
+    with pytest.raises(hoccl.AbortedError, match="test abort"):
+        comms[1].barrier()
+    comms[0].abort("again")  # idempotent
+    gate.set()
+    for comm in comms:
+        comm.close()
+        comm.close()
+
+
+def test_timeout_comes_from_the_environment(monkeypatch):
+    monkeypatch.setenv("HOCCL_TIMEOUT", "7.5")
+    assert hoccl.init_local(1, backend="host")[0].timeout == 7.5
+    with pytest.raises(hoccl.InvalidArgumentError, match="timeout must be a positive"):
+        hoccl.init_local(1, backend="host", timeout=-1)
+
+
+def test_many_init_close_cycles_leak_no_threads_or_files():
+    def census():
+        return threading.active_count(), len(os.listdir("/proc/self/fd"))
+    rng = np.random.default_rng(2)
+    for _ in range(20):  # warm up lazily created state
+        comms = hoccl.init_local(2, backend="host")
+        for comm in comms:
+            comm.close()
+    before = census()
+    for cycle in range(1000):
+        comms = hoccl.init_local(2, backend="host")
+        if cycle % 100 == 0:
+            data = [random_array(rng, 5, "int64") for _ in range(2)]
+            out = [poison(10, "int64") for _ in range(2)]
+            for comm in comms:
+                comm.all_gather(data[comm.rank], out[comm.rank])
+            for comm in comms:
+                comm.synchronize()
+            assert np.array_equal(out[0], np.concatenate(data))
+        for comm in comms:
+            comm.close()
+    after = census()
+    assert after[0] <= before[0] + 2 and after[1] <= before[1] + 2, (before, after)
+
+
+def _python(code: str, timeout: float, **env):
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, **env})
+
+
+def test_interpreter_exit_with_open_communicators_and_stuck_work_does_not_hang():
+    started = time.monotonic()
+    result = _python("""
+        import numpy as np, hoccl
+        comms = hoccl.init_local(2, backend="host", timeout=600)
+        comms[0].all_reduce(np.ones(4), np.zeros(4))   # rank 1 never calls
+        other = hoccl.init_local(2, backend="host")
+        for comm in other:
+            comm.barrier()
+        print("exiting")
+        """, 60)
+    assert result.returncode == 0, result.stderr
+    assert "exiting" in result.stdout and time.monotonic() - started < 30
+
+
+def test_debug_logging_traces_init_and_each_collective():
+    result = _python("""
+        import numpy as np, hoccl
+        comms = hoccl.init_local(2, backend="host")
+        for comm in comms:
+            comm.all_gather(np.ones(3), np.zeros(6))
+        for comm in comms:
+            comm.synchronize()
+        """, 60, HOCCL_DEBUG="DEBUG")
+    assert result.returncode == 0, result.stderr
+    log = result.stderr
+    assert "hoccl INFO init_local: 2 ranks, backend host" in log, log
+    assert "hoccl DEBUG rank 1 issue all_gather" in log, log
