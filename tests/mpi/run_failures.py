@@ -102,15 +102,17 @@ def main():
                 comm.abort("rank 0 gives up")
                 ok = comm._aborted
                 print(f"rank {r}: OK aborted", flush=True)
+                world.Barrier()  # stay alive until rank 1 has looked
             else:
                 try:
                     comm.synchronize()
                     print(f"rank {r}: FAILED synchronize returned", flush=True)
                 except hoccl.HocclError as error:
                     waited = time.monotonic() - started
-                    ok = waited < 20 and "rank 0" in str(error)
+                    ok = waited < 20 and "rank 0 aborted" in str(error)
                     print(f"rank {r}: {'OK' if ok else 'FAILED'} {type(error).__name__} after "
                           f"{waited:.1f} s: {error}", flush=True)
+                world.Barrier()
     except Exception as error:  # report, then fail
         print(f"rank {r}: FAILED unexpected {type(error).__name__}: {error}", flush=True)
     sys.stdout.flush()
