@@ -25,6 +25,10 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,power.draw --format=csv > "
 if [ "$what" = tests ] || [ "$what" = all ]; then
   step gpu-local 200 python3 -m pytest -q -x -p no:cacheprovider --timeout=90 tests/gpu "$@"
   step gpu-mpirun 90 $MPIRUN python3 tests/mpi/run_checks.py --backend cuda --counts 0,1,17,100003
+  for scenario in mismatch dead abort; do
+    step "fail-$scenario" 60 $MPIRUN --mca orte_abort_on_non_zero_status 0 \
+      python3 tests/mpi/run_failures.py $scenario --backend cuda
+  done
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   step bench 170 $MPIRUN python3 -m hoccl.bench --sizes ${BENCH_SIZES:-64K,1M,16M,256M,1G} --out "$OUT/bench"
@@ -34,3 +38,4 @@ if [ "$what" = overlap ] || [ "$what" = all ]; then
 fi
 cat "$OUT/gpus.txt"
 printf '%s\n' "${summary[@]}"
+grep -h "^rank [0-9]: " "$OUT"/fail-*.log 2>/dev/null | cut -c1-160
