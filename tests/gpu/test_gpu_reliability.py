@@ -67,9 +67,6 @@ def test_watchdog_aborts_stuck_work_and_the_streams_drain():
 def test_init_close_cycles_do_not_leak_device_memory():
     import cupy
     gpus = list(range(min(cupy.cuda.runtime.getDeviceCount(), 2)))
-
-    def free_bytes():
-        return sum(cupy.cuda.runtime.memGetInfo()[0] for _ in [None])
     comms = hoccl.init_local(gpus, backend="cuda")
     check_collective(comms, "all_reduce", count=1 << 16, dtype="float32", seed=1)
     for comm in comms:
