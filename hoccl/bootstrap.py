@@ -8,8 +8,8 @@ Two groups, one interface (``submit(comm, op)``):
   submitted it, then issued for each of them (in each rank's own call order).
 * ``MPIGroup`` — one rank per process under mpirun.  Init-time exchange (pads,
   process and device identity) is an MPI allgather; per call, the participants
-  swap buffer descriptors (exported handles, cached by the importer) with
-  non-blocking point-to-point messages, bounded by the communicator's timeout.
+  swap buffer descriptors (exported handles, cached by the importer) through
+  shared-memory mailboxes (``hoccl._mailbox``), bounded by the communicator's timeout.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from collections import deque
 from typing import Any, Dict, List, Tuple
 
 from ._errors import HocclTimeoutError, MismatchError
+from ._mailbox import Mailboxes
 
 __all__ = ["LocalGroup", "MPIGroup"]
 
@@ -112,6 +113,7 @@ class MPIGroup:
         self.timeout = timeout
         self.host = socket.gethostname()
         self.pid = os.getpid()
+        self.mailboxes = Mailboxes(self.rank, self.world_size, self.allgather, self.barrier)
 
     def allgather(self, value: Any) -> List[Any]:
         return self.mpi.allgather(value)
@@ -133,7 +135,7 @@ class MPIGroup:
         """Swap descriptors with the other participants, import theirs, then issue."""
         payload = (exports, op.signature if comm.check else None)
         peers = [rank for rank in op.plan.participants if rank != self.rank]
-        received = self._exchange(peers, op.tag, payload, op.call)
+        received = self._exchange(peers, op.key, payload, op.call)
         addresses = {(self.rank, name): address for name, address in op.local.items()}
         for peer, (descriptors, signature) in received.items():
             if comm.check and signature != op.signature:
@@ -143,35 +145,39 @@ class MPIGroup:
         comm._issue(op, addresses)
         op.issued = True
 
-    def _exchange(self, peers: List[int], tag: int, payload: Any, call: str) -> Dict[int, Any]:
-        """Send ``payload`` to every peer and receive theirs.  Peers usually arrive within
-        microseconds, so poll without sleeping for a while, then back off to 1 ms sleeps;
-        give up after the communicator's timeout."""
-        requests = [self.mpi.isend(payload, dest=peer, tag=tag) for peer in peers]
+    def _exchange(self, peers: List[int], key: tuple, payload: Any,
+                  call: str) -> Dict[int, Any]:
+        """Send ``payload`` to every peer and receive theirs, through the shared-memory
+        mailboxes.  Peers usually arrive within microseconds, so poll without sleeping
+        for a while, then back off to 1 ms sleeps; give up after the timeout."""
+        start = time.monotonic()
+        deadline = start + self.timeout
+        for peer in peers:
+            self.mailboxes.send(peer, (key, payload), deadline, call)
         received: Dict[int, Any] = {}
         missing = list(peers)
-        start = time.monotonic()
-        spin_until, deadline = start + 2e-3, start + self.timeout
+        spin_until = start + 2e-3
         delay = 50e-6
         while missing:
             for peer in list(missing):
-                message = self.mpi.improbe(source=peer, tag=tag)
-                if message is not None:
-                    received[peer] = message.recv()
+                if self.mailboxes.ready(peer):
+                    their_key, received[peer] = self.mailboxes.receive(peer)
                     missing.remove(peer)
+                    if their_key != key:
+                        raise MismatchError(
+                            f"{call}: rank {self.rank} made call {key} but rank {peer}'s next "
+                            f"call with it was {their_key}: the ranks' sequences of calls differ")
             if not missing:
                 break
             now = time.monotonic()
             if now > deadline:
                 raise HocclTimeoutError(
-                    f"{call}: rank {self.rank} waited {self.timeout:.0f} s for ranks {missing} "
-                    f"to make the matching call (tag {tag}); they never did — a mismatched "
+                    f"{call}: rank {self.rank} waited {self.timeout:g} s for ranks {missing} "
+                    f"to make the matching call {key}; they never did — a mismatched "
                     f"sequence of calls or a dead process")
             if now > spin_until:
                 time.sleep(delay)
                 delay = min(delay * 2, 1e-3)
-        for request in requests:
-            request.wait()
         return received
 
     def barrier(self) -> None:
@@ -180,6 +186,7 @@ class MPIGroup:
     def leave(self, comm: Any) -> None:
         """Free the device and the duplicated MPI communicator (unless MPI is gone)."""
         comm.device_handle.close()
+        self.mailboxes.close()
         if self.mpi is not None:
             from mpi4py import MPI
             if not MPI.Is_finalized():

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import atexit
+import collections
 import logging
 import threading
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Deque, Dict, List, Optional, Tuple
 
 from ._buffers import Buffer, as_buffer
 from ._dtypes import ITEMSIZE
@@ -46,7 +47,6 @@ class _Op:
     call: str
     plan: Plan
     key: tuple
-    tag: int
     local: Dict[str, Any]      # buffer name -> address on this rank
     value: int                 # this rank's call number: its entry and completion value
     signature: tuple
@@ -85,7 +85,7 @@ class Communicator:
         self._scratch: Tuple[Any, int] = (None, 0)
         self._retired: List[Any] = []
         self._imports: Dict[Tuple[int, Any], Any] = {}
-        self._inflight: List[_Op] = []
+        self._inflight: Deque[_Op] = collections.deque()  # submitted, in call order
         self._closed = False
         self._aborted = False
         self._abort_reason = ""
@@ -433,7 +433,9 @@ class Communicator:
         events, pads, mappings, peer access and the device.  Idempotent."""
         if self._closed:
             return
-        if not self._aborted and any(op.issued for op in self._inflight):
+        with self._lock:
+            outstanding = any(op.issued for op in self._inflight)
+        if not self._aborted and outstanding:
             try:
                 self.synchronize()
             except HocclError as error:
@@ -579,11 +581,9 @@ class Communicator:
         if plan.pair:
             count = self._pair_calls.get(plan.pair, 0)
             key: tuple = ("p2p",) + plan.pair + (count,)
-            tag = 1 + (0x4000 | (count & 0x3FFF))
         else:
             key = ("coll", self._collectives)
-            tag = 1 + (self._collectives & 0x3FFF)
-        op = _Op(call, plan, key, tag, local, self._ops + 1, self._signature(shape),
+        op = _Op(call, plan, key, local, self._ops + 1, self._signature(shape),
                  tuple(arrays))
         self._group.admit(self, op)  # check mode: a mismatch raises here, nothing enqueued
         self._usable(call)  # the watchdog may have aborted meanwhile
@@ -594,8 +594,11 @@ class Communicator:
         self._ops += 1
         self._streams.fence_in(caller, self._ops)
         done = self._host_word.value
-        self._inflight = [old for old in self._inflight if old.value > done or not old.issued]
-        self._inflight.append(op)
+        with self._lock:  # the watchdog reads the deque
+            inflight = self._inflight
+            while inflight and inflight[0].issued and inflight[0].value <= done:
+                inflight.popleft()  # finished: its buffers may go
+            inflight.append(op)
         if self._watchdog is None:
             self._watchdog = threading.Thread(target=self._watch, daemon=True,
                                               name=f"hoccl-watchdog-{self.rank}")
