@@ -209,43 +209,38 @@ class Communicator:
                      {"send": send, "recv": recv}, stream)
 
     def gather(self, sendbuf, recvbuf, root, *, stream=None) -> None:
-        """Root's ``recvbuf[r*count:(r+1)*count]`` = rank r's ``sendbuf``."""
-        call = "gather"
-        root = self._root(call, root)
-        is_root = self.rank == root
-        send, recv = self._buffers(call, sendbuf=sendbuf, recvbuf=recvbuf if is_root else None,
-                                   optional=() if is_root else ("recvbuf",))
-        in_place = False
-        if is_root:
-            self._same_dtype(call, send, recv)
-            if recv.count != send.count * self.world_size:
-                raise InvalidArgumentError(
-                    f"{call}: the root's recvbuf must hold world_size * sendbuf.size = "
-                    f"{send.count * self.world_size} elements; got {recv.count}")
-            in_place = self._in_place(call, send, recv, recv.block(root, send.count), send)
-        self._submit(call, Shape(call, self.world_size, send.count, send.dtype,
-                                 ITEMSIZE[send.dtype], root=root,
-                                 in_place=in_place),
-                     {"send": send, "recv": recv}, stream)
+        """Root's ``recvbuf[r*count:(r+1)*count]`` = rank r's ``sendbuf`` (``recvbuf`` may be
+        None off the root).  In place when the root's ``sendbuf`` is its own block of
+        ``recvbuf``."""
+        self._rooted_blocks("gather", sendbuf, recvbuf, root, stream)
 
     def scatter(self, sendbuf, recvbuf, root, *, stream=None) -> None:
-        """Rank r's ``recvbuf`` = root's ``sendbuf[r*count:(r+1)*count]``."""
-        call = "scatter"
+        """Rank r's ``recvbuf`` = root's ``sendbuf[r*count:(r+1)*count]`` (``sendbuf`` may be
+        None off the root).  In place when the root's ``recvbuf`` is its own block of
+        ``sendbuf``."""
+        self._rooted_blocks("scatter", sendbuf, recvbuf, root, stream)
+
+    def _rooted_blocks(self, call: str, sendbuf, recvbuf, root, stream) -> None:
+        """gather and scatter: the root's large buffer holds world_size blocks of the size
+        of every rank's small one (send for gather, receive for scatter)."""
         root = self._root(call, root)
         is_root = self.rank == root
-        send, recv = self._buffers(call, sendbuf=sendbuf if is_root else None, recvbuf=recvbuf,
-                                   optional=() if is_root else ("sendbuf",))
+        gather = call == "gather"
+        large_name, small_name = ("recvbuf", "sendbuf") if gather else ("sendbuf", "recvbuf")
+        send, recv = self._buffers(call, sendbuf=sendbuf if is_root or gather else None,
+                                   recvbuf=recvbuf if is_root or not gather else None,
+                                   optional=() if is_root else (large_name,))
+        small, large = (send, recv) if gather else (recv, send)
         in_place = False
         if is_root:
             self._same_dtype(call, send, recv)
-            if send.count != recv.count * self.world_size:
+            if large.count != small.count * self.world_size:
                 raise InvalidArgumentError(
-                    f"{call}: the root's sendbuf must hold world_size * recvbuf.size = "
-                    f"{recv.count * self.world_size} elements; got {send.count}")
-            in_place = self._in_place(call, send, recv, send.block(root, recv.count), recv)
-        self._submit(call, Shape(call, self.world_size, recv.count, recv.dtype,
-                                 ITEMSIZE[recv.dtype], root=root,
-                                 in_place=in_place),
+                    f"{call}: the root's {large_name} must hold world_size * {small_name}.size "
+                    f"= {small.count * self.world_size} elements; got {large.count}")
+            in_place = self._in_place(call, send, recv, large.block(root, small.count), small)
+        self._submit(call, Shape(call, self.world_size, small.count, small.dtype,
+                                 ITEMSIZE[small.dtype], root=root, in_place=in_place),
                      {"send": send, "recv": recv}, stream)
 
     def send(self, buf, peer, *, stream=None) -> None:

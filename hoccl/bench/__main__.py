@@ -17,7 +17,7 @@ import sys
 from typing import Any, Dict, List
 
 from ._harness import (COLLECTIVES, FORMS, bus_factor, count_wrong, human, libraries,
-                       make_buffers, metadata, parse_size, setup_ranks, time_loop, write_json)
+                       make_buffers, metadata, parse_size, report, setup_ranks, time_loop)
 
 
 def arguments(argv=None) -> argparse.Namespace:
@@ -180,12 +180,7 @@ def main(argv=None) -> None:
     args = arguments(argv)
     result, leader = sweep(args)
     if leader:
-        os.makedirs(args.out, exist_ok=True)
-        write_json(os.path.join(args.out, "bench.json"), result)
-        text = table(result)
-        with open(os.path.join(args.out, "bench.md"), "w") as handle:
-            handle.write(text + "\n")
-        print(text)
+        report(result, args.out, "bench", table(result))
         try:
             for path in plots(result, args.out):
                 print("wrote", path)

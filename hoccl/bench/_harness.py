@@ -109,10 +109,14 @@ def metadata(command: List[str]) -> Dict[str, Any]:
     return info
 
 
-def write_json(path: str, payload: Dict[str, Any]) -> None:
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "w") as handle:
-        json.dump(payload, handle, indent=1, default=str)
+def report(result: Dict[str, Any], folder: str, stem: str, text: str) -> None:
+    """Write ``stem``.json and ``stem``.md into ``folder`` and print the table."""
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, f"{stem}.json"), "w") as handle:
+        json.dump(result, handle, indent=1, default=str)
+    with open(os.path.join(folder, f"{stem}.md"), "w") as handle:
+        handle.write(text + "\n")
+    print(text)
 
 
 # -- libraries -------------------------------------------------------------------------------

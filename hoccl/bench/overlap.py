@@ -18,7 +18,7 @@ import sys
 from typing import Any, Dict, List
 
 from ._harness import (bus_factor, human, libraries, make_buffers, metadata, parse_size,
-                       setup_ranks, time_loop, write_json)
+                       report, setup_ranks, time_loop)
 
 
 def arguments(argv=None) -> argparse.Namespace:
@@ -178,12 +178,7 @@ def main(argv=None) -> None:
     args = arguments(argv)
     result, leader = run(args)
     if leader:
-        os.makedirs(args.out, exist_ok=True)
-        write_json(os.path.join(args.out, "overlap.json"), result)
-        text = table(result)
-        with open(os.path.join(args.out, "overlap.md"), "w") as handle:
-            handle.write(text + "\n")
-        print(text)
+        report(result, args.out, "overlap", table(result))
 
 
 if __name__ == "__main__":
