@@ -105,27 +105,19 @@ def run(args: argparse.Namespace):
                 start = torch.cuda.Event(enable_timing=True)
                 start.record(comm_streams[index])
                 comm_events.append([start, None])
-            # interleave enqueueing so both loops are fed from the start
+            # the whole GEMM loop first: a collective call may block the host (a full launch
+            # queue), and that must not starve the GEMM stream and pass for interference
             gemm_events = []
             for index, (a, b, c) in enumerate(operands):
                 start = torch.cuda.Event(enable_timing=True)
                 start.record(compute[index])
                 gemm_events.append([start, None])
-            issued_gemms = 0
+                with torch.cuda.stream(compute[index]):
+                    for _ in range(args.gemms):
+                        torch.matmul(a, b, out=c)
             for step in range(loops):
                 for index, (send, recv, _) in enumerate(buffers):
                     lib.run(index, collective, send, recv, comm_streams[index])
-                target = min(args.gemms, round((step + 1) * args.gemms / loops) + 2)
-                while issued_gemms < target:
-                    for index, (a, b, c) in enumerate(operands):
-                        with torch.cuda.stream(compute[index]):
-                            torch.matmul(a, b, out=c)
-                    issued_gemms += 1
-            while issued_gemms < args.gemms:
-                for index, (a, b, c) in enumerate(operands):
-                    with torch.cuda.stream(compute[index]):
-                        torch.matmul(a, b, out=c)
-                issued_gemms += 1
             for index in range(len(ranks.comms)):
                 end = torch.cuda.Event(enable_timing=True)
                 end.record(compute[index])
