@@ -53,6 +53,7 @@ class _Op:
     keepalive: Tuple[Any, ...] = ()
     issued: bool = False
     base: int = 0              # the signal base it was issued with
+    entry: Any = None          # event marking the caller's position at call time
     submitted: float = field(default_factory=time.monotonic)
 
 
@@ -71,11 +72,10 @@ class Communicator:
         self.check = check
         self.verify_plans = verify_plans
         self._group = group
-        self._pad = device.alloc_pad(world_size * CHANNELS + 2)
+        self._pad = device.alloc_pad(world_size * CHANNELS + 1)
         self._host_word = device.alloc_host_word()
         self._completion = self._pad + 8 * world_size * CHANNELS
-        self._streams = StreamManager(device, self._completion + 8, self._completion,
-                                      self._host_word.address)
+        self._streams = StreamManager(device, self._completion, self._host_word.address)
         self._executor: Optional[Executor] = None
         self._ops = 0               # completion value of the latest submitted op
         self._collectives = 0       # collectives submitted (matching key across ranks)
@@ -310,7 +310,7 @@ class Communicator:
             self._abort_reason = reason or f"rank {self.rank}: abort() was called"
         log.warning("rank %d aborting: %s", self.rank, self._abort_reason)
         device = self.device_handle
-        own = [(self._pad + 8 * slot, POISON) for slot in range(self.world_size * CHANNELS + 2)]
+        own = [(self._pad + 8 * slot, POISON) for slot in range(self.world_size * CHANNELS + 1)]
         own.append((self._host_word.address, POISON))
         try:
             device.activate()
@@ -341,14 +341,9 @@ class Communicator:
                 f"{'collective' if op.key[0] == 'coll' else 'pair'} sequence {op.key[1:]}) "
                 f"did not finish within {self.timeout:g} s")
         try:
-            slots = self.world_size * CHANNELS + 2
-            words = self.device_handle.peek(self._pad, slots)
+            words = self.device_handle.peek(self._pad, self.world_size * CHANNELS)
         except HocclError as error:
             return f"{head}; the signal pad could not be read: {error}"
-        entry = words[-1]
-        if entry < op.value:
-            return (f"{head}: the caller's stream never reached the call (entry word "
-                    f"{entry}, expected {op.value}); work enqueued on it earlier is stuck")
         missing = []
         for step in op.plan.programs[self.rank]:
             if isinstance(step, Wait) and words[step.slot] < op.base + step.value:
@@ -356,7 +351,9 @@ class Communicator:
                 missing.append(f"rank {peer} {_CHANNEL_NAMES[channel]} (have "
                                f"{words[step.slot]}, need {op.base + step.value})")
         if not missing:
-            return f"{head}: every signal arrived; the copies or reductions did not finish"
+            return (f"{head}: every signal from the peers arrived; the caller's stream never "
+                    f"reached the call (work enqueued on it earlier is stuck), or the copies "
+                    f"or reductions did not finish")
         peers = sorted({int(text.split()[1]) for text in missing})
         return f"{head}: signals missing from peers {peers}: " + "; ".join(missing)
 
@@ -587,7 +584,7 @@ class Communicator:
         else:
             self._collectives += 1
         self._ops += 1
-        self._streams.fence_in(caller, self._ops)
+        op.entry = self._streams.fence_in(caller, self._ops)
         done = self._host_word.value
         with self._lock:  # the watchdog reads the deque
             inflight = self._inflight
@@ -612,6 +609,8 @@ class Communicator:
             raise
 
     def _release(self, op: _Op) -> None:
+        """Complete ``op`` without running it: the caller's stream goes on."""
+        self._streams.release(op.entry)
         self._streams.ensure_lanes(1)
         self.device_handle.memops(self._streams.lanes[0], self._streams.completion_writes(op.value))
         op.issued = True
@@ -638,7 +637,7 @@ class Communicator:
             log.debug("rank %d issue %s call %d base %d lanes %d steps %d sms=%s", self.rank,
                       plan.collective, op.value, base, plan.lanes,
                       len(plan.programs[self.rank]), plan.uses_sms(self.rank))
-        self._executor.issue(plan, addresses, base, op.value)
+        self._executor.issue(plan, addresses, base, op.value, op.entry)
 
 
 @atexit.register

@@ -184,3 +184,30 @@ def test_init_local_rejects_bad_arguments():
         hoccl.init_local(2, backend="host", self_route="sideways")
     with pytest.raises(hoccl.InvalidArgumentError, match="unknown options"):
         hoccl.init_local(2, backend="host", chunk=3)
+
+
+def test_each_call_waits_for_its_own_stream_even_when_a_later_call_uses_an_idle_one():
+    """Call 1 on a busy stream, call 2 on an idle one: call 1 must still read its input only
+    after the busy stream produced it."""
+    import time
+    comms = hoccl.init_local(2, backend="host")
+    rng = np.random.default_rng(9)
+    want = [random_array(rng, 6, "int32") for _ in range(2)]
+    sends = [np.zeros(6, np.int32) for _ in range(2)]
+    firsts = [poison(12, "int32") for _ in range(2)]
+    seconds = [poison(12, "int32") for _ in range(2)]
+    for comm in comms:
+        busy, idle = comm.device_handle.create_stream(), comm.device_handle.create_stream()
+        r = comm.rank
+
+        def produce(r=r):
+            time.sleep(0.3)
+            sends[r][...] = want[r]
+        busy.enqueue(produce)
+        comm.all_gather(sends[r], firsts[r], stream=busy)
+        comm.all_gather(want[r], seconds[r], stream=idle)
+    for comm in comms:
+        comm.synchronize()
+    for r in range(2):
+        np.testing.assert_array_equal(firsts[r], np.concatenate(want))
+        np.testing.assert_array_equal(seconds[r], np.concatenate(want))

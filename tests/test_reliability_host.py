@@ -63,7 +63,8 @@ def test_synchronize_timeout_says_which_signal_is_missing():
     for comm in comms:
         comm.all_gather(send[comm.rank], recv[comm.rank])
     time.sleep(0.2)
-    assert "the caller's stream never reached the call" in comms[1]._diagnose("synchronize")
+    assert "peers [0]" in comms[1]._diagnose("synchronize")  # rank 1 never sent READY,
+    # so rank 0 never pushed into it: rank 1 misses rank 0's DONE
     started = time.monotonic()
     with pytest.raises(hoccl.HocclTimeoutError) as info:
         comms[0].synchronize()

@@ -12,9 +12,9 @@ Values written and waited for are unsigned 64-bit; waits are ``>=``.
 
 Timeline of one collective on one rank (``seq`` = the collective's signal base)::
 
-    caller stream  ─write(entry=k)─wait(done >= k)──────────────────────► later kernels
-    lane 0           wait(entry >= k)─signals─waits─copies─…─join─write(done=k)
-    lane 1           wait(entry >= k)─copies──────────────────┘
+    caller stream  ─record(E_k)─wait(done >= k)─────────────────────────► later kernels
+    lane 0           wait_event(E_k)─signals─waits─copies─…─join─write(done=k)
+    lane 1           wait_event(E_k)─copies──────────────────┘
 """
 
 from __future__ import annotations

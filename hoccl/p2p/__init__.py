@@ -90,15 +90,16 @@ class Executor:
         self.pads = list(pads)
 
     def issue(self, plan: Plan, addresses: Dict[Tuple[int, str], Any], base: int,
-              value: int) -> None:
-        """Enqueue this rank's part of ``plan`` for the call numbered ``value``:
-        entry waits, the steps (signal values offset by ``base``), the join of the lanes
-        and the completion writes.  ``addresses[(rank, name)]`` are buffer bases."""
+              value: int, entry: Any) -> None:
+        """Enqueue this rank's part of ``plan`` for the call numbered ``value``: the lanes
+        wait for the caller's ``entry`` event, then the steps (signal values offset by
+        ``base``), the join of the lanes and the completion writes.
+        ``addresses[(rank, name)]`` are buffer bases."""
         device, streams = self.device, self.streams
-        streams.ensure_lanes(plan.lanes)
+        streams.enter(plan.lanes, entry)
         lanes, pads = streams.lanes, self.pads
         own_pad = pads[self.rank]
-        pending: List[list] = [streams.entry_waits(value) for _ in range(plan.lanes)]
+        pending: List[list] = [[] for _ in range(plan.lanes)]
         marks: Dict[int, Any] = {}
 
         def at(ref):

@@ -1,19 +1,20 @@
 """The stream manager: copy lanes per device, fences against the caller's stream.
 
-Each rank owns ``lanes`` non-blocking, high-priority copy streams and two words of
-its signal pad: *entry* and *completion*.  A call fences the caller's stream with one
-batched stream-memory operation, enqueued at call time::
+Each rank owns ``lanes`` non-blocking, high-priority copy streams, a pool of events
+and a *completion* word in its signal pad.  A call fences the caller's stream at
+call time::
 
-    caller ──write(entry = k)──wait(completion >= k)───────────────────► later work
-    lane 0          wait(entry >= k) ─ plan steps ─ join(lanes) ─ write(completion = k)
-    lane i          wait(entry >= k) ─ plan steps ─ record(J_i) ┘
+    caller ──record(E_k)──wait(completion >= k)──────────────────────► later work
+    lane 0       wait_event(E_k) ─ plan steps ─ join(lanes) ─ write(completion = k)
+    lane i       wait_event(E_k) ─ plan steps ─ record(J_i) ┘
 
-``k`` counts this rank's calls.  Because the exit fence is a wait on a value rather
-than on an event, the call may return before its copies are issued (a peer's buffers
-may not be known yet) and still keep its place on the caller's stream; and because
-the entry is a value, the lanes may be told to wait for it later.  Lane 0 joins
-every other lane before publishing completion, so one call's lanes are idle before
-the next call's steps start on that rank.
+``k`` counts this rank's calls.  The entry is an event of its own per call (taken
+from the pool at call time, returned once the lanes' waits are enqueued): a lane
+waits for exactly its caller's position, whichever streams other calls came from.
+The exit is a wait on a value rather than on an event, so the call may return
+before its copies are issued (a peer's buffers may not be known yet) and still keep
+its place on the caller's stream; lane 0 joins every other lane and runs the calls
+in order, so completion values only grow.
 """
 
 from __future__ import annotations
@@ -30,13 +31,11 @@ WRITE, WAIT = True, False
 class StreamManager:
     """Lanes, an event pool and the entry/completion words of one rank."""
 
-    def __init__(self, device: Device, entry_address: Any, completion_address: Any,
-                 host_word_address: Any):
+    def __init__(self, device: Device, completion_address: Any, host_word_address: Any):
         self.device = device
         self.lanes: List[Any] = []
         self._free_events: List[Any] = []
         self._all_events: List[Any] = []
-        self.entry = entry_address
         self.completion = completion_address
         self.host_word = host_word_address
 
@@ -55,14 +54,21 @@ class StreamManager:
         """Return ``event`` to the pool: safe once every wait on it has been enqueued."""
         self._free_events.append(event)
 
-    def fence_in(self, caller: Any, value: int) -> None:
-        """At call time: publish the caller's position as ``entry = value`` and make the
-        caller wait for ``completion >= value`` before anything it enqueues later."""
-        self.device.memops(caller, [(WRITE, self.entry, value), (WAIT, self.completion, value)])
+    def fence_in(self, caller: Any, value: int) -> Any:
+        """At call time: mark the caller's position with an event of this call's own, and
+        make the caller wait for ``completion >= value`` before anything enqueued later.
+        Returns the event; ``enter`` gives it back to the pool."""
+        event = self.event()
+        self.device.record(caller, event)
+        self.device.wait_value(caller, self.completion, value)
+        return event
 
-    def entry_waits(self, value: int) -> list:
-        """The memop each lane starts with: wait for the caller to reach the call."""
-        return [(WAIT, self.entry, value)]
+    def enter(self, lane_count: int, entry: Any) -> None:
+        """At issue time: each lane the plan uses starts after the caller's mark."""
+        self.ensure_lanes(lane_count)
+        for lane in self.lanes[:lane_count]:
+            self.device.wait_event(lane, entry)
+        self.release(entry)
 
     def completion_writes(self, value: int) -> list:
         """The memops lane 0 ends with: release the caller and tell the host."""

@@ -3,7 +3,8 @@
 mismatch   ranks call all_reduce with different counts (check mode): both raise
            MismatchError naming the call, the other rank and both values; the next
            collective still works.
-dead       rank 1 dies right after its call; rank 0 raises within the timeout.
+dead       rank 1 dies with its part of an all_reduce still queued behind a long kernel;
+           rank 0 raises within the timeout.
            Launch with the MPI's keep-going flag (MPICH: -disable-auto-cleanup).
 abort      rank 0's stream is held (a long kernel) so rank 1's all_reduce waits for it;
            rank 0 aborts; rank 1's wait is released and it learns of the abort
@@ -81,7 +82,9 @@ def main():
                 print(f"rank {r}: {'OK' if ok else 'FAILED'} {text}", flush=True)
         elif args.scenario == "dead":
             out = buffer(1 << 16, 0.0)
-            comm.all_reduce(buffer(1 << 16), out)
+            # rank 1's stream is held, so it dies with its part of the call still queued
+            stream = _held_stream(comm, seconds=3) if r == 1 else None
+            comm.all_reduce(buffer(1 << 16), out, stream=stream)
             if r == 1:
                 os._exit(3)
             time.sleep(0.2)
