@@ -197,7 +197,8 @@ class HostDevice(Device):
         if isinstance(stream, HostStream):
             return stream
         raise InvalidArgumentError(f"resolve_stream: the host backend takes stream=None or a "
-                                   f"stream from comm.new_stream(); got {type(stream).__name__}")
+                                   f"stream this host device created (device.create_stream()); got "
+                                   f"{type(stream).__name__}")
 
     def create_event(self) -> _Event:
         return _Event()
