@@ -141,7 +141,8 @@ class MPIGroup:
             if comm.check and signature != op.signature:
                 raise MismatchError(_mismatch(op.call, self.rank, op.signature, peer, signature))
             for name, descriptor in descriptors.items():
-                addresses[(peer, name)] = comm.import_cached(peer, descriptor)
+                # the device caches mappings by allocation: a repeat costs no driver call
+                addresses[(peer, name)] = comm.device_handle.import_(descriptor)
         comm._issue(op, addresses)
         op.issued = True
 

@@ -84,7 +84,6 @@ class Communicator:
         self._pair_base: Dict[Tuple[int, int], int] = {}
         self._scratch: Tuple[Any, int] = (None, 0)
         self._retired: List[Any] = []
-        self._imports: Dict[Tuple[int, Any], Any] = {}
         self._inflight: Deque[_Op] = collections.deque()  # submitted, in call order
         self._closed = False
         self._aborted = False
@@ -103,13 +102,6 @@ class Communicator:
     @property
     def pad_address(self) -> Any:
         return self._pad
-
-    def import_cached(self, peer: int, descriptor: Any) -> Any:
-        key = (peer, descriptor)
-        address = self._imports.get(key)
-        if address is None:
-            address = self._imports[key] = self.device_handle.import_(descriptor)
-        return address
 
     # -- public collectives ----------------------------------------------------------------
     def all_gather(self, sendbuf, recvbuf, *, stream=None) -> None:
@@ -437,7 +429,6 @@ class Communicator:
         self._stop.set()
         self.device_handle.activate()
         self._streams.close()
-        self._imports.clear()
         self._inflight.clear()
         self._group.leave(self)  # frees the device once no peer of this process can write to it
         _OPEN.discard(self)
