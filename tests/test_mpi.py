@@ -47,7 +47,7 @@ def keep_going_flags(mpiexec: str):
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("scenario,survivors", [("mismatch", [0, 1]), ("dead", [0]),
-                                                ("abort", [0, 1])])
+                                                ("absent", [0]), ("abort", [0, 1])])
 def test_failures_across_processes_raise_instead_of_hanging(scenario, survivors):
     mpiexec = _mpiexec()
     command = [mpiexec, *keep_going_flags(mpiexec), "-n", "2", sys.executable, str(FAILURES),

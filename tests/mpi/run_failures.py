@@ -6,6 +6,8 @@ mismatch   ranks call all_reduce with different counts (check mode): both raise
 dead       rank 1 dies with its part of an all_reduce still queued behind a long kernel;
            rank 0 raises within the timeout.
            Launch with the MPI's keep-going flag (MPICH: -disable-auto-cleanup).
+absent     rank 1 never makes rank 0's call: rank 0's call raises HocclTimeoutError
+           naming rank 1 after the timeout, and its stream is not left blocked.
 abort      rank 0's stream is held (a long kernel) so rank 1's all_reduce waits for it;
            rank 0 aborts; rank 1's wait is released and it learns of the abort
            (AbortedError naming rank 0) within its timeout, without hanging.
@@ -47,7 +49,7 @@ def _held_stream(comm, seconds):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("scenario", choices=["mismatch", "dead", "abort"])
+    parser.add_argument("scenario", choices=["mismatch", "dead", "absent", "abort"])
     parser.add_argument("--backend", default=None)
     args = parser.parse_args()
     world = MPI.COMM_WORLD
@@ -96,6 +98,20 @@ def main():
                 ok = waited < 20
                 print(f"rank {r}: {'OK' if ok else 'FAILED'} {type(error).__name__} after "
                       f"{waited:.1f} s: {error}", flush=True)
+        elif args.scenario == "absent":
+            if r == 0:
+                out = buffer(1 << 10, 0.0)
+                try:
+                    comm.all_gather(buffer(1 << 9), out)
+                    print(f"rank {r}: FAILED the call returned", flush=True)
+                except hoccl.HocclTimeoutError as error:
+                    waited = time.monotonic() - started
+                    arrays.synchronize(comm.device)  # the caller's stream was released
+                    ok = 4 < waited < 20 and "ranks [1]" in str(error) and comm._aborted
+                    print(f"rank {r}: {'OK' if ok else 'FAILED'} {type(error).__name__} after "
+                          f"{waited:.1f} s: {error}", flush=True)
+            world.Barrier()
+            ok = ok or r == 1
         else:  # abort
             out = buffer(1 << 16, 0.0)
             stream = _held_stream(comm, seconds=3) if r == 0 else None
