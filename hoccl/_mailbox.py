@@ -17,7 +17,7 @@ import os
 import pickle
 import time
 import uuid
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, List
 
 import numpy as np
 

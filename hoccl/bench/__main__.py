@@ -76,7 +76,6 @@ def sweep(args: argparse.Namespace):
             if form not in forms:
                 continue
             for nbytes in sizes:
-                estimate = None
                 for lib in libs:
                     if not lib.supports(collective, form):
                         continue

@@ -6,10 +6,9 @@ import json
 import os
 import platform
 import sys
-import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
 #: forms each collective is measured in

@@ -13,7 +13,7 @@ ranks can wait for each other's readiness (no deadlock whatever the interleaving
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -343,7 +343,6 @@ def _reducing(b: _Builder) -> Plan:
     else:  # reduce
         owned = [(0, s.count) if r == s.root else (0, 0) for r in range(n)]
         total = s.count
-    biggest = max(size for _, size in owned) * item
 
     for r in range(n):
         start, size = owned[r]

@@ -32,7 +32,7 @@ def test_every_collective_every_dtype_small_and_odd_sizes(gpu_comms, collective,
                         check_collective(gpu_comms, collective, count=count, dtype=dtype, op=op,
                                          root=root, in_place=in_place, seed=seed)
     for comm in gpu_comms:
-        comm.set_options(self_route="peer", chunk_bytes=32 << 20)
+        comm.set_options(self_route="local", chunk_bytes=32 << 20)  # the defaults
 
 
 @pytest.mark.parametrize("collective,dtype,total_bytes", [

@@ -102,7 +102,6 @@ def test_all_gather_needs_no_sm(gpu_comms, in_place):
 
 
 def test_all_to_all_broadcast_gather_scatter_send_recv_barrier_need_no_sm(gpu_comms):
-    import cupy
     for comm in gpu_comms:
         comm.set_options(self_route="peer")
     n, count = gpu_comms[0].world_size, 16 << 20
@@ -155,6 +154,6 @@ def test_local_route_and_reductions_do_use_sms(gpu_comms):
         assert not _starved(gpu_comms, launch), "the local route should need SMs"
     finally:
         for comm in gpu_comms:
-            comm.set_options(self_route="peer")
+            comm.set_options(self_route="local")  # the default
     for comm in gpu_comms:
         np.testing.assert_array_equal(recvs[comm.rank].get(), np.concatenate(data))
