@@ -18,8 +18,25 @@ def numpy_dtype(name: str) -> np.dtype:
     return np.dtype(name)
 
 
+_NAMES: dict = {}
+
+
 def dtype_name(dtype) -> str:
-    """Normalise a numpy / cupy / torch dtype (or its name) to a hoccl dtype name."""
+    """Normalise a numpy / cupy / torch dtype (or its name) to a hoccl dtype name.
+    Cached per dtype object: ``str()`` of a numpy dtype costs microseconds a call."""
+    try:
+        return _NAMES[dtype]
+    except (KeyError, TypeError):
+        pass
+    name = _dtype_name(dtype)
+    try:
+        _NAMES[dtype] = name
+    except TypeError:  # an unhashable dtype-like: not cached
+        pass
+    return name
+
+
+def _dtype_name(dtype) -> str:
     text = str(dtype)
     text = text.rsplit(".", 1)[-1]  # "torch.bfloat16" -> "bfloat16"
     aliases = {"half": "float16", "float": "float32", "double": "float64",
