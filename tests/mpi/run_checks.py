@@ -56,6 +56,27 @@ def check_send_recv(comm, arrays, seed):
     assert np.array_equal(got, data[(r - 1) % n]), f"send/recv: rank {r} got {got[:4]}"
 
 
+def check_reallocated_buffers(comm, seed):
+    """Free a received-into buffer and allocate a new one (often at the same address, as a
+    new allocation): the peers must write into the new one, never through a stale mapping
+    of the old one."""
+    arrays = array_module_for(comm.backend, "int32")
+    n = comm.world_size
+    for round_ in range(3):
+        rng = np.random.default_rng(seed + round_)
+        data = [random_array(rng, 1 << 16, "int32") for _ in range(n)]
+        send = arrays.asarray(data[comm.rank], comm.device)
+        recv = arrays.asarray(poison(n << 16, "int32"), comm.device)
+        comm.all_gather(send, recv)
+        comm.synchronize()
+        got = arrays.to_numpy(recv, "int32")
+        assert np.array_equal(got, np.concatenate(data)), f"round {round_}: stale mapping?"
+        del send, recv
+        if comm.backend == "cuda":
+            import cupy
+            cupy.get_default_memory_pool().free_all_blocks()  # the next round allocates anew
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--backend", default=None)
@@ -76,7 +97,8 @@ def main():
             failed += 1
             print(f"rank {comm.rank} FAILED {case}\n{traceback.format_exc()}", flush=True)
     for name, action in (("send_recv", lambda: check_send_recv(comm, array_module_for(
-            comm.backend, "int32"), 7)), ("barrier", lambda: (comm.barrier(), comm.synchronize()))):
+            comm.backend, "int32"), 7)), ("barrier", lambda: (comm.barrier(), comm.synchronize())),
+            ("reallocated buffers", lambda: check_reallocated_buffers(comm, 11))):
         try:
             action()
             passed += 1
