@@ -10,3 +10,5 @@
 Run under ``mpirun -np N`` (one GPU per rank; NCCL baselines need this), or with
 ``--local N`` in one process (hoccl only).
 """
+
+__all__: list = []  # programs, not an API: run them with python -m

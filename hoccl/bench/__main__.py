@@ -19,6 +19,8 @@ from typing import Any, Dict, List
 from ._harness import (COLLECTIVES, FORMS, bus_factor, count_wrong, human, libraries,
                        make_buffers, metadata, parse_size, report, setup_ranks, time_loop)
 
+__all__ = ["main", "sweep", "table", "plots"]
+
 
 def arguments(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m hoccl.bench", description=__doc__,

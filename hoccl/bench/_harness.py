@@ -15,6 +15,10 @@ COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
 FORMS = {"all_gather": ("out", "in"), "reduce_scatter": ("out", "in"),
          "all_reduce": ("out", "in"), "all_to_all": ("out",)}
 
+__all__ = ["COLLECTIVES", "FORMS", "Ranks", "Library", "Hoccl", "TorchNccl", "Nccl4py", "libraries",
+           "setup_ranks", "make_buffers", "count_wrong", "time_loop", "bus_factor", "parse_size",
+           "human", "metadata", "report"]
+
 
 def bus_factor(collective: str, n: int) -> float:
     """nccl-tests' busbw / algbw."""

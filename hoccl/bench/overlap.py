@@ -19,6 +19,8 @@ from typing import Any, Dict, List
 from ._harness import (bus_factor, human, libraries, make_buffers, metadata, parse_size,
                        report, setup_ranks, time_loop)
 
+__all__ = ["main", "run", "table"]
+
 
 def arguments(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m hoccl.bench.overlap", description=__doc__,
