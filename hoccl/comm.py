@@ -8,7 +8,7 @@ import logging
 import threading
 import time
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Deque, Dict, List, Optional, Tuple
 
 from ._buffers import Buffer, as_buffer
@@ -54,7 +54,7 @@ class _Op:
     issued: bool = False
     base: int = 0              # the signal base it was issued with
     entry: Any = None          # event marking the caller's position at call time
-    submitted: float = field(default_factory=time.monotonic)
+    issued_at: float = 0.0     # when its steps were enqueued (the watchdog's clock)
 
 
 class Communicator:
@@ -389,7 +389,9 @@ class Communicator:
                 if failure:
                     self.abort(f"watchdog: rank {self.rank}: device work failed: {failure}")
                     return
-                if time.monotonic() - pending[0].submitted > self.timeout:
+                # measured from issue, not from the call: with init_local a call may wait
+                # for the other ranks' calls for as long as the user likes
+                if time.monotonic() - pending[0].issued_at > self.timeout:
                     self.abort("watchdog: " + self._diagnose("watchdog"))
                     return
                 peer = self._peer_abort()
@@ -624,6 +626,7 @@ class Communicator:
             base = self._signal_base
             self._signal_base += plan.max_value
         op.base = base
+        op.issued_at = time.monotonic()
         if log.isEnabledFor(logging.DEBUG):
             log.debug("rank %d issue %s call %d base %d lanes %d steps %d sms=%s", self.rank,
                       plan.collective, op.value, base, plan.lanes,

@@ -159,3 +159,19 @@ def test_debug_logging_traces_init_and_each_collective():
     log = result.stderr
     assert "hoccl INFO init_local: 2 ranks, backend host" in log, log
     assert "hoccl DEBUG rank 1 issue all_gather" in log, log
+
+
+def test_watchdog_does_not_count_the_wait_for_other_ranks_calls():
+    """init_local: rank 0 calls, rank 1 calls much later (longer than the timeout); the
+    collective then runs normally, and the watchdog must not abort it."""
+    comms = hoccl.init_local(2, backend="host", timeout=0.5)
+    data = [np.full(4, rank + 1.0) for rank in range(2)]
+    out = [poison(4, "float64") for _ in range(2)]
+    comms[0].barrier()  # starts rank 0's watchdog
+    comms[1].barrier()
+    comms[0].all_reduce(data[0], out[0])
+    time.sleep(1.5)
+    comms[1].all_reduce(data[1], out[1])
+    for comm in comms:
+        comm.synchronize()
+    assert not comms[0]._aborted and np.array_equal(out[0], np.full(4, 3.0))
