@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The device machine's session: GPU tests (one process, and mpirun -np 2), then the
 # benchmarks against NCCL.  Usage: bash tools/gpu_run.sh [tests|bench|overlap|all] [pytest args]
-# Logs and JSON go to $OUT (default ./gpu-out); a short summary is printed last.
+# Logs and JSON go to $OUT (default ./gpu-out), and all of it into $OUT/gpu-run.tgz as
+# well (the device tool brings back only a few files per call); a summary is printed last.
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
@@ -36,6 +37,7 @@ fi
 if [ "$what" = overlap ] || [ "$what" = all ]; then
   step overlap 110 $MPIRUN python3 -m hoccl.bench.overlap --out "$OUT/overlap"
 fi
+tar czf /tmp/gpu-run.tgz -C "$OUT" . && mv /tmp/gpu-run.tgz "$OUT/gpu-run.tgz"
 cat "$OUT/gpus.txt"
 printf '%s\n' "${summary[@]}"
 grep -h "^rank [0-9]: " "$OUT"/fail-*.log 2>/dev/null | cut -c1-160
