@@ -29,7 +29,6 @@ class Buffer:
     count: int
     dtype: str
     device: Optional[int]  # CUDA ordinal, or None for host memory
-    framework: str         # "numpy", "cupy", "torch", "cai", "dlpack"
     owner: Any
 
     @property
@@ -39,8 +38,7 @@ class Buffer:
     def block(self, index: int, count: int) -> "Buffer":
         """Elements ``[index*count, (index+1)*count)`` as a Buffer."""
         offset = index * count * ITEMSIZE[self.dtype]
-        return Buffer(self.address + offset, count, self.dtype, self.device, self.framework,
-                      self.owner)
+        return Buffer(self.address + offset, count, self.dtype, self.device, self.owner)
 
 
 def _check_dtype(call: str, name: str, dtype: Any) -> str:
@@ -63,7 +61,7 @@ def as_buffer(call: str, name: str, array: Any) -> Buffer:
         if not array.flags.c_contiguous:
             raise _not_contiguous(call, name)
         dtype = _check_dtype(call, name, array.dtype)
-        return Buffer(array.ctypes.data, array.size, dtype, None, "numpy", array)
+        return Buffer(array.ctypes.data, array.size, dtype, None, array)
     if module == "torch":
         if not array.is_contiguous():
             raise _not_contiguous(call, name)
@@ -72,12 +70,12 @@ def as_buffer(call: str, name: str, array: Any) -> Buffer:
         if array.device.type not in ("cuda", "cpu"):
             raise InvalidArgumentError(f"{call}: {name} is on device {array.device}; "
                                        f"expected a CUDA or CPU tensor")
-        return Buffer(array.data_ptr(), array.numel(), dtype, device, "torch", array)
+        return Buffer(array.data_ptr(), array.numel(), dtype, device, array)
     if module == "cupy":
         if not array.flags.c_contiguous:
             raise _not_contiguous(call, name)
         dtype = _check_dtype(call, name, array.dtype)
-        return Buffer(array.data.ptr, array.size, dtype, array.device.id, "cupy", array)
+        return Buffer(array.data.ptr, array.size, dtype, array.device.id, array)
     interface = getattr(array, "__cuda_array_interface__", None)
     if interface is not None:
         shape = tuple(interface["shape"])
@@ -95,8 +93,7 @@ def as_buffer(call: str, name: str, array: Any) -> Buffer:
                 item *= extent
             if tuple(strides) != tuple(expected):
                 raise _not_contiguous(call, name)
-        return Buffer(int(interface["data"][0]), count, dtype, _cai_device(array, interface),
-                      "cai", array)
+        return Buffer(int(interface["data"][0]), count, dtype, _cai_device(array, interface), array)
     if hasattr(array, "__dlpack__"):
         device_type, device_id = array.__dlpack_device__()
         if int(device_type) == 1:  # kDLCPU

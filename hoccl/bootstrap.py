@@ -36,9 +36,6 @@ class LocalGroup:
         self._pending: Dict[tuple, Dict[int, Any]] = {}
         self._queues: List[deque] = [deque() for _ in range(world_size)]
 
-    def allgather(self, values: List[Any]) -> List[Any]:
-        return list(values)
-
     def prepare(self, comm: Any, local: Dict[str, Any]) -> None:
         """Nothing to export in one process: peers use each other's addresses."""
         return None

@@ -114,11 +114,7 @@ class Communicator:
         """
         call = "all_gather"
         send, recv = self._buffers(call, sendbuf=sendbuf, recvbuf=recvbuf)
-        self._same_dtype(call, send, recv)
-        if recv.count != send.count * self.world_size:
-            raise InvalidArgumentError(
-                f"{call}: recvbuf must hold world_size * sendbuf.size = {self.world_size} * "
-                f"{send.count} = {send.count * self.world_size} elements; got {recv.count}")
+        self._blocks(call, send, recv, recv_is_large=True)
         in_place = self._in_place(call, send, recv, recv.block(self.rank, send.count), send)
         self._submit(call, Shape(call, self.world_size, send.count, send.dtype,
                                  ITEMSIZE[send.dtype], in_place=in_place),
@@ -133,11 +129,7 @@ class Communicator:
         call = "reduce_scatter"
         send, recv = self._buffers(call, sendbuf=sendbuf, recvbuf=recvbuf)
         op = self._op(call, op)
-        self._same_dtype(call, send, recv)
-        if send.count != recv.count * self.world_size:
-            raise InvalidArgumentError(
-                f"{call}: sendbuf must hold world_size * recvbuf.size = {self.world_size} * "
-                f"{recv.count} = {recv.count * self.world_size} elements; got {send.count}")
+        self._blocks(call, send, recv, recv_is_large=False)
         in_place = self._in_place(call, send, recv, send.block(self.rank, recv.count), recv)
         self._submit(call, Shape(call, self.world_size, recv.count, recv.dtype,
                                  ITEMSIZE[recv.dtype], op=op, in_place=in_place),
@@ -218,18 +210,14 @@ class Communicator:
         root = self._root(call, root)
         is_root = self.rank == root
         gather = call == "gather"
-        large_name, small_name = ("recvbuf", "sendbuf") if gather else ("sendbuf", "recvbuf")
+        large_name = "recvbuf" if gather else "sendbuf"  # None is allowed for it off the root
         send, recv = self._buffers(call, sendbuf=sendbuf if is_root or gather else None,
                                    recvbuf=recvbuf if is_root or not gather else None,
                                    optional=() if is_root else (large_name,))
         small, large = (send, recv) if gather else (recv, send)
         in_place = False
         if is_root:
-            self._same_dtype(call, send, recv)
-            if large.count != small.count * self.world_size:
-                raise InvalidArgumentError(
-                    f"{call}: the root's {large_name} must hold world_size * {small_name}.size "
-                    f"= {small.count * self.world_size} elements; got {large.count}")
+            self._blocks(call, send, recv, recv_is_large=gather, whose="the root's ")
             in_place = self._in_place(call, send, recv, large.block(root, small.count), small)
         self._submit(call, Shape(call, self.world_size, small.count, small.dtype,
                                  ITEMSIZE[small.dtype], root=root, in_place=in_place),
@@ -262,7 +250,7 @@ class Communicator:
             not_issued = [op for op in self._inflight if not op.issued]
         if not_issued:
             op = not_issued[0]
-            waiting = self._group.waiting_for(op) if hasattr(self._group, "waiting_for") else []
+            waiting = self._group.waiting_for(op)  # only init_local holds calls unissued
             raise HocclTimeoutError(
                 f"synchronize: rank {self.rank}'s {op.call} (call {op.key}) cannot run: ranks "
                 f"{waiting} have not made the matching call yet; with init_local make every "
@@ -489,6 +477,20 @@ class Communicator:
         if send.count != recv.count:
             raise InvalidArgumentError(f"{call}: sendbuf and recvbuf must have the same number "
                                        f"of elements; got {send.count} and {recv.count}")
+
+    def _blocks(self, call: str, send: Buffer, recv: Buffer, recv_is_large: bool,
+                whose: str = "") -> None:
+        """The large buffer must hold world_size blocks of the small one's size and dtype
+        (all_gather and gather: recv is large; reduce_scatter and scatter: send is)."""
+        self._same_dtype(call, send, recv)
+        large, small = (recv, send) if recv_is_large else (send, recv)
+        large_name, small_name = (("recvbuf", "sendbuf") if recv_is_large
+                                  else ("sendbuf", "recvbuf"))
+        if large.count != small.count * self.world_size:
+            raise InvalidArgumentError(
+                f"{call}: {whose}{large_name} must hold world_size * {small_name}.size = "
+                f"{self.world_size} * {small.count} = {small.count * self.world_size} "
+                f"elements; got {large.count}")
 
     @staticmethod
     def _overlaps(a: Buffer, b: Buffer) -> bool:

@@ -20,7 +20,7 @@ Timeline of one collective on one rank (``seq`` = the collective's signal base):
 from __future__ import annotations
 
 import abc
-from typing import Any, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 __all__ = ["Device", "HostWord", "DTYPES", "OPS"]
 
@@ -135,11 +135,6 @@ class Device(abc.ABC):
     @abc.abstractmethod
     def wait_value(self, stream: Any, address: Any, value: int) -> None:
         """Block ``stream`` until the 64-bit word at ``address`` (own memory) is ``>= value``."""
-
-    def wait_values(self, stream: Any, waits: Iterable[Tuple[Any, int]]) -> None:
-        """Several ``wait_value`` in one call where the backend can batch them."""
-        for address, value in waits:
-            self.wait_value(stream, address, value)
 
     def memops(self, stream: Any, operations: Sequence[Tuple[bool, Any, int]]) -> None:
         """Writes (``True``) and waits (``False``) of ``(is_write, address, value)``, in order,

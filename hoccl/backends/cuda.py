@@ -32,7 +32,7 @@ import os
 import threading
 import time
 import weakref
-from typing import Any, Iterable, Sequence, Tuple
+from typing import Any, Sequence, Tuple
 
 from cuda.bindings import driver
 
@@ -656,24 +656,6 @@ class CudaDevice(Device):
         self._make_current()
         _call(driver.cuStreamWaitValue64, stream, address, value,
               driver.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ)
-
-    def wait_values(self, stream: Any, waits: Iterable[Tuple[Any, int]]) -> None:
-        """All waits in ``cuStreamBatchMemOp`` calls of up to 255 operations each."""
-        wait_64 = driver.CUstreamBatchMemOpType.CU_STREAM_MEM_OP_WAIT_VALUE_64
-        operations = []
-        for address, value in waits:
-            operation = driver.CUstreamBatchMemOpParams()
-            operation.waitValue.operation = wait_64
-            operation.waitValue.address = int(address)
-            operation.waitValue.value64 = value
-            operation.waitValue.flags = driver.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
-            operations.append(operation)
-        if not operations:
-            return
-        self._make_current()
-        for start in range(0, len(operations), _MAX_BATCH_MEMOPS):
-            chunk = operations[start:start + _MAX_BATCH_MEMOPS]
-            _call(driver.cuStreamBatchMemOp, stream, len(chunk), chunk, 0)
 
     def memops(self, stream: Any, operations: Sequence[Tuple[bool, Any, int]]) -> None:
         """Writes and waits in order, in ``cuStreamBatchMemOp`` calls of up to 255 each."""

@@ -81,8 +81,7 @@ def sweep(args: argparse.Namespace):
                 for lib in libs:
                     if not lib.supports(collective, form):
                         continue
-                    if hasattr(lib, "prepare"):
-                        lib.prepare()
+                    lib.prepare()
                     buffers = make_buffers(lib, ranks, collective, form, nbytes, dtype)
                     try:
                         wrong = count_wrong(lib, ranks, collective, form, buffers, dtype,
@@ -109,8 +108,7 @@ def sweep(args: argparse.Namespace):
                     records.append(record)
                     ranks.say(f"  {collective:14s} {form:3s} {human(nbytes):>5s} {lib.name:11s} "
                               f"{micros:10.1f} us {record['busbw']:7.1f} GB/s  wrong {wrong}")
-                    if hasattr(lib, "release"):
-                        lib.release()
+                    lib.release()
                     del buffers
                     torch.cuda.empty_cache()
     return ({"meta": metadata(sys.argv), "world_size": n, "dtype": args.dtype,

@@ -131,6 +131,12 @@ class Library:
     def supports(self, collective: str, form: str) -> bool:
         return True
 
+    def prepare(self) -> None:
+        """Set the library up for the next measurement."""
+
+    def release(self) -> None:
+        """Free what the last measurement's buffers registered."""
+
     def empty(self, rank_index: int, count: int, dtype: Any) -> Any:
         import torch
         return torch.empty(count, dtype=dtype, device=f"cuda:{self.ranks.devices[rank_index]}")

@@ -91,8 +91,7 @@ def run(args: argparse.Namespace):
         for lib in libs:
             if not lib.supports(collective, form):
                 continue
-            if hasattr(lib, "prepare"):
-                lib.prepare()
+            lib.prepare()
             buffers = make_buffers(lib, ranks, collective, form, nbytes, dtype)
             comm_alone = time_loop(lib, ranks, collective, buffers, 10, 2,
                                    lambda i: comm_streams[i]) * 1e-6
@@ -145,8 +144,7 @@ def run(args: argparse.Namespace):
             ranks.say(f"  {collective:14s} {form:3s} {lib.name:11s} GEMM {tflops:6.0f} TFLOP/s "
                       f"(-{record['slowdown_pct']:.1f} %)  comm {busbw:6.1f} GB/s meanwhile "
                       f"({busbw_alone:.1f} alone)")
-            if hasattr(lib, "release"):
-                lib.release()
+            lib.release()
             del buffers
             torch.cuda.empty_cache()
     result = {"meta": metadata(sys.argv), "world_size": n, "dtype": args.dtype,

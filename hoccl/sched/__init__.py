@@ -5,11 +5,11 @@
 arrays)`` runs it on numpy arrays and is the oracle the backends are tested against.
 """
 
-from .algorithms import COLLECTIVES, Options, Shape, block_counts, build_plan, split
+from .algorithms import COLLECTIVES, Options, Shape, build_plan, split
 from .plan import (After, BufferSpec, BufRef, Copy, Mark, Plan, Reduce, Signal, Step, Wait)
 from .simulate import POISON, simulate
 from .verify import verify
 
-__all__ = ["COLLECTIVES", "Options", "Shape", "build_plan", "block_counts", "split",
+__all__ = ["COLLECTIVES", "Options", "Shape", "build_plan", "split",
            "After", "BufferSpec", "BufRef", "Copy", "Mark", "Plan", "Reduce", "Signal",
            "Step", "Wait", "simulate", "POISON", "verify"]

@@ -20,7 +20,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from .plan import (CHANNELS, DONE, GATHERED, P2P_DONE, P2P_READY, READY, After, BufferSpec,
                    BufRef, Copy, Mark, Plan, Reduce, Signal, Step, Wait)
 
-__all__ = ["Shape", "Options", "build_plan", "COLLECTIVES", "split", "block_counts"]
+__all__ = ["Shape", "Options", "build_plan", "COLLECTIVES", "split"]
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast",
                "reduce", "gather", "scatter", "sendrecv", "barrier")
@@ -74,12 +74,6 @@ def split(total: int, parts: int) -> List[Tuple[int, int]]:
         ranges.append((start, size))
         start += size
     return ranges
-
-
-def block_counts(collective: str, world_size: int, count: int) -> List[Tuple[int, int]]:
-    """The element ranges an all_reduce splits its buffer into, one per owning rank."""
-    return split(count, world_size) if collective == "all_reduce" else [
-        (rank * count, count) for rank in range(world_size)]
 
 
 def _chunks(nbytes: int, chunk_bytes: int, itemsize: int) -> List[Tuple[int, int]]:

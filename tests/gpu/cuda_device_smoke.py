@@ -299,12 +299,12 @@ def main():
         if int(host(words(1, pad, 4))[1]) != value or not np.array_equal(host(dst), data):
             return "pad value or copied bytes wrong"
 
-    @check("wait_values (300 slots, several batches) waits for every slot")
+    @check("memops: 300 waits (several batches) wait for every slot")
     def _():
         slots = 300
         pad = dev1.alloc_pad(slots)
         values = [int(v) for v in rng.integers(1, 1 << 40, slots)]
-        dev1.wait_values(s1, [(pad + 8 * i, v) for i, v in enumerate(values)])
+        dev1.memops(s1, [(False, pad + 8 * i, v) for i, v in enumerate(values)])
         word = dev1.alloc_host_word()
         dev1.write_value(s1, word.address, 99)
         for i in range(slots - 1):
