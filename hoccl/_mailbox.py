@@ -21,7 +21,7 @@ from typing import Any, Callable, List
 
 import numpy as np
 
-__all__ = ["Mailboxes", "SLOT_BYTES"]
+__all__ = ["Mailboxes", "SLOT_BYTES", "wait_until"]
 
 SLOTS = 64
 SLOT_BYTES = 16 << 10
@@ -68,7 +68,7 @@ class Mailboxes:
                              f"a mailbox slot of {SLOT_BYTES}")
         counters = self._counters(peer, self.rank)
         written = int(counters[0])
-        _wait(lambda: written - int(counters[1]) < SLOTS, deadline,
+        wait_until(lambda: written - int(counters[1]) < SLOTS, deadline,
               lambda: f"{call}: rank {self.rank}'s mailbox to rank {peer} stayed full: rank "
                       f"{peer} stopped taking messages")
         start = self.rank * _RING + _HEADER + (written % SLOTS) * SLOT_BYTES
@@ -101,7 +101,10 @@ class Mailboxes:
         self._maps.clear()
 
 
-def _wait(ready: Callable[[], bool], deadline: float, describe: Callable[[], str]) -> None:
+def wait_until(ready: Callable[[], bool], deadline: float, describe: Callable[[], str]) -> None:
+    """Poll ``ready()``: without sleeping for 2 ms (a peer usually answers within
+    microseconds), then with sleeps backing off to 1 ms; HocclTimeoutError(``describe()``)
+    after ``deadline``."""
     from ._errors import HocclTimeoutError
     spin_until = time.monotonic() + 2e-3
     delay = 50e-6

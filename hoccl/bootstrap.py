@@ -20,8 +20,8 @@ import time
 from collections import deque
 from typing import Any, Dict, List, Tuple
 
-from ._errors import HocclTimeoutError, MismatchError
-from ._mailbox import Mailboxes
+from ._errors import MismatchError
+from ._mailbox import Mailboxes, wait_until
 
 __all__ = ["LocalGroup", "MPIGroup"]
 
@@ -146,36 +146,24 @@ class MPIGroup:
     def _exchange(self, peers: List[int], key: tuple, payload: Any,
                   call: str) -> Dict[int, Any]:
         """Send ``payload`` to every peer and receive theirs, through the shared-memory
-        mailboxes.  Peers usually arrive within microseconds, so poll without sleeping
-        for a while, then back off to 1 ms sleeps; give up after the timeout."""
-        start = time.monotonic()
-        deadline = start + self.timeout
+        mailboxes; give up after the timeout."""
+        deadline = time.monotonic() + self.timeout
         for peer in peers:
             self.mailboxes.send(peer, (key, payload), deadline, call)
         received: Dict[int, Any] = {}
         missing = list(peers)
-        spin_until = start + 2e-3
-        delay = 50e-6
         while missing:
-            for peer in list(missing):
-                if self.mailboxes.ready(peer):
-                    their_key, received[peer] = self.mailboxes.receive(peer)
-                    missing.remove(peer)
-                    if their_key != key:
-                        raise MismatchError(
-                            f"{call}: rank {self.rank} made call {key} but rank {peer}'s next "
-                            f"call with it was {their_key}: the ranks' sequences of calls differ")
-            if not missing:
-                break
-            now = time.monotonic()
-            if now > deadline:
-                raise HocclTimeoutError(
-                    f"{call}: rank {self.rank} waited {self.timeout:g} s for ranks {missing} "
-                    f"to make the matching call {key}; they never did — a mismatched "
-                    f"sequence of calls or a dead process")
-            if now > spin_until:
-                time.sleep(delay)
-                delay = min(delay * 2, 1e-3)
+            wait_until(lambda: any(self.mailboxes.ready(peer) for peer in missing), deadline,
+                       lambda: f"{call}: rank {self.rank} waited {self.timeout:g} s for ranks "
+                               f"{missing} to make the matching call {key}; they never did — "
+                               f"a mismatched sequence of calls or a dead process")
+            for peer in [peer for peer in missing if self.mailboxes.ready(peer)]:
+                their_key, received[peer] = self.mailboxes.receive(peer)
+                missing.remove(peer)
+                if their_key != key:
+                    raise MismatchError(
+                        f"{call}: rank {self.rank} made call {key} but rank {peer}'s next "
+                        f"call with it was {their_key}: the ranks' sequences of calls differ")
         return received
 
     def barrier(self) -> None:
