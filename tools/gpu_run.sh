@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The device machine's session: GPU tests (one process, and mpirun -np 2), then the
-# benchmarks against NCCL.  Usage: bash tools/gpu_run.sh [tests|bench|overlap|all] [pytest args]
+# benchmarks against NCCL.  Usage: bash tools/gpu_run.sh [tests|profile|bench|overlap|all] [pytest args]
 # Logs and JSON go to $OUT (default ./gpu-out), and all of it into $OUT/gpu-run.tgz as
 # well (the device tool brings back only a few files per call); a summary is printed last.
 set -u
@@ -30,6 +30,9 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
     step "fail-$scenario" 60 $MPIRUN --mca orte_abort_on_non_zero_status 0 \
       python3 tests/mpi/run_failures.py $scenario --backend cuda
   done
+fi
+if [ "$what" = profile ] || [ "$what" = tests ]; then
+  step profile 60 $MPIRUN python3 tools/profile_call.py --size 1M
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   step bench 170 $MPIRUN python3 -m hoccl.bench --sizes ${BENCH_SIZES:-64K,1M,16M,256M,1G} --out "$OUT/bench"
