@@ -33,6 +33,7 @@ class LocalGroup:
         self.world_size = world_size
         self.comms: List[Any] = []
         self._closed: set = set()
+        self._leak = False  # a rank closed with work stuck behind its caller's stream
         self._pending: Dict[tuple, Dict[int, Any]] = {}
         self._queues: List[deque] = [deque() for _ in range(world_size)]
 
@@ -88,13 +89,15 @@ class LocalGroup:
                         del self._pending[op.key]
                     moved = True
 
-    def leave(self, comm: Any) -> None:
+    def leave(self, comm: Any, leak: bool = False) -> None:
         """``comm`` closed its streams.  Its pad and scratch stay mapped by the other ranks'
-        lanes until they have closed theirs too: free every device only then."""
+        lanes until they have closed theirs too: free every device only then (or none, if
+        any rank's work was left stuck: its lanes may still write into every peer)."""
         self._closed.add(comm.rank)
+        self._leak = self._leak or leak
         if len(self._closed) == len(self.comms):
             for member in self.comms:
-                member.device_handle.close()
+                member.device_handle.close(leak=self._leak)
             self._pending.clear()
             for queue in self._queues:
                 queue.clear()
@@ -169,9 +172,10 @@ class MPIGroup:
     def barrier(self) -> None:
         self.mpi.Barrier()
 
-    def leave(self, comm: Any) -> None:
-        """Free the device and the duplicated MPI communicator (unless MPI is gone)."""
-        comm.device_handle.close()
+    def leave(self, comm: Any, leak: bool = False) -> None:
+        """Free the device (keep it, with ``leak``) and the duplicated MPI communicator
+        (unless MPI is gone)."""
+        comm.device_handle.close(leak=leak)
         self.mailboxes.close()
         if self.mpi is not None:
             from mpi4py import MPI

@@ -30,6 +30,9 @@ log = logging.getLogger("hoccl")
 POISON = 1 << 62
 _CHANNEL_NAMES = ("READY", "DONE", "GATHERED", "P2P_READY", "P2P_DONE")
 _OPEN: "weakref.WeakSet[Communicator]" = weakref.WeakSet()
+#: how long close waits, after an abort, for caller streams to reach their calls
+_DRAIN_SECONDS = 10.0
+_KEPT: List[Any] = []  # buffers of calls still queued behind a stuck stream at close
 
 
 class ReduceOp:
@@ -268,6 +271,8 @@ class Communicator:
             delay = min(delay * 2 + 2e-6, 1e-3)
         self._check_health("synchronize")
         with self._lock:
+            for op in self._inflight:
+                self._retire(op)
             self._inflight.clear()
             self.device_handle.activate()
             for address in self._retired:
@@ -416,11 +421,24 @@ class Communicator:
                 log.warning("rank %d close: %s", self.rank, error)
         with self._lock:
             self._closed = True
+            entries = [op.entry for op in self._inflight if op.entry is not None]
         self._stop.set()
         self.device_handle.activate()
+        leak = False
+        if entries or self._aborted:
+            # after an abort, a caller stream held by the user's work may still reach this
+            # rank's fences (and its lanes then run on): never free memory it will touch
+            bound = min(self.timeout, _DRAIN_SECONDS)
+            leak = not self._streams.drained(entries, bound)
+            if leak:
+                log.warning("rank %d close: the caller's stream of an unfinished call has not "
+                            "reached it within %g s; keeping this communicator's device memory "
+                            "and the call's buffers for the life of the process", self.rank,
+                            bound)
+                _KEPT.extend(op.keepalive for op in self._inflight)
         self._streams.close()
         self._inflight.clear()
-        self._group.leave(self)  # frees the device once no peer of this process can write to it
+        self._group.leave(self, leak)  # frees the device once no local peer can write to it
         _OPEN.discard(self)
 
     def __enter__(self) -> "Communicator":
@@ -584,7 +602,7 @@ class Communicator:
         with self._lock:  # the watchdog reads the deque
             inflight = self._inflight
             while inflight and inflight[0].issued and inflight[0].value <= done:
-                inflight.popleft()  # finished: its buffers may go
+                self._retire(inflight.popleft())  # finished: its buffers may go
             inflight.append(op)
         if self._watchdog is None:
             self._watchdog = threading.Thread(target=self._watch, daemon=True,
@@ -603,9 +621,14 @@ class Communicator:
             self.abort(f"{call}: rank {self.rank}: {error}")
             raise
 
+    def _retire(self, op: _Op) -> None:
+        """``op`` finished: its entry event goes back to the pool."""
+        if op.entry is not None:
+            self._streams.release(op.entry)
+            op.entry = None
+
     def _release(self, op: _Op) -> None:
         """Complete ``op`` without running it: the caller's stream goes on."""
-        self._streams.release(op.entry)
         self._streams.ensure_lanes(1)
         self.device_handle.memops(self._streams.lanes[0], self._streams.completion_writes(op.value))
         op.issued = True

@@ -175,3 +175,35 @@ def test_watchdog_does_not_count_the_wait_for_other_ranks_calls():
     for comm in comms:
         comm.synchronize()
     assert not comms[0]._aborted and np.array_equal(out[0], np.full(4, 3.0))
+
+
+@pytest.mark.parametrize("gate_opens", [False, True])
+def test_close_after_abort_keeps_memory_that_a_held_caller_stream_will_still_touch(
+        monkeypatch, caplog, gate_opens):
+    """An aborted call whose caller stream is still held (by the user's own work) reaches
+    its fences later: close waits a bounded time for it, then keeps the devices' memory
+    instead of freeing what that stream will write into."""
+    monkeypatch.setattr(sys.modules["hoccl.comm"], "_DRAIN_SECONDS", 2.0 if gate_opens else 0.3)
+    comms = hoccl.init_local(2, backend="host", timeout=60)
+    gate = _block_default_stream(comms[1])
+    data = [np.ones(8, np.float32) for _ in range(2)]
+    out = [poison(8, "float32") for _ in range(2)]
+    for comm in comms:
+        comm.all_reduce(data[comm.rank], out[comm.rank])
+    comms[0].abort("test abort")
+    leaks = []
+    for comm in comms:
+        original = comm.device_handle.close
+        monkeypatch.setattr(comm.device_handle, "close",
+                            lambda leak=False, original=original: (leaks.append(leak),
+                                                                    original(leak)))
+    if gate_opens:
+        threading.Timer(0.2, gate.set).start()
+    started = time.monotonic()
+    with caplog.at_level("WARNING", logger="hoccl"):
+        for comm in comms:
+            comm.close()
+    assert time.monotonic() - started < 5
+    assert leaks == [not gate_opens] * 2
+    assert ("keeping this communicator's device memory" in caplog.text) is not gate_opens
+    gate.set()

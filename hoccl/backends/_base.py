@@ -79,6 +79,10 @@ class Device(abc.ABC):
         """Make ``stream`` wait for the latest record of ``event``."""
 
     @abc.abstractmethod
+    def done(self, event: Any) -> bool:
+        """True once the work before ``event``'s latest record has finished (never blocks)."""
+
+    @abc.abstractmethod
     def synchronize_stream(self, stream: Any, timeout: float) -> None:
         """Block the host until ``stream`` is idle; raise HocclTimeoutError after ``timeout`` s."""
 
@@ -174,5 +178,10 @@ class Device(abc.ABC):
 
     # -- lifetime ----------------------------------------------------------------------
     @abc.abstractmethod
-    def close(self) -> None:
-        """Release every resource this device created; idempotent."""
+    def close(self, leak: bool = False) -> None:
+        """Release every resource this device created; idempotent.
+
+        ``leak=True``: work that may still touch this device's memory is queued behind
+        something that never finished (a stuck caller stream after an abort): keep every
+        allocation, mapping and the context alive for the life of the process instead of
+        freeing memory that queued work would then write into."""

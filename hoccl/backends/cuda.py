@@ -32,7 +32,7 @@ import os
 import threading
 import time
 import weakref
-from typing import Any, Sequence, Tuple
+from typing import Any, List, Sequence, Tuple
 
 from cuda.bindings import driver
 
@@ -312,6 +312,7 @@ CudaIpcDescriptor = collections.namedtuple(
 
 # -- the device ----------------------------------------------------------------------------
 _ACTIVE = threading.local()  # the context hoccl last made current on this thread
+_ABANDONED: List[Any] = []   # handles of devices closed with stuck work: never freed
 
 
 def device_count() -> int:
@@ -485,6 +486,10 @@ class CudaDevice(Device):
     def wait_event(self, stream: Any, event: Any) -> None:
         self._make_current()
         _call(driver.cuStreamWaitEvent, stream, event, 0)
+
+    def done(self, event: Any) -> bool:
+        self._make_current()
+        return not _status(driver.cuEventQuery(event), "cuEventQuery", (_NOT_READY,))
 
     def synchronize_stream(self, stream: Any, timeout: float) -> None:
         """Poll ``cuStreamQuery``: spin ~50 µs, then sleep with backoff up to 1 ms."""
@@ -770,12 +775,19 @@ class CudaDevice(Device):
         self._launch(function, self._blocks(max(vectors, scalars), threads), threads, stream, args)
 
     # -- lifetime ----------------------------------------------------------------------------
-    def close(self) -> None:
+    def close(self, leak: bool = False) -> None:
         """Release everything this device created (see ``_release`` for the order); idempotent.
 
         Work still queued on streams keeps running; wait for it first.  Pointers from
-        ``import_`` and this device's allocations are invalid afterwards.
+        ``import_`` and this device's allocations are invalid afterwards.  With ``leak``
+        nothing is freed: the handles are kept for the life of the process, for work
+        that is stuck behind a stream that never finished and would write into them.
         """
         self._exports.clear()
+        if leak and self._finalizer.alive:
+            self._finalizer.detach()
+            _ABANDONED.append(self._owned)
+            self._owned = _Owned(self._device)  # context None: later use says "closed"
+            return
         self._finalizer()
 

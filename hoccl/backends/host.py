@@ -86,6 +86,9 @@ def _read_u64(address: int) -> int:
     return ctypes.c_uint64.from_address(address).value
 
 
+_ABANDONED: List[Dict[int, np.ndarray]] = []  # memory of devices closed with stuck work
+
+
 class _Aborted(Exception):
     """Raised inside a worker when its device was aborted: the item is dropped."""
 
@@ -137,9 +140,10 @@ class HostStream:
             raise HocclError(f"synchronize_stream: work on a host stream failed: "
                              f"{self.error!r}") from self.error
 
-    def close(self) -> None:
+    def close(self, join: bool = True) -> None:
         self._queue.put(None)
-        self._thread.join(timeout=5)
+        if join:
+            self._thread.join(timeout=5)
 
 
 class _Event:
@@ -216,6 +220,9 @@ class HostDevice(Device):
     def wait_event(self, stream: HostStream, event: _Event) -> None:
         reached = event.latest
         stream.enqueue(lambda: self._poll(lambda: reached[0]))
+
+    def done(self, event: _Event) -> bool:
+        return event.latest[0]
 
     def synchronize_stream(self, stream: HostStream, timeout: float) -> None:
         stream.synchronize(timeout)
@@ -315,15 +322,20 @@ class HostDevice(Device):
         """Release every blocked wait of this device's streams; pending items are dropped."""
         self._aborted.set()
 
-    def close(self) -> None:
+    def close(self, leak: bool = False) -> None:
+        """With ``leak`` the worker threads of stuck streams are not waited for (they are
+        daemons; abort makes them drop their queued work once they wake)."""
         if self._closed:
             return
         self._closed = True
         self._aborted.set()
         for stream in list(self._streams):
-            stream.close()
+            stream.close(join=not leak)
         self._streams.clear()
         self._default = None
+        if leak:
+            _ABANDONED.append(self._memory)  # a stuck stream may still read its pad
+            self._memory = {}
         self._memory.clear()
 
 

@@ -9,8 +9,9 @@ call time::
     lane i       wait_event(E_k) ─ plan steps ─ record(J_i) ┘
 
 ``k`` counts this rank's calls.  The entry is an event of its own per call (taken
-from the pool at call time, returned once the lanes' waits are enqueued): a lane
-waits for exactly its caller's position, whichever streams other calls came from.
+from the pool at call time, returned when the call has finished): a lane waits for
+exactly its caller's position, whichever streams other calls came from, and the
+event tells teardown whether the caller's stream has reached the call at all.
 The exit is a wait on a value rather than on an event, so the call may return
 before its copies are issued (a peer's buffers may not be known yet) and still keep
 its place on the caller's stream; lane 0 joins every other lane and runs the calls
@@ -19,7 +20,8 @@ in order, so completion values only grow.
 
 from __future__ import annotations
 
-from typing import Any, List
+import time
+from typing import Any, Iterable, List
 
 from ..backends._base import Device
 
@@ -57,7 +59,7 @@ class StreamManager:
     def fence_in(self, caller: Any, value: int) -> Any:
         """At call time: mark the caller's position with an event of this call's own, and
         make the caller wait for ``completion >= value`` before anything enqueued later.
-        Returns the event; ``enter`` gives it back to the pool."""
+        Returns the event; ``release`` it once the call has finished."""
         event = self.event()
         self.device.record(caller, event)
         self.device.wait_value(caller, self.completion, value)
@@ -68,11 +70,35 @@ class StreamManager:
         self.ensure_lanes(lane_count)
         for lane in self.lanes[:lane_count]:
             self.device.wait_event(lane, entry)
-        self.release(entry)
 
     def completion_writes(self, value: int) -> list:
         """The memops lane 0 ends with: release the caller and tell the host."""
         return [(WRITE, self.completion, value), (WRITE, self.host_word, value)]
+
+    def drained(self, entries: Iterable[Any], timeout: float) -> bool:
+        """Whether, within ``timeout`` s, every caller stream has reached its call (the
+        ``entries``) and every lane is idle: then no queued work of this rank will touch
+        its pad, scratch or mappings again.  After an abort a caller stream can be held
+        by the user's own work for ever; teardown must then keep the memory."""
+        marks = []
+        for lane in self.lanes:
+            event = self.event()
+            self.device.record(lane, event)
+            marks.append(event)
+        waiting = list(entries) + marks
+        deadline = time.monotonic() + timeout
+        delay = 0.0
+        try:
+            while waiting:
+                waiting = [event for event in waiting if not self.device.done(event)]
+                if waiting and time.monotonic() > deadline:
+                    return False
+                time.sleep(delay)
+                delay = min(delay * 2 + 1e-5, 0.01)
+            return True
+        finally:
+            for event in marks:
+                self.release(event)
 
     def close(self) -> None:
         for event in self._all_events:
