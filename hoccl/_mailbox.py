@@ -19,7 +19,6 @@ import time
 import uuid
 from typing import Any, Callable, List
 
-import numpy as np
 
 __all__ = ["Mailboxes", "SLOT_BYTES", "wait_until"]
 
@@ -55,11 +54,13 @@ class Mailboxes:
                 os.close(descriptor)
         barrier()
         os.unlink(name)  # every rank has it mapped: nothing is left behind in /dev/shm
+        # [written, read] of every ring, as 64-bit views made once (a call reads them often)
+        self._views = [[memoryview(mapped)[sender * _RING:sender * _RING + 16].cast("Q")
+                        for sender in range(world_size)] for mapped in self._maps]
 
-    def _counters(self, owner: int, sender: int) -> np.ndarray:
+    def _counters(self, owner: int, sender: int) -> memoryview:
         """[written, read] of the ring in ``owner``'s segment that ``sender`` writes."""
-        return np.frombuffer(self._maps[owner], dtype=np.uint64, count=2,
-                             offset=sender * _RING)
+        return self._views[owner][sender]
 
     def send(self, peer: int, message: Any, deadline: float, call: str) -> None:
         data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
@@ -67,8 +68,8 @@ class Mailboxes:
             raise ValueError(f"{call}: a descriptor message of {len(data)} bytes does not fit "
                              f"a mailbox slot of {SLOT_BYTES}")
         counters = self._counters(peer, self.rank)
-        written = int(counters[0])
-        wait_until(lambda: written - int(counters[1]) < SLOTS, deadline,
+        written = counters[0]
+        wait_until(lambda: written - counters[1] < SLOTS, deadline,
               lambda: f"{call}: rank {self.rank}'s mailbox to rank {peer} stayed full: rank "
                       f"{peer} stopped taking messages")
         start = self.rank * _RING + _HEADER + (written % SLOTS) * SLOT_BYTES
@@ -78,13 +79,13 @@ class Mailboxes:
         counters[0] = written + 1  # publish after the payload (stores stay in order)
 
     def ready(self, peer: int) -> bool:
-        counters = self._counters(self.rank, peer)
-        return int(counters[0]) > int(counters[1])
+        counters = self._views[self.rank][peer]
+        return counters[0] > counters[1]
 
     def receive(self, peer: int) -> Any:
         """The next message from ``peer`` (call only when ``ready(peer)``)."""
         counters = self._counters(self.rank, peer)
-        read = int(counters[1])
+        read = counters[1]
         start = peer * _RING + _HEADER + (read % SLOTS) * SLOT_BYTES
         box = self._maps[self.rank]
         length = int.from_bytes(box[start:start + 4], "little")
@@ -93,6 +94,10 @@ class Mailboxes:
         return message
 
     def close(self) -> None:
+        for views in getattr(self, "_views", ()):
+            for view in views:
+                view.release()
+        self._views = []
         for mapped in self._maps:
             try:
                 mapped.close()

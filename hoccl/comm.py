@@ -582,7 +582,8 @@ class Communicator:
                 local["scratch"] = self._scratch_of(spec.nbytes)
             else:
                 local[spec.name] = buffers[spec.name].address
-        payload = self._group.prepare(self, local)
+        payload = self._group.prepare(self, {name: local[name] for name in _shared(plan, self.rank)
+                                             if name in local})
         if plan.pair:
             count = self._pair_calls.get(plan.pair, 0)
             key: tuple = ("p2p",) + plan.pair + (count,)
@@ -669,6 +670,19 @@ def _close_at_exit() -> None:
             comm.close()
         except Exception as error:  # exit must go on
             log.warning("rank %d exit: %r", comm.rank, error)
+
+
+_SHARED: Dict[Tuple[int, int], Tuple[Plan, Tuple[str, ...]]] = {}
+
+
+def _shared(plan: Plan, rank: int) -> Tuple[str, ...]:
+    """``plan.shared(rank)``, computed once per plan (plans are cached per shape)."""
+    entry = _SHARED.get((id(plan), rank))
+    if entry is None or entry[0] is not plan:
+        if len(_SHARED) > 4096:
+            _SHARED.clear()
+        entry = _SHARED[(id(plan), rank)] = (plan, plan.shared(rank))
+    return entry[1]
 
 
 _VERIFIED: Dict[int, Plan] = {}

@@ -33,6 +33,7 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
 fi
 if [ "$what" = profile ] || [ "$what" = tests ]; then
   step profile 60 $MPIRUN python3 tools/profile_call.py --size 1M
+  step profile-local 60 python3 tools/profile_call.py --size 1M --local
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   step bench 170 $MPIRUN python3 -m hoccl.bench --sizes ${BENCH_SIZES:-64K,1M,16M,256M,1G} --out "$OUT/bench"

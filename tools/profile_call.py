@@ -1,5 +1,9 @@
-"""Where a small call's time goes: host µs per call (no sync), then a cProfile of the
-same loop on rank 0.  Run: mpirun -np 2 python3 tools/profile_call.py [--size 1M]
+"""Where a small call's time goes.  Run: mpirun -np 2 python3 tools/profile_call.py
+
+Prints, per rank, the host µs of one in-place all_gather (no sync) and of the pieces
+it is made of (array resolution, export, the entry fence, batched memops, one peer
+copy, a mailbox round trip), then a cProfile of the call loop on rank 0; with
+``--local`` it measures one process driving every GPU instead (no MPI exchange).
 """
 import argparse
 import cProfile
@@ -8,51 +12,122 @@ import pstats
 import time
 
 import torch
-from mpi4py import MPI
 
 import hoccl
+from hoccl._buffers import as_buffer
 from hoccl.bench._harness import parse_size
+
+
+def per_call(function, iters):
+    function()
+    start = time.perf_counter()
+    for _ in range(iters):
+        function()
+    return (time.perf_counter() - start) / iters * 1e6
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--size", default="1M")
     parser.add_argument("--iters", type=int, default=2000)
-    parser.add_argument("--collective", default="all_gather")
+    parser.add_argument("--local", action="store_true")
     args = parser.parse_args()
-    comm = hoccl.init(backend="cuda")
-    torch.cuda.set_device(comm.device)
-    n, rank = comm.world_size, comm.rank
     nbytes = parse_size(args.size)
-    recv = torch.zeros(nbytes // 2, dtype=torch.bfloat16, device="cuda")
-    block = recv.numel() // n
-    send = recv[rank * block:(rank + 1) * block]
-    stream = torch.cuda.Stream()
-    run = lambda: comm.all_gather(send, recv, stream=stream)  # noqa: E731
+    if args.local:
+        comms = hoccl.init_local(list(range(torch.cuda.device_count())), backend="cuda")
+    else:
+        comms = [hoccl.init(backend="cuda")]
+        torch.cuda.set_device(comms[0].device)
+    n = comms[0].world_size
+    calls = []
+    for comm in comms:
+        recv = torch.zeros(nbytes // 2, dtype=torch.bfloat16, device=f"cuda:{comm.device}")
+        block = recv.numel() // n
+        send = recv[comm.rank * block:(comm.rank + 1) * block]
+        with torch.cuda.device(comm.device):
+            stream = torch.cuda.Stream()
+        calls.append((comm, send, recv, stream))
+
+    def run():
+        for comm, send, recv, stream in calls:
+            comm.all_gather(send, recv, stream=stream)
     for _ in range(100):
         run()
-    comm.synchronize()
-    MPI.COMM_WORLD.Barrier()
-    start = time.perf_counter()
-    for _ in range(args.iters):
-        run()
-    host = (time.perf_counter() - start) / args.iters * 1e6
-    comm.synchronize()
-    total = (time.perf_counter() - start) / args.iters * 1e6
-    print(f"rank {rank}: {args.collective} {args.size} in place: host {host:.1f} µs/call, "
-          f"with GPU {total:.1f} µs/call", flush=True)
+    for comm in comms:
+        comm.synchronize()
+    barrier = (lambda: None) if args.local else __import__("mpi4py.MPI").MPI.COMM_WORLD.Barrier
+    barrier()
+    host = per_call(run, args.iters) / len(comms)
+    for comm in comms:
+        comm.synchronize()
+    where = "one process" if args.local else f"rank {comms[0].rank}"
+    print(f"{where}: all_gather {args.size} in place: {host:.1f} µs of host time per rank-call",
+          flush=True)
+
+    comm, send, recv, stream = calls[0]
+    device, streams = comm.device_handle, comm._streams
+    device.activate()
+    lane = streams.lanes[0]
+    parts = {"as_buffer (torch tensor)": lambda: as_buffer("x", "y", recv),
+             "export (cached allocation)": lambda: device.export(recv.data_ptr())}
+    caller = device.resolve_stream(stream, [recv])
+
+    def fence():
+        streams.release(streams.fence_in(caller, 0))
+    parts["entry fence (record + wait_value)"] = fence
+    slot = comm._pad + 8 * (n * 5 - 1)  # a slot no peer writes to on a 2-rank test
+    counter = [0]
+
+    def memops():
+        counter[0] += 1
+        device.memops(lane, [(True, slot, counter[0]), (False, slot, counter[0]),
+                             (True, slot, counter[0])])
+    parts["memops batch of 3"] = memops
+    scratch = device.alloc(nbytes)
+    parts["cuMemcpyAsync 512 KiB, same GPU"] = lambda: device.copy(lane, scratch, recv.data_ptr(),
+                                                                  nbytes // 2)
+    parts["cuEventRecord + cuStreamWaitEvent"] = lambda: device.wait_event(
+        lane, _record(device, streams, caller))
+    parts["cuCtxSetCurrent"] = device.activate
+    if not args.local:
+        mailboxes = comm._group.mailboxes
+        peer = 1 - comm.rank if n == 2 else None
+        if peer is not None:
+            def round_trip():
+                comm._group._exchange([peer], ("probe",), ({"recv": device.export(
+                    recv.data_ptr())}, None), "probe")
+            parts["mailbox exchange with the peer"] = round_trip
+    for name, function in parts.items():
+        if name == "mailbox exchange with the peer":
+            barrier()
+        print(f"{where}:   {name:40s} {per_call(function, args.iters):7.2f} µs", flush=True)
+    device.synchronize_stream(lane, 30)
+    device.free(scratch)
+
+    barrier()
     profile = cProfile.Profile()
-    MPI.COMM_WORLD.Barrier()
     profile.enable()
     for _ in range(args.iters):
         run()
-    comm.synchronize()
+    for comm in comms:
+        comm.synchronize()
     profile.disable()
-    if rank == 0:
+    if comms[0].rank == 0:
         text = io.StringIO()
-        pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(30)
+        pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(25)
         print(text.getvalue())
-    comm.close()
+    for comm in comms:
+        comm.close()
+
+
+_EVENT = []
+
+
+def _record(device, streams, stream):
+    if not _EVENT:
+        _EVENT.append(streams.event())
+    device.record(stream, _EVENT[0])
+    return _EVENT[0]
 
 
 if __name__ == "__main__":

@@ -49,6 +49,7 @@ _GONE = (driver.CUresult.CUDA_ERROR_PEER_ACCESS_NOT_ENABLED,
          driver.CUresult.CUDA_ERROR_INVALID_CONTEXT,
          driver.CUresult.CUDA_ERROR_CONTEXT_IS_DESTROYED)
 _LEGACY_STREAMS = (0, int(driver.CU_STREAM_LEGACY))
+_BUFFER_ID = driver.CUpointer_attribute.CU_POINTER_ATTRIBUTE_BUFFER_ID
 #: cuStreamBatchMemOp takes fewer than 256 operations per call.
 _MAX_BATCH_MEMOPS = 255
 
@@ -305,6 +306,19 @@ def _release(owned: _Owned) -> None:
         raise DriverError("close: " + "; ".join(str(error) for error in errors))
 
 
+def _memop(is_write: bool, address: int) -> Tuple[Any, Any]:
+    """A batch entry writing or waiting (``>=``) on the 64-bit word at ``address``, and
+    its part whose ``value64`` each use sets (building one costs microseconds, setting
+    the value a fraction of one)."""
+    operation = driver.CUstreamBatchMemOpParams()
+    part = operation.writeValue if is_write else operation.waitValue
+    part.operation = (driver.CUstreamBatchMemOpType.CU_STREAM_MEM_OP_WRITE_VALUE_64 if is_write
+                      else driver.CUstreamBatchMemOpType.CU_STREAM_MEM_OP_WAIT_VALUE_64)
+    part.address = int(address)
+    part.flags = 0 if is_write else driver.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
+    return operation, part
+
+
 #: what ``export`` returns; a plain tuple on the wire (it pickles as a namedtuple).
 CudaIpcDescriptor = collections.namedtuple(
     "CudaIpcDescriptor", ["kind", "handle", "base", "size", "buffer_id", "offset"])
@@ -360,7 +374,9 @@ class CudaDevice(Device):
         self._finalizer = weakref.finalize(self, _release, self._owned)
         self._finalizer.atexit = False
         self._kernel_lock = threading.Lock()
-        self._exports: dict = {}
+        self._exports: dict = {}       # (allocation base, buffer id) -> (handle, size)
+        self._descriptors: dict = {}   # (address, buffer id) -> descriptor
+        self._memop_params: dict = {}  # (is write, address) -> CUstreamBatchMemOpParams
 
         def attribute(name: str) -> int:
             return _call(driver.cuDeviceGetAttribute, getattr(driver.CUdevice_attribute, name),
@@ -572,18 +588,23 @@ class CudaDevice(Device):
 
     def export(self, address: int) -> CudaIpcDescriptor:
         """``("cuda-ipc", handle, base, size, buffer_id, offset)`` for the allocation
-        holding ``address``; the handle of an allocation is made once and cached."""
+        holding ``address``; the handle of an allocation is made once and cached.
+
+        A repeat costs one driver call: the allocation's buffer id, unique for the life
+        of the process, tells a freed-and-reallocated address from the same allocation."""
         self._make_current()
         address = int(address)
-        try:
-            base, size = _call(driver.cuMemGetAddressRange, address)
-        except DriverError as error:
+        result = driver.cuPointerGetAttribute(_BUFFER_ID, address)
+        if result[0]:
             raise InvalidArgumentError(
                 "export: expected an address inside a CUDA device allocation, "
-                f"got {address:#x} ({error})")
+                f"got {address:#x} ({_error('cuPointerGetAttribute', result[0])})")
+        buffer_id = int(result[1])
+        descriptor = self._descriptors.get((address, buffer_id))
+        if descriptor is not None:
+            return descriptor
+        base, size = _call(driver.cuMemGetAddressRange, address)
         base = int(base)
-        buffer_id = int(_call(driver.cuPointerGetAttribute,
-                              driver.CUpointer_attribute.CU_POINTER_ATTRIBUTE_BUFFER_ID, address))
         entry = self._exports.get((base, buffer_id))
         if entry is None:
             capable = _call(
@@ -599,7 +620,12 @@ class CudaDevice(Device):
             handle = _call(driver.cuIpcGetMemHandle, base)
             entry = (bytes(handle.reserved), int(size))
             self._exports[(base, buffer_id)] = entry
-        return CudaIpcDescriptor("cuda-ipc", entry[0], base, entry[1], buffer_id, address - base)
+        descriptor = CudaIpcDescriptor("cuda-ipc", entry[0], base, entry[1], buffer_id,
+                                       address - base)
+        if len(self._descriptors) > 4096:
+            self._descriptors.clear()
+        self._descriptors[(address, buffer_id)] = descriptor
+        return descriptor
 
     def import_(self, descriptor: Any) -> int:
         if not (isinstance(descriptor, tuple) and len(descriptor) == 6
@@ -668,23 +694,17 @@ class CudaDevice(Device):
             is_write, address, value = operations[0]
             (self.write_value if is_write else self.wait_value)(stream, address, value)
             return
-        write_64 = driver.CUstreamBatchMemOpType.CU_STREAM_MEM_OP_WRITE_VALUE_64
-        wait_64 = driver.CUstreamBatchMemOpType.CU_STREAM_MEM_OP_WAIT_VALUE_64
-        geq = driver.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
         params = []
+        cache, used = self._memop_params, set()
         for is_write, address, value in operations:
-            operation = driver.CUstreamBatchMemOpParams()
-            if is_write:
-                operation.writeValue.operation = write_64
-                operation.writeValue.address = int(address)
-                operation.writeValue.value64 = value
-                operation.writeValue.flags = 0
-            else:
-                operation.waitValue.operation = wait_64
-                operation.waitValue.address = int(address)
-                operation.waitValue.value64 = value
-                operation.waitValue.flags = geq
-            params.append(operation)
+            key = (is_write, address)
+            entry = cache.get(key)
+            if entry is None or key in used:  # one object twice in a batch: one value
+                entry = _memop(is_write, address)
+                cache.setdefault(key, entry)
+            used.add(key)
+            entry[1].value64 = value  # the call copies the structs: reuse is safe after it
+            params.append(entry[0])
         self._make_current()
         for start in range(0, len(params), _MAX_BATCH_MEMOPS):
             chunk = params[start:start + _MAX_BATCH_MEMOPS]
@@ -784,6 +804,8 @@ class CudaDevice(Device):
         that is stuck behind a stream that never finished and would write into them.
         """
         self._exports.clear()
+        self._descriptors.clear()
+        self._memop_params.clear()
         if leak and self._finalizer.alive:
             self._finalizer.detach()
             _ABANDONED.append(self._owned)

@@ -157,6 +157,19 @@ class Plan:
                    (isinstance(step, Copy) and step.src.rank == step.dst.rank == rank)
                    for step in self.programs[rank])
 
+    def shared(self, rank: int) -> Tuple[str, ...]:
+        """The names of ``rank``'s buffers that other ranks' steps read or write: the only
+        ones a process must export to its peers for this plan."""
+        names = set()
+        for other, program in enumerate(self.programs):
+            if other == rank:
+                continue
+            for step in program:
+                refs = ((step.src, step.dst) if isinstance(step, Copy) else
+                        step.inputs + (step.output,) if isinstance(step, Reduce) else ())
+                names.update(ref.buffer for ref in refs if ref.rank == rank)
+        return tuple(sorted(names))
+
     def describe(self) -> str:
         """A human-readable listing, one step per line, for logs and debugging."""
         lines = [f"plan {self.collective} world_size={self.world_size} lanes={self.lanes} "
