@@ -34,12 +34,13 @@ fi
 if [ "$what" = profile ] || [ "$what" = tests ]; then
   step profile 60 $MPIRUN python3 tools/profile_call.py --size 1M
   step profile-local 60 python3 tools/profile_call.py --size 1M --local
+  step smoke 60 python3 tests/gpu/cuda_device_smoke.py
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
-  step bench 170 $MPIRUN python3 -m hoccl.bench --sizes ${BENCH_SIZES:-64K,1M,16M,256M,1G} --out "$OUT/bench"
+  step bench 330 $MPIRUN python3 -m hoccl.bench --sizes ${BENCH_SIZES:-64K,1M,16M,256M,1G} --out "$OUT/bench"
 fi
 if [ "$what" = overlap ] || [ "$what" = all ]; then
-  step overlap 110 $MPIRUN python3 -m hoccl.bench.overlap --out "$OUT/overlap"
+  step overlap 200 $MPIRUN python3 -m hoccl.bench.overlap --out "$OUT/overlap"
 fi
 tar czf /tmp/gpu-run.tgz -C "$OUT" . && mv /tmp/gpu-run.tgz "$OUT/gpu-run.tgz"
 cat "$OUT/gpus.txt"

@@ -30,7 +30,7 @@ def arguments(argv=None) -> argparse.Namespace:
                              "rank per mpirun process")
     parser.add_argument("--collectives", default=",".join(COLLECTIVES),
                         help="comma-separated subset of %(default)s")
-    parser.add_argument("--libraries", default="hoccl,hoccl-peer,hoccl+max_sms=32,nccl,nccl-zero",
+    parser.add_argument("--libraries", default="hoccl,hoccl-peer,hoccl+max_sms=16,hoccl+max_sms=32,nccl,nccl4py,nccl-zero",
                         help="comma-separated: hoccl (default options), hoccl-peer / hoccl-local "
                              "(out-of-place own block through the peer / on capped SMs), any "
                              "of them +max_sms=N+chunk_bytes=S, nccl (torch.distributed), "
