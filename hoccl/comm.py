@@ -397,14 +397,16 @@ class Communicator:
 
     def set_options(self, **changes) -> None:
         """Change options for later calls: ``self_route``, ``chunk_bytes``, ``copy_lanes``
-        (planning) and ``max_sms`` (the SM cap of reductions and local copies)."""
-        max_sms = changes.pop("max_sms", None)
+        (planning), ``max_sms`` (the SM cap of reductions) and ``copy_sms`` (the SM cap
+        of the one same-GPU copy of out-of-place forms' own block)."""
+        caps = {name: changes.pop(name) for name in ("max_sms", "copy_sms") if name in changes}
         options = _options(self.options, "set_options", **changes)
-        if max_sms is not None:
-            if isinstance(max_sms, bool) or not isinstance(max_sms, int) or max_sms < 1:
-                raise InvalidArgumentError(f"set_options: max_sms must be a positive int; "
-                                           f"got {max_sms!r}")
-            self.device_handle.max_sms = max_sms
+        for name, value in caps.items():
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidArgumentError(f"set_options: {name} must be a positive int; "
+                                           f"got {value!r}")
+        for name, value in caps.items():
+            setattr(self.device_handle, name, value)
         self.options = options
 
     def close(self) -> None:

@@ -31,7 +31,7 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
       python3 tests/mpi/run_failures.py $scenario --backend cuda
   done
 fi
-if [ "$what" = profile ] || [ "$what" = tests ]; then
+if [ "$what" = profile ] || [ "$what" = tests ] || [ "$what" = all ]; then
   step profile 60 $MPIRUN python3 tools/profile_call.py --size 1M
   step profile-local 60 python3 tools/profile_call.py --size 1M --local
   step smoke 60 python3 tests/gpu/cuda_device_smoke.py

@@ -130,7 +130,7 @@ class Device(abc.ABC):
 
     @abc.abstractmethod
     def local_copy(self, stream: Any, dst: Any, src: Any, nbytes: int) -> None:
-        """A copy within this device, on at most ``max_sms`` SMs (on GPUs this needs SMs)."""
+        """A copy within this device, on at most ``copy_sms`` SMs (on GPUs this needs SMs)."""
 
     @abc.abstractmethod
     def write_value(self, stream: Any, address: Any, value: int) -> None:

@@ -370,6 +370,7 @@ class CudaDevice(Device):
     def __init__(self, ordinal: int, *, max_sms: int = 8):
         self.ordinal = ordinal
         self.max_sms = max_sms
+        self._copy_sms = 0
         self._device = _call(driver.cuDeviceGet, ordinal)
         self._owned = _Owned(self._device)
         self._context = _call(driver.cuDevicePrimaryCtxRetain, self._device)
@@ -412,7 +413,7 @@ class CudaDevice(Device):
 
     @property
     def max_sms(self) -> int:
-        """The most SMs (thread blocks) ``local_copy`` and ``reduce`` may occupy."""
+        """The most SMs (thread blocks) ``reduce`` may occupy."""
         return self._max_sms
 
     @max_sms.setter
@@ -420,6 +421,17 @@ class CudaDevice(Device):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise InvalidArgumentError(f"max_sms: expected a positive int, got {value!r}")
         self._max_sms = value
+
+    @property
+    def copy_sms(self) -> int:
+        """The most SMs (thread blocks) ``local_copy`` may occupy (``max_sms`` unless set)."""
+        return self._copy_sms or self._max_sms
+
+    @copy_sms.setter
+    def copy_sms(self, value: int) -> None:
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise InvalidArgumentError(f"copy_sms: expected a positive int, got {value!r}")
+        self._copy_sms = value
 
     def _make_current(self) -> None:
         """Set this device's context unless ``activate`` already did on this thread, in the
@@ -731,8 +743,8 @@ class CudaDevice(Device):
                 kernels = self._owned.kernels
         return kernels
 
-    def _blocks(self, work_items: int, threads: int) -> int:
-        return max(1, min(self._max_sms, self.sm_count, -(-work_items // threads)))
+    def _blocks(self, work_items: int, threads: int, cap: int) -> int:
+        return max(1, min(cap, self.sm_count, -(-work_items // threads)))
 
     def _launch(self, function: Any, blocks: int, threads: int, stream: Any,
                 args: ctypes.Structure) -> None:
@@ -742,7 +754,7 @@ class CudaDevice(Device):
               ctypes.addressof(parameters), 0)
 
     def local_copy(self, stream: Any, dst: Any, src: Any, nbytes: int) -> None:
-        """A same-GPU copy on at most ``max_sms`` SMs (``cuMemcpyAsync`` would take them all)."""
+        """A same-GPU copy on at most ``copy_sms`` SMs (``cuMemcpyAsync`` would take them all)."""
         if not nbytes:
             return
         dst, src = int(dst), int(src)
@@ -751,7 +763,7 @@ class CudaDevice(Device):
         kernels = self._kernels()
         self._make_current()
         threads = _kernels.TUNING["copy_threads"]
-        blocks = self._blocks((nbytes - head) // width, threads)
+        blocks = self._blocks((nbytes - head) // width, threads, self.copy_sms)
         self._launch(kernels.copy[width], blocks, threads, stream,
                      _CopyArgs(dst, src, nbytes, head))
 
@@ -801,7 +813,8 @@ class CudaDevice(Device):
         scalars = count - vectors * 16 // itemsize
         args = _ReduceArgs(output, (ctypes.c_void_p * _kernels.MAX_INPUTS)(*inputs), count,
                            head, vectors, len(inputs), divisor)
-        self._launch(function, self._blocks(max(vectors, scalars), threads), threads, stream, args)
+        blocks = self._blocks(max(vectors, scalars), threads, self._max_sms)
+        self._launch(function, blocks, threads, stream, args)
 
     # -- lifetime ----------------------------------------------------------------------------
     def close(self, leak: bool = False) -> None:

@@ -171,6 +171,7 @@ class HostDevice(Device):
     def __init__(self, *, max_sms: int = 8):
         self.ordinal = None
         self.max_sms = max_sms  # kept for interface parity; host reductions use one thread
+        self.copy_sms = max_sms
         self._memory: Dict[int, np.ndarray] = {}
         self._streams: List[HostStream] = []
         self._default: HostStream | None = None

@@ -30,10 +30,14 @@ def arguments(argv=None) -> argparse.Namespace:
                              "rank per mpirun process")
     parser.add_argument("--collectives", default=",".join(COLLECTIVES),
                         help="comma-separated subset of %(default)s")
-    parser.add_argument("--libraries", default="hoccl,hoccl-peer,hoccl+max_sms=16,hoccl+max_sms=32,nccl,nccl4py,nccl-zero",
+    parser.add_argument("--libraries",
+                        default="hoccl,hoccl-peer,hoccl+copy_sms=8,hoccl+max_sms=32,nccl,nccl4py,"
+                                "nccl-zero",
                         help="comma-separated: hoccl (default options), hoccl-peer / hoccl-local "
                              "(out-of-place own block through the peer / on capped SMs), any "
-                             "of them +max_sms=N+chunk_bytes=S, nccl (torch.distributed), "
+                             "of them +max_sms=N+copy_sms=N+chunk_bytes=S (variants changing "
+                             "only copy_sms or max_sms run only where it matters), nccl "
+                             "(torch.distributed), "
                              "nccl4py, nccl-zero (NCCL CTA policy ZERO, symmetric windows)")
     parser.add_argument("--min-bytes", default="1K", help="smallest size (nccl-tests' size)")
     parser.add_argument("--max-bytes", default="1G", help="largest size")

@@ -148,22 +148,28 @@ class Library:
 class Hoccl(Library):
     """hoccl with its default options (``hoccl``), or a variant: ``hoccl-peer`` (own block
     through the peer: zero SMs), ``hoccl-local``, and options appended like
-    ``hoccl+max_sms=32+chunk_bytes=128M``."""
+    ``hoccl+max_sms=32+copy_sms=32+chunk_bytes=128M``."""
 
     def __init__(self, ranks: Ranks, route: Optional[str], name: str, settings: Dict[str, Any]):
         comm = ranks.comms[0]
         self.ranks, self.name, self.settings = ranks, name, settings
         self.route = route or comm.options.self_route
         self.defaults = {"max_sms": comm.device_handle.max_sms,
+                         "copy_sms": comm.device_handle.copy_sms,
                          "chunk_bytes": comm.options.chunk_bytes}
-        sms = settings.get("max_sms", self.defaults["max_sms"])
-        moves = "0" if self.route == "peer" else f"≤ {sms} for the own block out of place"
-        self.sms = f"moves: {moves} (in place: 0); sums: ≤ {sms}"
-        self.variant = route is not None  # only measured where the route matters
+        sums = settings.get("max_sms", self.defaults["max_sms"])
+        copies = settings.get("copy_sms", self.defaults["copy_sms"])
+        moves = "0" if self.route == "peer" else f"≤ {copies} for the own block out of place"
+        self.sms = f"moves: {moves} (in place: 0); sums: ≤ {sums}"
+        # variants are measured only where what they change matters
+        self.moves_only = route is not None or set(settings) == {"copy_sms"}
+        self.sums_only = set(settings) == {"max_sms"}
 
     def supports(self, collective: str, form: str) -> bool:
-        if self.variant:
+        if self.moves_only:
             return form == "out" and collective in ("all_gather", "all_to_all")
+        if self.sums_only:
+            return collective in ("reduce_scatter", "all_reduce")
         return True
 
     def prepare(self) -> None:

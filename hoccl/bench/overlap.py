@@ -30,7 +30,8 @@ def arguments(argv=None) -> argparse.Namespace:
     parser.add_argument("--cases", default="all_gather:in,all_gather:out,all_to_all:out,"
                         "reduce_scatter:out,all_reduce:in",
                         help="comma-separated collective:form (form: in or out)")
-    parser.add_argument("--libraries", default="hoccl,hoccl-peer,hoccl+max_sms=4,hoccl+max_sms=32,nccl,nccl4py,nccl-zero",
+    parser.add_argument("--libraries", default="hoccl,hoccl-peer,hoccl+copy_sms=8,hoccl+max_sms=4,"
+                        "hoccl+max_sms=32+copy_sms=32,nccl,nccl4py,nccl-zero",
                         help="as for python -m hoccl.bench")
     parser.add_argument("--bytes", default="1G", help="collective size (nccl-tests' size)")
     parser.add_argument("--gemm", type=int, default=8192, help="M = N = K of the GEMM")

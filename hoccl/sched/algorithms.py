@@ -54,9 +54,9 @@ class Options:
     ``copy_lanes``: copy streams per rank that share the peers (None: one per peer up
     to 4).  ``chunk_bytes``: pipeline unit of reductions (a reduction of chunk k
     overlaps the copies of chunk k+1).  ``self_route``: how a rank's own block reaches
-    its place in out-of-place forms: ``"local"`` (a copy on at most ``max_sms`` SMs,
-    the default: on 2 x H200 it doubles out-of-place all_gather's bandwidth, 370 vs
-    187 GB/s, and triples all_to_all's, 373 vs 126 GB/s) or ``"peer"`` (through a
+    its place in out-of-place forms: ``"local"`` (a copy on at most ``copy_sms`` SMs,
+    the default: on 2 x H200 it doubles out-of-place all_gather's bandwidth, 380 vs
+    188 GB/s, and triples all_to_all's, 379 vs 127 GB/s) or ``"peer"`` (through a
     peer's copy engine and back: zero SMs, costs NVLink bandwidth).  In-place forms
     have no own block to move and use no SM.
     """
