@@ -15,7 +15,7 @@ from ._buffers import Buffer, as_buffer
 from ._dtypes import ITEMSIZE
 from ._errors import (AbortedError, HocclError, HocclTimeoutError, InvalidArgumentError,
                       MismatchError)
-from .backends._base import OPS, POISON
+from .backends._base import OPS
 from .p2p import Executor
 from .sched import Options, Shape, build_plan, verify
 from .sched.plan import CHANNELS, Plan, Wait
@@ -25,6 +25,9 @@ __all__ = ["Communicator", "ReduceOp", "POISON"]
 
 log = logging.getLogger("hoccl")
 
+#: written into signal pads by ``abort``: larger than any value a collective waits for,
+#: so every stream-side wait is released; seeing it in a pad means "aborted".
+POISON = 1 << 62
 _CHANNEL_NAMES = ("READY", "DONE", "GATHERED", "P2P_READY", "P2P_DONE")
 _OPEN: "weakref.WeakSet[Communicator]" = weakref.WeakSet()
 #: how long close waits, after an abort, for caller streams to reach their calls

@@ -22,15 +22,12 @@ from __future__ import annotations
 import abc
 from typing import Any, List, Optional, Sequence, Tuple
 
-__all__ = ["Device", "HostWord", "DTYPES", "OPS", "POISON"]
+__all__ = ["Device", "HostWord", "DTYPES", "OPS"]
 
 #: dtype names every backend accepts in ``reduce``.
 DTYPES = ("float16", "bfloat16", "float32", "float64", "int8", "uint8", "int32", "int64")
 #: reduction operators; "avg" is the sum divided by the number of inputs.
 OPS = ("sum", "prod", "max", "min", "avg")
-#: written into signal words by an abort: larger than any value a wait is for, so every
-#: stream-side wait is released; seeing it in a pad means "aborted".
-POISON = 1 << 62
 
 
 class HostWord(abc.ABC):

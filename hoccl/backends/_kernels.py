@@ -74,20 +74,6 @@ def compile_options(arch: str) -> list:
 
 
 _COMMON = r"""
-// Shared work: with ``claim`` set, the 16-byte vectors are cut into ``tiles`` of
-// ``tile_vectors`` that the blocks of every launch carrying the same ``tag`` take one at
-// a time (compare-and-swap on *claim, whose high 32 bits are the tag's epoch), adding 1 to
-// *done after each; a launch whose tag is stale takes nothing.  Without it, the blocks of
-// one launch stride over the vectors.  Only the ``primary`` launch does the scalars.
-struct Work {
-    unsigned long long* claim;
-    unsigned long long* done;
-    unsigned long long tag;
-    unsigned long long tiles;
-    unsigned long long tile_vectors;
-    unsigned int primary;
-};
-
 struct ReduceArgs {
     void* output;
     const void* inputs[HOCCL_MAX_INPUTS];
@@ -96,7 +82,6 @@ struct ReduceArgs {
     unsigned long long vectors;  // whole 16-byte vectors after the head
     unsigned int num_inputs;
     unsigned int divisor;        // avg divides by this (the total number of inputs)
-    Work work;
 };
 
 struct CopyArgs {
@@ -104,36 +89,9 @@ struct CopyArgs {
     const char* src;
     unsigned long long nbytes;
     unsigned long long head;     // leading bytes done one by one (before the vector alignment)
-    Work work;
 };
 
 enum Op { OP_SUM, OP_PROD, OP_MAX, OP_MIN, OP_AVG };
-
-// The next tile of shared work for this block, or -1 when none is left (or the tag is stale).
-static __device__ long long next_tile(const Work& w) {
-    __shared__ long long taken;
-    if (threadIdx.x == 0) {
-        unsigned long long current = *(volatile unsigned long long*)w.claim;
-        long long tile = -1;
-        while ((current >> 32) == (w.tag >> 32) && current - w.tag < w.tiles) {
-            unsigned long long seen = atomicCAS(w.claim, current, current + 1);
-            if (seen == current) { tile = (long long)(current - w.tag); break; }
-            current = seen;
-        }
-        taken = tile;
-    }
-    __syncthreads();
-    long long tile = taken;
-    __syncthreads();  // every thread has read it before thread 0 writes the next one
-    return tile;
-}
-
-// This block's stores of a tile are visible to the GPU before *done counts it.
-static __device__ __forceinline__ void tile_done(const Work& w) {
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) atomicAdd(w.done, 1ull);
-}
 
 // ---- element types: storage T, accumulator A ------------------------------------------
 struct Float16 {
@@ -266,12 +224,8 @@ struct Lanes {
 };
 
 // ---- output = op(inputs...) ----------------------------------------------------------
-// Vectors [first, vectors) in steps of U * threads (threads: how many stride together).
 template <class D, int OP>
-static __device__ __forceinline__ void reduce_vectors(const ReduceArgs& args,
-                                                      unsigned long long first,
-                                                      unsigned long long vectors,
-                                                      unsigned long long threads) {
+static __device__ __forceinline__ void reduce_body(const ReduceArgs& args) {
     typedef typename D::T T;
     typedef typename D::A A;
     typedef Lanes<D> L;
@@ -279,7 +233,10 @@ static __device__ __forceinline__ void reduce_vectors(const ReduceArgs& args,
     constexpr int U = sizeof(T) == 1 ? (HOCCL_REDUCE_UNROLL + 1) / 2 : HOCCL_REDUCE_UNROLL;
 
     const unsigned int n = args.num_inputs;
+    const unsigned long long threads = (unsigned long long)gridDim.x * blockDim.x;
+    const unsigned long long first = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
     const unsigned long long head = args.head;
+    const unsigned long long vectors = args.vectors;
     uint4* out = reinterpret_cast<uint4*>(static_cast<T*>(args.output) + head);
 
     for (unsigned long long v = first; v < vectors; v += U * threads) {
@@ -327,30 +284,6 @@ static __device__ __forceinline__ void reduce_vectors(const ReduceArgs& args,
             }
         }
     }
-}
-
-template <class D, int OP>
-static __device__ __forceinline__ void reduce_body(const ReduceArgs& args) {
-    typedef typename D::T T;
-    typedef typename D::A A;
-    constexpr int N = Lanes<D>::N;
-    const unsigned int n = args.num_inputs;
-    const unsigned long long threads = (unsigned long long)gridDim.x * blockDim.x;
-    const unsigned long long first = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
-    const unsigned long long head = args.head;
-    const unsigned long long vectors = args.vectors;
-    const Work& w = args.work;
-    if (w.claim == nullptr) {
-        reduce_vectors<D, OP>(args, first, vectors, threads);
-    } else {
-        for (long long tile; (tile = next_tile(w)) >= 0;) {
-            const unsigned long long begin = (unsigned long long)tile * w.tile_vectors;
-            const unsigned long long end = begin + w.tile_vectors < vectors ? begin + w.tile_vectors : vectors;
-            reduce_vectors<D, OP>(args, begin + threadIdx.x, end, blockDim.x);
-            tile_done(w);
-        }
-    }
-    if (!w.primary) return;
 
     // The head (before the first 16-byte boundary) and the tail (after the last vector).
     const unsigned long long body_end = head + vectors * N;
@@ -367,10 +300,15 @@ static __device__ __forceinline__ void reduce_body(const ReduceArgs& args) {
 
 // ---- dst = src within one GPU ----------------------------------------------------------
 template <typename V>
-static __device__ __forceinline__ void copy_vectors(const V* src, V* dst, unsigned long long first,
-                                                    unsigned long long vectors,
-                                                    unsigned long long threads) {
+static __device__ __forceinline__ void copy_body(const CopyArgs& args) {
     constexpr int U = HOCCL_COPY_UNROLL;
+    const unsigned long long threads = (unsigned long long)gridDim.x * blockDim.x;
+    const unsigned long long first = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const unsigned long long head = args.head;
+    const unsigned long long vectors = (args.nbytes - head) / sizeof(V);
+    const V* src = reinterpret_cast<const V*>(args.src + head);
+    V* dst = reinterpret_cast<V*>(args.dst + head);
+
     for (unsigned long long v = first; v < vectors; v += U * threads) {
         V r[U];
 #pragma unroll
@@ -380,28 +318,6 @@ static __device__ __forceinline__ void copy_vectors(const V* src, V* dst, unsign
         for (int u = 0; u < U; ++u)
             if (v + u * threads < vectors) dst[v + u * threads] = r[u];
     }
-}
-
-template <typename V>
-static __device__ __forceinline__ void copy_body(const CopyArgs& args) {
-    const unsigned long long threads = (unsigned long long)gridDim.x * blockDim.x;
-    const unsigned long long first = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
-    const unsigned long long head = args.head;
-    const unsigned long long vectors = (args.nbytes - head) / sizeof(V);
-    const V* src = reinterpret_cast<const V*>(args.src + head);
-    V* dst = reinterpret_cast<V*>(args.dst + head);
-    const Work& w = args.work;
-    if (w.claim == nullptr) {
-        copy_vectors<V>(src, dst, first, vectors, threads);
-    } else {
-        for (long long tile; (tile = next_tile(w)) >= 0;) {
-            const unsigned long long begin = (unsigned long long)tile * w.tile_vectors;
-            const unsigned long long end = begin + w.tile_vectors < vectors ? begin + w.tile_vectors : vectors;
-            copy_vectors<V>(src, dst, begin + threadIdx.x, end, blockDim.x);
-            tile_done(w);
-        }
-    }
-    if (!w.primary) return;
 
     const unsigned long long body_end = head + vectors * sizeof(V);
     const unsigned long long scalars = head + (args.nbytes - body_end);

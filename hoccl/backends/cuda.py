@@ -36,9 +36,9 @@ from typing import Any, List, Sequence, Tuple
 
 from cuda.bindings import driver
 
-from .._errors import DriverError, HocclError, HocclTimeoutError, InvalidArgumentError
+from .._errors import DriverError, HocclTimeoutError, InvalidArgumentError
 from . import _kernels
-from ._base import DTYPES, OPS, POISON, Device, HostWord
+from ._base import DTYPES, OPS, Device, HostWord
 
 __all__ = ["CudaDevice", "CudaIpcDescriptor", "device_count", "open_device"]
 
@@ -52,9 +52,6 @@ _LEGACY_STREAMS = (0, int(driver.CU_STREAM_LEGACY))
 _BUFFER_ID = driver.CUpointer_attribute.CU_POINTER_ATTRIBUTE_BUFFER_ID
 #: cuStreamBatchMemOp takes fewer than 256 operations per call.
 _MAX_BATCH_MEMOPS = 255
-_TILE_BYTES = 256 << 10   # per input: the unit shared launches take from their counter
-_WORK_SLOTS = 4096        # claim/done counter pairs, reused round robin with a new epoch
-_HELPER_DRAIN_SECONDS = 10.0  # close: how long helper launches may take to finish
 _SINGLE_MEMOPS = 8  # up to this many memops go as single calls (cheaper from Python)
 _WRITE_DEFAULT = driver.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT
 _WAIT_GEQ = driver.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
@@ -200,16 +197,6 @@ def _compile(nvrtc: Any, text: str, options: list) -> bytes:
         nvrtc.nvrtcDestroyProgram(program)
 
 
-class _Work(ctypes.Structure):
-    """Mirror of ``Work`` in ``_kernels``: how a launch shares its tiles (claim 0: it does not)."""
-    _fields_ = [("claim", ctypes.c_void_p),
-                ("done", ctypes.c_void_p),
-                ("tag", ctypes.c_uint64),
-                ("tiles", ctypes.c_uint64),
-                ("tile_vectors", ctypes.c_uint64),
-                ("primary", ctypes.c_uint32)]
-
-
 class _ReduceArgs(ctypes.Structure):
     """Mirror of ``ReduceArgs`` in ``_kernels``; passed by value to every reduce launch."""
     _fields_ = [("output", ctypes.c_void_p),
@@ -218,8 +205,7 @@ class _ReduceArgs(ctypes.Structure):
                 ("head", ctypes.c_uint64),
                 ("vectors", ctypes.c_uint64),
                 ("num_inputs", ctypes.c_uint32),
-                ("divisor", ctypes.c_uint32),
-                ("work", _Work)]
+                ("divisor", ctypes.c_uint32)]
 
 
 class _CopyArgs(ctypes.Structure):
@@ -227,8 +213,7 @@ class _CopyArgs(ctypes.Structure):
     _fields_ = [("dst", ctypes.c_void_p),
                 ("src", ctypes.c_void_p),
                 ("nbytes", ctypes.c_uint64),
-                ("head", ctypes.c_uint64),
-                ("work", _Work)]
+                ("head", ctypes.c_uint64)]
 
 
 class _Kernels:
@@ -396,8 +381,6 @@ class CudaDevice(Device):
         self._exports: dict = {}       # (allocation base, buffer id) -> (handle, size)
         self._descriptors: dict = {}   # (address, buffer id) -> descriptor
         self._memop_params: dict = {}  # (is write, address) -> CUstreamBatchMemOpParams
-        self._ring: Any = None         # shared-launch counters, helper stream, event
-        self._work_uses = 0
 
         def attribute(name: str) -> int:
             return _call(driver.cuDeviceGetAttribute, getattr(driver.CUdevice_attribute, name),
@@ -570,16 +553,6 @@ class CudaDevice(Device):
         self._out_of_band(driver.cuMemcpyDtoHAsync, ctypes.addressof(words), int(address),
                           8 * count)
         return [int(word) for word in words]
-
-    def abort(self) -> None:
-        """Release the lanes' waits on shared launches and make their kernels stop taking
-        tiles: every counter of the ring becomes the poison value (its epoch matches no
-        launch, and it is above every count a lane waits for)."""
-        if self._ring is None:
-            return
-        words = (ctypes.c_uint64 * (2 * _WORK_SLOTS))(*([POISON] * (2 * _WORK_SLOTS)))
-        self._out_of_band(driver.cuMemcpyHtoDAsync, self._ring[0], ctypes.addressof(words),
-                          16 * _WORK_SLOTS)
 
     def poke(self, writes: Sequence[Tuple[Any, int]]) -> None:
         for address, value in writes:
@@ -790,9 +763,9 @@ class CudaDevice(Device):
         kernels = self._kernels()
         self._make_current()
         threads = _kernels.TUNING["copy_threads"]
-        vectors = (nbytes - head) // width
-        self._shared_launch(kernels.copy[width], stream, _CopyArgs(dst, src, nbytes, head),
-                            vectors, _TILE_BYTES // width, threads, self.copy_sms)
+        blocks = self._blocks((nbytes - head) // width, threads, self.copy_sms)
+        self._launch(kernels.copy[width], blocks, threads, stream,
+                     _CopyArgs(dst, src, nbytes, head))
 
     def reduce(self, stream: Any, output: Any, inputs: Sequence[Any], count: int,
                dtype: str, op: str) -> None:
@@ -840,60 +813,8 @@ class CudaDevice(Device):
         scalars = count - vectors * 16 // itemsize
         args = _ReduceArgs(output, (ctypes.c_void_p * _kernels.MAX_INPUTS)(*inputs), count,
                            head, vectors, len(inputs), divisor)
-        if not vectors:  # element by element: one launch striding over them
-            self._launch(function, self._blocks(scalars, threads, self._max_sms), threads,
-                         stream, self._static(args))
-            return
-        self._shared_launch(function, stream, args, vectors, _TILE_BYTES // 16, threads,
-                            self._max_sms)
-
-    @staticmethod
-    def _static(args: ctypes.Structure) -> ctypes.Structure:
-        args.work = _Work(None, None, 0, 0, 0, 1)
-        return args
-
-    def _shared_launch(self, function: Any, stream: Any, args: ctypes.Structure, vectors: int,
-                       tile_vectors: int, threads: int, cap: int) -> None:
-        """Run ``function`` over ``vectors`` on at most ``cap`` SMs, in two launches that
-        share the work: half the blocks on ``stream``, half on a helper stream, both taking
-        tiles from one counter until none is left, and ``stream`` waits (a memop on the
-        tiles-done counter) for the tiles, not for the helper launch.
-
-        Why: a kernel ends only when all its blocks have run.  Beside a GEMM that leaves a
-        few SMs idle, the blocks that find an idle SM do all the work and the helper's
-        blocks, which get an SM only when the GEMM ends, find nothing left and exit at
-        once: the collective keeps running and the GEMM is not held up, while with no
-        GEMM every block works.  Small work (no more tiles than the first half's blocks)
-        is one launch."""
-        tiles = -(-vectors // tile_vectors)
-        primary = max(1, cap // 2)
-        if cap < 2 or tiles <= primary:
-            blocks = self._blocks(max(vectors, 1), threads, cap)
-            self._launch(function, blocks, threads, stream, self._static(args))
-            return
-        helper = min(cap, self.sm_count, tiles) - primary
-        ring, helper_stream, event = self._work_ring()
-        uses = self._work_uses
-        self._work_uses += 1
-        slot, tag = uses % _WORK_SLOTS, (uses // _WORK_SLOTS + 1) << 32
-        claim = ring + 16 * slot
-        args.work = _Work(claim, claim + 8, tag, tiles, tile_vectors, 1)
-        self.memops(stream, [(True, claim, tag), (True, claim + 8, tag)])
-        self.record(stream, event)  # before the first launch: the helper must not wait for it
-        self._launch(function, primary, threads, stream, args)
-        if helper > 0:
-            helper_args = type(args).from_buffer_copy(args)
-            helper_args.work.primary = 0
-            self.wait_event(helper_stream, event)
-            self._launch(function, helper, threads, helper_stream, helper_args)
-        self.wait_value(stream, claim + 8, tag + tiles)
-
-    def _work_ring(self) -> Tuple[int, Any, Any]:
-        """The claim/done counters of shared launches, the helper stream and its event."""
-        if self._ring is None:
-            self._ring = (self.alloc_pad(2 * _WORK_SLOTS), self.create_stream(),
-                          self.create_event())
-        return self._ring
+        blocks = self._blocks(max(vectors, scalars), threads, self._max_sms)
+        self._launch(function, blocks, threads, stream, args)
 
     # -- lifetime ----------------------------------------------------------------------------
     def close(self, leak: bool = False) -> None:
@@ -907,13 +828,6 @@ class CudaDevice(Device):
         self._exports.clear()
         self._descriptors.clear()
         self._memop_params.clear()
-        if not leak and self._ring is not None and self._owned.context is not None:
-            # helper launches left behind a GEMM read the counters when they finally run
-            try:
-                self.synchronize_stream(self._ring[1], _HELPER_DRAIN_SECONDS)
-            except HocclError:
-                leak = True
-        self._ring = None
         if leak and self._finalizer.alive:
             self._finalizer.detach()
             _ABANDONED.append(self._owned)
