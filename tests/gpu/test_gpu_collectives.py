@@ -35,6 +35,25 @@ def test_every_collective_every_dtype_small_and_odd_sizes(gpu_comms, collective,
         comm.set_options(self_route="local", chunk_bytes=32 << 20)  # the defaults
 
 
+@pytest.mark.parametrize("collective", ["all_reduce", "reduce_scatter", "all_gather", "all_to_all"])
+def test_megabyte_sums_and_own_blocks_every_dtype_and_op(gpu_comms, collective):
+    """Sums and own-block copies of ~10 MiB with the default 32 MiB chunks: the kernels'
+    full grid of blocks, elements before the first 16-byte boundary and after the last
+    vector, every dtype and op, in and out of place."""
+    n = gpu_comms[0].world_size
+    seed = 1000
+    for dtype in DTYPES:
+        itemsize = np.dtype("float16" if dtype == "bfloat16" else dtype).itemsize
+        count = (40 * (256 << 10) + 4099) // itemsize
+        if collective in ("reduce_scatter", "all_to_all"):
+            count //= n
+        for op in (("sum", "prod", "max", "min", "avg") if collective in REDUCING else ("sum",)):
+            for in_place in ([False, True] if collective in IN_PLACE_FORMS else [False]):
+                seed += 1
+                check_collective(gpu_comms, collective, count=count, dtype=dtype, op=op,
+                                 in_place=in_place, seed=seed)
+
+
 @pytest.mark.parametrize("collective,dtype,total_bytes", [
     ("all_gather", "uint8", 1 << 30), ("all_to_all", "uint8", 256 << 20),
     ("all_reduce", "int32", 256 << 20), ("reduce_scatter", "bfloat16", 64 << 20),
