@@ -93,6 +93,7 @@ class Communicator:
         self._abort_reason = ""
         self._lock = threading.RLock()
         self._watchdog: Optional[threading.Thread] = None
+        self._pump: Optional[threading.Thread] = None  # re-poisons after an abort
         self._stop = threading.Event()
         self._pads: List[Any] = []
         _OPEN.add(self)
@@ -294,26 +295,56 @@ class Communicator:
             self._aborted = True
             self._abort_reason = reason or f"rank {self.rank}: abort() was called"
         log.warning("rank %d aborting: %s", self.rank, self._abort_reason)
+        try:
+            self.device_handle.activate()
+            self.device_handle.abort()
+        except HocclError as error:
+            log.warning("rank %d abort: %s", self.rank, error)
+        self._poison(warn=True)
+        # Lanes released by the poison run on, and their signal writes (this rank's, or a
+        # peer's not yet aborted) can land after it and lower a slot again: keep poisoning
+        # for a while, so that no wait released once can block again.
+        self._pump = threading.Thread(target=self._keep_poisoning, daemon=True,
+                                      name=f"hoccl-abort-{self.rank}")
+        self._pump.start()
+        abort_group = getattr(self._group, "abort", None)
+        if abort_group is not None:
+            abort_group(self._abort_reason)
+
+    def _poison(self, warn: bool) -> None:
+        """POISON into this rank's pad, completion and host words, and into the slots it
+        signals in every peer's pad (best effort: a dead peer's memory may be gone)."""
         device = self.device_handle
         own = [(self._pad + 8 * slot, POISON) for slot in range(self.world_size * CHANNELS + 1)]
         own.append((self._host_word.address, POISON))
         try:
-            device.activate()
-            device.abort()
             device.poke(own)
         except HocclError as error:
-            log.warning("rank %d abort: could not poison its own pad: %s", self.rank, error)
+            if warn:
+                log.warning("rank %d abort: could not poison its own pad: %s", self.rank, error)
         for peer, pad in enumerate(self._pads):
             if peer == self.rank:
                 continue
-            try:  # a dead peer's memory may be gone: best effort
+            try:
                 device.poke([(pad + 8 * (self.rank * CHANNELS + channel), POISON)
                              for channel in range(CHANNELS)])
             except HocclError as error:
-                log.warning("rank %d abort: could not release peer %d: %s", self.rank, peer, error)
-        abort_group = getattr(self._group, "abort", None)
-        if abort_group is not None:
-            abort_group(self._abort_reason)
+                if warn:
+                    log.warning("rank %d abort: could not release peer %d: %s", self.rank,
+                                peer, error)
+
+    def _keep_poisoning(self) -> None:
+        """After an abort: poison again every 50 ms until close (at most ``timeout``)."""
+        deadline = time.monotonic() + self.timeout
+        try:
+            self.device_handle.activate()
+            while not self._stop.wait(0.05) and time.monotonic() < deadline:
+                with self._lock:
+                    if self._closed:
+                        return
+                    self._poison(warn=False)
+        except Exception as error:  # a helper thread must not die loudly at exit
+            log.debug("rank %d abort pump stopped: %r", self.rank, error)
 
     def _diagnose(self, call: str) -> str:
         """What the oldest unfinished call is waiting for, read from this rank's pad."""
@@ -329,6 +360,9 @@ class Communicator:
             words = self.device_handle.peek(self._pad, self.world_size * CHANNELS)
         except HocclError as error:
             return f"{head}; the signal pad could not be read: {error}"
+        aborted = sorted({slot // CHANNELS for slot, word in enumerate(words) if word >= POISON})
+        if aborted:
+            return f"{head}: {', '.join(f'rank {r}' for r in aborted)} aborted the communicator"
         missing = []
         for step in op.plan.programs[self.rank]:
             if isinstance(step, Wait) and words[step.slot] < op.base + step.value:
@@ -382,14 +416,17 @@ class Communicator:
                 if failure:
                     self.abort(f"watchdog: rank {self.rank}: device work failed: {failure}")
                     return
+                # a peer's abort first: its poison would read as signals that arrived
+                peer = self._peer_abort()
+                if peer is not None:
+                    op = pending[0]
+                    self.abort(f"watchdog: rank {self.rank}'s {op.call} (call {op.value}): rank "
+                               f"{peer} aborted the communicator")
+                    return
                 # measured from issue, not from the call: with init_local a call may wait
                 # for the other ranks' calls for as long as the user likes
                 if time.monotonic() - pending[0].issued_at > self.timeout:
                     self.abort("watchdog: " + self._diagnose("watchdog"))
-                    return
-                peer = self._peer_abort()
-                if peer is not None:
-                    self.abort(f"watchdog: rank {self.rank}: rank {peer} aborted the communicator")
                     return
             except Exception as error:  # the watchdog must never die silently
                 log.error("rank %d watchdog: %r", self.rank, error)
@@ -425,6 +462,8 @@ class Communicator:
             self._closed = True
             entries = [op.entry for op in self._inflight if op.entry is not None]
         self._stop.set()
+        if self._pump is not None:
+            self._pump.join(timeout=5)
         self.device_handle.activate()
         leak = False
         if entries or self._aborted:

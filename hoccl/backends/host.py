@@ -279,7 +279,8 @@ class HostDevice(Device):
         word = np.array([value], dtype=np.uint64)
 
         def write():
-            _move(address, word.ctypes.data, 8)
+            if not self._aborted.is_set():  # after an abort nothing is signalled any more:
+                _move(address, word.ctypes.data, 8)  # a late write would undo the poison
         stream.enqueue(write)
 
     def wait_value(self, stream: HostStream, address: Any, value: int) -> None:
