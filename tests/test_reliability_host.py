@@ -24,13 +24,21 @@ def _block_default_stream(comm):
     return gate
 
 
-def test_watchdog_aborts_stuck_work_and_names_the_missing_peer():
-    comms = hoccl.init_local(2, backend="host", timeout=1)
+def _all_reduce_with_rank_1_held(timeout):
+    """Two host ranks whose all_reduce cannot finish: rank 1's caller stream is held.
+    Returns the communicators and the gate that releases rank 1's stream."""
+    comms = hoccl.init_local(2, backend="host", timeout=timeout)
     gate = _block_default_stream(comms[1])
     data = [np.ones(8, np.float32) for _ in range(2)]
     out = [poison(8, "float32") for _ in range(2)]
     for comm in comms:
         comm.all_reduce(data[comm.rank], out[comm.rank])
+    return comms, gate
+
+
+def test_watchdog_aborts_stuck_work_and_names_the_missing_peer():
+    comms, gate = _all_reduce_with_rank_1_held(timeout=1)
+    data = [np.ones(8, np.float32) for _ in range(2)]
     deadline = time.monotonic() + 10
     while not comms[0]._aborted and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -184,12 +192,7 @@ def test_close_after_abort_keeps_memory_that_a_held_caller_stream_will_still_tou
     its fences later: close waits a bounded time for it, then keeps the devices' memory
     instead of freeing what that stream will write into."""
     monkeypatch.setattr(sys.modules["hoccl.comm"], "_DRAIN_SECONDS", 2.0 if gate_opens else 0.3)
-    comms = hoccl.init_local(2, backend="host", timeout=60)
-    gate = _block_default_stream(comms[1])
-    data = [np.ones(8, np.float32) for _ in range(2)]
-    out = [poison(8, "float32") for _ in range(2)]
-    for comm in comms:
-        comm.all_reduce(data[comm.rank], out[comm.rank])
+    comms, gate = _all_reduce_with_rank_1_held(timeout=60)
     comms[0].abort("test abort")
     leaks = []
     for comm in comms:
