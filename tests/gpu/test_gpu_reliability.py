@@ -64,7 +64,9 @@ def test_watchdog_aborts_stuck_work_and_the_streams_drain():
                      dtype="float32", seed=3)
 
 
-def test_init_close_cycles_do_not_leak_device_memory():
+@pytest.mark.timeout(600)
+def test_a_thousand_init_close_cycles_leak_no_device_memory_or_files():
+    import os
     import cupy
     gpus = list(range(min(cupy.cuda.runtime.getDeviceCount(), 2)))
     comms = hoccl.init_local(gpus, backend="cuda")
@@ -73,11 +75,14 @@ def test_init_close_cycles_do_not_leak_device_memory():
         comm.close()
     with cupy.cuda.Device(0):
         before = cupy.cuda.runtime.memGetInfo()[0]
-    for cycle in range(50):
+    files = len(os.listdir("/proc/self/fd"))
+    for cycle in range(1000):
         comms = hoccl.init_local(gpus, backend="cuda")
-        check_collective(comms, "all_reduce", count=1 << 16, dtype="float32", seed=cycle)
+        if cycle % 100 == 0:  # and they still work
+            check_collective(comms, "all_reduce", count=1 << 16, dtype="float32", seed=cycle)
         for comm in comms:
             comm.close()
     with cupy.cuda.Device(0):
         after = cupy.cuda.runtime.memGetInfo()[0]
     assert before - after < 64 << 20, f"device memory fell by {(before - after) >> 20} MiB"
+    assert len(os.listdir("/proc/self/fd")) <= files + 2, (files, os.listdir("/proc/self/fd"))
