@@ -55,6 +55,17 @@ class LocalGroup:
         self._queues[comm.rank].append(op)
         self.progress()
 
+    def withdraw(self, comm: Any, op: Any) -> None:
+        """``comm`` closes with ``op`` never issued: forget it (the other ranks' matching
+        calls then wait for ever, and their ``synchronize`` names this rank)."""
+        self._queues[comm.rank] = deque(queued for queued in self._queues[comm.rank]
+                                        if queued is not op)
+        group = self._pending.get(op.key)
+        if group is not None and group.get(comm.rank) is op:
+            del group[comm.rank]
+            if not group:
+                del self._pending[op.key]
+
     def abort(self, reason: str) -> None:
         """One rank of the process aborted: so do the others (they share its fate)."""
         for comm in self.comms:
@@ -130,6 +141,9 @@ class MPIGroup:
 
     def admit(self, comm: Any, op: Any) -> None:
         """Mismatches are found in ``submit``, when the peers' signatures arrive."""
+
+    def withdraw(self, comm: Any, op: Any) -> None:
+        """Under mpirun every call is issued before it returns: nothing is ever held."""
 
     def submit(self, comm: Any, op: Any, exports: Any) -> None:
         """Swap descriptors with the other participants, import theirs, then issue."""

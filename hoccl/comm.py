@@ -452,6 +452,17 @@ class Communicator:
         if self._closed:
             return
         with self._lock:
+            held = [op for op in self._inflight if not op.issued]
+        if held and not self._aborted:
+            # init_local: calls the other ranks never made can never run; complete them
+            # unrun, so that the callers' streams do not wait for them for ever
+            log.warning("rank %d close: %d call(s) never ran because other ranks did not make "
+                        "them (%s); their outputs are not written", self.rank, len(held),
+                        ", ".join(op.call for op in held))
+            for op in held:
+                self._group.withdraw(self, op)
+                self._release(op)
+        with self._lock:
             outstanding = any(op.issued for op in self._inflight)
         if not self._aborted and outstanding:
             try:

@@ -210,3 +210,24 @@ def test_close_after_abort_keeps_memory_that_a_held_caller_stream_will_still_tou
     assert leaks == [not gate_opens] * 2
     assert ("keeping this communicator's device memory" in caplog.text) is not gate_opens
     gate.set()
+
+
+def test_close_completes_calls_the_other_ranks_never_made(caplog):
+    """init_local holds a call until every rank has made it; a rank that closes first
+    must not leave its caller's stream waiting for that call for ever."""
+    comms = hoccl.init_local(2, backend="host", timeout=30)
+    send = random_array(np.random.default_rng(5), 4, "float32")
+    recv = poison(8, "float32")
+    comms[0].all_gather(send, recv)  # rank 1 never makes it
+    after = threading.Event()
+    stream = comms[0].device_handle.default_stream
+    stream.enqueue(after.set)  # work the caller enqueued after the call
+    with caplog.at_level("WARNING", logger="hoccl"):
+        comms[0].close()
+    assert after.wait(5), "the caller's stream stayed blocked after close"
+    assert "1 call(s) never ran" in caplog.text and "all_gather" in caplog.text
+    assert np.array_equal(recv.view(np.uint8), poison(8, "float32").view(np.uint8))  # unwritten
+    with pytest.raises(hoccl.HocclTimeoutError, match=r"ranks \[0\] have not made"):
+        comms[1].all_gather(send, poison(8, "float32"))
+        comms[1].synchronize()
+    comms[1].close()
