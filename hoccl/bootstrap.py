@@ -66,10 +66,12 @@ class LocalGroup:
             if not group:
                 del self._pending[op.key]
 
-    def abort(self, reason: str) -> None:
-        """One rank of the process aborted: so do the others (they share its fate)."""
-        for comm in self.comms:
-            comm.abort(reason)
+    def siblings(self, comm: Any) -> List[Any]:
+        """The other ranks of this process: an abort of one is an abort of all."""
+        return [member for member in self.comms if member is not comm]
+
+    def forget_calls(self) -> None:
+        """After an abort: no held call will ever be issued."""
         self._pending.clear()
         for queue in self._queues:
             queue.clear()
@@ -144,6 +146,13 @@ class MPIGroup:
 
     def withdraw(self, comm: Any, op: Any) -> None:
         """Under mpirun every call is issued before it returns: nothing is ever held."""
+
+    def siblings(self, comm: Any) -> List[Any]:
+        """One rank per process: peers learn of an abort from the poison in their pads."""
+        return []
+
+    def forget_calls(self) -> None:
+        """Nothing is held between calls under mpirun."""
 
     def submit(self, comm: Any, op: Any, exports: Any) -> None:
         """Swap descriptors with the other participants, import theirs, then issue."""

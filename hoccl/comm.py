@@ -287,13 +287,28 @@ class Communicator:
         lanes and the callers' streams run on) and into the slots this rank signals in
         every peer's pad (so the peers' waits on it are released and they learn of the
         abort).  Outputs of unfinished calls are undefined.  The GPU stays usable and a
-        new communicator can be created.  Idempotent.
+        new communicator can be created.  Idempotent.  The other ranks of this process
+        (``init_local``) share the abort; they are marked aborted before this one, so a
+        thread that sees this rank aborted finds them aborted too.
         """
+        reason = reason or f"rank {self.rank}: abort() was called"
+        marked = [comm for comm in self._group.siblings(self) + [self]
+                  if comm._mark_aborted(reason)]
+        for comm in marked:
+            comm._release_waits()
+        if marked:
+            self._group.forget_calls()
+
+    def _mark_aborted(self, reason: str) -> bool:
+        """Make later calls raise; False if this rank was already aborted or closed."""
         with self._lock:
             if self._aborted or self._closed:
-                return
+                return False
             self._aborted = True
-            self._abort_reason = reason or f"rank {self.rank}: abort() was called"
+            self._abort_reason = reason
+            return True
+
+    def _release_waits(self) -> None:
         log.warning("rank %d aborting: %s", self.rank, self._abort_reason)
         try:
             self.device_handle.activate()
@@ -304,12 +319,10 @@ class Communicator:
         # Lanes released by the poison run on, and their signal writes (this rank's, or a
         # peer's not yet aborted) can land after it and lower a slot again: keep poisoning
         # for a while, so that no wait released once can block again.
-        self._pump = threading.Thread(target=self._keep_poisoning, daemon=True,
-                                      name=f"hoccl-abort-{self.rank}")
-        self._pump.start()
-        abort_group = getattr(self._group, "abort", None)
-        if abort_group is not None:
-            abort_group(self._abort_reason)
+        pump = threading.Thread(target=self._keep_poisoning, daemon=True,
+                                name=f"hoccl-abort-{self.rank}")
+        pump.start()
+        self._pump = pump
 
     def _poison(self, warn: bool) -> None:
         """POISON into this rank's pad, completion and host words, and into the slots it
