@@ -82,7 +82,7 @@ def main() -> None:
         counter[0] += 1
         device.memops(lane, [(True, slot, counter[0]), (False, slot, counter[0]),
                              (True, slot, counter[0])])
-    parts["memops batch of 3"] = memops
+    parts["memops: write, wait, write"] = memops
     scratch = device.alloc(nbytes)
     parts["cuMemcpyAsync 512 KiB, same GPU"] = lambda: device.copy(lane, scratch, recv.data_ptr(),
                                                                   nbytes // 2)
