@@ -45,6 +45,18 @@ def _without(plan: Plan, rank: int, index: int) -> Plan:
     return _with_program(plan, rank, program)
 
 
+def _replacing(plan: Plan, rank: int, index: int, step) -> Plan:
+    program = list(plan.programs[rank])
+    program[index] = step
+    return _with_program(plan, rank, program)
+
+
+def _inserting(plan: Plan, rank: int, index: int, step) -> Plan:
+    program = list(plan.programs[rank])
+    program.insert(index, step)
+    return _with_program(plan, rank, program)
+
+
 def _signalled(plan: Plan, receiver: int, slot: int) -> List[int]:
     return [s.value for _, _, s in _steps(plan, Signal) if (s.peer, s.slot) == (receiver, slot)]
 
@@ -100,9 +112,8 @@ def shift_copy_destination(plan: Plan) -> Iterator[Plan]:
     """A Copy's destination one byte lower: it overlaps the write below and leaves a byte unwritten."""
     for rank, index, copy in _steps(plan, Copy):
         if copy.dst.offset >= 1:
-            program = list(plan.programs[rank])
-            program[index] = replace(copy, dst=replace(copy.dst, offset=copy.dst.offset - 1))
-            yield _with_program(plan, rank, program)
+            shifted = replace(copy, dst=replace(copy.dst, offset=copy.dst.offset - 1))
+            yield _replacing(plan, rank, index, shifted)
 
 
 def drop_copy(plan: Plan) -> Iterator[Plan]:
@@ -114,9 +125,7 @@ def duplicate_output_copy(plan: Plan) -> Iterator[Plan]:
     """A Copy into a caller's buffer issued twice (scratch may legally be rewritten)."""
     for rank, index, copy in _steps(plan, Copy):
         if copy.dst.buffer != "scratch":
-            program = list(plan.programs[rank])
-            program.insert(index + 1, copy)
-            yield _with_program(plan, rank, program)
+            yield _inserting(plan, rank, index + 1, copy)
 
 
 def drop_after(plan: Plan) -> Iterator[Plan]:
@@ -128,9 +137,8 @@ def drop_after(plan: Plan) -> Iterator[Plan]:
 def raise_wait_beyond_signals(plan: Plan) -> Iterator[Plan]:
     for rank, index, wait in _steps(plan, Wait):
         value = max(_signalled(plan, rank, wait.slot)) + 1
-        program = list(plan.programs[rank])
-        program[index] = replace(wait, value=value)
-        yield replace(_with_program(plan, rank, program), max_value=max(plan.max_value, value))
+        yield replace(_replacing(plan, rank, index, replace(wait, value=value)),
+                      max_value=max(plan.max_value, value))
 
 
 def signal_before_copy(plan: Plan) -> Iterator[Plan]:
@@ -262,12 +270,9 @@ def test_waiting_for_each_other_before_signalling_is_a_deadlock_cycle():
 
 def _mutate_handoff(rank: int, index: int, step, **changes) -> Plan:
     plan = _handoff(2)
-    program = list(plan.programs[rank])
-    if step is None:
-        program.insert(index, program[index])
-    else:
-        program[index] = step
-    return replace(_with_program(plan, rank, program), **changes)
+    if step is None:  # the step at ``index`` twice
+        return replace(_inserting(plan, rank, index, plan.programs[rank][index]), **changes)
+    return replace(_replacing(plan, rank, index, step), **changes)
 
 
 @pytest.mark.parametrize("rank, index, step, changes, message", [
