@@ -23,11 +23,9 @@ from __future__ import annotations
 import time
 from typing import Any, Iterable, List
 
-from ..backends._base import Device
+from ..backends._base import Device, MemOp
 
-__all__ = ["StreamManager", "WRITE", "WAIT"]
-
-WRITE, WAIT = True, False
+__all__ = ["StreamManager"]
 
 
 class StreamManager:
@@ -65,15 +63,9 @@ class StreamManager:
         self.device.wait_value(caller, self.completion, value)
         return event
 
-    def enter(self, lane_count: int, entry: Any) -> None:
-        """At issue time: each lane the plan uses starts after the caller's mark."""
-        self.ensure_lanes(lane_count)
-        for lane in self.lanes[:lane_count]:
-            self.device.wait_event(lane, entry)
-
     def completion_writes(self, value: int) -> list:
         """The memops lane 0 ends with: release the caller and tell the host."""
-        return [(WRITE, self.completion, value), (WRITE, self.host_word, value)]
+        return [(MemOp.WRITE, self.completion, value), (MemOp.WRITE, self.host_word, value)]
 
     def drained(self, entries: Iterable[Any], timeout: float) -> bool:
         """Whether, within ``timeout`` s, every caller stream has reached its call (the
