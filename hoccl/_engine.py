@@ -248,22 +248,34 @@ class Engine:
                      ("peer", shape.peer))
         return Call(name, plan, key, signature, local, shared, arrays, caller, self)
 
-    def enqueue(self, call: Call) -> None:
+    def enqueue(self, call: Call, fence: bool = True) -> None:
         """Number ``call`` and fence the caller's stream on it.  From here the call must
-        end in ``issue`` or ``release``: the caller's stream waits for it."""
+        end in ``issue`` or ``release``: the caller's stream waits for it.  Without
+        ``fence`` only its entry is marked; ``fence_callers`` then fences a group."""
         if call.plan.pair:
             self._pair_calls[call.plan.pair] = call.key[-1] + 1
         else:
             self._collectives += 1
         self.calls += 1
         call.value = self.calls
-        call.entry = self.streams.fence_in(call.caller, call.value)
+        call.entry = self.streams.fence_in(call.caller, call.value, wait=fence)
         done = self.completed
         with self.lock:  # the watchdog reads the deque
             inflight = self.inflight
             while inflight and inflight[0].issued and inflight[0].value <= done:
                 self._retire(inflight.popleft())  # finished: its buffers may go
             inflight.append(call)
+
+    def fence_callers(self, calls: Sequence[Call]) -> None:
+        """Make every caller stream of ``calls`` (a group's, enqueued without a fence) wait
+        for the last of them."""
+        last = max(call.value for call in calls)
+        callers: Dict[Any, Any] = {}
+        for call in calls:
+            callers.setdefault(_stream_key(call.caller), call.caller)
+        self.device.activate()
+        for caller in callers.values():
+            self.streams.fence_out(caller, last)
 
     def issue(self, calls: Sequence[Call], imported: bool) -> None:
         """Enqueue the steps of ``calls`` (one, or one rank's calls of a ``hoccl.group()``,
@@ -321,6 +333,7 @@ class Engine:
         self.device.activate()
         self.streams.ensure_lanes(1)
         self.device.memops(self.streams.lanes[0], self.streams.completion_writes(call.value))
+        call.issued_at = time.monotonic()
         call.issued = True
 
     def finish(self) -> None:
@@ -387,3 +400,10 @@ class Engine:
         with self.lock:
             self.inflight.clear()
 
+
+def _stream_key(stream: Any) -> Any:
+    """Streams compare by handle (CUDA handles are ints); host streams by identity."""
+    try:
+        return int(stream)
+    except TypeError:
+        return id(stream)

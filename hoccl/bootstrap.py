@@ -115,6 +115,12 @@ class LocalGroup:
         self._leak = False  # a rank closed with work stuck behind its caller's stream
         self._pending: Dict[tuple, Dict[int, "Call"]] = {}
         self._queues: List[deque] = [deque() for _ in range(world_size)]
+        # refused calls whose other participants have yet to make them: key -> (error,
+        # the ranks still to come), so that their calls are refused too when they come
+        self._refused: Dict[tuple, Tuple[MismatchError, set]] = {}
+        # each rank's calls in order, as batches, until every participant of a call has
+        # reached it (issued or not): what the cycle check reasons about
+        self._order: List[deque] = [deque() for _ in range(world_size)]
 
     def submit(self, calls: Sequence["Call"]) -> None:
         self.post(calls)
@@ -123,6 +129,17 @@ class LocalGroup:
     def post(self, calls: Sequence["Call"]) -> None:
         """Check ``calls`` against the participants that made them already and queue them."""
         for call in calls:
+            refused = self._refused.get(call.key)
+            if refused is not None:
+                error, to_come = refused
+                to_come.discard(call.engine.rank)
+                if not to_come:
+                    del self._refused[call.key]
+                for member in calls:
+                    member.engine.release(member)
+                reason = str(error).split(": ", 1)[-1]
+                raise MismatchError(f"{call.name}: rank {call.engine.rank}'s call {call.key[1:]} "
+                                    f"was refused: {reason}")
             group = self._pending.get(call.key, {})
             for peer, theirs in group.items():
                 if theirs.signature != call.signature:
@@ -133,12 +150,14 @@ class LocalGroup:
         for call in calls:
             self._pending.setdefault(call.key, {})[call.engine.rank] = call
         self._queues[calls[0].engine.rank].append(tuple(calls))
+        self._order[calls[0].engine.rank].append(list(calls))
 
     def complete(self, calls: Sequence["Call"]) -> None:
         """Issue what can be issued; refuse ``calls`` if they close a cycle of waits."""
-        self._progress()
-        cycle = self._cycle()
-        if cycle:
+        cycle = self._cycle()  # before issuing: the calls that close a cycle are not issued
+        if not cycle:
+            self._progress()
+        else:
             waits = "; ".join(f"rank {rank}'s {call.name} {call.key[1:]} waits for rank {peer}"
                               for rank, call, peer in cycle)
             error = MismatchError(
@@ -146,7 +165,11 @@ class LocalGroup:
                 f"a call another rank makes only later: {waits}; they are refused, not run.  "
                 f"Make calls in the same order on every rank, or make a cycle of send/recv "
                 f"inside hoccl.group()")
-            self._refuse([call for _, call, _ in cycle], error)
+            # a call already on the device cannot be taken back: refuse the others, which
+            # breaks the cycle (the calls that closed it are among them)
+            self._refuse([call for _, call, _ in cycle if not any(
+                member.issued for member in self._pending.get(call.key, {call.engine.rank: call})
+                .values())], error)
             raise error
 
     def _refuse(self, calls: List["Call"], error: MismatchError) -> None:
@@ -155,26 +178,56 @@ class LocalGroup:
         for call in calls:
             group = self._pending.pop(call.key, {})
             group[call.engine.rank] = call
+            to_come = set(call.plan.participants) - set(group)
+            if to_come:
+                self._refused[call.key] = (error, to_come)
             for rank, member in group.items():
-                self._queues[rank] = deque(
-                    remaining for remaining in
-                    (tuple(queued for queued in batch if queued is not member)
-                     for batch in self._queues[rank]) if remaining)
+                self._forget(rank, member)
                 if not member.issued:
                     member.engine.release(member)
                 if member not in calls:
                     member.engine.pending_error = error
         self._progress()  # calls queued behind the refused ones may now run
 
-    def _cycle(self) -> List[Tuple[int, "Call", int]]:
-        """A cycle of ranks each waiting at the head of its queue for another's later call,
-        as (rank, its waiting call, the rank it waits for).
+    def _forget(self, rank: int, call: "Call") -> None:
+        """Take ``call`` out of ``rank``'s queue and order."""
+        self._queues[rank] = deque(remaining for remaining in
+                                   (tuple(queued for queued in batch if queued is not call)
+                                    for batch in self._queues[rank]) if remaining)
+        self._order[rank] = deque(remaining for remaining in
+                                  ([queued for queued in batch if queued is not call]
+                                   for batch in self._order[rank]) if remaining)
 
-        Rank r waits for rank s when a call of r's head batch has participant s and s's
-        own head batch does not hold that call: s reaches it only after its head batch
-        completes.  A cycle of such waits can never progress (the device would block
-        for ever)."""
-        heads = {rank: queue[0] for rank, queue in enumerate(self._queues) if queue}
+    def _cycle(self) -> List[Tuple[int, "Call", int]]:
+        """A cycle of ranks each waiting for another's later call, as (rank, its waiting
+        call, the rank it waits for).
+
+        On the device a rank runs its calls (batches) in order, and a call completes only
+        once every participant has reached it.  So first every call that all its
+        participants have reached (it is in each one's head batch) is settled; then rank
+        r waits for rank s when a call of r's head batch has participant s and s's own
+        head batch does not hold that call: s reaches it only after its head batch
+        completes.  A cycle of such waits can never progress (the device would block for
+        ever)."""
+        order = self._order
+        settled = True
+        while settled:
+            settled = False
+            for rank, batches in enumerate(order):
+                if not batches:
+                    continue
+                for call in list(batches[0]):
+                    participants = call.plan.participants
+                    if all(order[peer] and any(theirs.key == call.key for theirs in order[peer][0])
+                           for peer in participants):
+                        for peer in participants:
+                            head = order[peer][0]
+                            head[:] = [theirs for theirs in head if theirs.key != call.key]
+                            if not head:
+                                order[peer].popleft()
+                        settled = True
+                        break
+        heads = {rank: batches[0] for rank, batches in enumerate(order) if batches}
         waits: Dict[int, Tuple[int, "Call"]] = {}
         for rank, batch in heads.items():
             for call in batch:
@@ -198,9 +251,7 @@ class LocalGroup:
         """``call``'s rank closes with it never issued: forget it (the other ranks'
         matching calls then wait for ever, and their ``synchronize`` names this rank)."""
         rank = call.engine.rank
-        self._queues[rank] = deque(remaining for remaining in
-                                   (tuple(queued for queued in batch if queued is not call)
-                                    for batch in self._queues[rank]) if remaining)
+        self._forget(rank, call)
         group = self._pending.get(call.key)
         if group is not None and group.get(rank) is call:
             del group[rank]
@@ -212,7 +263,8 @@ class LocalGroup:
 
     def forget_calls(self) -> None:
         self._pending.clear()
-        for queue in self._queues:
+        self._refused.clear()
+        for queue in self._queues + self._order:
             queue.clear()
 
     def waiting_for(self, call: "Call") -> List[int]:

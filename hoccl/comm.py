@@ -358,10 +358,10 @@ class Communicator:
         engine = self._engine
         call = engine.prepare(name, shape, buffers, stream, exported=self._group.exported)
         self._usable(name)  # the watchdog may have aborted meanwhile
-        engine.enqueue(call)
+        held = _held_calls()
+        engine.enqueue(call, fence=held is None)
         self._health.start_watchdog()
         log.debug("rank %d %s %s key=%s", self.rank, name, shape, call.key)
-        held = _held_calls()
         if held is not None:
             held.append((self, call))
             return
@@ -437,6 +437,8 @@ def group_end() -> None:
     batches: Dict[int, Tuple[Communicator, List[Call]]] = {}
     for comm, call in held:
         batches.setdefault(id(comm), (comm, []))[1].append(call)
+    for comm, calls in batches.values():
+        comm._engine.fence_callers(calls)
     if batches:
         Communicator._hand_over_phased(list(batches.values()))
 
@@ -445,8 +447,10 @@ def group_end() -> None:
 def group() -> Iterator[None]:
     """``with hoccl.group(): ...`` — ``group_start()`` ... ``group_end()``.
 
-    If the body raises, the calls it made are completed unrun (their outputs are not
-    written; the caller's streams go on) and the error propagates.
+    If the body raises, the calls it made are offered to their peers as abandoned: every
+    participant's matching call is completed unrun (outputs not written, callers'
+    streams released; the peers get MismatchError naming the abandoned call), so the
+    ranks' sequences of calls stay aligned; then the body's error propagates.
     """
     group_start()
     try:
@@ -455,11 +459,20 @@ def group() -> Iterator[None]:
         _GROUPS.depth -= 1
         if _GROUPS.depth == 0:
             held, _GROUPS.calls = _GROUPS.calls, []
-            for comm, call in held:
-                comm._group.withdraw(call)
-                comm._engine.release(call)
+            for _, call in held:
+                call.signature = _ABANDONED
+            _GROUPS.depth, _GROUPS.calls = 1, held
+            try:
+                group_end()
+            except MismatchError:
+                pass  # expected: the peers disagree with an abandoned call
+            except HocclError as error:
+                log.warning("group: handing over the abandoned calls failed: %s", error)
         raise
     group_end()
+
+
+_ABANDONED = (("abandoned", "the body of its hoccl.group() raised"),)
 
 
 @atexit.register
