@@ -33,18 +33,32 @@ def scenarios(world_size):
 
 
 class Guarded:
-    """An array of ``count`` elements in the middle of a larger one; the rest is guard."""
+    """An array of ``count`` elements in the middle of a larger one; the rest is guard.
+    ``device``: a CUDA ordinal (the array is then a cupy array on that GPU)."""
 
-    def __init__(self, rng, count, dtype, fill=None):
-        self.whole = rng.integers(0, 256, (count + 2 * GUARD) * np.dtype(dtype).itemsize,
-                                  dtype=np.uint8).view(dtype)
-        self.view = self.whole[GUARD:GUARD + count]
+    def __init__(self, rng, count, dtype, fill=None, device=None):
+        whole = rng.integers(0, 256, (count + 2 * GUARD) * np.dtype(dtype).itemsize,
+                             dtype=np.uint8).view(dtype)
         if fill is not None:
-            self.view[...] = fill
-        self.before = self.whole.view(np.uint8).copy()
+            whole[GUARD:GUARD + count] = fill
+        self.before = whole.view(np.uint8).copy()
+        self.device = device
+        if device is None:
+            self.whole = whole
+        else:
+            import cupy
+            with cupy.cuda.Device(device):
+                self.whole = cupy.asarray(whole)
+        self.view = self.whole[GUARD:GUARD + count]
 
     def untouched(self):
-        return np.array_equal(self.whole.view(np.uint8), self.before)
+        whole = self.whole
+        if self.device is not None:
+            import cupy
+            with cupy.cuda.Device(self.device):
+                cupy.cuda.Device(self.device).synchronize()
+                whole = cupy.asnumpy(whole)
+        return np.array_equal(whole.view(np.uint8), self.before)
 
 
 def _counts(collective, count, n):
@@ -55,7 +69,7 @@ def _counts(collective, count, n):
             "scatter": (count * n, count)}[collective]
 
 
-def make_call(rng, rank, world_size, collective, change, deviants):
+def make_call(rng, rank, world_size, collective, change, deviants, device=None):
     """(callable taking a communicator, [Guarded buffers]) for this rank."""
     deviant = rank in deviants
     count, dtype, root, op = 5, np.float32, 0, "sum"
@@ -71,8 +85,9 @@ def make_call(rng, rank, world_size, collective, change, deviants):
         elif change == "collective":
             collective = "all_reduce" if collective != "all_reduce" else "all_gather"
     n_send, n_recv = _counts(collective, count, world_size)
-    send = Guarded(rng, n_send, dtype, fill=rng.standard_normal(n_send).astype(dtype))
-    recv = Guarded(rng, n_recv, dtype, fill=np.array(np.nan, dtype))
+    send = Guarded(rng, n_send, dtype, fill=rng.standard_normal(n_send).astype(dtype),
+                   device=device)
+    recv = Guarded(rng, n_recv, dtype, fill=np.array(np.nan, dtype), device=device)
     buffers = [send, recv]
 
     def call(comm):

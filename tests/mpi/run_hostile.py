@@ -28,17 +28,33 @@ def main():
     rank, n = comm.rank, comm.world_size
     passed, failures = 0, []
 
+    device = comm.device  # None on the host backend: numpy arrays; else cupy on this GPU
+
+    def array(values):
+        if device is None:
+            return np.array(values)
+        import cupy
+        with cupy.cuda.Device(device):
+            return cupy.asarray(values)
+
+    def host(values):
+        if device is None:
+            return values
+        import cupy
+        cupy.cuda.Device(device).synchronize()
+        return cupy.asnumpy(values)
+
     def usable(seed):
-        data = np.full(7, float(rank + 1 + seed), np.float32)
-        out = np.full(7, np.nan, np.float32)
+        data = array(np.full(7, float(rank + 1 + seed), np.float32))
+        out = array(np.full(7, np.nan, np.float32))
         comm.all_reduce(data, out)
         comm.synchronize()
         want = np.float32(sum(r + 1 + seed for r in range(n)))
-        return np.array_equal(out, np.full(7, want, np.float32))
+        return np.array_equal(host(out), np.full(7, want, np.float32))
 
     for name, collective, change, deviants in scenarios(n):
         rng = np.random.default_rng(zlib.crc32(f"{name}/{rank}".encode()))
-        call, buffers = make_call(rng, rank, n, collective, change, deviants)
+        call, buffers = make_call(rng, rank, n, collective, change, deviants, device)
         error = None
         try:
             call(comm)
@@ -53,7 +69,7 @@ def main():
             failures.append(f"{name}: error={error!r}")
     if n >= 2 and rank < 2:  # a pair whose sizes disagree
         rng = np.random.default_rng(rank)
-        buffer = Guarded(rng, 4 if rank == 1 else 1000, np.float32, fill=np.nan)
+        buffer = Guarded(rng, 4 if rank == 1 else 1000, np.float32, fill=np.nan, device=device)
         try:
             comm.send(buffer.view, 1) if rank == 0 else comm.recv(buffer.view, 0)
             failures.append("pair: no error")
@@ -63,14 +79,14 @@ def main():
             else:
                 failures.append(f"pair: {raised}")
     # a ring of send/recv inside a group completes
-    data = np.arange(5, dtype=np.int64) + 100 * rank
-    out = np.full(5, -1, np.int64)
+    data = array(np.arange(5, dtype=np.int64) + 100 * rank)
+    out = array(np.full(5, -1, np.int64))
     if n >= 2:
         with hoccl.group():
             comm.send(data, (rank + 1) % n)
             comm.recv(out, (rank - 1) % n)
         comm.synchronize()
-        if np.array_equal(out, np.arange(5, dtype=np.int64) + 100 * ((rank - 1) % n)):
+        if np.array_equal(host(out), np.arange(5, dtype=np.int64) + 100 * ((rank - 1) % n)):
             passed += 1
         else:
             failures.append(f"grouped ring: got {out}")
