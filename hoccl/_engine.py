@@ -176,9 +176,9 @@ class Engine:
         self.executor = Executor(rank, device, self.streams, self.pad)
         self.calls = 0                  # completion value of the latest enqueued call
         self._collectives = 0           # collectives enqueued (the matching key)
-        self._pair_calls: Dict[Tuple[int, int], int] = {}
+        self._pair_calls: Dict[Tuple[int, ...], int] = {}
         self._signal_base = 0
-        self._pair_base: Dict[Tuple[int, int], int] = {}
+        self._pair_base: Dict[Tuple[int, ...], int] = {}
         self._scratch: Tuple[Any, int] = (None, 0)
         self._retired: List[Any] = []
         self._shared_names: Dict[int, Tuple[Plan, Tuple[str, ...]]] = {}

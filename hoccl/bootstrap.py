@@ -238,12 +238,12 @@ class LocalGroup:
                         waits.setdefault(rank, (peer, call))
         for start in waits:
             seen: List[int] = []
-            rank: Optional[int] = start
-            while rank is not None and rank not in seen:
-                seen.append(rank)
-                rank = waits[rank][0] if rank in waits else None
-            if rank is not None:
-                loop = seen[seen.index(rank):]
+            current: Optional[int] = start
+            while current is not None and current not in seen:
+                seen.append(current)
+                current = waits[current][0] if current in waits else None
+            if current is not None:
+                loop = seen[seen.index(current):]
                 return [(member, waits[member][1], waits[member][0]) for member in loop]
         return []
 

@@ -79,6 +79,7 @@ def setup_ranks(local: int, **options) -> Ranks:
         return Ranks(comms, local, None, list(range(local)))
     from mpi4py import MPI
     comm = hoccl.init(backend="cuda", **options)
+    assert comm.device is not None
     torch.cuda.set_device(comm.device)
     return Ranks([comm], comm.world_size, MPI.COMM_WORLD, [comm.device])
 
@@ -127,6 +128,7 @@ class Library:
     """One way to run a collective on this process's ranks."""
     name = ""
     sms = ""  # how many SMs it occupies, in words
+    ranks: Any = None  # the Ranks it runs on
 
     def supports(self, collective: str, form: str) -> bool:
         return True
@@ -231,7 +233,7 @@ class Nccl4py(Library):
         uid = ranks.mpi.bcast(uid)
         config = nccl.NCCLConfig(cta_policy=nccl.CTAPolicy.ZERO) if zero else None
         self.comm = nccl.Communicator.init(ranks.world_size, ranks.mpi.rank, uid, config)
-        self.windows = []
+        self.windows: List[Any] = []
 
     def supports(self, collective, form):
         return not self.zero or collective in ("all_gather", "all_to_all")

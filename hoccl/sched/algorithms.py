@@ -235,9 +235,9 @@ def _all_gather(b: _Builder) -> Plan:
     s, n = b.shape, b.n
     nb = s.count * s.itemsize
     for r in range(n):
-        own = (r * nb, (r + 1) * nb)
+        own_bytes = (r * nb, (r + 1) * nb)
         if s.in_place:
-            b.buffer(r, "recv", n * nb, inputs=[own],
+            b.buffer(r, "recv", n * nb, inputs=[own_bytes],
                      outputs=[(p * nb, (p + 1) * nb) for p in range(n) if p != r])
             src = BufRef(r, "recv", r * nb)
         else:

@@ -165,7 +165,7 @@ class Plan:
     def shared(self, rank: int) -> Tuple[str, ...]:
         """The names of ``rank``'s buffers that other ranks' steps read or write: the only
         ones a process must export to its peers for this plan."""
-        names = set()
+        names: set = set()
         for other, program in enumerate(self.programs):
             if other == rank:
                 continue

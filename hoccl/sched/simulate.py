@@ -55,7 +55,7 @@ def simulate(plan: Plan, arrays: Sequence[Dict[str, np.ndarray]], *,
     def region(ref: BufRef, nbytes: int) -> np.ndarray:
         return memory[ref.rank][ref.buffer][ref.offset:ref.offset + nbytes]
 
-    queues = {}
+    queues: Dict[tuple, List] = {}
     for rank, program in enumerate(plan.programs):
         for step in program:
             queues.setdefault((rank, step.lane), []).append(step)
