@@ -71,6 +71,23 @@ class Ranks:
             print(*args, flush=True)
 
 
+def require(program: str, local: int) -> None:
+    """Exit with one line naming what this benchmark needs and how to get it, if it is
+    missing: torch (NCCL through torch.distributed, the arrays), visible CUDA GPUs
+    (hoccl's cuda backend), and mpi4py unless ``--local``."""
+    import importlib.util
+    missing = [name for name in ("torch", "matplotlib") + (() if local else ("mpi4py",))
+               if importlib.util.find_spec(name) is None]
+    if missing:
+        sys.exit(f"{program}: needs {', '.join(missing)}; install them with "
+                 f"pip install 'hoccl[bench]'")
+    from ..backends import cuda_device_count
+    if cuda_device_count() == 0:
+        sys.exit(f"{program}: needs NVIDIA GPUs, and none is visible (or cuda-python is "
+                 f"missing: pip install 'hoccl[cuda]'); on a machine without GPUs run "
+                 f"examples/run_all.py, which uses the host backend")
+
+
 def setup_ranks(local: int, **options) -> Ranks:
     import torch
     import hoccl
