@@ -46,6 +46,9 @@ fi
 if [ "$what" = compare ]; then
   BASELINE=${BASELINE:-.baseline}
   for round in 1 2; do
+    step "profile-baseline-$round" 60 bash -c "cd $BASELINE && PYTHONPATH=\$PWD:$DEPS $MPIRUN \
+      python3 tools/profile_call.py --size 1M"
+    step "profile-now-$round" 60 $MPIRUN python3 tools/profile_call.py --size 1M
     step "compare-baseline-$round" 150 bash -c "cd $BASELINE && PYTHONPATH=\$PWD:$DEPS $MPIRUN \
       python3 -m hoccl.bench --sizes 1M,1G --libraries hoccl --out $OUT/compare-baseline-$round"
     step "compare-now-$round" 150 $MPIRUN python3 -m hoccl.bench --sizes 1M,1G \
