@@ -182,7 +182,8 @@ class MPIGroup:
             wait_until(lambda: any(self.mailboxes.ready(peer) for peer in missing), deadline,
                        lambda: f"{call}: rank {self.rank} waited {self.timeout:g} s for ranks "
                                f"{missing} to make the matching call {key}; they never did — "
-                               f"a mismatched sequence of calls or a dead process")
+                               f"a mismatched sequence of calls or a dead process",
+                       check=lambda: self.mailboxes.check_alive(missing, call))
             for peer in [peer for peer in missing if self.mailboxes.ready(peer)]:
                 their_key, received[peer] = self.mailboxes.receive(peer)
                 missing.remove(peer)
