@@ -38,7 +38,7 @@ import socket
 import struct
 import time
 import uuid
-from typing import Any, Callable, List, NamedTuple, Optional, Sequence
+from typing import Any, Callable, Iterable, List, NamedTuple, Optional
 
 from ._errors import HocclError, HocclTimeoutError, InvalidArgumentError, PeerDeadError
 
@@ -236,14 +236,21 @@ class Mailboxes:
         runs, and for a peer whose process this rank cannot see."""
         return not self._watched[peer] or self.processes[peer].alive()
 
-    def check_alive(self, peers: Sequence[int], call: str) -> None:
-        """Raise PeerDeadError for the first of ``peers`` whose process has exited."""
+    def dead(self, peers: Iterable[int]) -> Optional[str]:
+        """The first of ``peers`` whose process has exited, said as "rank 2, whose process
+        (pid 1234 on host h) has exited"; None while they all run."""
         for peer in peers:
             if not self.alive(peer):
                 process = self.processes[peer]
-                raise PeerDeadError(f"{call}: rank {self.rank} waited for rank {peer}, whose "
-                                    f"process (pid {process.pid} on host {process.host}) has "
-                                    f"exited")
+                return (f"rank {peer}, whose process (pid {process.pid} on host "
+                        f"{process.host}) has exited")
+        return None
+
+    def check_alive(self, peers: Iterable[int], call: str) -> None:
+        """Raise PeerDeadError if one of ``peers`` has exited (the check of a wait for them)."""
+        gone = self.dead(peers)
+        if gone is not None:
+            raise PeerDeadError(f"{call}: rank {self.rank} waited for {gone}")
 
     def _ring(self, rings: List[_Ring], peer: int, call: str) -> _Ring:
         if not 0 <= peer < len(rings):

@@ -191,13 +191,15 @@ def test_check_alive_names_an_exited_peer_when_its_pid_means_something_here(same
     try:
         if same_namespace:
             assert not mailboxes.alive(0)
+            assert mailboxes.dead([0]) == (f"rank 0, whose process (pid {child.pid} on host "
+                                           f"{socket.gethostname()}) has exited")
             with pytest.raises(PeerDeadError) as raised:
                 mailboxes.check_alive([0], "broadcast")
             assert str(raised.value) == (
                 f"broadcast: rank 0 waited for rank 0, whose process (pid {child.pid} on host "
                 f"{socket.gethostname()}) has exited")
         else:  # another pid namespace: the pid cannot be looked up here
-            assert mailboxes.alive(0)
+            assert mailboxes.alive(0) and mailboxes.dead([0]) is None
             mailboxes.check_alive([0], "broadcast")
     finally:
         mailboxes.close()
