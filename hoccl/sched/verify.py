@@ -48,14 +48,11 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from .._dtypes import ITEMSIZE
 from .._errors import PlanError
-from .plan import (CHANNELS, DONE, GATHERED, P2P_DONE, P2P_READY, READY, After, BufferSpec,
-                   BufRef, Copy, Mark, Plan, Reduce, Signal, Wait)
+from .plan import (CHANNEL_NAMES, CHANNELS, OPS, After, BufferSpec, BufRef, Copy, Mark, Plan,
+                   Reduce, Signal, Wait)
 
 __all__ = ["verify"]
 
-_OPS = ("sum", "prod", "max", "min", "avg")  # what reduce_arrays and every backend compute
-_CHANNEL_NAMES = {READY: "READY", DONE: "DONE", GATHERED: "GATHERED",
-                  P2P_READY: "P2P_READY", P2P_DONE: "P2P_DONE"}
 
 Range = Tuple[int, int]
 
@@ -142,7 +139,7 @@ class _Verifier:
     @staticmethod
     def slot_name(slot: int) -> str:
         sender, channel = divmod(slot, CHANNELS)
-        return f"slot {slot} (rank {sender}'s {_CHANNEL_NAMES.get(channel, channel)})"
+        return f"slot {slot} (rank {sender}'s {CHANNEL_NAMES[channel] if 0 <= channel < CHANNELS else channel})"
 
     # -- 1. shape of the plan -----------------------------------------------------------
     def check_structure(self) -> None:
@@ -213,8 +210,8 @@ class _Verifier:
         elif isinstance(step, Reduce):
             if step.dtype not in ITEMSIZE:
                 self.fail(f"dtype must be one of {sorted(ITEMSIZE)}, got {step.dtype!r}", node)
-            if step.op not in _OPS:
-                self.fail(f"op must be one of {_OPS}, got {step.op!r}", node)
+            if step.op not in OPS:
+                self.fail(f"op must be one of {OPS}, got {step.op!r}", node)
             if step.count < 0 or not step.inputs:
                 self.fail(f"expected count >= 0 and at least one input, got count {step.count} "
                           f"and {len(step.inputs)} inputs", node)
