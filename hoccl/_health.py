@@ -15,7 +15,7 @@ import time
 from typing import Callable, List, Optional
 
 from ._engine import Call, Engine
-from ._errors import AbortedError, HocclError, HocclTimeoutError
+from ._errors import AbortedError, HocclError, HocclTimeoutError, PeerDeadError
 from .sched.plan import Wait
 
 __all__ = ["Health"]
@@ -65,9 +65,9 @@ class Health:
                 next_liveness = now + 0.1
                 gone = self._peers_alive()
                 if gone is not None:
-                    reason = f"{call}: rank {self.rank}: {gone}"
+                    reason = f"{call}: rank {self.rank} waited for {gone}"
                     self.abort(reason)
-                    raise AbortedError(reason)
+                    raise PeerDeadError(reason)
             time.sleep(delay)
             delay = min(delay * 2 + 2e-6, 1e-3)
         self.check(call)
@@ -203,7 +203,7 @@ class Health:
                 gone = self._peers_alive()
                 if gone is not None:
                     self.abort(f"watchdog: rank {self.rank}'s {oldest.name} (call "
-                               f"{oldest.value}): {gone}")
+                               f"{oldest.value}) waits for {gone}")
                     return
                 # measured from issue, not from the call: with init_local a call may wait
                 # for the other ranks' calls for as long as the user likes
