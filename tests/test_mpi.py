@@ -52,12 +52,13 @@ SURVIVE_KILL = ["sh", "-c", '"$@"; exit 0', "sh"]
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("scenario,survivors", [("mismatch", [0, 1]), ("dead", [0]),
-                                                ("absent", [0]), ("killed", [0]),
+                                                ("absent", [0]), ("killed", [0]), ("early", [0]),
                                                 ("abort", [0, 1])])
 def test_failures_across_processes_raise_instead_of_hanging(scenario, survivors):
     mpiexec = _mpiexec()
     command = [mpiexec, *keep_going_flags(mpiexec), "-n", "2",
-               *(SURVIVE_KILL if scenario == "killed" else []), sys.executable, str(FAILURES),
+               *(SURVIVE_KILL if scenario in ("killed", "early") else []), sys.executable,
+               str(FAILURES),
                scenario, "--backend", "host"]
     env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
     result = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)

@@ -30,7 +30,7 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   step gpu-local 200 python3 -m pytest -q -x -p no:cacheprovider --timeout=90 tests/gpu "$@"
   step gpu-mpirun 90 $MPIRUN python3 tests/mpi/run_checks.py --backend cuda --counts 0,1,17,100003
   step hostile-mpirun 120 $MPIRUN python3 tests/mpi/run_hostile.py --backend cuda
-  for scenario in mismatch dead absent abort; do
+  for scenario in mismatch dead absent killed early abort; do
     step "fail-$scenario" 60 $MPIRUN --mca orte_abort_on_non_zero_status 0 \
       python3 tests/mpi/run_failures.py $scenario --backend cuda
   done
