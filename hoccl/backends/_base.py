@@ -22,10 +22,12 @@ from __future__ import annotations
 import abc
 from typing import Any, List, Optional, Sequence, Tuple
 
+from .._dtypes import NAMES
+
 __all__ = ["Device", "HostWord", "DTYPES", "OPS"]
 
 #: dtype names every backend accepts in ``reduce``.
-DTYPES = ("float16", "bfloat16", "float32", "float64", "int8", "uint8", "int32", "int64")
+DTYPES = NAMES
 #: reduction operators; "avg" is the sum divided by the number of inputs.
 OPS = ("sum", "prod", "max", "min", "avg")
 
