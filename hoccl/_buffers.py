@@ -111,11 +111,11 @@ def _from_torch(call: str, name: str, tensor: Any, torch: Any, writable: bool,
 def _from_array_interface(call: str, name: str, array: Any, interface: dict, writable: bool,
                           reduction: bool) -> Buffer:
     typestr = interface["typestr"]
-    found = _dtypes.from_typestr(typestr)
-    dtype = _dtype_name(call, name, found, f"typestr {typestr!r}", reduction)
+    dtype = _dtype_name(call, name, _dtypes.from_typestr(typestr), f"typestr {typestr!r}",
+                        reduction)
     shape = tuple(interface["shape"])
     strides = interface.get("strides")
-    if strides is not None and not _c_contiguous(shape, strides, found.itemsize):
+    if strides is not None and not _c_contiguous(shape, strides, ITEMSIZE[dtype]):
         raise _not_contiguous(call, name)
     address, read_only = interface["data"]
     if writable and read_only:
@@ -171,12 +171,17 @@ def _from_dlpack(call: str, name: str, array: Any, writable: bool, reduction: bo
                                    f"{int(device_type)}; expected CPU (1) or CUDA (2)")
     stream = -1 if device_type == _DLPACK_CUDA else None
     try:
-        capsule = array.__dlpack__(stream=stream, max_version=_DLPACK_VERSION, copy=False)
-    except TypeError:  # a producer older than DLPack 1.0 (array API 2023.12)
-        capsule = array.__dlpack__(stream=stream)
-    # The capsule is not consumed: its destructor returns it to the producer, whose array
-    # (the owner) keeps the memory.
+        try:
+            capsule = array.__dlpack__(stream=stream, max_version=_DLPACK_VERSION, copy=False)
+        except TypeError:  # a producer older than DLPack 1.0 (array API 2023.12)
+            capsule = array.__dlpack__(stream=stream)
+    except BufferError as error:
+        raise InvalidArgumentError(f"{call}: {name} cannot be exported through DLPack: "
+                                   f"{error}") from error
     kind = _capsule_name(capsule)
+    if kind not in (b"dltensor_versioned", b"dltensor"):
+        raise InvalidArgumentError(f"{call}: {name}.__dlpack__() returned a capsule named "
+                                   f"{kind!r}; expected 'dltensor' or 'dltensor_versioned'")
     pointer = _capsule_pointer(capsule, kind)
     if kind == b"dltensor_versioned":
         managed = _DLManagedTensorVersioned.from_address(pointer)
@@ -185,11 +190,8 @@ def _from_dlpack(call: str, name: str, array: Any, writable: bool, reduction: bo
                                        f"{managed.major}.{managed.minor}; hoccl reads "
                                        f"{_DLPACK_VERSION[0]}.x")
         tensor, flags = managed.dl_tensor, managed.flags
-    elif kind == b"dltensor":
-        tensor, flags = _DLTensor.from_address(pointer), 0
     else:
-        raise InvalidArgumentError(f"{call}: {name}.__dlpack__() returned a capsule named "
-                                   f"{kind!r}; expected 'dltensor' or 'dltensor_versioned'")
+        tensor, flags = _DLTensor.from_address(pointer), 0
     found = _dtypes.from_dlpack(tensor.code, tensor.bits, tensor.lanes)
     dtype = _dtype_name(call, name, found, f"DLPack type (code {tensor.code}, bits "
                         f"{tensor.bits}, lanes {tensor.lanes})", reduction)
@@ -202,8 +204,10 @@ def _from_dlpack(call: str, name: str, array: Any, writable: bool, reduction: bo
     if writable and flags & _DLPACK_READ_ONLY:
         raise _read_only(call, name, "DLPack flag READ_ONLY")
     device = int(device_id) if device_type == _DLPACK_CUDA else None
+    # The capsule stays unconsumed and alive with the buffer: the memory is valid until its
+    # deleter runs, which the capsule's destructor does.
     return Buffer((tensor.data or 0) + tensor.byte_offset, math.prod(shape), dtype, device,
-                  array)
+                  (array, capsule))
 
 
 # -- shared checks -----------------------------------------------------------------------

@@ -71,8 +71,8 @@ def numpy_dtype(name: str) -> np.dtype:
 
 
 def from_numpy(dtype: np.dtype) -> Optional[DType]:
-    """The type of a numpy dtype, or None when hoccl has no such type (non-native byte
-    order included)."""
+    """The type of a numpy dtype, or None when hoccl has no such type (a non-native byte
+    order is none)."""
     found = _BY_NUMPY.get(dtype)
     if found is None:
         found = _BY_TYPESTR.get(dtype.str)
@@ -105,8 +105,6 @@ def reduce_arrays(inputs, op: str, out_dtype: np.dtype) -> np.ndarray:
     """``op`` over ``inputs`` in the order given, accumulating as the GPU kernels do:
     16-bit floats in float32, other types in their own precision (integers wrap)."""
     accumulate = np.float32 if out_dtype.itemsize == 2 and out_dtype.kind in "fV" else out_dtype
-    if str(out_dtype) == "bfloat16":
-        accumulate = np.float32
     acc = np.array(inputs[0], dtype=accumulate, copy=True)
     with np.errstate(over="ignore", invalid="ignore"):
         for x in inputs[1:]:

@@ -101,6 +101,7 @@ _capsule_new = ctypes.PYFUNCTYPE(ctypes.py_object, ctypes.c_void_p, ctypes.c_cha
 # a capsule keeps the pointer to its name: these outlive every capsule
 _VERSIONED_NAME = ctypes.create_string_buffer(b"dltensor_versioned")
 _LEGACY_NAME = ctypes.create_string_buffer(b"dltensor")
+_USED_NAME = ctypes.create_string_buffer(b"used_dltensor_versioned")
 
 
 class FakeDLPack:
@@ -119,6 +120,7 @@ class FakeDLPack:
         element_strides = strides if strides is not None else [s // itemsize for s in array.strides]
         self.strides = (ctypes.c_int64 * array.ndim)(*element_strides)
         self.requests = []
+        self.capsule_name = _VERSIONED_NAME
 
     def __dlpack_device__(self):
         return self.device
@@ -133,7 +135,7 @@ class FakeDLPack:
         assert max_version is not None and max_version[0] >= 1
         self.managed = _DLManagedTensorVersioned(_DLPackVersion(*self.version), None, None,
                                                  self.flags, self._tensor())
-        return _capsule_new(ctypes.addressof(self.managed), _VERSIONED_NAME, None)
+        return _capsule_new(ctypes.addressof(self.managed), self.capsule_name, None)
 
 
 class LegacyDLPack(FakeDLPack):
@@ -202,7 +204,14 @@ def test_dlpack_resolves_every_dtype(dtype, producer):
     buffer = as_buffer("broadcast", "recvbuf", fake)
     assert (buffer.address, buffer.count, buffer.dtype, buffer.device) == \
         (array.ctypes.data, array.size, dtype, ordinal)
-    assert buffer.owner is fake
+    assert buffer.owner[0] is fake
+
+
+def test_dlpack_export_stays_alive_with_the_buffer():
+    array = _host_array(_rng(), "float32")
+    buffer = as_buffer("c", "a", DLPackOnly(array))
+    exported = buffer.owner[1]
+    assert ctypes.pythonapi.PyCapsule_IsValid(ctypes.py_object(exported), b"dltensor_versioned")
 
 
 def test_dlpack_on_the_host_resolves_to_no_device():
@@ -412,8 +421,13 @@ def test_strides_of_extent_one_dimensions_and_empty_arrays_do_not_matter():
 
 
 # -- DLPack capsules hoccl cannot use --------------------------------------------------------
-def test_dlpack_copies_newer_versions_and_other_devices_are_refused():
+def test_dlpack_copies_consumed_capsules_newer_versions_and_other_devices_are_refused():
     array = _host_array(_rng(), "float32")
+    consumed = FakeDLPack(array, "float32")
+    consumed.capsule_name = _USED_NAME
+    with pytest.raises(InvalidArgumentError, match=r"^gather: sendbuf.__dlpack__\(\) returned a "
+                                                   r"capsule named b'used_dltensor_versioned'"):
+        as_buffer("gather", "sendbuf", consumed)
     with pytest.raises(InvalidArgumentError, match=r"^gather: sendbuf was exported as a copy"):
         as_buffer("gather", "sendbuf", FakeDLPack(array, "float32", flags=IS_COPIED))
     with pytest.raises(InvalidArgumentError, match=r"^gather: sendbuf was exported as DLPack 2.0"):
@@ -421,6 +435,14 @@ def test_dlpack_copies_newer_versions_and_other_devices_are_refused():
     with pytest.raises(InvalidArgumentError, match=r"^gather: sendbuf is a DLPack array on "
                                                    r"device type 13"):
         as_buffer("gather", "sendbuf", FakeDLPack(array, "float32", device=(13, 0)))
+
+
+def test_a_producer_refusing_to_export_is_reported_with_the_call_and_the_argument():
+    torch = pytest.importorskip("torch")
+    with pytest.raises(InvalidArgumentError, match=r"^all_reduce: sendbuf cannot be exported "
+                                                   r"through DLPack: .*require gradient"):
+        as_buffer("all_reduce", "sendbuf", DLPackOnly(torch.ones(3, requires_grad=True)),
+                  writable=False)
 
 
 # -- every error names the call and the argument ---------------------------------------------
