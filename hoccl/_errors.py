@@ -36,5 +36,5 @@ class MismatchError(HocclError):
     """Ranks called different collectives, or the same collective with different arguments."""
 
 
-class PeerDeadError(HocclError):
+class PeerDeadError(AbortedError):
     """A rank waited for a peer whose process has exited."""

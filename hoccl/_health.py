@@ -96,6 +96,7 @@ class Health:
             time.sleep(0.01)
         if self.engine.completed < target:
             self._peer_death = reason
+            self.engine.abort_error = PeerDeadError
             self.abort(reason)
             raise PeerDeadError(reason)
 
@@ -106,7 +107,7 @@ class Health:
         if failure and not engine.aborted:
             self.abort(f"{call}: rank {self.rank}: device work failed: {failure}")
         if engine.aborted:
-            raise AbortedError(self._aborted_message(call))
+            raise engine.abort_error(self._aborted_message(call))
         poisoned = engine.pad.aborted_by()
         if poisoned is not None:
             self.abort(f"rank {poisoned} aborted the communicator")
@@ -220,6 +221,7 @@ class Health:
                     if time.monotonic() - dead_since > _DEAD_PEER_GRACE:
                         self._peer_death = (f"watchdog: rank {self.rank}'s {oldest.name} (call "
                                             f"{oldest.value}) waits for {gone}")
+                        engine.abort_error = PeerDeadError
                         self.abort(self._peer_death)
                         return
                     continue
