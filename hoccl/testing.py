@@ -43,7 +43,7 @@ import numpy as np
 from ._dtypes import dtype_name, numpy_dtype, reduce_arrays
 from .backends._kernels import MAX_INPUTS
 
-__all__ = ["expected", "random_array", "poison", "is_poison", "assert_exact",
+__all__ = ["expected", "reduced", "random_array", "poison", "is_poison", "assert_exact",
            "check_collective", "PlantedFault", "FAULTS", "ArrayModule", "array_module_for",
            "IN_PLACE_FORMS", "POISON_BITS"]
 
@@ -126,16 +126,18 @@ def assert_exact(what: str, want: np.ndarray, got: np.ndarray,
         f"({int(_bits(want)[first]):#0{digits}x})")
 
 
-def _reduced(inputs: Sequence[np.ndarray], op: str, dtype: np.dtype,
-             inputs_per_launch: Optional[int]) -> np.ndarray:
+def reduced(inputs: Sequence[np.ndarray], op: str, *,
+            inputs_per_launch: Optional[int] = None) -> np.ndarray:
     """``op`` over ``inputs`` in order as the backends compute it (see the module docstring).
 
     With ``inputs_per_launch`` (the CUDA kernel's ``MAX_INPUTS``) more inputs than that
     are reduced in launches: the first takes ``inputs_per_launch``, each later one the
     partial result and ``inputs_per_launch - 1`` more; every launch but the last rounds
-    the partial result to ``dtype`` and sums for ``avg``; the last divides by the total.
+    the partial result to the inputs' dtype (and sums, for ``avg``); the last divides by
+    the number of all the inputs.
     Only 16-bit floats notice: every other type accumulates in its own precision.
     """
+    dtype = inputs[0].dtype
     if (inputs_per_launch is None or len(inputs) <= inputs_per_launch
             or dtype.kind in "iu" or dtype.itemsize != 2):
         return reduce_arrays(list(inputs), op, dtype)
@@ -162,18 +164,17 @@ def expected(collective: str, inputs: Sequence[Optional[np.ndarray]], *, op: str
     ``inputs_per_launch`` models a backend whose reduce chains launches of that many.
     """
     n = len(inputs)
-    dtype = next(x for x in inputs if x is not None).dtype
 
-    def reduced(blocks):
-        return _reduced(blocks, op, dtype, inputs_per_launch)
+    def reduce(blocks):
+        return reduced(blocks, op, inputs_per_launch=inputs_per_launch)
     if collective == "all_gather":
         return [np.concatenate(inputs) for _ in range(n)]
     if collective == "all_reduce":
-        total = reduced(inputs)
+        total = reduce(inputs)
         return [total.copy() for _ in range(n)]
     if collective == "reduce_scatter":
         count = inputs[0].size // n
-        return [reduced([x[r * count:(r + 1) * count] for x in inputs]) for r in range(n)]
+        return [reduce([x[r * count:(r + 1) * count] for x in inputs]) for r in range(n)]
     if collective == "all_to_all":
         count = inputs[0].size // n
         return [np.concatenate([inputs[p][r * count:(r + 1) * count] for p in range(n)])
@@ -181,7 +182,7 @@ def expected(collective: str, inputs: Sequence[Optional[np.ndarray]], *, op: str
     if collective == "broadcast":
         return [inputs[root].copy() for _ in range(n)]
     if collective == "reduce":
-        return [reduced(inputs) if r == root else None for r in range(n)]
+        return [reduce(inputs) if r == root else None for r in range(n)]
     if collective == "gather":
         return [np.concatenate(inputs) if r == root else None for r in range(n)]
     if collective == "scatter":
@@ -289,8 +290,8 @@ class PlantedFault(ArrayModule):
             raw[:] = roll(raw, block_bytes if blocks > 1 else itemsize)
         else:
             last = (blocks - 1) * block_bytes
-            raw[last:] = super().asarray(poison(len(raw[last:]) // itemsize, dtype)
-                                         .view(np.uint8), device)
+            raw[last:] = self.asarray(poison(len(raw[last:]) // itemsize, dtype).view(np.uint8),
+                                      device)
 
 
 def array_module_for(backend: str, dtype: str = "float32") -> ArrayModule:

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 
 import hoccl
-from hoccl._dtypes import numpy_dtype, reduce_arrays
+from hoccl._dtypes import reduce_arrays
 from hoccl.backends.host import HostDevice
 from hoccl.testing import (FAULTS, IN_PLACE_FORMS, POISON_BITS, ArrayModule, PlantedFault,
                            assert_exact, check_collective, expected, is_poison, poison,
-                           random_array)
+                           random_array, reduced)
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast", "reduce",
                "gather", "scatter", "send_recv")
@@ -104,43 +104,40 @@ def test_the_cuda_reference_rounds_16_bit_partials_between_chained_launches(op):
         want = (total / np.float32(70)).astype(np.float16)
     else:
         want = reduce_arrays([partial] + inputs[64:], op, np.dtype(np.float16))
-    chained = expected("all_reduce", inputs, op=op, inputs_per_launch=64)[0]
+    chained = reduced(inputs, op, inputs_per_launch=64)
     assert_exact(f"chained {op}", want, chained)
-    single = expected("all_reduce", inputs, op=op)[0]
+    single = reduced(inputs, op)
     if op != "max":  # a maximum is one of the inputs, whatever the launches
         assert not np.array_equal(single.view(np.uint16), chained.view(np.uint16))
-    assert_exact(f"{op} of 64 inputs", expected("all_reduce", inputs[:64], op=op)[0],
-                 expected("all_reduce", inputs[:64], op=op, inputs_per_launch=64)[0])
+    assert_exact(f"{op} of 64 inputs", reduced(inputs[:64], op),
+                 reduced(inputs[:64], op, inputs_per_launch=64))
+    assert_exact(f"all_reduce {op} on the CUDA backend", chained,
+                 expected("all_reduce", inputs, op=op, inputs_per_launch=64)[0])
 
 
-def test_a_reduction_whose_result_can_equal_the_poison_is_checked_against_a_second_one():
-    """int8 products of 5 ranks wrap and reach -91 (the poison byte): every element must
-    still be checked against a poison it does not equal, so the checker runs twice and an
-    output that is written only on the first run is caught."""
-    comms = hoccl.init_local(5, backend="host")
-    try:
-        def inputs(seed):  # as check_collective draws them
-            rng = np.random.default_rng(seed)
-            return [random_array(rng, 64, "int8") for _ in range(5)]
-        seed = next(seed for seed in range(10000)
-                    if is_poison(expected("all_reduce", inputs(seed), op="prod")[0]).any())
+def test_a_reduction_whose_result_can_equal_the_poison_is_checked_against_a_second_one(
+        init_local):
+    """int8 products of 5 ranks wrap and can reach -91 (the poison byte): every element must
+    still be checked against a poison it does not equal, so the checker runs twice, and an
+    output written only on the first run is caught."""
+    comms = init_local(5, backend="host")
+
+    def inputs(seed):  # as check_collective draws them
+        rng = np.random.default_rng(seed)
+        return [random_array(rng, 64, "int8") for _ in range(5)]
+    seed = next(seed for seed in range(10000)
+                if is_poison(expected("all_reduce", inputs(seed), op="prod")[0]).any())
+    check_collective(comms, "all_reduce", count=64, dtype="int8", op="prod", seed=seed)
+    runs = []
+    original = comms[0].all_reduce
+
+    def first_run_only(send, recv, op, *, stream=None):
+        runs.append(recv)
+        original(send, recv if len(runs) == 1 else send.copy(), op, stream=stream)
+    comms[0].all_reduce = first_run_only
+    with pytest.raises(AssertionError, match="all_reduce: rank 0: .* unwritten"):
         check_collective(comms, "all_reduce", count=64, dtype="int8", op="prod", seed=seed)
-        runs = []
-        original = comms[0].all_reduce
-
-        def first_run_only(send, recv, op, *, stream=None):
-            runs.append(recv)
-            if len(runs) == 1:
-                original(send, recv, op, stream=stream)
-            else:
-                original(send, send.copy(), op, stream=stream)  # the real output stays poison
-        comms[0].all_reduce = first_run_only
-        with pytest.raises(AssertionError, match="all_reduce: rank 0: .* unwritten"):
-            check_collective(comms, "all_reduce", count=64, dtype="int8", op="prod", seed=seed)
-        assert len(runs) == 2
-    finally:
-        for comm in comms:
-            comm.close()
+    assert len(runs) == 2
 
 
 # -- planted faults ------------------------------------------------------------------------
