@@ -27,11 +27,12 @@ what the backends compute, in the same order and precision:
   float64; ``random_array`` draws no zero and no NaN, so ties between ``+0.0`` and
   ``-0.0`` and NaN payloads never arise.  One launch takes up to
   ``MAX_INPUTS`` (64) inputs; beyond that the kernel chains launches and rounds
-  16-bit partial sums to their storage type in between, which ``expected`` models
-  when given ``inputs_per_launch``.
+  16-bit partial sums to their storage type in between, which ``reduced`` and
+  ``expected`` model when given ``inputs_per_launch``.
 
-Poison (``poison``) is a value no input and no result can equal, so an element still
-equal to it was never written, and the checker says so.
+Poison (``poison``) is a value no input equals, nor any result but the few that
+``POISON_BITS`` names (the checker then runs twice), so an element still equal to it
+was never written, and the checker says so.
 """
 
 from __future__ import annotations
@@ -55,12 +56,13 @@ IN_PLACE_FORMS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "re
 #: whose payload is the byte A5 repeated.  ``random_array`` draws no NaN, and arithmetic
 #: never returns a signalling NaN (an operation on a NaN gives a quiet one), so no copy,
 #: sum or average of inputs equals it.  Integers: the byte A5 repeated (int8 -91, uint8
-#: 165, int32 -1515870812, int64 -6510615555426900571), outside ``random_array``'s
+#: 165, int32 -1515870811, int64 -6510615555426900571), outside ``random_array``'s
 #: ranges [-8, 8) and [0, 8); sums, averages, maxima and minima of fewer than 12 ranks
-#: stay inside [-96, 96).  Products of 1-byte integers wrap and can reach any byte, and
-#: int8 sums of 12 ranks or more can reach -91: ``check_collective`` then runs a second
-#: time with the complement poison, so that every element is checked against a poison
-#: that it does not equal.
+#: stay inside [-96, 96).  Products wrap (1-byte ones from 3 ranks on, 32-bit ones from
+#: 11) and can then equal the poison, as can int8 sums of 12 ranks or more: where an
+#: expected element equals it, ``check_collective`` runs a second time with the
+#: complement poison, so that every element is checked against a poison it does not
+#: equal.
 POISON_BITS = {"float16": 0x7DA5, "bfloat16": 0x7FA5, "float32": 0x7FA5A5A5,
                "float64": 0x7FF5A5A5A5A5A5A5, "int8": 0xA5, "uint8": 0xA5,
                "int32": 0xA5A5A5A5, "int64": 0xA5A5A5A5A5A5A5A5}
@@ -263,25 +265,21 @@ class PlantedFault(ArrayModule):
         return super().to_numpy(array, dtype)
 
     def _plant(self, array: Any, dtype: str) -> None:
-        itemsize = numpy_dtype(dtype).itemsize
-        block_bytes = self.block * itemsize
-        blocks = max(1, len(array) // self.block)
         if self.kind == "cupy":
             import cupy
             with cupy.cuda.Device(array.device.id):
-                self._corrupt(array.view(cupy.uint8), cupy.roll, itemsize, block_bytes, blocks,
-                              dtype, array.device.id)
+                self._corrupt(array.view(cupy.uint8), cupy.roll, dtype, array.device.id)
         elif self.kind == "torch":
             import torch
-            self._corrupt(array.view(torch.uint8), torch.roll, itemsize, block_bytes, blocks,
-                          dtype, array.device.index)
+            self._corrupt(array.view(torch.uint8), torch.roll, dtype, array.device.index)
         else:
-            self._corrupt(array.view(np.uint8), np.roll, itemsize, block_bytes, blocks, dtype,
-                          None)
+            self._corrupt(array.view(np.uint8), np.roll, dtype, None)
 
-    def _corrupt(self, raw: Any, roll: Any, itemsize: int, block_bytes: int, blocks: int,
-                 dtype: str, device: Optional[int]) -> None:
+    def _corrupt(self, raw: Any, roll: Any, dtype: str, device: Optional[int]) -> None:
         """Corrupt ``raw``, the output's bytes, in place (numpy, cupy or torch alike)."""
+        itemsize = numpy_dtype(dtype).itemsize
+        block_bytes = self.block * itemsize
+        blocks = max(1, len(raw) // block_bytes)
         if self.fault == "flip":
             for index in range(blocks):
                 first = index * block_bytes + (self.block // 2) * itemsize
