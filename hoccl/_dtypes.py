@@ -122,7 +122,10 @@ def reduce_arrays(inputs, op: str, out_dtype: np.dtype) -> np.ndarray:
         if op == "avg":
             k = len(inputs)
             if acc.dtype.kind in "iu":
-                acc = (np.sign(acc) * (np.abs(acc) // k)).astype(acc.dtype)  # C truncation
+                # in 64 bits and toward zero, as C divides: floor division rounded up
+                # where a negative sum leaves a remainder
+                wide = acc.astype(np.int64)
+                acc = (wide // k + ((wide < 0) & (wide % k != 0))).astype(acc.dtype)
             else:
                 acc = acc / np.asarray(k, dtype=acc.dtype)
     return acc.astype(out_dtype)
