@@ -41,7 +41,7 @@ from typing import Any, List, Optional, Sequence
 
 import numpy as np
 
-from ._dtypes import dtype_name, numpy_dtype, reduce_arrays
+from ._dtypes import from_numpy, numpy_dtype, reduce_arrays
 from .backends._kernels import MAX_INPUTS
 
 __all__ = ["expected", "reduced", "random_array", "poison", "is_poison", "assert_exact",
@@ -99,7 +99,10 @@ def poison(count: int, dtype: str, bits: Optional[int] = None) -> np.ndarray:
 
 def is_poison(array: np.ndarray, bits: Optional[int] = None) -> np.ndarray:
     """Which elements of ``array`` are still the poison (``POISON_BITS``, or ``bits``)."""
-    bits = POISON_BITS[dtype_name(array.dtype)] if bits is None else bits
+    if bits is None:
+        found = from_numpy(array.dtype)
+        assert found is not None, f"is_poison: no hoccl dtype for {array.dtype}"
+        bits = POISON_BITS[found.name]
     return _bits(array) == bits
 
 

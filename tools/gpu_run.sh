@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The device machine's session: GPU tests (one process, and mpirun -np 2), then the
-# benchmarks against NCCL.  Usage: bash tools/gpu_run.sh [tests|profile|bench|overlap|compare|all] [pytest args]
+# benchmarks against NCCL.  Usage: bash tools/gpu_run.sh [tests|profile|bench|overlap|compare|torch|all] [pytest args]
+# torch: the torch.distributed backend's checks, DDP/FSDP2 training against NCCL, the
+# FSDP2 example on NCCL and on hoccl, and python -m hoccl.bench.train.
 # compare: hoccl at 1 MiB and 1 GiB from this tree and from BASELINE (a checkout of an
 # earlier commit, e.g. made with `git archive COMMIT | tar -x -C .baseline`), with NCCL,
 # in one run.
@@ -29,6 +31,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,power.draw --format=csv > "
 if [ "$what" = tests ] || [ "$what" = all ]; then
   step gpu-local 200 python3 -m pytest -q -x -p no:cacheprovider --timeout=90 tests/gpu "$@"
   step gpu-mpirun 90 $MPIRUN python3 tests/mpi/run_checks.py --backend cuda --counts 0,1,17,100003
+  step plant-fault 90 $MPIRUN python3 tests/mpi/run_checks.py --backend cuda --plant-fault flip --counts 17
   step hostile-mpirun 120 $MPIRUN python3 tests/mpi/run_hostile.py --backend cuda
   for scenario in mismatch dead absent killed early abort; do
     step "fail-$scenario" 60 $MPIRUN --mca orte_abort_on_non_zero_status 0 \
@@ -42,6 +45,16 @@ if [ "$what" = profile ] || [ "$what" = tests ] || [ "$what" = all ]; then
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   step bench 330 $MPIRUN python3 -m hoccl.bench --sizes ${BENCH_SIZES:-64K,1M,16M,256M,1G} --out "$OUT/bench"
+fi
+if [ "$what" = torch ]; then
+  export MASTER_ADDR=127.0.0.1 MASTER_PORT=${MASTER_PORT:-29517}
+  TRUN="$MPIRUN -x MASTER_ADDR -x MASTER_PORT"
+  step torch-backend 150 $TRUN python3 tests/torch/run_backend.py --device cuda
+  step torch-training 150 $TRUN python3 tests/torch/run_training.py --device cuda
+  for backend in nccl hoccl; do
+    step "fsdp2-$backend" 120 $TRUN python3 examples/train_fsdp2.py --backend $backend --steps 50
+  done
+  step train-bench 330 $TRUN python3 -m hoccl.bench.train --out "$OUT/train"
 fi
 if [ "$what" = compare ]; then
   BASELINE=${BASELINE:-.baseline}
