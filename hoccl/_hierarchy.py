@@ -128,10 +128,11 @@ class _Arrays:
     def flat(self, array: Any) -> Any:
         return array.reshape(-1)
 
-    def _stream(self, handle: Optional[int]) -> Any:
+    def _stream(self, handle: Optional[int], like: Any) -> Any:
+        """A context that makes ``handle`` (a stream of ``like``'s GPU) current."""
         if self.kind == "torch":
             import torch
-            return torch.cuda.stream(torch.cuda.ExternalStream(handle))
+            return torch.cuda.stream(torch.cuda.ExternalStream(handle, device=like.device))
         import cupy
         return cupy.cuda.ExternalStream(handle)
 
@@ -142,10 +143,10 @@ class _Arrays:
             return np.empty(count, like.dtype)
         if self.kind == "torch":
             import torch
-            with self._stream(stream):
+            with self._stream(stream, like):
                 return torch.empty(count, dtype=like.dtype, device=like.device)
         import cupy
-        with cupy.cuda.Device(like.device.id), self._stream(stream):
+        with cupy.cuda.Device(like.device.id), self._stream(stream, like):
             return cupy.empty(count, like.dtype)
 
     def to_host(self, view: Any, dtype: str) -> np.ndarray:
@@ -171,11 +172,11 @@ class _Arrays:
                 source = torch.from_numpy(host.view(np.int16)).view(torch.bfloat16)
             else:
                 source = torch.from_numpy(host)
-            with self._stream(stream):
+            with self._stream(stream, view):
                 view.copy_(source)
                 torch.cuda.current_stream().synchronize()  # ``host`` may go once we return
             return
-        stream_object = self._stream(stream)
+        stream_object = self._stream(stream, view)
         view.set(host, stream=stream_object)
         stream_object.synchronize()
 
@@ -188,7 +189,7 @@ class _Arrays:
             return
         if self.kind == "torch":
             import torch
-            with self._stream(stream):
+            with self._stream(stream, view):
                 if view.dtype.is_floating_point:
                     view.div_(divisor)
                 else:
@@ -196,7 +197,7 @@ class _Arrays:
                     view.copy_(torch.sign(wide) * (torch.abs(wide) // divisor))
             return
         import cupy
-        with self._stream(stream):
+        with cupy.cuda.Device(view.device.id), self._stream(stream, view):
             if view.dtype.kind in "iu":
                 wide = view.astype(cupy.int64)
                 view[...] = cupy.sign(wide) * (cupy.abs(wide) // divisor)
@@ -795,7 +796,7 @@ class HierarchicalCommunicator(Communicator):
             except HocclError as error:
                 log.warning("rank %d close: %s", self.rank, error)
         self._closed = True
-        for level in ("world", "rail", "host"):
+        for level in ("rail", "world", "host"):  # NCCL's rails were split from its world
             try:
                 self._levels[level].close()
             except Exception as error:  # every level must get its close
