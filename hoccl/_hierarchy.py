@@ -285,7 +285,7 @@ class _MpiEngine:
         host_send = kit.to_host(send, dtype) if send is not None else None
         host_recv = kit.to_host(recv, dtype).copy() if recv is not None else None
         body(host_send, host_recv)
-        if recv is not None:
+        if recv is not None and host_recv is not None:
             kit.from_host(recv, host_recv, stream)
 
     @staticmethod
@@ -697,6 +697,7 @@ class HierarchicalCommunicator(Communicator):
             world = _MpiEngine(mpi.Dup(), waiter)
             label = "mpi (host-staged)" if backend == "cuda" else "mpi"
         else:
+            assert device is not None  # nccl needs the cuda backend, which picked a GPU above
             rail, world, label = _nccl_engines(call, bootstrap, topology, device)
         bootstrap.barrier()
         comm = cls(topology=topology, rank=rank, host=host, rail=rail, world=world,

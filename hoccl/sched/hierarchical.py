@@ -59,7 +59,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from functools import lru_cache
-from typing import Dict, List, NoReturn, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, NoReturn, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -281,6 +281,13 @@ def _caller_buffers(shape: Shape, rank: int) -> Tuple[BufferLayout, ...]:
     return ()  # barrier
 
 
+def _both(shape: Shape, rank: int) -> Tuple[Region, Region]:
+    """``_caller_regions`` of a rank that has both (every rank of a non-rooted call)."""
+    send, recv = _caller_regions(shape, rank)
+    assert send is not None and recv is not None
+    return send, recv
+
+
 def _caller_regions(shape: Shape, rank: int) -> Tuple[Optional[Region], Optional[Region]]:
     """``rank``'s (send, recv) as the regions of the whole call (a flat plan's call)."""
     n, c, kind, ip = shape.world_size, shape.count, shape.collective, shape.in_place
@@ -399,7 +406,7 @@ def _all_gather(b: _Builder) -> None:
         b.call(rank, "all_gather", c, send, b.need_scratch(rank, H * c))
     b.phase("host")
     for rank, h, l in b.ranks():
-        send, recv = _caller_regions(s, rank)
+        send, recv = _both(s, rank)
         for source in range(H):
             block = recv.block(source, L * c)
             if source == h:  # this host's own blocks: from the caller's buffer
@@ -412,7 +419,7 @@ def _reduce_scatter(b: _Builder) -> None:
     s, H, L, c = b.shape, b.H, b.L, b.shape.count
     b.phase("host")
     for rank, h, l in b.ranks():
-        send, _ = _caller_regions(s, rank)
+        send, _ = _both(s, rank)
         b.need_scratch(rank, H * c)
         for destination in range(H):
             b.call(rank, "reduce_scatter", c, send.block(destination, L * c),
@@ -424,7 +431,7 @@ def _reduce_scatter(b: _Builder) -> None:
     if s.op == "avg":
         b.phase("local")
         for rank, h, l in b.ranks():
-            b.divide(rank, _caller_regions(s, rank)[1])
+            b.divide(rank, _both(s, rank)[1])
 
 
 def _all_reduce(b: _Builder) -> None:
@@ -433,7 +440,7 @@ def _all_reduce(b: _Builder) -> None:
     main = q * L
     b.phase("host")
     for rank, h, l in b.ranks():
-        send, recv = _caller_regions(s, rank)
+        send, recv = _both(s, rank)
         b.call(rank, "reduce_scatter", q, Region(send.buffer, 0, main), recv.block(l, q),
                in_place=s.in_place)
         b.call(rank, "all_reduce", rest, Region(send.buffer, main, rest),
@@ -519,7 +526,8 @@ def _reduce(b: _Builder) -> None:
     main = q * L
     b.phase("host")  # each host sums into pieces (local rank l: piece l)
     for rank, h, l in b.ranks():
-        send, _ = _caller_regions(s, rank)
+        send = _caller_regions(s, rank)[0]
+        assert send is not None  # every rank of a reduce sends
         b.need_scratch(rank, q + rest)
         b.call(rank, "reduce_scatter", q, Region(send.buffer, 0, main), Region("scratch", 0, q))
         b.call(rank, "reduce", rest, Region(send.buffer, main, rest),
@@ -563,6 +571,7 @@ def _gather(b: _Builder) -> None:
         if l != root_local:
             b.call(rank, "gather", c, send, None, root=root_local)
         elif rank == s.root:
+            assert recv is not None
             b.call(rank, "gather", c, send, recv.block(root_host, L * c), root=root_local,
                    in_place=s.in_place)
         else:
@@ -698,8 +707,7 @@ def _accesses(plan: HierarchicalPlan, where: str, call: Call, index: int
             _fail(plan, f"{where}: {kind} in place needs {expected}; got {inner}")
 
     if kind in ("all_gather", "gather") and (kind == "all_gather" or is_root):
-        need(send, c, "send")
-        need(recv, g * c, "recv")
+        send, recv = need(send, c, "send"), need(recv, g * c, "recv")
         own = recv.block(index, c)
         if s.in_place:
             in_place_as(send, own)
@@ -707,11 +715,9 @@ def _accesses(plan: HierarchicalPlan, where: str, call: Call, index: int
         disjoint(send, recv)
         return [send], [recv]
     if kind == "gather":
-        need(send, c, "send")
-        return [send], []
+        return [need(send, c, "send")], []
     if kind in ("reduce_scatter", "scatter") and (kind == "reduce_scatter" or is_root):
-        need(send, g * c, "send")
-        need(recv, c, "recv")
+        send, recv = need(send, g * c, "send"), need(recv, c, "recv")
         if s.in_place:
             in_place_as(recv, send.block(index, c))
             return [send], ([recv] if kind == "reduce_scatter" else [])
@@ -720,25 +726,24 @@ def _accesses(plan: HierarchicalPlan, where: str, call: Call, index: int
     if kind == "scatter":
         return [], [need(recv, c, "recv")]
     if kind in ("all_reduce", "reduce"):
-        need(send, c, "send")
+        send = need(send, c, "send")
         if kind == "reduce" and not is_root:
             return [send], []
-        need(recv, c, "recv")
+        recv = need(recv, c, "recv")
         if s.in_place:
             in_place_as(recv, send)
         else:
             disjoint(send, recv)
         return [send], [recv]
     if kind == "all_to_all":
-        need(send, g * c, "send")
-        need(recv, g * c, "recv")
+        send, recv = need(send, g * c, "send"), need(recv, g * c, "recv")
         disjoint(send, recv)
         return [send], [recv]
     if kind == "broadcast":
-        need(recv, c, "recv")
+        recv = need(recv, c, "recv")
         if not is_root:
             return [], [recv]
-        need(send, c, "send")
+        send = need(send, c, "send")
         if s.in_place:
             in_place_as(recv, send)
             return [send], []
@@ -766,7 +771,7 @@ def _check_groups(plan: HierarchicalPlan, number: int, phase: Phase) -> None:
         if not active:
             continue
         reference = lists[active[0]]
-        expected = set()
+        expected: set = set()
         for call in reference:
             if not isinstance(call, Call):
                 _fail(plan, f"phase {number}: a Divide at the {phase.level} level")
@@ -778,7 +783,7 @@ def _check_groups(plan: HierarchicalPlan, number: int, phase: Phase) -> None:
         if set(active) != expected:
             _fail(plan, f"phase {number} ({phase.level}): ranks {sorted(active)} make calls "
                         f"but the calls' participants are {sorted(expected)}")
-        mine = [_signature(call.shape) for call in reference]
+        mine = [_signature(call.shape) for call in reference if isinstance(call, Call)]
         for rank in active:
             theirs = [_signature(step.shape) for step in lists[rank]
                       if isinstance(step, Call)]
@@ -898,13 +903,12 @@ def divide_in_place(values: np.ndarray, divisor: int) -> None:
                        / divisor).astype(values.dtype)
 
 
-def _apply(shape: Shape, send: List[Optional[np.ndarray]],
-           recv: List[Optional[np.ndarray]]) -> None:
+def _apply(shape: Shape, send: List[Any], recv: List[Any]) -> None:
     """One call's definition on its members' arrays (member i: ``send[i]``, ``recv[i]``),
     the reference ``simulate_hierarchical`` checks the calls' own plans against."""
     g, c, kind, root = shape.world_size, shape.count, shape.collective, shape.root
     dtype = numpy_dtype(shape.dtype)
-    inputs = [None if x is None else x.copy() for x in send]  # in-place forms alias recv
+    inputs: List[Any] = [None if x is None else x.copy() for x in send]  # in place: aliases
 
     def reduced(parts: List[np.ndarray]) -> np.ndarray:
         return reduce_arrays(parts, shape.op, dtype)
@@ -953,7 +957,7 @@ def simulate_hierarchical(plan: HierarchicalPlan, arrays: Sequence[Dict[str, np.
                                        np.uint8).view(dtype)
         memory.append(given)
 
-    def view(rank: int, region: Optional[Region]) -> Optional[np.ndarray]:
+    def view(rank: int, region: Optional[Region]) -> Any:
         if region is None:
             return None
         return memory[rank][region.buffer][region.start:region.stop]
@@ -970,18 +974,22 @@ def simulate_hierarchical(plan: HierarchicalPlan, arrays: Sequence[Dict[str, np.
             if not members:
                 continue
             for position in range(len(phase.steps[members[0]])):
-                steps = {rank: phase.steps[rank][position] for rank in members}
-                first = steps[members[0]].shape
+                made: Dict[int, Call] = {}
+                for rank in members:
+                    step = phase.steps[rank][position]
+                    assert isinstance(step, Call)
+                    made[rank] = step
+                first = made[members[0]].shape
                 owner = group[first.root] if first.collective in _ROOTED else members[0]
-                shape = steps[owner].shape
+                shape = made[owner].shape
                 if calls == "definitions":
-                    _apply(shape, [view(rank, steps[rank].send) if rank in steps else None
+                    _apply(shape, [view(rank, made[rank].send) if rank in made else None
                                    for rank in group],
-                           [view(rank, steps[rank].recv) if rank in steps else None
+                           [view(rank, made[rank].recv) if rank in made else None
                             for rank in group])
                     continue
                 local: List[Dict[str, np.ndarray]] = [{} for _ in group]
-                for rank, step in steps.items():
+                for rank, step in made.items():
                     for name, region in (("send", step.send), ("recv", step.recv)):
                         if region is not None:
                             local[group.index(rank)][name] = view(rank, region)
