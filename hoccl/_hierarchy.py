@@ -200,7 +200,7 @@ class _Arrays:
         with cupy.cuda.Device(view.device.id), self._stream(stream, view):
             if view.dtype.kind in "iu":
                 wide = view.astype(cupy.int64)
-                view[...] = cupy.sign(wide) * (cupy.abs(wide) // divisor)
+                view[...] = (cupy.sign(wide) * (cupy.abs(wide) // divisor)).astype(view.dtype)
             else:
                 view /= divisor
 
