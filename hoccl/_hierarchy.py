@@ -34,7 +34,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from ._buffers import Buffer
-from ._dtypes import dtype_name, numpy_dtype, reduce_arrays
+from ._dtypes import numpy_dtype, reduce_arrays
 from ._errors import AbortedError, HocclError, InvalidArgumentError
 from .bootstrap import Bootstrap, MPIBootstrap
 from .comm import Communicator, _held_calls
@@ -149,14 +149,14 @@ class _Arrays:
         with cupy.cuda.Device(like.device.id), self._stream(stream, like):
             return cupy.empty(count, like.dtype)
 
-    def to_host(self, view: Any, dtype: str) -> np.ndarray:
+    def to_host(self, view: Any) -> np.ndarray:
         """A numpy copy of ``view`` (whose stream work the caller has waited for)."""
         if self.kind == "numpy":
             return view
         if self.kind == "torch":
             import torch
             if view.dtype == torch.bfloat16:
-                return view.view(torch.int16).cpu().numpy().view(numpy_dtype(dtype))
+                return view.view(torch.int16).cpu().numpy().view(numpy_dtype("bfloat16"))
             return view.cpu().numpy()
         return view.get()
 
@@ -269,12 +269,11 @@ class _MpiEngine:
         kit = _Arrays.of(arrays[0])
         if self.wait_stream is not None and stream is not None:
             self.wait_stream(stream)
-        dtype = dtype_name(arrays[0].dtype)
         if send is not None and recv is not None:
             (s_at, s_bytes), (r_at, r_bytes) = _address(send), _address(recv)
             if s_at < r_at + r_bytes and r_at < s_at + s_bytes:  # in place: one staged buffer
                 large, large_at = (recv, r_at) if r_bytes >= s_bytes else (send, s_at)
-                host = kit.to_host(large, dtype).copy()
+                host = kit.to_host(large).copy()
                 item = host.dtype.itemsize
 
                 def inside(at: int, nbytes: int) -> np.ndarray:
@@ -282,8 +281,8 @@ class _MpiEngine:
                 body(inside(s_at, s_bytes), inside(r_at, r_bytes))
                 kit.from_host(large, host, stream)
                 return
-        host_send = kit.to_host(send, dtype) if send is not None else None
-        host_recv = kit.to_host(recv, dtype).copy() if recv is not None else None
+        host_send = kit.to_host(send) if send is not None else None
+        host_recv = kit.to_host(recv).copy() if recv is not None else None
         body(host_send, host_recv)
         if recv is not None and host_recv is not None:
             kit.from_host(recv, host_recv, stream)
