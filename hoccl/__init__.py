@@ -21,13 +21,15 @@ from ._errors import (AbortedError, DriverError, HocclError, HocclTimeoutError,
 from ._health import Health
 from ._validate import ReduceOp
 from .backends import cuda_device_count, open_device, pick_backend
+from ._hierarchy import INTER_HOST_ENGINES, HierarchicalCommunicator, host_topology
 from .bootstrap import Bootstrap, LocalGroup, MPIBootstrap, ProcessGroup
 from .comm import Communicator, group, group_end, group_start
 from .sched import Options
 
-__all__ = ["init", "init_local", "Communicator", "ReduceOp", "group", "group_start",
-           "group_end", "Bootstrap", "HocclError", "InvalidArgumentError", "PlanError",
-           "HocclTimeoutError", "AbortedError", "DriverError", "MismatchError", "PeerDeadError",
+__all__ = ["init", "init_local", "Communicator", "HierarchicalCommunicator", "ReduceOp", "group",
+           "group_start", "group_end", "Bootstrap", "HocclError", "InvalidArgumentError",
+           "PlanError", "HocclTimeoutError", "AbortedError", "DriverError", "MismatchError",
+           "PeerDeadError",
            "DEFAULT_TIMEOUT", "default_copy_sms"]
 
 __version__ = "0.1.0"
@@ -127,16 +129,25 @@ def init_local(n_or_devices: Union[int, Sequence[int]], *, backend: Optional[str
 def init(*, backend: Optional[str] = None, mpi_comm: Any = None,
          bootstrap: Optional[Bootstrap] = None, device: Optional[int] = None,
          timeout: Optional[float] = None, verify_plans: Optional[bool] = None,
-         max_sms: int = 8, copy_sms: Optional[int] = None, **options: Any) -> Communicator:
+         max_sms: int = 8, copy_sms: Optional[int] = None, local_size: Optional[int] = None,
+         inter_host: Optional[str] = None, **options: Any) -> Communicator:
     """This process's rank of a multi-process job.
 
     The ranks find each other through ``bootstrap`` (any ``hoccl.Bootstrap``: rank,
     world_size, allgather, barrier, close; ``hoccl.torch`` makes one from a
     torch.distributed Store) or else through MPI (``mpi_comm``, default
     ``MPI.COMM_WORLD``).  ``device=None`` picks the local rank modulo the visible GPUs.
+
+    Ranks on several hosts (grouped by hostname, or ``local_size`` / ``HOCCL_LOCAL_SIZE``
+    consecutive ranks per simulated host) get a ``HierarchicalCommunicator``: hoccl
+    inside each host, ``inter_host`` ("nccl", "mpi" or "hoccl"; None picks) between
+    hosts, behind the same API.  On one host ``inter_host`` is not used.
     """
     call = "init"
     backend = pick_backend(call, backend)
+    if inter_host not in (None,) + INTER_HOST_ENGINES:
+        raise InvalidArgumentError(f"{call}: inter_host must be one of {INTER_HOST_ENGINES} or "
+                                   f"None; got {inter_host!r}")
     if bootstrap is None:
         try:
             from mpi4py import MPI
@@ -145,6 +156,24 @@ def init(*, backend: Optional[str] = None, mpi_comm: Any = None,
                 f"{call}: mpi4py is needed to find the other ranks (pip install "
                 f"'hoccl[mpi]'), or pass bootstrap= (e.g. from hoccl.torch)") from None
         bootstrap = MPIBootstrap(mpi_comm if mpi_comm is not None else MPI.COMM_WORLD)
+    topology, hostnames, grouping = host_topology(call, bootstrap, local_size)
+    if topology.hosts > 1:
+        def connect_host(members: Bootstrap, ordinal: Optional[int]) -> Communicator:
+            return _connect(call, backend, members, ordinal, timeout, verify_plans, max_sms,
+                            copy_sms, options)
+        return HierarchicalCommunicator.connect(
+            call=call, backend=backend, bootstrap=bootstrap, topology=topology,
+            hostnames=hostnames, grouping=grouping, device=device, inter_host=inter_host,
+            mpi_comm=mpi_comm, verify_plans=check.flag_setting(verify_plans, "HOCCL_VERIFY"),
+            connect_host=connect_host)
+    return _connect(call, backend, bootstrap, device, timeout, verify_plans, max_sms, copy_sms,
+                    options)
+
+
+def _connect(call: str, backend: str, bootstrap: Bootstrap, device: Optional[int],
+             timeout: Optional[float], verify_plans: Optional[bool], max_sms: int,
+             copy_sms: Optional[int], options: dict) -> Communicator:
+    """The communicator of ``bootstrap``'s ranks, all on one host."""
     group = ProcessGroup(bootstrap, check.timeout_setting(call, timeout, DEFAULT_TIMEOUT))
     world_size = group.world_size
     settings = _Settings(call, world_size, timeout, verify_plans, max_sms, copy_sms, options)

@@ -1,0 +1,130 @@
+"""Collectives across (simulated) hosts under mpirun: hoccl inside each host, an engine
+between hosts.  Run with, for example::
+
+    HOCCL_LOCAL_SIZE=2 mpiexec -n 4 python tests/mpi/run_hierarchical.py --backend host
+    mpirun -np 2 -x NCCL_P2P_DISABLE=1 -x NCCL_SHM_DISABLE=1 \\
+        python tests/mpi/run_hierarchical.py --backend cuda --inter-host nccl --local-size 1
+
+Every rank draws the same inputs from the same seeds and checks its own output of each
+collective (both forms, odd counts, several dtypes, ops and roots) against numpy
+(``hoccl.testing.check_collective``: copies bit for bit), then send/recv between every
+pair of ranks and a barrier.  ``--local-size`` (or ``HOCCL_LOCAL_SIZE``) groups
+consecutive ranks into simulated hosts; a local size equal to the world size is one
+host, which must give the plain single-host Communicator.  Rank 0 prints how the world
+was split and ``N passed, M failed``; the exit status is non-zero when any rank failed.
+"""
+
+import argparse
+import os
+import sys
+import traceback
+
+import numpy as np
+from mpi4py import MPI
+
+import hoccl
+from hoccl.testing import IN_PLACE_FORMS, array_module_for, check_collective, poison, random_array
+
+ROOTED = ("broadcast", "reduce", "gather", "scatter")
+REDUCING = ("reduce_scatter", "all_reduce", "reduce")
+
+
+def roots(world_size, local_size):
+    """The first rank, the last, and one on another host at another local rank."""
+    return sorted({0, world_size - 1, min(world_size - 1, local_size + 1)})
+
+
+def cases(world_size, local_size, dtypes, counts, ops):
+    seed = 0
+    for collective in ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast",
+                       "reduce", "gather", "scatter"):
+        for dtype in dtypes:
+            for count in counts:
+                for in_place in ([False, True] if collective in IN_PLACE_FORMS else [False]):
+                    for root in (roots(world_size, local_size) if collective in ROOTED else [0]):
+                        for op in (ops if collective in REDUCING else ["sum"]):
+                            seed += 1
+                            yield dict(collective=collective, dtype=dtype, count=count,
+                                       in_place=in_place, root=root, op=op, seed=seed)
+
+
+def check_pairs(comm, seed):
+    """Every ordered pair (sender, receiver), one after another: within a host, along a
+    rail and across both."""
+    arrays = array_module_for(comm.backend, "int32")
+    n, r = comm.world_size, comm.rank
+    for sender in range(n):
+        for receiver in range(n):
+            if sender == receiver or r not in (sender, receiver):
+                continue
+            rng = np.random.default_rng([seed, sender, receiver])
+            data = random_array(rng, 37, "int32")
+            if r == sender:
+                comm.send(arrays.asarray(data, comm.device), receiver)
+            else:
+                out = arrays.asarray(poison(37, "int32"), comm.device)
+                comm.recv(out, sender)
+                comm.synchronize()
+                got = arrays.to_numpy(out, "int32")
+                assert np.array_equal(got, data), f"send {sender} -> {receiver}: got {got[:4]}"
+    comm.synchronize()
+
+
+def check_barrier(comm):
+    comm.barrier()
+    comm.synchronize()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--backend", default=None)
+    parser.add_argument("--inter-host", default=None, choices=["nccl", "mpi", "hoccl"])
+    parser.add_argument("--local-size", type=int, default=None)
+    parser.add_argument("--dtypes", default="float32,bfloat16,int32,uint8")
+    parser.add_argument("--counts", default="0,1,5,17,1000")
+    parser.add_argument("--ops", default="sum,max,avg")
+    args = parser.parse_args()
+    world = MPI.COMM_WORLD
+    local_size = args.local_size or int(os.environ.get("HOCCL_LOCAL_SIZE", 0)) or world.size
+    comm = hoccl.init(backend=args.backend, timeout=120, local_size=local_size,
+                      inter_host=args.inter_host)
+    across = local_size < world.size
+    describe = comm.describe() if across else {"hosts": 1, "local_size": world.size,
+                                               "inter_host": "none"}
+    if world.rank == 0:
+        print(f"world {world.size} ranks: {describe}", flush=True)
+    passed = failed = 0
+    if across != isinstance(comm, hoccl.HierarchicalCommunicator):
+        failed += 1
+        print(f"rank {world.rank} FAILED: local size {local_size} of {world.size} gave {comm!r}",
+              flush=True)
+    dtypes = args.dtypes.split(",")
+    counts = [int(c) for c in args.counts.split(",")]
+    for case in cases(comm.world_size, local_size, dtypes, counts, args.ops.split(",")):
+        try:
+            check_collective([comm], arrays=array_module_for(comm.backend, case["dtype"]), **case)
+            passed += 1
+        except Exception:
+            failed += 1
+            print(f"rank {comm.rank} FAILED {case}\n{traceback.format_exc()}", flush=True)
+    for name, action in (("send/recv", lambda: check_pairs(comm, 7)),
+                         ("barrier", lambda: check_barrier(comm))):
+        try:
+            action()
+            passed += 1
+        except Exception:
+            failed += 1
+            print(f"rank {comm.rank} FAILED {name}\n{traceback.format_exc()}", flush=True)
+    comm.close()
+    totals = world.allreduce(np.array([passed, failed]), op=MPI.SUM)
+    if world.rank == 0:
+        print(f"hierarchical ranks={world.size} hosts={describe['hosts']}x"
+              f"{describe['local_size']} backend={comm.backend} "
+              f"inter={describe['inter_host']}: {totals[0]} passed, {totals[1]} failed",
+              flush=True)
+    sys.exit(1 if totals[1] else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,104 @@
+"""Collectives across simulated hosts under mpiexec on the host backend: every
+collective, both forms, odd counts, several dtypes, ops and roots, against numpy
+(``tests/mpi/run_hierarchical.py``), on 2 hosts x 2, 3 x 1 and 2 x 3 ranks with hoccl
+itself between the hosts, on 2 x 2 with MPI between them, and one simulated host (the
+plain Communicator).  Plus the grouping of ranks into hosts, in one process."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import hoccl
+from hoccl._hierarchy import SubBootstrap, host_topology
+from hoccl.sched.hierarchical import Topology
+
+from test_mpi import _mpiexec
+
+SCRIPT = Path(__file__).parent / "mpi" / "run_hierarchical.py"
+
+RUNS = {  # (ranks, local size, inter-host engine): (dtypes, counts, ops)
+    (4, 2, "hoccl"): ("float32,bfloat16,int32,uint8", "0,5,17", "sum,max,avg"),
+    (4, 2, "mpi"): ("float32,bfloat16", "17", "sum,avg"),
+    (3, 1, "hoccl"): ("float32,uint8", "1,17", "sum,avg"),
+    (6, 3, "hoccl"): ("int32,bfloat16", "0,17", "sum,avg"),
+    (2, 2, "hoccl"): ("int32", "5", "sum"),
+}
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("ranks,local_size,inter_host", list(RUNS))
+def test_collectives_across_simulated_hosts_match_numpy(ranks, local_size, inter_host):
+    dtypes, counts, ops = RUNS[ranks, local_size, inter_host]
+    command = [_mpiexec(), "-n", str(ranks), sys.executable, str(SCRIPT), "--backend", "host",
+               "--inter-host", inter_host, "--dtypes", dtypes, "--counts", counts, "--ops", ops]
+    env = {**os.environ, "HOCCL_VERIFY": "1", "HOCCL_LOCAL_SIZE": str(local_size),
+           "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+           "OMPI_MCA_rmaps_base_oversubscribe": "1"}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:]
+    hosts = ranks // local_size
+    assert f"ranks={ranks} hosts={hosts}x{local_size} backend=host" in output, output[-4000:]
+    assert " 0 failed" in output and " 0 passed" not in output, output[-4000:]
+
+
+class NamedRanks:
+    """A bootstrap whose ranks report the given hostnames (``allgather`` of a hostname
+    answers with them; anything else with every rank's value)."""
+
+    def __init__(self, names, rank=0):
+        self.names, self.rank, self.world_size = list(names), rank, len(names)
+
+    def allgather(self, value):
+        return list(self.names)
+
+    def barrier(self):
+        pass
+
+    def close(self):
+        pass
+
+
+def test_ranks_are_grouped_by_hostname_in_blocks():
+    topology, names, grouping = host_topology("init", NamedRanks(["a", "a", "b", "b"]), None)
+    assert topology == Topology(2, 2) and grouping == "hostname"
+
+
+def test_local_size_makes_simulated_hosts_on_one_machine():
+    topology, _, grouping = host_topology("init", NamedRanks(["a"] * 6), 3)
+    assert topology == Topology(2, 3) and grouping == "local_size=3"
+
+
+def test_the_environment_gives_the_local_size(monkeypatch):
+    monkeypatch.setenv("HOCCL_LOCAL_SIZE", "2")
+    topology, _, grouping = host_topology("init", NamedRanks(["a"] * 4), None)
+    assert topology == Topology(2, 2) and grouping == "HOCCL_LOCAL_SIZE=2"
+
+
+@pytest.mark.parametrize("names,local_size,message", [
+    (["a", "b", "a", "b"], None, "blocks of equal size per host"),
+    (["a", "a", "a", "b"], None, "blocks of equal size per host"),
+    (["a"] * 4, 3, "divides the world size 4"),
+    (["a"] * 4, 0, "positive int"),
+    (["a", "a", "b", "b"], 4, "run on"),
+])
+def test_groupings_that_cannot_be_hosts_are_refused(names, local_size, message):
+    with pytest.raises(hoccl.InvalidArgumentError, match=message):
+        host_topology("init", NamedRanks(names), local_size)
+
+
+def test_a_sub_bootstrap_keeps_its_members_values():
+    class Everyone(NamedRanks):
+        def allgather(self, value):
+            return [f"{value}{rank}" for rank in range(self.world_size)]
+    sub = SubBootstrap(Everyone(["a"] * 6, rank=4), [1, 4, 5])
+    assert (sub.rank, sub.world_size) == (1, 3)
+    assert sub.allgather("x") == ["x1", "x4", "x5"]
+
+
+def test_an_unknown_inter_host_engine_is_refused():
+    with pytest.raises(hoccl.InvalidArgumentError, match="inter_host must be one of"):
+        hoccl.init(backend="host", bootstrap=NamedRanks(["a"]), inter_host="gloo")
