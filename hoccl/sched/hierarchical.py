@@ -57,7 +57,7 @@ elements (a rank's shard before all_reduce's all_gather, a piece before reduce's
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Dict, List, NoReturn, Optional, Sequence, Tuple, Union
 
@@ -475,7 +475,7 @@ def _all_to_all(b: _Builder) -> None:
 
 
 def _broadcast(b: _Builder) -> None:
-    s, H, L, c = b.shape, b.H, b.L, b.shape.count
+    s, L, c = b.shape, b.L, b.shape.count
     root_host, root_local = divmod(s.root, L)
     q, rest = divmod(c, L)
     main = q * L
