@@ -114,19 +114,27 @@ def init_local(n_or_devices: Union[int, Sequence[int]], *, backend: Optional[str
     return comms
 
 
-def init(*, backend: Optional[str] = None, mpi_comm: Any = None, device: Optional[int] = None,
-         timeout: Optional[float] = None, check: Optional[bool] = None, max_sms: int = 8,
-         copy_sms: Optional[int] = None, **options: Any) -> Communicator:
+def init(*, backend: Optional[str] = None, mpi_comm: Any = None, bootstrap: Any = None,
+         device: Optional[int] = None, timeout: Optional[float] = None,
+         check: Optional[bool] = None, max_sms: int = 8, copy_sms: Optional[int] = None,
+         **options: Any) -> Communicator:
     """This process's rank of an mpirun job (``mpi_comm`` defaults to ``MPI.COMM_WORLD``).
 
+    ``bootstrap`` replaces MPI for the rendezvous: an object with ``rank``,
+    ``world_size``, ``allgather(value) -> list`` (every rank gets all ranks' values in
+    rank order), ``barrier()`` and ``close()``, such as ``hoccl.torch.StoreBootstrap``.
     ``device=None`` picks the local rank modulo the visible GPUs.
     """
     call = "init"
-    from mpi4py import MPI
+    if bootstrap is not None and mpi_comm is not None:
+        raise InvalidArgumentError(f"{call}: pass mpi_comm or bootstrap, not both")
     backend = pick_backend(call, backend)
     timeout, check, verify_plans, plan_options = _settings(call, timeout, check, max_sms,
                                                            copy_sms, options)
-    group = MPIGroup(mpi_comm if mpi_comm is not None else MPI.COMM_WORLD, timeout)
+    if bootstrap is None and mpi_comm is None:
+        from mpi4py import MPI
+        mpi_comm = MPI.COMM_WORLD
+    group = MPIGroup(bootstrap if bootstrap is not None else mpi_comm, timeout)
     if backend == "cuda" and device is None:
         device = group.local_rank() % cuda_device_count()
     handle = open_device(backend, device, max_sms=max_sms)

@@ -120,15 +120,20 @@ class MPIGroup:
     """One rank of an mpirun job."""
 
     def __init__(self, mpi_comm: Any, timeout: float):
-        self.mpi = mpi_comm.Dup()
-        self.rank = self.mpi.Get_rank()
-        self.world_size = self.mpi.Get_size()
+        # an mpi4py communicator, or a bootstrap object: ``rank``, ``world_size``,
+        # ``allgather(value) -> list``, ``barrier()`` and ``close()``
+        self.bootstrap = None if hasattr(mpi_comm, "Dup") else mpi_comm
+        self.mpi = mpi_comm.Dup() if self.bootstrap is None else None
+        self.rank = self.mpi.Get_rank() if self.bootstrap is None else mpi_comm.rank
+        self.world_size = self.mpi.Get_size() if self.bootstrap is None else mpi_comm.world_size
         self.timeout = timeout
         self.host = socket.gethostname()
         self.pid = os.getpid()
         self.mailboxes = Mailboxes(self.rank, self.world_size, self.allgather, self.barrier)
 
     def allgather(self, value: Any) -> List[Any]:
+        if self.bootstrap is not None:
+            return list(self.bootstrap.allgather(value))
         return self.mpi.allgather(value)
 
     def local_rank(self) -> int:
@@ -193,13 +198,18 @@ class MPIGroup:
         return received
 
     def barrier(self) -> None:
-        self.mpi.Barrier()
+        if self.bootstrap is not None:
+            self.bootstrap.barrier()
+        else:
+            self.mpi.Barrier()
 
     def leave(self, comm: Any, leak: bool = False) -> None:
         """Free the device (keep it, with ``leak``) and the duplicated MPI communicator
         (unless MPI is gone)."""
         comm.device_handle.close(leak=leak)
         self.mailboxes.close()
+        if self.bootstrap is not None:
+            self.bootstrap.close()
         if self.mpi is not None:
             from mpi4py import MPI
             if not MPI.Is_finalized():

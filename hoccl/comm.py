@@ -280,6 +280,19 @@ class Communicator:
                 self.device_handle.free(address)
             self._retired.clear()
 
+    @property
+    def calls(self) -> int:
+        """How many calls (collectives, send, recv, barrier) this rank has made so far: a
+        mark for ``finished``."""
+        return self._ops
+
+    def finished(self, mark: int) -> bool:
+        """Whether every call this rank made up to ``mark`` (a value of ``calls``) has
+        finished on the device.  Never blocks; raises AbortedError after an abort."""
+        if self._aborted:
+            raise AbortedError(f"finished: the communicator was aborted: {self._abort_reason}")
+        return self._closed or self._host_word.value >= mark
+
     def abort(self, reason: str = "") -> None:
         """Release every stream-side wait of this communicator and make later calls raise.
 
