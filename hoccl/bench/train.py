@@ -379,11 +379,15 @@ def table(result: Dict[str, Any]) -> str:
         ratio = record["speedup_vs_baseline"]
         lines.append(
             f"| {record['shape']} ({ModelShape(**{k: record[k] for k in ('dim', 'layers', 'heads', 'seq', 'batch', 'vocab')}).label()}) "
-            f"| {record['parameters'] / 1e9:.2f} B | {record['library']} "
+            f"| {_count(record['parameters'])} | {record['library']} "
             f"| {record['median_step_s'] * 1000:.1f} | {record['tokens_per_s']:,.0f} "
             f"| {'—' if ratio is None else f'{ratio:.3f}x'} | {cell('exposed')} "
             f"| {cell('communication')} | {cell('idle')} |")
     return "\n".join(lines)
+
+
+def _count(parameters: int) -> str:
+    return f"{parameters / 1e9:.2f} B" if parameters >= 1e9 else f"{parameters / 1e6:.2f} M"
 
 
 def plot(result: Dict[str, Any], folder: str) -> str:
@@ -402,6 +406,9 @@ def plot(result: Dict[str, Any], folder: str) -> str:
                                 for s in shapes], width, label=name)
         axes[1].bar(positions, [(rows[s]["profile_ms_per_step"] or {}).get("exposed", 0)
                                 if s in rows else 0 for s in shapes], width, label=name)
+    if not any(r["profile_ms_per_step"] for r in records):
+        axes[1].text(0.5, 0.5, "no device timeline (CPU run)", ha="center", va="center",
+                     transform=axes[1].transAxes)
     for axis, label in zip(axes, ("step time (ms)", "exposed communication (ms/step)")):
         axis.set_xticks([i + width * (len(names) - 1) / 2 for i in range(len(shapes))])
         axis.set_xticklabels(shapes)
@@ -477,7 +484,7 @@ def main(argv=None) -> None:
     records = []
     for shape_name, shape in shapes_from(args.shapes):
         if rank == 0:
-            print(f"# {shape_name}: {shape.label()}, {shape.parameters() / 1e9:.2f} B parameters",
+            print(f"# {shape_name}: {shape.label()}, {_count(shape.parameters())} parameters",
                   flush=True)
         records += measure(shape_name, shape, names, args, rank, world_size, device,
                            hoccl_group, baseline)
