@@ -14,16 +14,21 @@ import logging
 import os
 from typing import Any, List, Optional, Sequence, Union
 
+from . import _validate as check
+from ._engine import Engine
 from ._errors import (AbortedError, DriverError, HocclError, HocclTimeoutError,
                       InvalidArgumentError, MismatchError, PlanError)
+from ._health import Health
+from ._validate import ReduceOp
 from .backends import cuda_device_count, open_device, pick_backend
-from .bootstrap import LocalGroup, MPIGroup
-from .comm import Communicator, ReduceOp, _options
+from .bootstrap import Bootstrap, LocalGroup, MPIBootstrap, ProcessGroup
+from .comm import Communicator, group, group_end, group_start
 from .sched import Options
 
-__all__ = ["init", "init_local", "Communicator", "ReduceOp", "HocclError",
-           "InvalidArgumentError", "PlanError", "HocclTimeoutError", "AbortedError",
-           "DriverError", "MismatchError", "DEFAULT_TIMEOUT", "default_copy_sms"]
+__all__ = ["init", "init_local", "Communicator", "ReduceOp", "group", "group_start",
+           "group_end", "Bootstrap", "HocclError", "InvalidArgumentError", "PlanError",
+           "HocclTimeoutError", "AbortedError", "DriverError", "MismatchError",
+           "DEFAULT_TIMEOUT", "default_copy_sms"]
 
 __version__ = "0.1.0"
 
@@ -33,8 +38,12 @@ DEFAULT_TIMEOUT = 300.0
 log = logging.getLogger("hoccl")
 _level = os.environ.get("HOCCL_DEBUG", "").upper()
 if _level in ("INFO", "DEBUG", "WARNING"):
-    logging.basicConfig(format="hoccl %(levelname)s %(message)s")
+    # only hoccl's own logger: an application's logging configuration stays its own
+    _handler = logging.StreamHandler()
+    _handler.setFormatter(logging.Formatter("hoccl %(levelname)s %(message)s"))
+    log.addHandler(_handler)
     log.setLevel(_level)
+    log.propagate = False
 
 
 def default_copy_sms(world_size: int) -> int:
@@ -46,37 +55,37 @@ def default_copy_sms(world_size: int) -> int:
     return max(2, -(-16 // max(1, world_size - 1)))
 
 
-def _sms(call: str, name: str, value: Any, optional: bool = False) -> None:
-    if value is None and optional:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise InvalidArgumentError(f"{call}: {name} must be a positive int"
-                                   f"{' or None' if optional else ''}; got {value!r}")
+class _Settings:
+    """What ``init`` and ``init_local`` take besides the ranks, checked once."""
 
+    def __init__(self, call: str, world_size: int, timeout: Optional[float],
+                 check_plans: Optional[bool], max_sms: int, copy_sms: Optional[int],
+                 options: dict):
+        self.timeout = check.timeout_setting(call, timeout, DEFAULT_TIMEOUT)
+        check.positive_int(call, "max_sms", max_sms)
+        check.positive_int(call, "copy_sms", copy_sms, optional=True)
+        self.max_sms = max_sms
+        self.copy_sms = copy_sms or default_copy_sms(world_size)
+        self.verify_plans = check.flag_setting(check_plans, "HOCCL_VERIFY")
+        self.options = check.plan_options(call, Options(), options)
 
-def _settings(call: str, timeout: Optional[float], check: Optional[bool], max_sms: int,
-              copy_sms: Optional[int], options: dict) -> tuple:
-    if timeout is None:
-        timeout = float(os.environ.get("HOCCL_TIMEOUT", DEFAULT_TIMEOUT))
-    if not isinstance(timeout, (int, float)) or timeout <= 0:
-        raise InvalidArgumentError(f"{call}: timeout must be a positive number of seconds; "
-                                   f"got {timeout!r}")
-    if check is None:
-        check = os.environ.get("HOCCL_CHECK", "0") not in ("", "0")
-    _sms(call, "max_sms", max_sms)
-    _sms(call, "copy_sms", copy_sms, optional=True)
-    verify_plans = os.environ.get("HOCCL_VERIFY", "0") not in ("", "0")
-    return float(timeout), bool(check), verify_plans, _options(Options(), call, **options)
+    def engine(self, rank: int, world_size: int, device: Any) -> Engine:
+        return Engine(rank=rank, world_size=world_size, device=device, options=self.options,
+                      verify_plans=self.verify_plans)
 
 
 def init_local(n_or_devices: Union[int, Sequence[int]], *, backend: Optional[str] = None,
-               timeout: Optional[float] = None, check: Optional[bool] = None,
+               timeout: Optional[float] = None, verify_plans: Optional[bool] = None,
                max_sms: int = 8, copy_sms: Optional[int] = None,
                **options: Any) -> List[Communicator]:
     """Several ranks in this process: one communicator per rank, rank i on device i.
 
-    ``n_or_devices`` is a rank count (devices 0..n-1) or a list of CUDA ordinals.  Make
-    each collective on every communicator (in any rank order) before synchronizing.
+    ``n_or_devices`` is a rank count (devices 0..n-1) or a list of distinct CUDA
+    ordinals.  Make each collective on every communicator (in any rank order) before
+    synchronizing, or inside ``hoccl.group()``.  Every call is checked against the
+    other ranks' (collective, count, dtype, op, root) before any byte moves.
+    ``verify_plans`` (or ``HOCCL_VERIFY=1``) proves every plan with
+    ``hoccl.sched.verify`` before its first use.
     """
     call = "init_local"
     backend = pick_backend(call, backend)
@@ -86,73 +95,77 @@ def init_local(n_or_devices: Union[int, Sequence[int]], *, backend: Optional[str
     devices = list(range(n_or_devices)) if isinstance(n_or_devices, int) else list(n_or_devices)
     if not devices:
         raise InvalidArgumentError(f"{call}: need at least one rank; got {n_or_devices!r}")
+    if any(isinstance(d, bool) or not isinstance(d, int) for d in devices) \
+            or len(set(devices)) != len(devices):
+        raise InvalidArgumentError(f"{call}: devices must be distinct int ordinals; got "
+                                   f"{devices}")
     if backend == "cuda":
         visible = cuda_device_count()
-        bad = [d for d in devices if not isinstance(d, int) or not 0 <= d < visible]
-        if bad or len(set(devices)) != len(devices):
-            raise InvalidArgumentError(f"{call}: devices must be distinct CUDA ordinals in "
+        if not all(0 <= d < visible for d in devices):
+            raise InvalidArgumentError(f"{call}: devices must be CUDA ordinals in "
                                        f"[0, {visible}); got {devices}")
-    timeout, check, verify_plans, plan_options = _settings(call, timeout, check, max_sms,
-                                                           copy_sms, options)
+    settings = _Settings(call, len(devices), timeout, verify_plans, max_sms, copy_sms, options)
     group = LocalGroup(len(devices))
-    handles = [open_device(backend, ordinal, max_sms=max_sms) for ordinal in devices]
-    for handle in handles:
-        handle.copy_sms = copy_sms or default_copy_sms(len(devices))
+    handles = [open_device(backend, ordinal, max_sms=settings.max_sms,
+                           copy_sms=settings.copy_sms) for ordinal in devices]
     for handle in handles:
         for peer in handles:
             if peer is not handle:
                 handle.enable_peer_access(peer)
-    comms = [Communicator(rank=rank, world_size=len(devices), device=handle, group=group,
-                          options=plan_options, timeout=timeout, check=check,
-                          verify_plans=verify_plans)
-             for rank, handle in enumerate(handles)]
-    group.comms = comms
-    pads = [comm.pad_address for comm in comms]
-    for comm in comms:
-        comm._connect(pads)
+    engines = [settings.engine(rank, len(devices), handle) for rank, handle in enumerate(handles)]
+    for engine in engines:
+        engine.pad.connect([other.pad.address for other in engines])
+    monitors = [Health(engine, settings.timeout, group.siblings, group.forget_calls)
+                for engine in engines]
+    group.monitors = monitors
+    comms = [Communicator(engine=engine, group=group, health=health)
+             for engine, health in zip(engines, monitors)]
     log.info("init_local: %d ranks, backend %s, devices %s", len(comms), backend, devices)
     return comms
 
 
-def init(*, backend: Optional[str] = None, mpi_comm: Any = None, bootstrap: Any = None,
-         device: Optional[int] = None, timeout: Optional[float] = None,
-         check: Optional[bool] = None, max_sms: int = 8, copy_sms: Optional[int] = None,
-         **options: Any) -> Communicator:
-    """This process's rank of an mpirun job (``mpi_comm`` defaults to ``MPI.COMM_WORLD``).
+def init(*, backend: Optional[str] = None, mpi_comm: Any = None,
+         bootstrap: Optional[Bootstrap] = None, device: Optional[int] = None,
+         timeout: Optional[float] = None, verify_plans: Optional[bool] = None,
+         max_sms: int = 8, copy_sms: Optional[int] = None, **options: Any) -> Communicator:
+    """This process's rank of a multi-process job.
 
-    ``bootstrap`` replaces MPI for the rendezvous: an object with ``rank``,
-    ``world_size``, ``allgather(value) -> list`` (every rank gets all ranks' values in
-    rank order), ``barrier()`` and ``close()``, such as ``hoccl.torch.StoreBootstrap``.
-    ``device=None`` picks the local rank modulo the visible GPUs.
+    The ranks find each other through ``bootstrap`` (any ``hoccl.Bootstrap``: rank,
+    world_size, allgather, barrier, close; ``hoccl.torch`` makes one from a
+    torch.distributed Store) or else through MPI (``mpi_comm``, default
+    ``MPI.COMM_WORLD``).  ``device=None`` picks the local rank modulo the visible GPUs.
     """
     call = "init"
-    if bootstrap is not None and mpi_comm is not None:
-        raise InvalidArgumentError(f"{call}: pass mpi_comm or bootstrap, not both")
     backend = pick_backend(call, backend)
-    timeout, check, verify_plans, plan_options = _settings(call, timeout, check, max_sms,
-                                                           copy_sms, options)
-    if bootstrap is None and mpi_comm is None:
-        from mpi4py import MPI
-        mpi_comm = MPI.COMM_WORLD
-    group = MPIGroup(bootstrap if bootstrap is not None else mpi_comm, timeout)
+    if bootstrap is None:
+        try:
+            from mpi4py import MPI
+        except ImportError:
+            raise InvalidArgumentError(
+                f"{call}: mpi4py is needed to find the other ranks (pip install "
+                f"'hoccl[mpi]'), or pass bootstrap= (e.g. from hoccl.torch)") from None
+        bootstrap = MPIBootstrap(mpi_comm if mpi_comm is not None else MPI.COMM_WORLD)
+    group = ProcessGroup(bootstrap, check.timeout_setting(call, timeout, DEFAULT_TIMEOUT))
+    world_size = group.world_size
+    settings = _Settings(call, world_size, timeout, verify_plans, max_sms, copy_sms, options)
     if backend == "cuda" and device is None:
         device = group.local_rank() % cuda_device_count()
-    handle = open_device(backend, device, max_sms=max_sms)
-    handle.copy_sms = copy_sms or default_copy_sms(group.world_size)
-    comm = Communicator(rank=group.rank, world_size=group.world_size, device=handle, group=group,
-                        options=plan_options, timeout=timeout, check=check,
-                        verify_plans=verify_plans)
-    identity = (group.host, group.pid, handle.ordinal, handle.export(comm.pad_address))
-    everyone = group.allgather(identity)
+    handle = open_device(backend, device, max_sms=settings.max_sms, copy_sms=settings.copy_sms)
+    engine = settings.engine(group.rank, world_size, handle)
+    identity = (group.host, group.pid, handle.ordinal, handle.export(engine.pad.address))
+    everyone = bootstrap.allgather(identity)
     pads = []
-    for rank, (host, pid, ordinal, pad) in enumerate(everyone):
+    for rank, (host, _, _, pad) in enumerate(everyone):
         if host != group.host:
             raise InvalidArgumentError(f"{call}: rank {rank} runs on host {host}, rank "
                                        f"{group.rank} on {group.host}; hoccl connects the GPUs "
                                        f"of one host (one NVLink domain)")
-        pads.append(comm.pad_address if rank == group.rank else handle.import_(pad))
-    comm._connect(pads)
-    group.barrier()
-    log.info("init: rank %d/%d backend %s device %s", group.rank, group.world_size, backend,
+        pads.append(engine.pad.address if rank == group.rank else handle.import_(pad))
+    engine.pad.connect(pads)
+    health = Health(engine, settings.timeout, group.siblings, group.forget_calls,
+                    peers_alive=group.dead_peer)
+    comm = Communicator(engine=engine, group=group, health=health)
+    bootstrap.barrier()
+    log.info("init: rank %d/%d backend %s device %s", group.rank, world_size, backend,
              handle.ordinal)
     return comm

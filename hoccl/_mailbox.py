@@ -17,7 +17,7 @@ import os
 import pickle
 import time
 import uuid
-from typing import Any, Callable, List
+from typing import Any, Callable, List, Optional
 
 
 __all__ = ["Mailboxes", "SLOT_BYTES", "wait_until"]
@@ -106,17 +106,22 @@ class Mailboxes:
         self._maps.clear()
 
 
-def wait_until(ready: Callable[[], bool], deadline: float, describe: Callable[[], str]) -> None:
+def wait_until(ready: Callable[[], bool], deadline: float, describe: Callable[[], str],
+               check: Optional[Callable[[], None]] = None) -> None:
     """Poll ``ready()``: without sleeping for 2 ms (a peer usually answers within
     microseconds), then with sleeps backing off to 1 ms; HocclTimeoutError(``describe()``)
-    after ``deadline``."""
+    after ``deadline``.  ``check()`` runs every 100 ms meanwhile (it raises to give up)."""
     from ._errors import HocclTimeoutError
     spin_until = time.monotonic() + 2e-3
+    next_check = time.monotonic() + 0.1
     delay = 50e-6
     while not ready():
         now = time.monotonic()
         if now > deadline:
             raise HocclTimeoutError(describe())
+        if check is not None and now > next_check:
+            check()
+            next_check = now + 0.1
         if now > spin_until:
             time.sleep(delay)
             delay = min(delay * 2, 1e-3)

@@ -1,15 +1,24 @@
 """Rendezvous: how ranks find each other and match their calls.
 
-Two groups, one interface (``submit(comm, op)``):
+A ``Group`` takes each rank's enqueued calls (``Engine.enqueue`` has already fenced
+the caller's stream), matches them with the other participants' calls, checks that
+every participant agrees on what the call is, and hands each matched call to its
+rank's engine (``Engine.issue``) — or, on a disagreement, completes every
+participant's call unrun (``Engine.release``) and raises ``MismatchError``.  Calls
+flow one way: Communicator → Group → Engine.
 
 * ``LocalGroup`` — several ranks in one Python process (Jupyter, tests).  All
   ranks' calls come from one thread, rank after rank, so no call may wait for
-  another rank's call: an operation is held until every participant has
-  submitted it, then issued for each of them (in each rank's own call order).
-* ``MPIGroup`` — one rank per process under mpirun.  Init-time exchange (pads,
-  process and device identity) is an MPI allgather; per call, the participants
-  swap buffer descriptors (exported handles, cached by the importer) through
-  shared-memory mailboxes (``hoccl._mailbox``), bounded by the communicator's timeout.
+  another rank's call: a call is held until every participant has made it, then
+  issued for each of them (in each rank's own call order).
+* ``ProcessGroup`` — one rank per process (under mpirun, or any launcher that gives a
+  ``Bootstrap``).  Per call, the participants swap buffer descriptors (exported
+  handles, cached by the importer) and the call's signature through shared-memory
+  mailboxes (``hoccl._mailbox``), bounded by the communicator's timeout.
+
+A ``Bootstrap`` is the out-of-band channel a process group is built on: rank,
+world size, an allgather of Python objects and a barrier.  ``MPIBootstrap`` wraps an
+mpi4py communicator; ``hoccl.torch`` provides one over a torch.distributed Store.
 """
 
 from __future__ import annotations
@@ -18,198 +27,303 @@ import os
 import socket
 import time
 from collections import deque
-from typing import Any, Dict, List, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Protocol, Sequence, Tuple
 
-from ._errors import MismatchError
+from ._errors import HocclError, MismatchError
 from ._mailbox import Mailboxes, wait_until
 
-__all__ = ["LocalGroup", "MPIGroup"]
+if TYPE_CHECKING:
+    from ._engine import Call, Engine, PeerBuffer
+    from ._health import Health
+
+__all__ = ["Group", "Bootstrap", "LocalGroup", "ProcessGroup", "MPIBootstrap"]
 
 
-class LocalGroup:
-    """In-process rendezvous of several communicators."""
+class Bootstrap(Protocol):
+    """The out-of-band channel of a process group."""
+    rank: int
+    world_size: int
 
-    def __init__(self, world_size: int):
-        self.world_size = world_size
-        self.comms: List[Any] = []
-        self._closed: set = set()
-        self._leak = False  # a rank closed with work stuck behind its caller's stream
-        self._pending: Dict[tuple, Dict[int, Any]] = {}
-        self._queues: List[deque] = [deque() for _ in range(world_size)]
+    def allgather(self, value: Any) -> List[Any]:
+        """Every rank's ``value`` (picklable), in rank order."""
 
-    def prepare(self, comm: Any, local: Dict[str, Any]) -> None:
-        """Nothing to export in one process: peers use each other's addresses."""
-        return None
+    def barrier(self) -> None: ...
 
-    def admit(self, comm: Any, op: Any) -> None:
-        """Check mode: compare with the ranks that already made this call."""
-        group = self._pending.get(op.key, {})
-        if comm.check and group:
-            first_rank, first = next(iter(group.items()))
-            if op.signature != first.signature:
-                raise MismatchError(_mismatch(op.call, comm.rank, op.signature,
-                                              first_rank, first.signature))
+    def close(self) -> None: ...
 
-    def submit(self, comm: Any, op: Any, payload: Any) -> None:
-        self._pending.setdefault(op.key, {})[comm.rank] = op
-        self._queues[comm.rank].append(op)
-        self.progress()
 
-    def withdraw(self, comm: Any, op: Any) -> None:
-        """``comm`` closes with ``op`` never issued: forget it (the other ranks' matching
-        calls then wait for ever, and their ``synchronize`` names this rank)."""
-        self._queues[comm.rank] = deque(queued for queued in self._queues[comm.rank]
-                                        if queued is not op)
-        group = self._pending.get(op.key)
-        if group is not None and group.get(comm.rank) is op:
-            del group[comm.rank]
-            if not group:
-                del self._pending[op.key]
+class Group(Protocol):
+    """What the Communicator hands its calls to."""
 
-    def siblings(self, comm: Any) -> List[Any]:
-        """The other ranks of this process: an abort of one is an abort of all."""
-        return [member for member in self.comms if member is not comm]
+    #: peers live in other processes: buffers travel as export descriptors
+    exported: bool
+
+    def post(self, calls: Sequence["Call"]) -> None:
+        """Offer ``calls`` (one rank's enqueued calls, in call order; several inside
+        ``hoccl.group()``) to the other participants."""
+
+    def complete(self, calls: Sequence["Call"]) -> None:
+        """Match the posted ``calls`` with the other participants' and issue them, now or
+        when the peers' calls arrive (``LocalGroup``).  A disagreement releases the
+        participants' calls and raises ``MismatchError``."""
+
+    def withdraw(self, call: "Call") -> None:
+        """``call`` will never be issued (its rank closes): forget it."""
+
+    def siblings(self, health: "Health") -> List["Health"]:
+        """The monitors of the other ranks of this process."""
 
     def forget_calls(self) -> None:
         """After an abort: no held call will ever be issued."""
+
+    def waiting_for(self, call: "Call") -> List[int]:
+        """The participants that have not made ``call`` yet."""
+
+    def dead_peer(self) -> Optional[str]:
+        """A description of a peer whose process is gone, if one is."""
+
+    def leave(self, engine: "Engine", leak: bool) -> None:
+        """``engine``'s rank has closed its streams: free what can be freed."""
+
+
+def _disagreement(call: "Call", rank: int, peer: int, theirs: Tuple) -> str:
+    return (f"{call.name}: rank {rank} called {_describe(call.signature)} but rank {peer} "
+            f"called {_describe(theirs)}")
+
+
+def _describe(signature: Tuple) -> str:
+    return "(" + ", ".join(f"{key}={value!r}" for key, value in signature) + ")"
+
+
+class LocalGroup:
+    """In-process rendezvous of several ranks.
+
+    Each rank's queue holds *batches*: one call, or that rank's calls of one
+    ``hoccl.group()``, which are issued together (side by side on the device).  A
+    batch is issued when it is at the head of its rank's queue and every participant
+    has made each of its calls.  All ranks' calls are known to this one process, so a
+    set of calls that can never all run (each rank first waits, on the device, for a
+    call another rank makes only later) is refused when its last call is made.
+    """
+
+    exported = False
+
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+        self.monitors: List["Health"] = []
+        self._closed: set = set()
+        self._leak = False  # a rank closed with work stuck behind its caller's stream
+        self._pending: Dict[tuple, Dict[int, "Call"]] = {}
+        self._queues: List[deque] = [deque() for _ in range(world_size)]
+        # refused calls whose other participants have yet to make them: key -> (error,
+        # the ranks still to come), so that their calls are refused too when they come
+        self._refused: Dict[tuple, Tuple[MismatchError, set]] = {}
+        # each rank's calls in order, as batches, until every participant of a call has
+        # reached it (issued or not): what the cycle check reasons about
+        self._order: List[deque] = [deque() for _ in range(world_size)]
+
+    def submit(self, calls: Sequence["Call"]) -> None:
+        self.post(calls)
+        self.complete(calls)
+
+    def post(self, calls: Sequence["Call"]) -> None:
+        """Check ``calls`` against the participants that made them already and queue them."""
+        for call in calls:
+            refused = self._refused.get(call.key)
+            if refused is not None:
+                error, to_come = refused
+                to_come.discard(call.engine.rank)
+                if not to_come:
+                    del self._refused[call.key]
+                for member in calls:
+                    member.engine.release(member)
+                reason = str(error).split(": ", 1)[-1]
+                raise MismatchError(f"{call.name}: rank {call.engine.rank}'s call {call.key[1:]} "
+                                    f"was refused: {reason}")
+            group = self._pending.get(call.key, {})
+            for peer, theirs in group.items():
+                if theirs.signature != call.signature:
+                    error = MismatchError(_disagreement(call, call.engine.rank, peer,
+                                                        theirs.signature))
+                    self._refuse(list(calls), error)
+                    raise error
+        for call in calls:
+            self._pending.setdefault(call.key, {})[call.engine.rank] = call
+        self._queues[calls[0].engine.rank].append(tuple(calls))
+        self._order[calls[0].engine.rank].append(list(calls))
+
+    def complete(self, calls: Sequence["Call"]) -> None:
+        """Issue what can be issued; refuse ``calls`` if they close a cycle of waits."""
+        cycle = self._cycle()  # before issuing: the calls that close a cycle are not issued
+        if not cycle:
+            self._progress()
+        else:
+            waits = "; ".join(f"rank {rank}'s {call.name} {call.key[1:]} waits for rank {peer}"
+                              for rank, call, peer in cycle)
+            error = MismatchError(
+                f"{calls[-1].name}: these calls can never all run, each rank first waiting for "
+                f"a call another rank makes only later: {waits}; they are refused, not run.  "
+                f"Make calls in the same order on every rank, or make a cycle of send/recv "
+                f"inside hoccl.group()")
+            # a call already on the device cannot be taken back: refuse the others, which
+            # breaks the cycle (the calls that closed it are among them)
+            self._refuse([call for _, call, _ in cycle if not any(
+                member.issued for member in self._pending.get(call.key, {call.engine.rank: call})
+                .values())], error)
+            raise error
+
+    def _refuse(self, calls: List["Call"], error: MismatchError) -> None:
+        """Nothing of the refused calls runs: every participant's matching call completes
+        unrun; ranks that made theirs earlier learn of it at their next synchronize."""
+        for call in calls:
+            group = self._pending.pop(call.key, {})
+            group[call.engine.rank] = call
+            to_come = set(call.plan.participants) - set(group)
+            if to_come:
+                self._refused[call.key] = (error, to_come)
+            for rank, member in group.items():
+                self._forget(rank, member)
+                if not member.issued:
+                    member.engine.release(member)
+                if member not in calls:
+                    member.engine.pending_error = error
+        self._progress()  # calls queued behind the refused ones may now run
+
+    def _forget(self, rank: int, call: "Call") -> None:
+        """Take ``call`` out of ``rank``'s queue and order."""
+        self._queues[rank] = deque(remaining for remaining in
+                                   (tuple(queued for queued in batch if queued is not call)
+                                    for batch in self._queues[rank]) if remaining)
+        self._order[rank] = deque(remaining for remaining in
+                                  ([queued for queued in batch if queued is not call]
+                                   for batch in self._order[rank]) if remaining)
+
+    def _cycle(self) -> List[Tuple[int, "Call", int]]:
+        """A cycle of ranks each waiting for another's later call, as (rank, its waiting
+        call, the rank it waits for).
+
+        On the device a rank runs its calls (batches) in order, and a call completes only
+        once every participant has reached it.  So first every call that all its
+        participants have reached (it is in each one's head batch) is settled; then rank
+        r waits for rank s when a call of r's head batch has participant s and s's own
+        head batch does not hold that call: s reaches it only after its head batch
+        completes.  A cycle of such waits can never progress (the device would block for
+        ever)."""
+        order = self._order
+        settled = True
+        while settled:
+            settled = False
+            for rank, batches in enumerate(order):
+                if not batches:
+                    continue
+                for call in list(batches[0]):
+                    participants = call.plan.participants
+                    if all(order[peer] and any(theirs.key == call.key for theirs in order[peer][0])
+                           for peer in participants):
+                        for peer in participants:
+                            head = order[peer][0]
+                            head[:] = [theirs for theirs in head if theirs.key != call.key]
+                            if not head:
+                                order[peer].popleft()
+                        settled = True
+                        break
+        heads = {rank: batches[0] for rank, batches in enumerate(order) if batches}
+        waits: Dict[int, Tuple[int, "Call"]] = {}
+        for rank, batch in heads.items():
+            for call in batch:
+                for peer in call.plan.participants:
+                    if peer == rank or peer not in heads:
+                        continue
+                    if not any(theirs.key == call.key for theirs in heads[peer]):
+                        waits.setdefault(rank, (peer, call))
+        for start in waits:
+            seen: List[int] = []
+            current: Optional[int] = start
+            while current is not None and current not in seen:
+                seen.append(current)
+                current = waits[current][0] if current in waits else None
+            if current is not None:
+                loop = seen[seen.index(current):]
+                return [(member, waits[member][1], waits[member][0]) for member in loop]
+        return []
+
+    def withdraw(self, call: "Call") -> None:
+        """``call``'s rank closes with it never issued: forget it (the other ranks'
+        matching calls then wait for ever, and their ``synchronize`` names this rank)."""
+        rank = call.engine.rank
+        self._forget(rank, call)
+        group = self._pending.get(call.key)
+        if group is not None and group.get(rank) is call:
+            del group[rank]
+            if not group:
+                del self._pending[call.key]
+
+    def siblings(self, health: "Health") -> List["Health"]:
+        return [monitor for monitor in self.monitors if monitor is not health]
+
+    def forget_calls(self) -> None:
         self._pending.clear()
-        for queue in self._queues:
+        self._refused.clear()
+        for queue in self._queues + self._order:
             queue.clear()
 
-    def waiting_for(self, op: Any) -> List[int]:
-        """The participants that have not yet made the call ``op`` belongs to."""
-        group = self._pending.get(op.key, {})
-        return [rank for rank in op.plan.participants if rank not in group]
+    def waiting_for(self, call: "Call") -> List[int]:
+        group = self._pending.get(call.key, {})
+        return [rank for rank in call.plan.participants if rank not in group]
 
-    def progress(self) -> None:
-        """Issue, for every rank, the operations at the head of its queue that are complete."""
+    def dead_peer(self) -> Optional[str]:
+        return None  # every rank lives in this process
+
+    def _progress(self) -> None:
+        """Issue, for every rank, the batches at the head of its queue whose calls every
+        participant has made."""
         moved = True
         while moved:
             moved = False
             for rank, queue in enumerate(self._queues):
                 while queue:
-                    op = queue[0]
-                    group = self._pending.get(op.key, {})
-                    if len(group) < len(op.plan.participants):
+                    batch = queue[0]
+                    groups = [self._pending.get(call.key, {}) for call in batch]
+                    if any(len(group) < len(call.plan.participants)
+                           for call, group in zip(batch, groups)):
                         break
                     queue.popleft()
-                    addresses = {(peer, name): address for peer, peer_op in group.items()
-                                 for name, address in peer_op.local.items()}
-                    self.comms[rank].device_handle.activate()
-                    self.comms[rank]._issue(op, addresses)
-                    op.issued = True
-                    if all(member.issued for member in group.values()):
-                        del self._pending[op.key]
+                    for call, group in zip(batch, groups):
+                        call.peers = {peer: theirs.shared for peer, theirs in group.items()
+                                      if peer != rank}
+                    batch[0].engine.issue(batch, imported=False)
+                    for call, group in zip(batch, groups):
+                        if all(member.issued for member in group.values()):
+                            self._pending.pop(call.key, None)
                     moved = True
 
-    def leave(self, comm: Any, leak: bool = False) -> None:
-        """``comm`` closed its streams.  Its pad and scratch stay mapped by the other ranks'
+    def leave(self, engine: "Engine", leak: bool) -> None:
+        """A rank closed its streams.  Its pad and scratch stay mapped by the other ranks'
         lanes until they have closed theirs too: free every device only then (or none, if
         any rank's work was left stuck: its lanes may still write into every peer)."""
-        self._closed.add(comm.rank)
+        self._closed.add(engine.rank)
         self._leak = self._leak or leak
-        if len(self._closed) == len(self.comms):
-            for member in self.comms:
-                member.device_handle.close(leak=self._leak)
-            self._pending.clear()
-            for queue in self._queues:
-                queue.clear()
+        if len(self._closed) == len(self.monitors):
+            for monitor in self.monitors:
+                monitor.engine.device.close(leak=self._leak)
+            self.forget_calls()
 
 
-class MPIGroup:
-    """One rank of an mpirun job."""
+class MPIBootstrap:
+    """A ``Bootstrap`` over an mpi4py communicator (duplicated, freed by ``close``)."""
 
-    def __init__(self, mpi_comm: Any, timeout: float):
-        # an mpi4py communicator, or a bootstrap object: ``rank``, ``world_size``,
-        # ``allgather(value) -> list``, ``barrier()`` and ``close()``
-        self.bootstrap = None if hasattr(mpi_comm, "Dup") else mpi_comm
-        self.mpi = mpi_comm.Dup() if self.bootstrap is None else None
-        self.rank = self.mpi.Get_rank() if self.bootstrap is None else mpi_comm.rank
-        self.world_size = self.mpi.Get_size() if self.bootstrap is None else mpi_comm.world_size
-        self.timeout = timeout
-        self.host = socket.gethostname()
-        self.pid = os.getpid()
-        self.mailboxes = Mailboxes(self.rank, self.world_size, self.allgather, self.barrier)
+    def __init__(self, mpi_comm: Any):
+        self.mpi = mpi_comm.Dup()
+        self.rank: int = self.mpi.Get_rank()
+        self.world_size: int = self.mpi.Get_size()
 
     def allgather(self, value: Any) -> List[Any]:
-        if self.bootstrap is not None:
-            return list(self.bootstrap.allgather(value))
         return self.mpi.allgather(value)
 
-    def local_rank(self) -> int:
-        """This rank's index among the ranks on its host."""
-        hosts = self.allgather(self.host)
-        return sum(1 for host in hosts[:self.rank] if host == self.host)
-
-    def prepare(self, comm: Any, local: Dict[str, Any]) -> Any:
-        """Export this rank's buffers (cached by allocation): what peers need to map them."""
-        device = comm.device_handle
-        return {name: device.export(address) for name, address in local.items()}
-
-    def admit(self, comm: Any, op: Any) -> None:
-        """Mismatches are found in ``submit``, when the peers' signatures arrive."""
-
-    def withdraw(self, comm: Any, op: Any) -> None:
-        """Under mpirun every call is issued before it returns: nothing is ever held."""
-
-    def siblings(self, comm: Any) -> List[Any]:
-        """One rank per process: peers learn of an abort from the poison in their pads."""
-        return []
-
-    def forget_calls(self) -> None:
-        """Nothing is held between calls under mpirun."""
-
-    def submit(self, comm: Any, op: Any, exports: Any) -> None:
-        """Swap descriptors with the other participants, import theirs, then issue."""
-        payload = (exports, op.signature if comm.check else None)
-        peers = [rank for rank in op.plan.participants if rank != self.rank]
-        received = self._exchange(peers, op.key, payload, op.call)
-        addresses = {(self.rank, name): address for name, address in op.local.items()}
-        for peer, (descriptors, signature) in received.items():
-            if comm.check and signature != op.signature:
-                raise MismatchError(_mismatch(op.call, self.rank, op.signature, peer, signature))
-            for name, descriptor in descriptors.items():
-                # the device caches mappings by allocation: a repeat costs no driver call
-                addresses[(peer, name)] = comm.device_handle.import_(descriptor)
-        comm._issue(op, addresses)
-        op.issued = True
-
-    def _exchange(self, peers: List[int], key: tuple, payload: Any,
-                  call: str) -> Dict[int, Any]:
-        """Send ``payload`` to every peer and receive theirs, through the shared-memory
-        mailboxes; give up after the timeout."""
-        deadline = time.monotonic() + self.timeout
-        for peer in peers:
-            self.mailboxes.send(peer, (key, payload), deadline, call)
-        received: Dict[int, Any] = {}
-        missing = list(peers)
-        while missing:
-            wait_until(lambda: any(self.mailboxes.ready(peer) for peer in missing), deadline,
-                       lambda: f"{call}: rank {self.rank} waited {self.timeout:g} s for ranks "
-                               f"{missing} to make the matching call {key}; they never did — "
-                               f"a mismatched sequence of calls or a dead process")
-            for peer in [peer for peer in missing if self.mailboxes.ready(peer)]:
-                their_key, received[peer] = self.mailboxes.receive(peer)
-                missing.remove(peer)
-                if their_key != key:
-                    raise MismatchError(
-                        f"{call}: rank {self.rank} made call {key} but rank {peer}'s next "
-                        f"call with it was {their_key}: the ranks' sequences of calls differ")
-        return received
-
     def barrier(self) -> None:
-        if self.bootstrap is not None:
-            self.bootstrap.barrier()
-        else:
-            self.mpi.Barrier()
+        self.mpi.Barrier()
 
-    def leave(self, comm: Any, leak: bool = False) -> None:
-        """Free the device (keep it, with ``leak``) and the duplicated MPI communicator
-        (unless MPI is gone)."""
-        comm.device_handle.close(leak=leak)
-        self.mailboxes.close()
-        if self.bootstrap is not None:
-            self.bootstrap.close()
+    def close(self) -> None:
         if self.mpi is not None:
             from mpi4py import MPI
             if not MPI.Is_finalized():
@@ -217,10 +331,126 @@ class MPIGroup:
             self.mpi = None
 
 
-def _mismatch(call: str, rank: int, mine: Tuple, peer: int, theirs: Tuple) -> str:
-    return (f"{call}: rank {rank} called {_describe(mine)} but rank {peer} called "
-            f"{_describe(theirs)}")
+class ProcessGroup:
+    """One rank per process, on one host."""
 
+    exported = True
 
-def _describe(signature: Tuple) -> str:
-    return "(" + ", ".join(f"{key}={value!r}" for key, value in signature) + ")"
+    def __init__(self, bootstrap: Bootstrap, timeout: float):
+        self.bootstrap = bootstrap
+        self.rank = bootstrap.rank
+        self.world_size = bootstrap.world_size
+        self.timeout = timeout
+        self.host = socket.gethostname()
+        self.pid = os.getpid()
+        self.mailboxes = Mailboxes(self.rank, self.world_size, bootstrap.allgather,
+                                   bootstrap.barrier)
+
+    def local_rank(self) -> int:
+        """This rank's index among the ranks on its host."""
+        hosts = self.bootstrap.allgather(self.host)
+        return sum(1 for host in hosts[:self.rank] if host == self.host)
+
+    def submit(self, calls: Sequence["Call"]) -> None:
+        self.post(calls)
+        self.complete(calls)
+
+    def post(self, calls: Sequence["Call"]) -> None:
+        """Send (key, signature, shared buffers) of each call to its participants."""
+        deadline = time.monotonic() + self.timeout
+        for call in calls:
+            message = (call.key, call.signature, call.shared)
+            for peer in call.plan.participants:
+                if peer != self.rank:
+                    self.mailboxes.send(peer, message, deadline, call.name)
+
+    def complete(self, calls: Sequence["Call"]) -> None:
+        """Receive every participant's message, check they agree, then issue — or release
+        every call and raise if any participant disagrees."""
+        received = self._receive(calls, time.monotonic() + self.timeout)
+        problem: Optional[str] = None
+        for call in calls:
+            for peer, (signature, _) in received[call.key].items():
+                if signature != call.signature and problem is None:
+                    problem = _disagreement(call, self.rank, peer, signature)
+        if problem is not None:
+            self._discard(calls)
+            raise MismatchError(problem)
+        for call in calls:
+            call.peers = {peer: shared for peer, (_, shared) in received[call.key].items()}
+        calls[0].engine.issue(calls, imported=True)
+
+    def _receive(self, calls: Sequence["Call"], deadline: float
+                 ) -> Dict[tuple, Dict[int, Tuple[tuple, Dict[str, "PeerBuffer"]]]]:
+        """Every participant's message for each of ``calls``.  One call alone: each peer's
+        next message must be for it (the ranks' sequences of calls must agree).  Several
+        (a group): each peer's messages may come in any order, but must be exactly the
+        group's calls with that peer."""
+        expected: Dict[int, List[tuple]] = {}
+        for call in calls:
+            for peer in call.plan.participants:
+                if peer != self.rank:
+                    expected.setdefault(peer, []).append(call.key)
+        received: Dict[tuple, Dict[int, Tuple[tuple, Dict[str, "PeerBuffer"]]]] = {
+            call.key: {} for call in calls}
+        names = {call.key: call.name for call in calls}
+        first = calls[0]
+        while expected:
+            missing = sorted(expected)
+            wait_until(lambda: any(self.mailboxes.ready(peer) for peer in missing), deadline,
+                       lambda: f"{first.name}: rank {self.rank} waited {self.timeout:g} s for "
+                               f"ranks {missing} to make the matching call {first.key}; they "
+                               f"never did: a mismatched sequence of calls or a dead process",
+                       check=self._check_alive(missing, first.name))
+            for peer in [peer for peer in missing if self.mailboxes.ready(peer)]:
+                key, signature, shared = self.mailboxes.receive(peer)
+                keys = expected[peer]
+                if (key not in keys) if len(calls) > 1 else (key != keys[0]):
+                    self._discard(calls)
+                    raise MismatchError(
+                        f"{names.get(key, first.name)}: rank {self.rank} made call "
+                        f"{keys[0] if len(calls) == 1 else keys} but rank {peer}'s next call "
+                        f"with it was {key}: the ranks' sequences of calls differ (a cycle of "
+                        f"send/recv must be made inside hoccl.group())")
+                keys.remove(key)
+                if not keys:
+                    del expected[peer]
+                received[key][peer] = (signature, shared)
+        return received
+
+    def _discard(self, calls: Sequence["Call"]) -> None:
+        for call in calls:
+            call.engine.release(call)
+
+    def _check_alive(self, peers: List[int], name: str):
+        def check() -> None:
+            gone = self.mailboxes.dead(peers) if hasattr(self.mailboxes, "dead") else None
+            if gone is not None:
+                raise HocclError(f"{name}: rank {self.rank}: {gone}")
+        return check
+
+    def withdraw(self, call: "Call") -> None:
+        """Every call is issued or released before it returns: nothing is ever held."""
+
+    def siblings(self, health: "Health") -> List["Health"]:
+        return []  # one rank per process: peers learn of an abort from their pads
+
+    def forget_calls(self) -> None:
+        """Nothing is held between calls."""
+
+    def waiting_for(self, call: "Call") -> List[int]:
+        return []
+
+    def dead_peer(self) -> Optional[str]:
+        if hasattr(self.mailboxes, "dead"):
+            return self.mailboxes.dead(range(self.world_size))
+        return None
+
+    def barrier(self) -> None:
+        self.bootstrap.barrier()
+
+    def leave(self, engine: "Engine", leak: bool) -> None:
+        """Free the device (keep it, with ``leak``), the mailboxes and the bootstrap."""
+        engine.device.close(leak=leak)
+        self.mailboxes.close()
+        self.bootstrap.close()

@@ -128,7 +128,7 @@ def test_bad_input_is_rejected_by_name_before_anything_is_enqueued():
     comm = comms[0]
     send = np.ones(4, np.float32)
     recv = poison(8, "float32")
-    ops_before = comm._ops
+    ops_before = comm._engine.calls
     message = _untouched(lambda: comm.all_gather(send, poison(7, "float32")), recv)
     assert message.startswith("all_gather:") and "8" in message and "7" in message
     assert _untouched(lambda: comm.all_gather(send, recv.astype(np.float64)), recv) \
@@ -142,18 +142,25 @@ def test_bad_input_is_rejected_by_name_before_anything_is_enqueued():
     assert "peer" in _untouched(lambda: comm.send(send, 0), recv)
     assert "overlap" in _untouched(lambda: comm.all_gather(recv[1:5], recv), recv)
     assert "must be a numpy" in _untouched(lambda: comm.all_gather([1, 2], recv), recv)
-    assert comm._ops == ops_before
+    assert comm._engine.calls == ops_before
     # the communicator still works afterwards
     check_collective(comms, "all_gather", count=4, dtype="float32", seed=1)
 
 
-def test_mismatched_calls_raise_in_check_mode():
-    comms = hoccl.init_local(2, backend="host", check=True)
+def test_mismatched_calls_raise_on_every_rank_and_the_communicator_stays_usable():
+    comms = hoccl.init_local(2, backend="host")
     a = np.zeros(4, np.float32)
-    comms[0].all_reduce(a, a.copy())
+    out = poison(4, "float32")
+    comms[0].all_reduce(a, out)
     with pytest.raises(hoccl.MismatchError) as info:
         comms[1].all_reduce(np.zeros(5, np.float32), np.zeros(5, np.float32))
     assert "rank 1" in str(info.value) and "rank 0" in str(info.value) and "count=5" in str(info.value)
+    with pytest.raises(hoccl.MismatchError):  # rank 0 had returned: its synchronize reports it
+        comms[0].synchronize()
+    assert np.array_equal(out.view(np.uint32), poison(4, "float32").view(np.uint32))
+    check_collective(comms, "all_reduce", count=5, dtype="float32", seed=3)
+    for comm in comms:
+        comm.close()
 
 
 def test_synchronize_names_the_ranks_that_have_not_called():

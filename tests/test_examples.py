@@ -29,3 +29,19 @@ def test_sharded_training_matches_one_device():
     result = _run(EXAMPLES / "torch_fsdp_style.py", "--backend", "host")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "losses match the single-device run" in result.stdout
+
+
+@pytest.mark.parametrize("module", ["hoccl.bench", "hoccl.bench.overlap"])
+def test_benchmarks_say_in_one_line_what_they_miss(module):
+    """Without a GPU or the bench extra a benchmark exits with one line naming what is
+    missing and how to install it, not a traceback."""
+    import subprocess
+    import sys
+    result = subprocess.run([sys.executable, "-m", module], capture_output=True, text=True,
+                            timeout=120)
+    from hoccl.backends import cuda_device_count
+    if cuda_device_count():
+        pytest.skip("GPUs are visible: the benchmark would run")
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode != 0 and len(lines) == 1, result.stderr
+    assert lines[0].startswith(f"python -m {module}: needs") and "pip install" in lines[0]

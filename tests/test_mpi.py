@@ -58,3 +58,20 @@ def test_failures_across_processes_raise_instead_of_hanging(scenario, survivors)
     for rank in survivors:
         assert f"rank {rank}: OK" in output, output[-4000:]
     assert "FAILED" not in output, output[-4000:]
+
+
+HOSTILE = Path(__file__).parent / "mpi" / "run_hostile.py"
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_disagreeing_ranks_under_mpiexec_write_nothing_and_all_raise(ranks):
+    command = [_mpiexec(), "-n", str(ranks), sys.executable, str(HOSTILE), "--backend", "host"]
+    env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+           "OMPI_MCA_rmaps_base_oversubscribe": "1"}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:]
+    for rank in range(ranks):
+        assert f"rank {rank}: hostile {ranks} ranks:" in output and " 0 failed" in output, \
+            output[-4000:]

@@ -40,10 +40,10 @@ def test_watchdog_aborts_stuck_work_and_names_the_missing_peer():
     comms, gate = _all_reduce_with_rank_1_held(timeout=1)
     data = [np.ones(8, np.float32) for _ in range(2)]
     deadline = time.monotonic() + 10
-    while not comms[0]._aborted and time.monotonic() < deadline:
+    while not comms[0].aborted and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert comms[0]._aborted, "the watchdog did not abort within 10 s"
-    reason = comms[0]._abort_reason
+    assert comms[0].aborted, "the watchdog did not abort within 10 s"
+    reason = comms[0].abort_reason
     assert "all_reduce" in reason and "rank 1" in reason, reason
     with pytest.raises(hoccl.AbortedError, match="all_reduce"):
         comms[0].synchronize()
@@ -53,7 +53,7 @@ def test_watchdog_aborts_stuck_work_and_names_the_missing_peer():
     # abort released every wait: the lanes and caller streams drain
     for comm in comms:
         comm.device_handle.synchronize_stream(comm.device_handle.default_stream, 5)
-        for lane in comm._streams.lanes:
+        for lane in comm._engine.streams.lanes:
             comm.device_handle.synchronize_stream(lane, 5)
         comm.close()
     # and a new communicator works
@@ -63,15 +63,15 @@ def test_watchdog_aborts_stuck_work_and_names_the_missing_peer():
 
 def test_synchronize_timeout_says_which_signal_is_missing():
     comms = hoccl.init_local(2, backend="host", timeout=0.5)
-    comms[0]._stop.set()  # keep the watchdog out of it: this is synchronize's own timeout
-    comms[1]._stop.set()
+    comms[0]._health._stop.set()  # keep the watchdog out of it: this is synchronize's own timeout
+    comms[1]._health._stop.set()
     gate = _block_default_stream(comms[1])
     send = [np.ones(4, np.float32) for _ in range(2)]
     recv = [poison(8, "float32") for _ in range(2)]
     for comm in comms:
         comm.all_gather(send[comm.rank], recv[comm.rank])
     time.sleep(0.2)
-    assert "peers [0]" in comms[1]._diagnose("synchronize")  # rank 1 never sent READY,
+    assert "peers [0]" in comms[1]._health.diagnose("synchronize")  # rank 1 never sent READY,
     # so rank 0 never pushed into it: rank 1 misses rank 0's DONE
     started = time.monotonic()
     with pytest.raises(hoccl.HocclTimeoutError) as info:
@@ -89,9 +89,9 @@ def test_abort_releases_waits_and_later_calls_raise():
     for comm in comms:
         comm.barrier()
     comms[0].abort("test abort")
-    assert all(comm._aborted for comm in comms)  # one process: its ranks share the fate
+    assert all(comm.aborted for comm in comms)  # one process: its ranks share the fate
     for comm in comms:
-        for lane in comm._streams.lanes:
+        for lane in comm._engine.streams.lanes:
             comm.device_handle.synchronize_stream(lane, 5)
     with pytest.raises(hoccl.AbortedError, match="test abort"):
         comms[1].barrier()
@@ -182,7 +182,7 @@ def test_watchdog_does_not_count_the_wait_for_other_ranks_calls():
     comms[1].all_reduce(data[1], out[1])
     for comm in comms:
         comm.synchronize()
-    assert not comms[0]._aborted and np.array_equal(out[0], np.full(4, 3.0))
+    assert not comms[0].aborted and np.array_equal(out[0], np.full(4, 3.0))
 
 
 @pytest.mark.parametrize("gate_opens", [False, True])

@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hoccl._dtypes import ITEMSIZE, numpy_dtype, reduce_arrays
-from hoccl.sched import COLLECTIVES, POISON, Options, Shape, build_plan, simulate, verify
+from hoccl.sched import COLLECTIVES, SCRATCH_FILL as POISON, Options, Shape, build_plan, simulate, verify
 from hoccl.sched.plan import CHANNELS, READY, Wait
 
 SESSION_SEED = int(os.environ.get("HOCCL_TEST_SEED", random.randrange(2 ** 32)))

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from hoccl._errors import PlanError
 from hoccl.sched import (COLLECTIVES, After, BufferSpec, BufRef, Copy, Mark, Options, Plan,
                          Reduce, Shape, Signal, Wait, build_plan, simulate, verify)
-from hoccl.sched.plan import CHANNELS, DONE, GATHERED, P2P_DONE, P2P_READY, READY
+from hoccl.sched.plan import CHANNELS, DONE, GATHERED, PAIR_DONE, PAIR_READY, READY
 from test_sched_plans import IN_PLACE_FORMS, REDUCING, ROOTED, Case, reference
 
 
@@ -82,7 +82,7 @@ def drop_ready_wait_before_push(plan: Plan) -> Iterator[Plan]:
     """The READY wait ahead of a copy into (or out of) that peer's buffer (the lane's
     first wait for that peer: a repeated one is redundant and harmless to drop)."""
     for rank, index, wait in _steps(plan, Wait):
-        if wait.slot % CHANNELS not in (READY, P2P_READY):
+        if wait.slot % CHANNELS not in (READY, PAIR_READY):
             continue
         peer = wait.slot // CHANNELS
         program = plan.programs[rank]
@@ -103,7 +103,7 @@ def drop_done_wait(plan: Plan) -> Iterator[Plan]:
         sender = wait.slot // CHANNELS
         touched = any(rank in (c.src.rank, c.dst.rank) for c in plan.programs[sender]
                       if isinstance(c, Copy))
-        if (touched and wait.slot % CHANNELS in (DONE, GATHERED, P2P_DONE)
+        if (touched and wait.slot % CHANNELS in (DONE, GATHERED, PAIR_DONE)
                 and wait.value == max(_signalled(plan, rank, wait.slot))):
             yield _without(plan, rank, index)
 

@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # The device machine's session: GPU tests (one process, and mpirun -np 2), then the
-# benchmarks against NCCL.  Usage: bash tools/gpu_run.sh [tests|profile|bench|overlap|all] [pytest args]
+# benchmarks against NCCL.  Usage: bash tools/gpu_run.sh [tests|profile|bench|overlap|compare|all] [pytest args]
+# compare: hoccl at 1 MiB and 1 GiB from this tree and from BASELINE (a checkout of an
+# earlier commit, e.g. made with `git archive COMMIT | tar -x -C .baseline`), with NCCL,
+# in one run.
 # Logs and JSON go to $OUT (default ./gpu-out), and all of it into $OUT/gpu-run.tgz as
 # well (the device tool brings back only a few files per call); a summary is printed last.
 set -u
@@ -26,6 +29,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,power.draw --format=csv > "
 if [ "$what" = tests ] || [ "$what" = all ]; then
   step gpu-local 200 python3 -m pytest -q -x -p no:cacheprovider --timeout=90 tests/gpu "$@"
   step gpu-mpirun 90 $MPIRUN python3 tests/mpi/run_checks.py --backend cuda --counts 0,1,17,100003
+  step hostile-mpirun 120 $MPIRUN python3 tests/mpi/run_hostile.py --backend cuda
   for scenario in mismatch dead absent abort; do
     step "fail-$scenario" 60 $MPIRUN --mca orte_abort_on_non_zero_status 0 \
       python3 tests/mpi/run_failures.py $scenario --backend cuda
@@ -38,6 +42,15 @@ if [ "$what" = profile ] || [ "$what" = tests ] || [ "$what" = all ]; then
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   step bench 330 $MPIRUN python3 -m hoccl.bench --sizes ${BENCH_SIZES:-64K,1M,16M,256M,1G} --out "$OUT/bench"
+fi
+if [ "$what" = compare ]; then
+  BASELINE=${BASELINE:-.baseline}
+  for round in 1 2; do
+    step "compare-baseline-$round" 150 bash -c "cd $BASELINE && PYTHONPATH=\$PWD:$DEPS $MPIRUN \
+      python3 -m hoccl.bench --sizes 1M,1G --libraries hoccl --out $OUT/compare-baseline-$round"
+    step "compare-now-$round" 150 $MPIRUN python3 -m hoccl.bench --sizes 1M,1G \
+      --libraries ${COMPARE_LIBRARIES:-hoccl} --out "$OUT/compare-now-$round"
+  done
 fi
 if [ "$what" = overlap ] || [ "$what" = all ]; then
   step overlap 200 $MPIRUN python3 -m hoccl.bench.overlap --out "$OUT/overlap"

@@ -15,6 +15,7 @@ import torch
 
 import hoccl
 from hoccl._buffers import as_buffer
+from hoccl.backends._base import MemOp
 from hoccl.bench._harness import parse_size
 
 
@@ -65,7 +66,8 @@ def main() -> None:
           flush=True)
 
     comm, send, recv, stream = calls[0]
-    device, streams = comm.device_handle, comm._streams
+    engine = comm._engine
+    device, streams = engine.device, engine.streams
     device.activate()
     lane = streams.lanes[0]
     parts = {"as_buffer (torch tensor)": lambda: as_buffer("x", "y", recv),
@@ -75,13 +77,13 @@ def main() -> None:
     def fence():
         streams.release(streams.fence_in(caller, 0))
     parts["entry fence (record + wait_value)"] = fence
-    slot = comm._pad + 8 * (n * 5 - 1)  # a slot no peer writes to on a 2-rank test
+    slot = engine.pad.local(engine.pad.slots - 1)  # a slot no peer writes to on a 2-rank test
     counter = [0]
 
     def memops():
         counter[0] += 1
-        device.memops(lane, [(True, slot, counter[0]), (False, slot, counter[0]),
-                             (True, slot, counter[0])])
+        device.memops(lane, [(MemOp.WRITE, slot, counter[0]), (MemOp.WAIT, slot, counter[0]),
+                             (MemOp.WRITE, slot, counter[0])])
     parts["memops: write, wait, write"] = memops
     scratch = device.alloc(nbytes)
     parts["cuMemcpyAsync 512 KiB, same GPU"] = lambda: device.copy(lane, scratch, recv.data_ptr(),
@@ -94,8 +96,11 @@ def main() -> None:
         peer = 1 - comm.rank if n == 2 else None
         if peer is not None:
             def round_trip():
-                comm._group._exchange([peer], ("probe",), ({"recv": device.export(
-                    recv.data_ptr())}, None), "probe")
+                mailboxes.send(peer, (("probe",), None, {"recv": device.export(
+                    recv.data_ptr())}), time.monotonic() + 30, "probe")
+                while not mailboxes.ready(peer):
+                    pass
+                mailboxes.receive(peer)
             parts["mailbox exchange with the peer"] = round_trip
     for name, function in parts.items():
         if name == "mailbox exchange with the peer":

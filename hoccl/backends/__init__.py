@@ -36,9 +36,11 @@ def pick_backend(call: str, backend: Optional[str]) -> str:
     return backend
 
 
-def open_device(backend: str, ordinal: Any, *, max_sms: int) -> Any:
+def open_device(backend: str, ordinal: Any, *, max_sms: int, copy_sms: int) -> Any:
+    """Rank's device on ``backend``: ``max_sms`` caps reductions, ``copy_sms`` the one
+    same-GPU copy of out-of-place forms."""
     if backend == "cuda":
         from . import cuda
-        return cuda.open_device(ordinal, max_sms=max_sms)
+        return cuda.open_device(ordinal, max_sms=max_sms, copy_sms=copy_sms)
     from . import host
-    return host.open_device(ordinal, max_sms=max_sms)
+    return host.open_device(ordinal, max_sms=max_sms, copy_sms=copy_sms)

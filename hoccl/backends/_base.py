@@ -20,14 +20,23 @@ Timeline of one collective on one rank (``seq`` = the collective's signal base):
 from __future__ import annotations
 
 import abc
+import enum
 from typing import Any, List, Optional, Sequence, Tuple
 
-__all__ = ["Device", "HostWord", "DTYPES", "OPS"]
+from ..sched.plan import OPS as _PLAN_OPS
+
+__all__ = ["Device", "HostWord", "MemOp", "DTYPES", "OPS"]
 
 #: dtype names every backend accepts in ``reduce``.
 DTYPES = ("float16", "bfloat16", "float32", "float64", "int8", "uint8", "int32", "int64")
 #: reduction operators; "avg" is the sum divided by the number of inputs.
-OPS = ("sum", "prod", "max", "min", "avg")
+OPS = _PLAN_OPS
+
+
+class MemOp(enum.Enum):
+    """The kind of a stream memory operation in ``Device.memops``."""
+    WRITE = "write"  # write a 64-bit value after the stream's earlier work
+    WAIT = "wait"    # block the stream until a 64-bit word is >= a value
 
 
 class HostWord(abc.ABC):
@@ -140,11 +149,11 @@ class Device(abc.ABC):
     def wait_value(self, stream: Any, address: Any, value: int) -> None:
         """Block ``stream`` until the 64-bit word at ``address`` (own memory) is ``>= value``."""
 
-    def memops(self, stream: Any, operations: Sequence[Tuple[bool, Any, int]]) -> None:
-        """Writes (``True``) and waits (``False``) of ``(is_write, address, value)``, in order,
-        in one call where the backend can batch them (``cuStreamBatchMemOp``)."""
-        for is_write, address, value in operations:
-            if is_write:
+    def memops(self, stream: Any, operations: Sequence[Tuple[MemOp, Any, int]]) -> None:
+        """``(kind, address, value)`` writes and waits, in order, in one call where the
+        backend can batch them (``cuStreamBatchMemOp``)."""
+        for kind, address, value in operations:
+            if kind is MemOp.WRITE:
                 self.write_value(stream, address, value)
             else:
                 self.wait_value(stream, address, value)

@@ -38,7 +38,7 @@ from cuda.bindings import driver
 
 from .._errors import DriverError, HocclTimeoutError, InvalidArgumentError
 from . import _kernels
-from ._base import DTYPES, OPS, Device, HostWord
+from ._base import DTYPES, OPS, Device, HostWord, MemOp
 
 __all__ = ["CudaDevice", "CudaIpcDescriptor", "device_count", "open_device"]
 
@@ -309,16 +309,17 @@ def _release(owned: _Owned) -> None:
         raise DriverError("close: " + "; ".join(str(error) for error in errors))
 
 
-def _memop(is_write: bool, address: int) -> Tuple[Any, Any]:
+def _memop(kind: MemOp, address: int) -> Tuple[Any, Any]:
     """A batch entry writing or waiting (``>=``) on the 64-bit word at ``address``, and
     its part whose ``value64`` each use sets (building one costs microseconds, setting
     the value a fraction of one)."""
     operation = driver.CUstreamBatchMemOpParams()
+    is_write = kind is MemOp.WRITE
     part = operation.writeValue if is_write else operation.waitValue
     part.operation = (driver.CUstreamBatchMemOpType.CU_STREAM_MEM_OP_WRITE_VALUE_64 if is_write
                       else driver.CUstreamBatchMemOpType.CU_STREAM_MEM_OP_WAIT_VALUE_64)
     part.address = int(address)
-    part.flags = 0 if is_write else driver.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
+    part.flags = 0 if is_write else _WAIT_GEQ
     return operation, part
 
 
@@ -341,8 +342,9 @@ def device_count() -> int:
         return 0
 
 
-def open_device(ordinal: int, *, max_sms: int = 8) -> "CudaDevice":
-    """Open GPU ``ordinal`` in its primary context; ``max_sms`` caps the SM kernels' grid."""
+def open_device(ordinal: int, *, max_sms: int, copy_sms: int) -> "CudaDevice":
+    """Open GPU ``ordinal`` in its primary context; ``max_sms`` caps the reduction kernel's
+    grid, ``copy_sms`` the same-GPU copy kernel's."""
     if not isinstance(ordinal, int) or isinstance(ordinal, bool):
         raise InvalidArgumentError(
             f"open_device: expected an int ordinal, got {type(ordinal).__name__}")
@@ -351,7 +353,7 @@ def open_device(ordinal: int, *, max_sms: int = 8) -> "CudaDevice":
     if not 0 <= ordinal < count:
         raise InvalidArgumentError(
             f"open_device: expected an ordinal in [0, {count}), got {ordinal}")
-    device = CudaDevice(ordinal, max_sms=max_sms)
+    device = CudaDevice(ordinal, max_sms=max_sms, copy_sms=copy_sms)
     # Load the kernels now: a module load may synchronize the device, which must never
     # happen while a caller's stream waits on a collective another rank has yet to issue.
     device._kernels()
@@ -367,10 +369,12 @@ class CudaDevice(Device):
 
     backend = "cuda"
 
-    def __init__(self, ordinal: int, *, max_sms: int = 8):
+    def __init__(self, ordinal: int, *, max_sms: int, copy_sms: int):
         self.ordinal = ordinal
+        #: the most SMs (thread blocks) ``reduce`` may occupy
         self.max_sms = max_sms
-        self._copy_sms = 0
+        #: the most SMs (thread blocks) ``local_copy`` may occupy
+        self.copy_sms = copy_sms
         self._device = _call(driver.cuDeviceGet, ordinal)
         self._owned = _Owned(self._device)
         self._context = _call(driver.cuDevicePrimaryCtxRetain, self._device)
@@ -380,7 +384,7 @@ class CudaDevice(Device):
         self._kernel_lock = threading.Lock()
         self._exports: dict = {}       # (allocation base, buffer id) -> (handle, size)
         self._descriptors: dict = {}   # (address, buffer id) -> descriptor
-        self._memop_params: dict = {}  # (is write, address) -> CUstreamBatchMemOpParams
+        self._memop_params: dict = {}  # (kind, address) -> CUstreamBatchMemOpParams
 
         def attribute(name: str) -> int:
             return _call(driver.cuDeviceGetAttribute, getattr(driver.CUdevice_attribute, name),
@@ -401,7 +405,7 @@ class CudaDevice(Device):
             driver.CUmemcpySrcAccessOrder.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
 
     def __repr__(self) -> str:
-        state = "closed" if self._owned.context is None else f"max_sms={self._max_sms}"
+        state = "closed" if self._owned.context is None else f"max_sms={self.max_sms}"
         major, minor = self.compute_capability
         return f"<CudaDevice {self.ordinal} sm_{major}{minor} {state}>"
 
@@ -410,28 +414,6 @@ class CudaDevice(Device):
 
     def __exit__(self, *exc_info: Any) -> None:
         self.close()
-
-    @property
-    def max_sms(self) -> int:
-        """The most SMs (thread blocks) ``reduce`` may occupy."""
-        return self._max_sms
-
-    @max_sms.setter
-    def max_sms(self, value: int) -> None:
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise InvalidArgumentError(f"max_sms: expected a positive int, got {value!r}")
-        self._max_sms = value
-
-    @property
-    def copy_sms(self) -> int:
-        """The most SMs (thread blocks) ``local_copy`` may occupy (``max_sms`` unless set)."""
-        return self._copy_sms or self._max_sms
-
-    @copy_sms.setter
-    def copy_sms(self, value: int) -> None:
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise InvalidArgumentError(f"copy_sms: expected a positive int, got {value!r}")
-        self._copy_sms = value
 
     def _make_current(self) -> None:
         """Set this device's context unless ``activate`` already did on this thread, in the
@@ -703,25 +685,25 @@ class CudaDevice(Device):
         _call(driver.cuStreamWaitValue64, stream, address, value,
               driver.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ)
 
-    def memops(self, stream: Any, operations: Sequence[Tuple[bool, Any, int]]) -> None:
+    def memops(self, stream: Any, operations: Sequence[Tuple[MemOp, Any, int]]) -> None:
         """Writes and waits in order: a few as single calls, more in batches of up to 255.
         Through cuda-bindings three single calls took 5.4 µs of host time and one
         ``cuStreamBatchMemOp`` of the same three 7.3 µs (H200 host, tools/profile_call.py)."""
         if len(operations) <= _SINGLE_MEMOPS:
             self._make_current()
-            for is_write, address, value in operations:
-                if is_write:
+            for kind, address, value in operations:
+                if kind is MemOp.WRITE:
                     _call(driver.cuStreamWriteValue64, stream, address, value, _WRITE_DEFAULT)
                 else:
                     _call(driver.cuStreamWaitValue64, stream, address, value, _WAIT_GEQ)
             return
         params = []
         cache, used = self._memop_params, set()
-        for is_write, address, value in operations:
-            key = (is_write, address)
+        for kind, address, value in operations:
+            key = (kind, address)
             entry = cache.get(key)
             if entry is None or key in used:  # one object twice in a batch: one value
-                entry = _memop(is_write, address)
+                entry = _memop(kind, address)
                 cache.setdefault(key, entry)
             used.add(key)
             entry[1].value64 = value  # the call copies the structs: reuse is safe after it
@@ -813,7 +795,7 @@ class CudaDevice(Device):
         scalars = count - vectors * 16 // itemsize
         args = _ReduceArgs(output, (ctypes.c_void_p * _kernels.MAX_INPUTS)(*inputs), count,
                            head, vectors, len(inputs), divisor)
-        blocks = self._blocks(max(vectors, scalars), threads, self._max_sms)
+        blocks = self._blocks(max(vectors, scalars), threads, self.max_sms)
         self._launch(function, blocks, threads, stream, args)
 
     # -- lifetime ----------------------------------------------------------------------------

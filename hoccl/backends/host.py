@@ -168,10 +168,10 @@ class HostDevice(Device):
 
     backend = "host"
 
-    def __init__(self, *, max_sms: int = 8):
+    def __init__(self, *, max_sms: int, copy_sms: int):
         self.ordinal = None
         self.max_sms = max_sms  # kept for interface parity; host reductions use one thread
-        self.copy_sms = max_sms
+        self.copy_sms = copy_sms
         self._memory: Dict[int, np.ndarray] = {}
         self._streams: List[HostStream] = []
         self._default: HostStream | None = None
@@ -341,6 +341,6 @@ class HostDevice(Device):
         self._memory.clear()
 
 
-def open_device(ordinal: Any = None, *, max_sms: int = 8) -> HostDevice:
+def open_device(ordinal: Any = None, *, max_sms: int, copy_sms: int) -> HostDevice:
     """A host device for one rank (``ordinal`` is ignored: host memory is one space)."""
-    return HostDevice(max_sms=max_sms)
+    return HostDevice(max_sms=max_sms, copy_sms=copy_sms)

@@ -17,7 +17,8 @@ import sys
 from typing import Any, Dict, List
 
 from ._harness import (COLLECTIVES, FORMS, bus_factor, count_wrong, human, libraries,
-                       make_buffers, metadata, parse_size, report, setup_ranks, time_loop)
+                       make_buffers, metadata, parse_size, report, require, setup_ranks,
+                       time_loop)
 
 __all__ = ["main", "sweep", "table", "plots"]
 
@@ -181,6 +182,7 @@ def plots(result: Dict[str, Any], folder: str) -> List[str]:
 
 def main(argv=None) -> None:
     args = arguments(argv)
+    require("python -m hoccl.bench", args.local)
     result, leader = sweep(args)
     if leader:
         report(result, args.out, "bench", table(result))

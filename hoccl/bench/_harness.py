@@ -71,6 +71,23 @@ class Ranks:
             print(*args, flush=True)
 
 
+def require(program: str, local: int) -> None:
+    """Exit with one line naming what this benchmark needs and how to get it, if it is
+    missing: torch (NCCL through torch.distributed, the arrays), visible CUDA GPUs
+    (hoccl's cuda backend), and mpi4py unless ``--local``."""
+    import importlib.util
+    missing = [name for name in ("torch", "matplotlib") + (() if local else ("mpi4py",))
+               if importlib.util.find_spec(name) is None]
+    if missing:
+        sys.exit(f"{program}: needs {', '.join(missing)}; install them with "
+                 f"pip install 'hoccl[bench]'")
+    from ..backends import cuda_device_count
+    if cuda_device_count() == 0:
+        sys.exit(f"{program}: needs NVIDIA GPUs, and none is visible (or cuda-python is "
+                 f"missing: pip install 'hoccl[cuda]'); on a machine without GPUs run "
+                 f"examples/run_all.py, which uses the host backend")
+
+
 def setup_ranks(local: int, **options) -> Ranks:
     import torch
     import hoccl
@@ -79,6 +96,7 @@ def setup_ranks(local: int, **options) -> Ranks:
         return Ranks(comms, local, None, list(range(local)))
     from mpi4py import MPI
     comm = hoccl.init(backend="cuda", **options)
+    assert comm.device is not None
     torch.cuda.set_device(comm.device)
     return Ranks([comm], comm.world_size, MPI.COMM_WORLD, [comm.device])
 
@@ -127,6 +145,7 @@ class Library:
     """One way to run a collective on this process's ranks."""
     name = ""
     sms = ""  # how many SMs it occupies, in words
+    ranks: Any = None  # the Ranks it runs on
 
     def supports(self, collective: str, form: str) -> bool:
         return True
@@ -231,7 +250,7 @@ class Nccl4py(Library):
         uid = ranks.mpi.bcast(uid)
         config = nccl.NCCLConfig(cta_policy=nccl.CTAPolicy.ZERO) if zero else None
         self.comm = nccl.Communicator.init(ranks.world_size, ranks.mpi.rank, uid, config)
-        self.windows = []
+        self.windows: List[Any] = []
 
     def supports(self, collective, form):
         return not self.zero or collective in ("all_gather", "all_to_all")

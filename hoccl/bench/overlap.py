@@ -17,7 +17,7 @@ import sys
 from typing import Any, Dict, List
 
 from ._harness import (bus_factor, human, libraries, make_buffers, metadata, parse_size,
-                       report, setup_ranks, time_loop)
+                       report, require, setup_ranks, time_loop)
 
 __all__ = ["main", "run", "table"]
 
@@ -168,6 +168,7 @@ def table(result: Dict[str, Any]) -> str:
 
 def main(argv=None) -> None:
     args = arguments(argv)
+    require("python -m hoccl.bench.overlap", args.local)
     result, leader = run(args)
     if leader:
         report(result, args.out, "overlap", table(result))

@@ -1,9 +1,9 @@
 """The P2P executor: issue one rank's plan steps through its device.
 
 The executor holds no algorithm: it interprets the steps a plan gives this rank,
-resolving ``BufRef`` (rank, buffer, offset) to addresses and pad slots to the
-peers' mapped signal pads, and adding the communicator's signal base to every
-value.  Stream memory operations are buffered per lane and flushed as one batched
+resolving ``BufRef`` (rank, buffer, offset) to addresses and pad slots to addresses
+through the rank's ``SignalPad`` (own slots for waits, the peers' mapped pads for
+signals), and adding the call's signal base to every value.  Stream memory operations are buffered per lane and flushed as one batched
 call before the lane's next copy, kernel or event (``cuStreamBatchMemOp`` keeps
 their order); consecutive independent copies on one lane become one batch.  A
 rank's whole collective on two GPUs is then a handful of driver calls.
@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Sequence, Tuple
 
+from ..backends._base import MemOp
 from ..sched.plan import After, Copy, Mark, Plan, Reduce, Signal, Wait
-from ..streams import WAIT, WRITE
 
 __all__ = ["Executor", "compile_program"]
 
@@ -79,31 +79,33 @@ def compile_program(plan: Plan, rank: int) -> Tuple[tuple, ...]:
 class Executor:
     """Issues plans for one rank.
 
-    ``pads[peer]`` is the address (local or mapped) of ``peer``'s signal pad;
-    ``pads[rank]`` is this rank's own.
+    ``pad`` is the rank's ``SignalPad``: ``pad.local(slot)`` is where its lanes wait,
+    ``pad.remote(peer, slot)`` where they signal ``peer``.
     """
 
-    def __init__(self, rank: int, device: Any, streams: Any, pads: Sequence[Any]):
+    def __init__(self, rank: int, device: Any, streams: Any, pad: Any):
         self.rank = rank
         self.device = device
         self.streams = streams
-        self.pads = list(pads)
+        self.pad = pad
 
-    def issue(self, plan: Plan, addresses: Dict[Tuple[int, str], Any], base: int,
-              value: int, entry: Any) -> None:
-        """Enqueue this rank's part of ``plan`` for the call numbered ``value``: the lanes
-        wait for the caller's ``entry`` event, then the steps (signal values offset by
-        ``base``), the join of the lanes and the completion writes.
-        ``addresses[(rank, name)]`` are buffer bases."""
+    def issue(self, items: Sequence[Tuple[Plan, Dict[Tuple[int, str], Any], int, Any]],
+              value: int) -> None:
+        """Enqueue this rank's part of each ``(plan, addresses, base, entry)`` in ``items``
+        and end with the completion value ``value``.
+
+        Each plan's lanes wait for its caller's ``entry`` event, then run its steps
+        (signal values offset by ``base``; ``addresses[(rank, name)]`` are buffer bases).
+        Several items (a ``hoccl.group()``) run side by side, each on lanes of its own,
+        so that calls of one group never wait for each other (a ring of send/recv); lane
+        0 then joins every lane used and writes the completion value once.
+        """
         device, streams = self.device, self.streams
-        streams.enter(plan.lanes, entry)
-        lanes, pads = streams.lanes, self.pads
-        own_pad = pads[self.rank]
-        pending: List[list] = [[] for _ in range(plan.lanes)]
-        marks: Dict[int, Any] = {}
-
-        def at(ref):
-            return addresses[(ref[0], ref[1])] + ref[2]
+        total = sum(plan.lanes for plan, _, _, _ in items)
+        streams.ensure_lanes(total)
+        lanes = streams.lanes
+        pending: List[list] = [[] for _ in range(total)]
+        marks: Dict[Tuple[int, int], Any] = {}
 
         def flush(lane_index: int) -> None:
             if pending[lane_index]:
@@ -111,41 +113,18 @@ class Executor:
                 pending[lane_index] = []
 
         try:
-            for kind, lane_index, arg in compile_program(plan, self.rank):
-                if kind == _SIGNAL:
-                    peer, slot, signal_value = arg
-                    pending[lane_index].append((WRITE, pads[peer] + 8 * slot,
-                                                base + signal_value))
-                    continue
-                if kind == _WAIT:
-                    pending[lane_index].append((WAIT, own_pad + 8 * arg[0], base + arg[1]))
-                    continue
-                flush(lane_index)
-                lane = lanes[lane_index]
-                if kind == _COPY:
-                    if len(arg) == 1:
-                        dst, src, nbytes = arg[0]
-                        device.copy(lane, at(dst), at(src), nbytes)
-                    else:
-                        device.copy_batch(lane, [(at(dst), at(src), n) for dst, src, n in arg])
-                elif kind == _LOCAL_COPY:
-                    for dst, src, nbytes in arg:
-                        device.local_copy(lane, at(dst), at(src), nbytes)
-                elif kind == _REDUCE:
-                    inputs, output, count, dtype, op = arg
-                    device.reduce(lane, at(output), [at(ref) for ref in inputs], count, dtype, op)
-                elif kind == _MARK:
-                    event = streams.event()
-                    device.record(lane, event)
-                    marks[arg] = event
-                else:  # _AFTER
-                    device.wait_event(lane, marks[arg])
+            first = 0
+            for item, (plan, addresses, base, entry) in enumerate(items):
+                for lane in lanes[first:first + plan.lanes]:
+                    device.wait_event(lane, entry)
+                self._steps(plan, addresses, base, first, pending, flush, marks, item)
+                first += plan.lanes
             # join: lane 0 continues only after every other lane's last step
-            for lane_index in range(1, plan.lanes):
+            for lane_index in range(1, total):
                 flush(lane_index)
                 flush(0)
                 event = streams.event()
-                marks[-lane_index] = event
+                marks[(-1, lane_index)] = event
                 device.record(lanes[lane_index], event)
                 device.wait_event(lanes[0], event)
             pending[0].extend(streams.completion_writes(value))
@@ -153,3 +132,43 @@ class Executor:
         finally:
             for event in marks.values():
                 streams.release(event)
+
+    def _steps(self, plan: Plan, addresses: Dict[Tuple[int, str], Any], base: int, first: int,
+               pending: List[list], flush: Any, marks: Dict[Tuple[int, int], Any],
+               item: int) -> None:
+        """One plan's steps on lanes ``first, first + 1, ...``."""
+        device, streams, pad, lanes = self.device, self.streams, self.pad, self.streams.lanes
+
+        def at(ref):
+            return addresses[(ref[0], ref[1])] + ref[2]
+
+        for kind, lane_index, arg in compile_program(plan, self.rank):
+            lane_index += first
+            if kind == _SIGNAL:
+                peer, slot, signal_value = arg
+                pending[lane_index].append((MemOp.WRITE, pad.remote(peer, slot),
+                                            base + signal_value))
+                continue
+            if kind == _WAIT:
+                pending[lane_index].append((MemOp.WAIT, pad.local(arg[0]), base + arg[1]))
+                continue
+            flush(lane_index)
+            lane = lanes[lane_index]
+            if kind == _COPY:
+                if len(arg) == 1:
+                    dst, src, nbytes = arg[0]
+                    device.copy(lane, at(dst), at(src), nbytes)
+                else:
+                    device.copy_batch(lane, [(at(dst), at(src), n) for dst, src, n in arg])
+            elif kind == _LOCAL_COPY:
+                for dst, src, nbytes in arg:
+                    device.local_copy(lane, at(dst), at(src), nbytes)
+            elif kind == _REDUCE:
+                inputs, output, count, dtype, op = arg
+                device.reduce(lane, at(output), [at(ref) for ref in inputs], count, dtype, op)
+            elif kind == _MARK:
+                event = streams.event()
+                device.record(lane, event)
+                marks[(item, arg)] = event
+            else:  # _AFTER
+                device.wait_event(lane, marks[(item, arg)])

@@ -7,9 +7,9 @@ arrays)`` runs it on numpy arrays and is the oracle the backends are tested agai
 
 from .algorithms import COLLECTIVES, Options, Shape, build_plan, split
 from .plan import (After, BufferSpec, BufRef, Copy, Mark, Plan, Reduce, Signal, Step, Wait)
-from .simulate import POISON, simulate
+from .simulate import SCRATCH_FILL, simulate
 from .verify import verify
 
 __all__ = ["COLLECTIVES", "Options", "Shape", "build_plan", "split",
            "After", "BufferSpec", "BufRef", "Copy", "Mark", "Plan", "Reduce", "Signal",
-           "Step", "Wait", "simulate", "POISON", "verify"]
+           "Step", "Wait", "simulate", "SCRATCH_FILL", "verify"]

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from .plan import (CHANNELS, DONE, GATHERED, P2P_DONE, P2P_READY, READY, After, BufferSpec,
+from .._errors import InvalidArgumentError
+from .plan import (CHANNELS, DONE, GATHERED, PAIR_DONE, PAIR_READY, READY, After, BufferSpec,
                    BufRef, Copy, Mark, Plan, Reduce, Signal, Step, Wait)
 
 __all__ = ["Shape", "Options", "build_plan", "COLLECTIVES", "split"]
@@ -63,6 +64,21 @@ class Options:
     copy_lanes: Optional[int] = None
     chunk_bytes: int = 32 << 20
     self_route: str = "local"
+
+    def __post_init__(self) -> None:
+        if self.self_route not in SELF_ROUTES:
+            raise InvalidArgumentError(f"self_route must be one of {SELF_ROUTES}; "
+                                       f"got {self.self_route!r}")
+        if not _positive_int(self.chunk_bytes):
+            raise InvalidArgumentError(f"chunk_bytes must be a positive int; "
+                                       f"got {self.chunk_bytes!r}")
+        if self.copy_lanes is not None and not _positive_int(self.copy_lanes):
+            raise InvalidArgumentError(f"copy_lanes must be None or a positive int; "
+                                       f"got {self.copy_lanes!r}")
+
+
+def _positive_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 def split(total: int, parts: int) -> List[Tuple[int, int]]:
@@ -155,7 +171,7 @@ class _Builder:
                     key = (rank, step.slot)
                     waited[key] = max(waited.get(key, 0), step.value)
         for (sender, receiver, channel), value in sorted(self.last.items()):
-            if channel in (DONE, GATHERED, P2P_DONE):
+            if channel in (DONE, GATHERED, PAIR_DONE):
                 if waited.get((receiver, sender * CHANNELS + channel), 0) < value:
                     self.wait(receiver, 0, sender, channel, value)
 
@@ -219,9 +235,9 @@ def _all_gather(b: _Builder) -> Plan:
     s, n = b.shape, b.n
     nb = s.count * s.itemsize
     for r in range(n):
-        own = (r * nb, (r + 1) * nb)
+        own_bytes = (r * nb, (r + 1) * nb)
         if s.in_place:
-            b.buffer(r, "recv", n * nb, inputs=[own],
+            b.buffer(r, "recv", n * nb, inputs=[own_bytes],
                      outputs=[(p * nb, (p + 1) * nb) for p in range(n) if p != r])
             src = BufRef(r, "recv", r * nb)
         else:
@@ -440,11 +456,11 @@ def _sendrecv(b: _Builder) -> Plan:
     nb = s.count * s.itemsize
     b.buffer(sender, "send", nb, inputs=[(0, nb)])
     b.buffer(receiver, "recv", nb, outputs=[(0, nb)])
-    b.signal(receiver, 0, sender, P2P_READY, 1)
-    b.wait(sender, 0, receiver, P2P_READY, 1)
+    b.signal(receiver, 0, sender, PAIR_READY, 1)
+    b.wait(sender, 0, receiver, PAIR_READY, 1)
     b.copy(sender, 0, BufRef(sender, "send", 0), BufRef(receiver, "recv", 0), nb)
-    b.signal(sender, 0, receiver, P2P_DONE, 1)
-    b.wait(receiver, 0, sender, P2P_DONE, 1)
+    b.signal(sender, 0, receiver, PAIR_DONE, 1)
+    b.wait(receiver, 0, sender, PAIR_DONE, 1)
     return b.plan(participants=(sender, receiver), pair=(sender, receiver))
 
 

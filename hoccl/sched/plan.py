@@ -27,17 +27,22 @@ from dataclasses import dataclass, field
 from typing import Tuple, Union
 
 __all__ = ["BufRef", "Copy", "Signal", "Wait", "Reduce", "Mark", "After", "Step",
-           "BufferSpec", "Plan", "READY", "DONE", "GATHERED", "P2P_READY", "P2P_DONE",
-           "CHANNELS"]
+           "BufferSpec", "Plan", "READY", "DONE", "GATHERED", "PAIR_READY", "PAIR_DONE",
+           "CHANNELS", "CHANNEL_NAMES", "OPS"]
 
 # Signal channels: a pad slot is ``sender * CHANNELS + channel`` in the receiver's pad, so
 # every slot has exactly one writer (one rank, one lane) and its values only grow.
 READY = 0      # "my buffers are free: you may write into them / read from them"
 DONE = 1       # "my copies into (or reads of) your buffers have finished", value = chunk + 1
 GATHERED = 2   # second data phase (all_reduce's gather), value = chunk + 1
-P2P_READY = 3  # send/recv: the receiver's buffer is free (own per-pair sequence)
-P2P_DONE = 4   # send/recv: the sender's copy has landed
+PAIR_READY = 3  # send/recv: the receiver's buffer is free (own per-pair sequence)
+PAIR_DONE = 4   # send/recv: the sender's copy has landed
 CHANNELS = 5
+CHANNEL_NAMES = ("READY", "DONE", "GATHERED", "PAIR_READY", "PAIR_DONE")
+
+#: The reduction operators a ``Reduce`` step may name, which every backend computes:
+#: "avg" is the sum divided by the number of inputs.  The one list of them in hoccl.
+OPS = ("sum", "prod", "max", "min", "avg")
 
 
 @dataclass(frozen=True, order=True)
@@ -160,7 +165,7 @@ class Plan:
     def shared(self, rank: int) -> Tuple[str, ...]:
         """The names of ``rank``'s buffers that other ranks' steps read or write: the only
         ones a process must export to its peers for this plan."""
-        names = set()
+        names: set = set()
         for other, program in enumerate(self.programs):
             if other == rank:
                 continue

@@ -18,9 +18,10 @@ from .._dtypes import numpy_dtype, reduce_arrays
 from .._errors import PlanError
 from .plan import After, BufRef, Copy, Mark, Plan, Reduce, Signal, Wait
 
-__all__ = ["simulate", "POISON"]
+__all__ = ["simulate", "SCRATCH_FILL"]
 
-POISON = 0xA5  # the byte scratch buffers are filled with, so reading unwritten scratch shows
+#: the byte scratch buffers start filled with, so that reading unwritten scratch shows
+SCRATCH_FILL = 0xA5
 
 
 def _bytes_of(array: np.ndarray) -> np.ndarray:
@@ -41,7 +42,7 @@ def simulate(plan: Plan, arrays: Sequence[Dict[str, np.ndarray]], *,
         views = {}
         for spec in plan.buffers[rank]:
             if spec.name not in given:
-                given[spec.name] = np.full(spec.nbytes, POISON, dtype=np.uint8)
+                given[spec.name] = np.full(spec.nbytes, SCRATCH_FILL, dtype=np.uint8)
             view = _bytes_of(given[spec.name])
             if view.size < spec.nbytes:
                 raise ValueError(f"simulate: rank {rank} buffer {spec.name!r} has {view.size} "
@@ -54,7 +55,7 @@ def simulate(plan: Plan, arrays: Sequence[Dict[str, np.ndarray]], *,
     def region(ref: BufRef, nbytes: int) -> np.ndarray:
         return memory[ref.rank][ref.buffer][ref.offset:ref.offset + nbytes]
 
-    queues = {}
+    queues: Dict[tuple, List] = {}
     for rank, program in enumerate(plan.programs):
         for step in program:
             queues.setdefault((rank, step.lane), []).append(step)

@@ -44,18 +44,15 @@ Cost: building and closing the graph is O(V + E) big-int operations on bitsets o
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, NoReturn, Optional, Sequence, Tuple
 
 from .._dtypes import ITEMSIZE
 from .._errors import PlanError
-from .plan import (CHANNELS, DONE, GATHERED, P2P_DONE, P2P_READY, READY, After, BufferSpec,
-                   BufRef, Copy, Mark, Plan, Reduce, Signal, Wait)
+from .plan import (CHANNEL_NAMES, CHANNELS, OPS, After, BufferSpec, BufRef, Copy, Mark, Plan,
+                   Reduce, Signal, Wait)
 
 __all__ = ["verify"]
 
-_OPS = ("sum", "prod", "max", "min", "avg")  # what reduce_arrays and every backend compute
-_CHANNEL_NAMES = {READY: "READY", DONE: "DONE", GATHERED: "GATHERED",
-                  P2P_READY: "P2P_READY", P2P_DONE: "P2P_DONE"}
 
 Range = Tuple[int, int]
 
@@ -134,7 +131,7 @@ class _Verifier:
             return f"rank {rank} exit fence"
         return f"rank {rank} step {index} {self.node_step[node]}"
 
-    def fail(self, what: str, node: Optional[int] = None) -> None:
+    def fail(self, what: str, node: Optional[int] = None) -> NoReturn:
         place = f" {self.where(node)}:" if node is not None else ""
         raise PlanError(f"verify: {self.plan.collective} plan (world_size "
                         f"{self.plan.world_size}):{place} {what}")
@@ -142,7 +139,7 @@ class _Verifier:
     @staticmethod
     def slot_name(slot: int) -> str:
         sender, channel = divmod(slot, CHANNELS)
-        return f"slot {slot} (rank {sender}'s {_CHANNEL_NAMES.get(channel, channel)})"
+        return f"slot {slot} (rank {sender}'s {CHANNEL_NAMES[channel] if 0 <= channel < CHANNELS else channel})"
 
     # -- 1. shape of the plan -----------------------------------------------------------
     def check_structure(self) -> None:
@@ -213,8 +210,8 @@ class _Verifier:
         elif isinstance(step, Reduce):
             if step.dtype not in ITEMSIZE:
                 self.fail(f"dtype must be one of {sorted(ITEMSIZE)}, got {step.dtype!r}", node)
-            if step.op not in _OPS:
-                self.fail(f"op must be one of {_OPS}, got {step.op!r}", node)
+            if step.op not in OPS:
+                self.fail(f"op must be one of {OPS}, got {step.op!r}", node)
             if step.count < 0 or not step.inputs:
                 self.fail(f"expected count >= 0 and at least one input, got count {step.count} "
                           f"and {len(step.inputs)} inputs", node)
@@ -290,14 +287,15 @@ class _Verifier:
             successors[entry].append(exit_node)
 
         for node, rank in waits:
-            step = self.node_step[node]
-            writer = writers.get((rank, step.slot))
-            position = bisect_left(writer[2], step.value) if writer else 0
-            if writer is None or position == len(writer[2]):
-                highest = f"the highest is {writer[2][-1]}" if writer else "nothing signals it"
-                self.fail(f"deadlock: waits for {self.slot_name(step.slot)} to reach "
-                          f"{step.value}, but no Signal reaches it ({highest})", node)
-            successors[writer[3][position]].append(node)
+            wait = self.node_step[node]
+            assert isinstance(wait, Wait)
+            found = writers.get((rank, wait.slot))
+            position = bisect_left(found[2], wait.value) if found else 0
+            if found is None or position == len(found[2]):
+                highest = f"the highest is {found[2][-1]}" if found else "nothing signals it"
+                self.fail(f"deadlock: waits for {self.slot_name(wait.slot)} to reach "
+                          f"{wait.value}, but no Signal reaches it ({highest})", node)
+            successors[found[3][position]].append(node)
         self.successors = successors
 
     def close_graph(self) -> None:
@@ -364,6 +362,7 @@ class _Verifier:
         for node, step in enumerate(self.node_step):
             if not isinstance(step, (Copy, Reduce)) or not self.touches(step):
                 continue
+            sources: Tuple[BufRef, ...]
             if isinstance(step, Copy):
                 nbytes, sources = step.nbytes, (step.src,)
                 target = step.dst

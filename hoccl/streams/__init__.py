@@ -23,11 +23,9 @@ from __future__ import annotations
 import time
 from typing import Any, Iterable, List
 
-from ..backends._base import Device
+from ..backends._base import Device, MemOp
 
-__all__ = ["StreamManager", "WRITE", "WAIT"]
-
-WRITE, WAIT = True, False
+__all__ = ["StreamManager"]
 
 
 class StreamManager:
@@ -56,24 +54,28 @@ class StreamManager:
         """Return ``event`` to the pool: safe once every wait on it has been enqueued."""
         self._free_events.append(event)
 
-    def fence_in(self, caller: Any, value: int) -> Any:
+    def fence_in(self, caller: Any, value: int, wait: bool = True) -> Any:
         """At call time: mark the caller's position with an event of this call's own, and
-        make the caller wait for ``completion >= value`` before anything enqueued later.
-        Returns the event; ``release`` it once the call has finished."""
+        (``wait``) make the caller wait for ``completion >= value`` before anything
+        enqueued later.  Returns the event; ``release`` it once the call has finished.
+
+        The calls of one ``hoccl.group()`` mark their positions only; ``fence_out``
+        then makes each caller wait once for the group's last value (a wait between
+        them would hold the later calls' entries behind a completion written only after
+        all of them)."""
         event = self.event()
         self.device.record(caller, event)
-        self.device.wait_value(caller, self.completion, value)
+        if wait:
+            self.device.wait_value(caller, self.completion, value)
         return event
 
-    def enter(self, lane_count: int, entry: Any) -> None:
-        """At issue time: each lane the plan uses starts after the caller's mark."""
-        self.ensure_lanes(lane_count)
-        for lane in self.lanes[:lane_count]:
-            self.device.wait_event(lane, entry)
+    def fence_out(self, caller: Any, value: int) -> None:
+        """Make ``caller`` wait for ``completion >= value`` before its later work."""
+        self.device.wait_value(caller, self.completion, value)
 
     def completion_writes(self, value: int) -> list:
         """The memops lane 0 ends with: release the caller and tell the host."""
-        return [(WRITE, self.completion, value), (WRITE, self.host_word, value)]
+        return [(MemOp.WRITE, self.completion, value), (MemOp.WRITE, self.host_word, value)]
 
     def drained(self, entries: Iterable[Any], timeout: float) -> bool:
         """Whether, within ``timeout`` s, every caller stream has reached its call (the

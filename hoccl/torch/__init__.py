@@ -35,7 +35,7 @@ __all__ = ["Options", "ProcessGroupHoccl", "StoreBootstrap", "AllGather", "Reduc
 #: the name under which torch.distributed knows the backend
 BACKEND = "hoccl"
 
-_SETTINGS = ("max_sms", "copy_sms", "check", "self_route", "chunk_bytes", "copy_lanes")
+_SETTINGS = ("max_sms", "copy_sms", "verify_plans", "self_route", "chunk_bytes", "copy_lanes")
 
 
 @dataclass(frozen=True)

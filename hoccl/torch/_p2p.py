@@ -8,21 +8,22 @@ every held one is issued together when anything needs one of them: a ``wait()``,
 ``is_completed()`` or ``get_future()`` of its Work, or any other call on any hoccl
 process group of this process (which keeps the calls of every group in program order).
 
-The held calls are issued inside ``hoccl.group()`` and in one order on every rank:
-pairs of ranks in rank order, within a pair the lower rank's sends first, then the
-order of the calls.  Either alone lets every rank's batch match its peers'.
+The held calls are issued inside ``hoccl.group()``: every rank's batch is matched with
+its peers' batches as a whole, whatever the order of its calls.  A batch goes out in
+rounds, the k-th round holding the k-th call of each (communicator, peer, direction):
+round k of every rank matches round k of its peers, and no round holds two calls of
+one pair and direction (under mpirun such a group does not complete yet).
 """
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any, List
+from typing import Dict, List, Tuple
 
 import torch
 
 import hoccl
 
-from ._work import Work
+from ._work import Launcher, Work
 
 __all__ = ["HeldP2P", "issue_held"]
 
@@ -35,11 +36,10 @@ class HeldP2P(Work):
     On cuda it keeps its place on the caller's stream: the side stream it is issued on
     waits for an event recorded on the current stream when it was called."""
 
-    def __init__(self, group: Any, kind: str, buffer: torch.Tensor, tensor: torch.Tensor,
-                 peer: int):
-        launcher = group.launcher
+    def __init__(self, launcher: Launcher, kind: str, buffer: torch.Tensor,
+                 tensor: torch.Tensor, peer: int):
         super().__init__(launcher, [tensor])
-        self.group, self.kind, self.buffer, self.peer = group, kind, buffer, peer
+        self.kind, self.buffer, self.peer = kind, buffer, peer
         self.ready = (None if launcher.device is None
                       else launcher.record(torch.cuda.current_stream(launcher.device)))
         self.issued = False
@@ -48,12 +48,6 @@ class HeldP2P(Work):
     def settle(self) -> None:
         if not self.issued:
             issue_held()
-
-    def order(self) -> tuple:
-        rank = self.launcher.comm.rank
-        low, high = min(rank, self.peer), max(rank, self.peer)
-        sender = rank if self.kind == "send" else self.peer
-        return (self.group.group_name, low, high, sender != low)
 
     def issue(self) -> None:
         launcher = self.launcher
@@ -77,15 +71,23 @@ def issue_held() -> None:
     """Issue every held send and recv of this process, as one batch."""
     if not _HELD:
         return
-    held = sorted(_HELD, key=HeldP2P.order)  # stable: calls of one pair keep their order
+    held = list(_HELD)
     _HELD.clear()
-    with _together():
-        for call in held:
-            call.issue()
+    for round_ in _rounds(held):
+        with hoccl.group():
+            for call in round_:
+                call.issue()
     for call in held:
         call.finish()
 
 
-def _together() -> Any:
-    group = getattr(hoccl, "group", None)
-    return group() if group is not None else contextlib.nullcontext()
+def _rounds(held: List[HeldP2P]) -> List[List[HeldP2P]]:
+    rounds: List[List[HeldP2P]] = []
+    seen: Dict[Tuple[int, int, str], int] = {}
+    for call in held:
+        key = (id(call.launcher.comm), call.peer, call.kind)
+        index = seen[key] = seen.get(key, -1) + 1
+        if index == len(rounds):
+            rounds.append([])
+        rounds[index].append(call)
+    return rounds

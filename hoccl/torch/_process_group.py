@@ -297,9 +297,9 @@ class ProcessGroupHoccl(dist.ProcessGroup):
             if peer == rank:
                 continue
             if sends[peer].numel():
-                works.append(HeldP2P(self, "send", movable(sends[peer]), sends[peer], peer))
+                works.append(HeldP2P(self.launcher, "send", movable(sends[peer]), sends[peer], peer))
             if receives[peer].numel():
-                works.append(HeldP2P(self, "recv", movable(receives[peer]), receives[peer], peer))
+                works.append(HeldP2P(self.launcher, "recv", movable(receives[peer]), receives[peer], peer))
         issue_held()
         work = WorkList(works, outputs)
         if not _async(opts):
@@ -408,7 +408,7 @@ class ProcessGroupHoccl(dist.ProcessGroup):
         tensor = one_tensor(kind, tensors)
         if self._gloo(kind, [tensor]):
             return getattr(self.cpu_group, kind)(tensors, peer, tag)
-        return self._record(HeldP2P(self, kind, movable(tensor), tensor, peer))
+        return self._record(HeldP2P(self.launcher, kind, movable(tensor), tensor, peer))
 
     # -- coalescing (torch's _coalescing_manager) ------------------------------------------
     def _start_coalescing(self, device: Any) -> None:

@@ -19,7 +19,7 @@ import cupy as cp
 import numpy as np
 
 from hoccl._errors import HocclTimeoutError, InvalidArgumentError
-from hoccl.backends._base import DTYPES, OPS
+from hoccl.backends._base import DTYPES, OPS, MemOp
 from hoccl.backends.cuda import open_device
 
 MiB = 1 << 20
@@ -235,7 +235,7 @@ def main():
     faulthandler.dump_traceback_later(200, exit=True)  # a hung stream must not eat the lease
     print(f"seed {SEED}; cupy {cp.__version__}; GPUs {cp.cuda.runtime.getDeviceCount()}")
     started = time.perf_counter()
-    dev0, dev1 = open_device(0), open_device(1)
+    dev0, dev1 = open_device(0, max_sms=8, copy_sms=8), open_device(1, max_sms=8, copy_sms=8)
     print(f"{dev0!r} {dev1!r}; sm_count {dev0.sm_count}")
     dev0.enable_peer_access(dev1)
     dev1.enable_peer_access(dev0)
@@ -304,7 +304,7 @@ def main():
         slots = 300
         pad = dev1.alloc_pad(slots)
         values = [int(v) for v in rng.integers(1, 1 << 40, slots)]
-        dev1.memops(s1, [(False, pad + 8 * i, v) for i, v in enumerate(values)])
+        dev1.memops(s1, [(MemOp.WAIT, pad + 8 * i, v) for i, v in enumerate(values)])
         word = dev1.alloc_host_word()
         dev1.write_value(s1, word.address, 99)
         for i in range(slots - 1):
@@ -393,7 +393,7 @@ def main():
 
     @check("close is idempotent and releases what it made")
     def _():
-        device = open_device(0)
+        device = open_device(0, max_sms=8, copy_sms=8)
         device.create_stream(), device.create_event(), device.alloc(MiB), device.alloc_pad(8)
         word = device.alloc_host_word()
         device.enable_peer_access(dev1)

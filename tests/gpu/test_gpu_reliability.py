@@ -45,10 +45,10 @@ def test_watchdog_aborts_stuck_work_and_the_streams_drain():
     comms[0].all_reduce(data[0], out[0], stream=free[0])
     comms[1].all_reduce(data[1], out[1], stream=held)
     started = time.monotonic()
-    while not comms[0]._aborted and time.monotonic() - started < 10:
+    while not comms[0].aborted and time.monotonic() - started < 10:
         time.sleep(0.05)
-    assert comms[0]._aborted, "the watchdog did not abort within 10 s"
-    assert "rank 1" in comms[0]._abort_reason, comms[0]._abort_reason
+    assert comms[0].aborted, "the watchdog did not abort within 10 s"
+    assert "rank 1" in comms[0].abort_reason, comms[0].abort_reason
     with cupy.cuda.Device(0):
         done = cupy.cuda.Event()
         done.record(free[0])

@@ -1,0 +1,409 @@
+"""The engine: one per rank, it owns everything a call needs below the public API.
+
+    Communicator (API) ──prepare/enqueue──► Engine ──issue──► Executor ──► StreamManager ──► Device
+           │                                  ▲
+           └──submit──► Group ── matched calls┘  (the API hands them to their engines)
+
+The engine holds the rank's ``SignalPad`` (the only object that knows where a slot
+lives), its call counters, the calls in flight, the reduction scratch, the stream
+manager and the executor.  A call goes through three stages:
+
+* ``prepare``: plan it, resolve the caller's stream and the buffers' addresses, export
+  what peers must map.  Everything that can fail happens here; nothing is enqueued.
+* ``enqueue``: number it and fence the caller's stream on it (``StreamManager.fence_in``):
+  from here on, the caller's later work waits for the call's completion value.
+* ``issue``: with the peers' buffers known (from the group), check every byte the plan
+  touches in a peer's buffer lies inside what that peer registered, then hand the plan
+  to the executor.  ``release`` completes a call unrun instead (a mismatch, a close).
+
+The engine never calls the group or the API; the health monitor (``hoccl._health``)
+reads its state and aborts it.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
+
+from ._buffers import Buffer
+from ._errors import HocclError, MismatchError
+from .backends._base import Device
+from .p2p import Executor
+from .sched import Options, Shape, build_plan, verify
+from .sched.plan import CHANNEL_NAMES, CHANNELS, Plan
+from .streams import StreamManager
+
+__all__ = ["ABORT_VALUE", "SignalPad", "Call", "Engine", "PeerBuffer"]
+
+log = logging.getLogger("hoccl")
+
+#: written into signal pads by an abort: larger than any value a collective waits for,
+#: so every stream-side wait is released; seeing it in a pad means "aborted".
+ABORT_VALUE = 1 << 62
+
+
+class SignalPad:
+    """This rank's signal pad and the peers' pads it signals into.
+
+    Layout: ``world_size * CHANNELS`` 64-bit slots, slot ``sender * CHANNELS + channel``
+    written only by ``sender`` (so values only grow), then one *completion* word that
+    this rank's lane 0 writes when a call ends and its callers' streams wait on.
+    """
+
+    def __init__(self, device: Device, rank: int, world_size: int):
+        self.device = device
+        self.rank = rank
+        self.world_size = world_size
+        self.slots = world_size * CHANNELS
+        self.address = device.alloc_pad(self.slots + 1)
+        self.completion = self.address + 8 * self.slots
+        self._pads: List[Any] = [self.address] * world_size
+
+    def connect(self, pads: List[Any]) -> None:
+        """``pads[peer]``: the peer's pad as this process addresses it (mapped or direct)."""
+        self._pads = list(pads)
+
+    def local(self, slot: int) -> Any:
+        """The address of ``slot`` in this rank's own pad (what its lanes wait on)."""
+        return self.address + 8 * slot
+
+    def remote(self, peer: int, slot: int) -> Any:
+        """The address of ``slot`` in ``peer``'s pad (what this rank's lanes write)."""
+        return self._pads[peer] + 8 * slot
+
+    @staticmethod
+    def describe(slot: int) -> Tuple[int, str]:
+        """(sender, channel name) of a slot."""
+        sender, channel = divmod(slot, CHANNELS)
+        return sender, CHANNEL_NAMES[channel]
+
+    def words(self) -> List[int]:
+        """The slots' values, read from the host past every stream."""
+        return self.device.peek(self.address, self.slots)
+
+    def aborted_by(self) -> Optional[int]:
+        """The peer whose abort value is in this pad, if one is."""
+        try:
+            words = self.words()
+        except HocclError:
+            return None
+        for slot, word in enumerate(words):
+            if word >= ABORT_VALUE:
+                return slot // CHANNELS
+        return None
+
+    def poison(self, host_word: Any, warn: bool) -> None:
+        """The abort value into every own slot, the completion and host words, and the
+        slots this rank writes in every peer's pad (best effort: a dead peer's memory
+        may be gone)."""
+        own = [(self.local(slot), ABORT_VALUE) for slot in range(self.slots + 1)]
+        own.append((host_word.address, ABORT_VALUE))
+        try:
+            self.device.poke(own)
+        except HocclError as error:
+            if warn:
+                log.warning("rank %d abort: could not poison its own pad: %s", self.rank, error)
+        for peer in range(self.world_size):
+            if peer == self.rank:
+                continue
+            try:
+                self.device.poke([(self.remote(peer, self.rank * CHANNELS + channel), ABORT_VALUE)
+                                  for channel in range(CHANNELS)])
+            except HocclError as error:
+                if warn:
+                    log.warning("rank %d abort: could not release peer %d: %s", self.rank,
+                                peer, error)
+
+
+@dataclass(frozen=True)
+class PeerBuffer:
+    """What a rank tells its peers about one of its buffers for one call: ``where`` (an
+    address in one process, an exported descriptor across processes) and ``nbytes``, the
+    size it registered, which bounds every byte a peer's plan may touch in it."""
+    where: Any
+    nbytes: int
+
+
+@dataclass(eq=False)
+class Call:
+    """One call of one rank, from ``prepare`` to the end of its work."""
+    name: str                  # the public call: "all_gather", "send", ...
+    plan: Plan
+    key: tuple                 # matches it across ranks: ("coll", n) or ("pair", s, r, n)
+    signature: tuple           # what every participant must agree on
+    local: Dict[str, Any]      # buffer name -> address on this rank
+    shared: Dict[str, PeerBuffer]  # what the peers need of this rank's buffers
+    keepalive: Tuple[Any, ...]
+    caller: Any                # the caller's stream
+    engine: "Engine"
+    value: int = 0             # this rank's call number: its entry and completion value
+    issued: bool = False
+    base: int = 0              # the signal base it was issued with
+    entry: Any = None          # event marking the caller's position at call time
+    issued_at: float = 0.0     # when its steps were enqueued (the watchdog's clock)
+    peers: Dict[int, Dict[str, PeerBuffer]] = field(default_factory=dict)
+
+
+_VERIFIED: Dict[int, Plan] = {}
+
+
+def _verified(plan: Plan) -> Plan:
+    if _VERIFIED.get(id(plan)) is not plan:
+        verify(plan)
+        _VERIFIED[id(plan)] = plan
+    return plan
+
+
+class Engine:
+    """One rank's machinery.  Built by ``hoccl.init`` / ``init_local``; used by the
+    Communicator (calls), the group (matched calls come back through the API) and the
+    health monitor (state, abort)."""
+
+    def __init__(self, *, rank: int, world_size: int, device: Device, options: Options,
+                 verify_plans: bool):
+        self.rank = rank
+        self.world_size = world_size
+        self.device = device
+        self.options = options
+        self.verify_plans = verify_plans
+        self.pad = SignalPad(device, rank, world_size)
+        self.host_word = device.alloc_host_word()
+        self.streams = StreamManager(device, self.pad.completion, self.host_word.address)
+        self.executor = Executor(rank, device, self.streams, self.pad)
+        self.calls = 0                  # completion value of the latest enqueued call
+        self._collectives = 0           # collectives enqueued (the matching key)
+        self._pair_calls: Dict[Tuple[int, ...], int] = {}
+        self._signal_base = 0
+        self._pair_base: Dict[Tuple[int, ...], int] = {}
+        self._scratch: Tuple[Any, int] = (None, 0)
+        self._retired: List[Any] = []
+        self._shared_names: Dict[int, Tuple[Plan, Tuple[str, ...]]] = {}
+        self.inflight: Deque[Call] = collections.deque()  # enqueued, in call order
+        self.lock = threading.RLock()
+        self.closed = False
+        self.aborted = False
+        self.abort_reason = ""
+        #: an error found for this rank's call while another rank was calling (init_local):
+        #: raised by the next synchronize
+        self.pending_error: Optional[HocclError] = None
+
+    # -- state ------------------------------------------------------------------------------
+    @property
+    def completed(self) -> int:
+        """The completion value of the latest finished call (read from host memory)."""
+        return self.host_word.value
+
+    def mark_aborted(self, reason: str) -> bool:
+        """Make later calls raise; False if this rank was already aborted or closed."""
+        with self.lock:
+            if self.aborted or self.closed:
+                return False
+            self.aborted = True
+            self.abort_reason = reason
+            return True
+
+    # -- a call -----------------------------------------------------------------------------
+    def plan(self, shape: Shape) -> Plan:
+        plan = build_plan(shape, self.options)
+        return _verified(plan) if self.verify_plans else plan
+
+    def prepare(self, name: str, shape: Shape, buffers: Dict[str, Optional[Buffer]],
+                stream: Any, exported: bool) -> Call:
+        """Everything that can fail before the caller's stream is fenced: the plan, the
+        caller's stream, scratch, and (``exported``: peers live in other processes) the
+        export descriptors of the buffers peers touch."""
+        plan = self.plan(shape)
+        arrays = tuple(buffer.owner for buffer in buffers.values() if buffer is not None)
+        self.device.activate()
+        caller = self.device.resolve_stream(stream, arrays)
+        local: Dict[str, Any] = {}
+        sizes: Dict[str, int] = {}
+        for spec in plan.buffers[self.rank]:
+            if spec.nbytes == 0:
+                continue  # a plan never addresses an empty buffer (and it may have no address)
+            if spec.name == "scratch":
+                local["scratch"] = self._scratch_of(spec.nbytes)
+                sizes["scratch"] = spec.nbytes
+            else:
+                buffer = buffers[spec.name]
+                assert buffer is not None
+                local[spec.name] = buffer.address
+                sizes[spec.name] = buffer.nbytes
+        shared = {}
+        for buffer_name in self._shared(plan):
+            if buffer_name in local:
+                where = (self.device.export(local[buffer_name]) if exported
+                         else local[buffer_name])
+                shared[buffer_name] = PeerBuffer(where, sizes[buffer_name])
+        if plan.pair:
+            key: tuple = ("pair",) + plan.pair + (self._pair_calls.get(plan.pair, 0),)
+        else:
+            key = ("coll", self._collectives)
+        signature = (("collective", shape.collective), ("count", shape.count),
+                     ("dtype", shape.dtype), ("op", shape.op), ("root", shape.root),
+                     ("peer", shape.peer))
+        return Call(name, plan, key, signature, local, shared, arrays, caller, self)
+
+    def enqueue(self, call: Call, fence: bool = True) -> None:
+        """Number ``call`` and fence the caller's stream on it.  From here the call must
+        end in ``issue`` or ``release``: the caller's stream waits for it.  Without
+        ``fence`` only its entry is marked; ``fence_callers`` then fences a group."""
+        if call.plan.pair:
+            self._pair_calls[call.plan.pair] = call.key[-1] + 1
+        else:
+            self._collectives += 1
+        self.calls += 1
+        call.value = self.calls
+        call.entry = self.streams.fence_in(call.caller, call.value, wait=fence)
+        done = self.completed
+        with self.lock:  # the watchdog reads the deque
+            inflight = self.inflight
+            while inflight and inflight[0].issued and inflight[0].value <= done:
+                self._retire(inflight.popleft())  # finished: its buffers may go
+            inflight.append(call)
+
+    def fence_callers(self, calls: Sequence[Call]) -> None:
+        """Make every caller stream of ``calls`` (a group's, enqueued without a fence) wait
+        for the last of them."""
+        last = max(call.value for call in calls)
+        callers: Dict[Any, Any] = {}
+        for call in calls:
+            callers.setdefault(_stream_key(call.caller), call.caller)
+        self.device.activate()
+        for caller in callers.values():
+            self.streams.fence_out(caller, last)
+
+    def issue(self, calls: Sequence[Call], imported: bool) -> None:
+        """Enqueue the steps of ``calls`` (one, or one rank's calls of a ``hoccl.group()``,
+        which then run side by side), their peers' buffers now in ``call.peers``.
+        ``imported``: the peers' ``where`` are export descriptors to map (cached by the
+        device).  A peer buffer smaller than the plan reaches into raises MismatchError
+        before anything is enqueued."""
+        try:
+            resolved = [self._addresses(call, imported) for call in calls]
+        except MismatchError:
+            for call in calls:
+                self.release(call)
+            raise
+        items = []
+        for call, addresses in zip(calls, resolved):
+            plan = call.plan
+            if plan.pair:
+                base = self._pair_base.get(plan.pair, 0)
+                self._pair_base[plan.pair] = base + plan.max_value
+            else:
+                base = self._signal_base
+                self._signal_base += plan.max_value
+            call.base = base
+            items.append((plan, addresses, base, call.entry))
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("rank %d issue %s call %d base %d lanes %d steps %d sms=%s",
+                          self.rank, plan.collective, call.value, base, plan.lanes,
+                          len(plan.programs[self.rank]), plan.uses_sms(self.rank))
+        self.device.activate()
+        now = time.monotonic()
+        self.executor.issue(items, max(call.value for call in calls))
+        for call in calls:
+            call.issued_at = now
+            call.issued = True
+
+    def _addresses(self, call: Call, imported: bool) -> Dict[Tuple[int, str], Any]:
+        plan = call.plan
+        addresses: Dict[Tuple[int, str], Any] = {(self.rank, name): address
+                                                 for name, address in call.local.items()}
+        for peer, shared in call.peers.items():
+            for buffer_name, buffer in shared.items():
+                needed = plan.buffer(peer, buffer_name).nbytes
+                if buffer.nbytes < needed:
+                    raise MismatchError(
+                        f"{call.name}: rank {peer}'s {buffer_name} holds {buffer.nbytes} bytes "
+                        f"but rank {self.rank}'s plan for this call reaches {needed} bytes into "
+                        f"it; the ranks disagree on the call's size")
+                addresses[(peer, buffer_name)] = (self.device.import_(buffer.where) if imported
+                                                  else buffer.where)
+        return addresses
+
+    def release(self, call: Call) -> None:
+        """Complete ``call`` without running it: the caller's stream goes on; its output is
+        not written."""
+        self.device.activate()
+        self.streams.ensure_lanes(1)
+        self.device.memops(self.streams.lanes[0], self.streams.completion_writes(call.value))
+        call.issued_at = time.monotonic()
+        call.issued = True
+
+    def finish(self) -> None:
+        """After every enqueued call has completed: retire them, free retired scratch."""
+        with self.lock:
+            for call in self.inflight:
+                self._retire(call)
+            self.inflight.clear()
+            self.device.activate()
+            for address in self._retired:
+                self.device.free(address)
+            self._retired.clear()
+
+    def unfinished(self) -> List[Call]:
+        """Issued calls whose completion value has not been reached, oldest first."""
+        done = self.completed
+        with self.lock:
+            return [call for call in self.inflight if call.issued and call.value > done]
+
+    def held(self) -> List[Call]:
+        """Enqueued calls not yet issued (init_local: waiting for other ranks' calls)."""
+        with self.lock:
+            return [call for call in self.inflight if not call.issued]
+
+    # -- internals ----------------------------------------------------------------------
+    def _retire(self, call: Call) -> None:
+        """``call`` finished: its entry event goes back to the pool."""
+        if call.entry is not None:
+            self.streams.release(call.entry)
+            call.entry = None
+
+    def _scratch_of(self, nbytes: int) -> Any:
+        address, size = self._scratch
+        if size < nbytes:
+            if address is not None:
+                self._retired.append(address)  # earlier calls may still use it; freed on sync
+            address = self.device.alloc(nbytes)
+            self._scratch = (address, nbytes)
+        return address
+
+    def _shared(self, plan: Plan) -> Tuple[str, ...]:
+        """``plan.shared(rank)``, computed once per plan (plans are cached per shape)."""
+        entry = self._shared_names.get(id(plan))
+        if entry is None or entry[0] is not plan:
+            if len(self._shared_names) > 4096:
+                self._shared_names.clear()
+            entry = self._shared_names[id(plan)] = (plan, plan.shared(self.rank))
+        return entry[1]
+
+    # -- teardown -------------------------------------------------------------------------
+    def drained(self, timeout: float) -> bool:
+        """Whether every unfinished call's caller stream reached it and the lanes are idle
+        within ``timeout`` s (then nothing queued will touch this rank's memory again)."""
+        with self.lock:
+            entries = [call.entry for call in self.inflight if call.entry is not None]
+        if not entries and not self.aborted:
+            return True
+        self.device.activate()
+        return self.streams.drained(entries, timeout)
+
+    def close_streams(self) -> None:
+        self.device.activate()
+        self.streams.close()
+        with self.lock:
+            self.inflight.clear()
+
+
+def _stream_key(stream: Any) -> Any:
+    """Streams compare by handle (CUDA handles are ints); host streams by identity."""
+    try:
+        return int(stream)
+    except TypeError:
+        return id(stream)

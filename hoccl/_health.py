@@ -1,0 +1,222 @@
+"""The health monitor: host-side waits with timeouts, the watchdog, abort and diagnosis.
+
+It works over one rank's ``Engine``: it reads the engine's calls in flight and its
+signal pad, and aborts it (and, in one process, every other rank of the group,
+which it gets from the group as their monitors).  Nothing here enqueues work for a
+call; an abort only writes the abort value into signal pads from the host
+(``SignalPad.poison``), which releases every stream-side wait.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable, List, Optional
+
+from ._engine import Call, Engine
+from ._errors import AbortedError, HocclError, HocclTimeoutError
+from .sched.plan import Wait
+
+__all__ = ["Health"]
+
+log = logging.getLogger("hoccl")
+
+
+class Health:
+    """One rank's monitor.  ``siblings()`` gives the monitors of the other ranks of this
+    process (``init_local``): an abort of one rank is an abort of all of them."""
+
+    def __init__(self, engine: Engine, timeout: float,
+                 siblings: Callable[["Health"], List["Health"]],
+                 forget_calls: Callable[[], None],
+                 peers_alive: Callable[[], Optional[str]] = lambda: None):
+        self.engine = engine
+        self.timeout = timeout
+        self._siblings = siblings
+        self._forget_calls = forget_calls
+        self._peers_alive = peers_alive
+        self._watchdog: Optional[threading.Thread] = None
+        self._pump: Optional[threading.Thread] = None  # re-poisons after an abort
+        self._stop = threading.Event()
+
+    @property
+    def rank(self) -> int:
+        return self.engine.rank
+
+    # -- waits ------------------------------------------------------------------------------
+    def synchronize(self, call: str = "synchronize") -> None:
+        """Block until every call the engine enqueued has finished; abort after the timeout
+        (or at once when a peer's process is gone) and raise naming what never came."""
+        engine = self.engine
+        target = engine.calls
+        deadline = time.monotonic() + self.timeout
+        delay = 0.0
+        next_liveness = time.monotonic() + 0.1
+        while engine.completed < target:
+            if engine.aborted or engine.device.failure():
+                break
+            now = time.monotonic()
+            if now > deadline:
+                reason = self.diagnose(call)
+                self.abort(reason)
+                raise HocclTimeoutError(reason)
+            if now > next_liveness:
+                next_liveness = now + 0.1
+                gone = self._peers_alive()
+                if gone is not None:
+                    reason = f"{call}: rank {self.rank}: {gone}"
+                    self.abort(reason)
+                    raise AbortedError(reason)
+            time.sleep(delay)
+            delay = min(delay * 2 + 2e-6, 1e-3)
+        self.check(call)
+        engine.finish()
+        error, engine.pending_error = engine.pending_error, None
+        if error is not None:
+            raise error
+
+    def check(self, call: str) -> None:
+        """Raise AbortedError if the device failed, this rank was aborted, or a peer was."""
+        engine = self.engine
+        failure = engine.device.failure()
+        if failure and not engine.aborted:
+            self.abort(f"{call}: rank {self.rank}: device work failed: {failure}")
+        if engine.aborted:
+            raise AbortedError(self._aborted_message(call))
+        poisoned = engine.pad.aborted_by()
+        if poisoned is not None:
+            self.abort(f"rank {poisoned} aborted the communicator")
+            raise AbortedError(self._aborted_message(call))
+
+    def _aborted_message(self, call: str) -> str:
+        reason = self.engine.abort_reason
+        if reason.startswith(call + ":"):
+            return reason
+        return f"{call}: the communicator was aborted: {reason}"
+
+    # -- abort ------------------------------------------------------------------------------
+    def abort(self, reason: str) -> None:
+        """Mark this rank and its siblings aborted (siblings first, so a thread that sees
+        this rank aborted finds them aborted too), then release every wait."""
+        marked = [health for health in self._siblings(self) + [self]
+                  if health.engine.mark_aborted(reason)]
+        for health in marked:
+            health._release_waits()
+        if marked:
+            self._forget_calls()
+
+    def _release_waits(self) -> None:
+        engine = self.engine
+        log.warning("rank %d aborting: %s", self.rank, engine.abort_reason)
+        try:
+            engine.device.activate()
+            engine.device.abort()
+        except HocclError as error:
+            log.warning("rank %d abort: %s", self.rank, error)
+        engine.pad.poison(engine.host_word, warn=True)
+        # Lanes released by the poison run on, and their signal writes (this rank's, or a
+        # peer's not yet aborted) can land after it and lower a slot again: keep poisoning
+        # for a while, so that no wait released once can block again.
+        pump = threading.Thread(target=self._keep_poisoning, daemon=True,
+                                name=f"hoccl-abort-{self.rank}")
+        pump.start()
+        self._pump = pump
+
+    def _keep_poisoning(self) -> None:
+        """After an abort: poison again every 50 ms until close (at most ``timeout``)."""
+        engine = self.engine
+        deadline = time.monotonic() + self.timeout
+        try:
+            engine.device.activate()
+            while not self._stop.wait(0.05) and time.monotonic() < deadline:
+                with engine.lock:
+                    if engine.closed:
+                        return
+                    engine.pad.poison(engine.host_word, warn=False)
+        except Exception as error:  # a helper thread must not die loudly at exit
+            log.debug("rank %d abort pump stopped: %r", self.rank, error)
+
+    # -- diagnosis --------------------------------------------------------------------------
+    def diagnose(self, call: str) -> str:
+        """What the oldest unfinished call is waiting for, read from this rank's pad."""
+        engine = self.engine
+        pending = engine.unfinished()
+        if not pending:
+            return f"{call}: rank {self.rank} timed out after {self.timeout:g} s"
+        oldest: Call = pending[0]
+        sequence = "collective" if oldest.key[0] == "coll" else "pair"
+        head = (f"{call}: rank {self.rank}'s {oldest.name} (call {oldest.value} on this rank, "
+                f"{sequence} sequence {oldest.key[1:]}) did not finish within {self.timeout:g} s")
+        try:
+            words = engine.pad.words()
+        except HocclError as error:
+            return f"{head}; the signal pad could not be read: {error}"
+        aborted = engine.pad.aborted_by()
+        if aborted is not None:
+            return f"{head}: rank {aborted} aborted the communicator"
+        missing, peers = [], set()
+        for step in oldest.plan.programs[self.rank]:
+            if isinstance(step, Wait) and words[step.slot] < oldest.base + step.value:
+                peer, channel = engine.pad.describe(step.slot)
+                peers.add(peer)
+                missing.append(f"rank {peer} {channel} (have {words[step.slot]}, need "
+                               f"{oldest.base + step.value})")
+        if not missing:
+            return (f"{head}: every signal from the peers arrived; the caller's stream never "
+                    f"reached the call (work enqueued on it earlier is stuck), or the copies "
+                    f"or reductions did not finish")
+        return f"{head}: signals missing from peers {sorted(peers)}: " + "; ".join(missing)
+
+    # -- the watchdog ---------------------------------------------------------------------
+    def start_watchdog(self) -> None:
+        if self._watchdog is None:
+            self._watchdog = threading.Thread(target=self._watch, daemon=True,
+                                              name=f"hoccl-watchdog-{self.rank}")
+            self._watchdog.start()
+
+    def _watch(self) -> None:
+        """Abort when the oldest issued call outlives the timeout, a peer aborted or a peer's
+        process is gone, without anyone calling synchronize."""
+        engine = self.engine
+        period = max(0.05, min(1.0, self.timeout / 10))
+        while not self._stop.wait(period):
+            with engine.lock:
+                if engine.closed or engine.aborted:
+                    return
+            pending = engine.unfinished()
+            if not pending:
+                continue
+            try:
+                engine.device.activate()
+                failure = engine.device.failure()
+                if failure:
+                    self.abort(f"watchdog: rank {self.rank}: device work failed: {failure}")
+                    return
+                oldest = pending[0]
+                # a peer's abort first: its poison would read as signals that arrived
+                peer = engine.pad.aborted_by()
+                if peer is not None:
+                    self.abort(f"watchdog: rank {self.rank}'s {oldest.name} (call {oldest.value}): "
+                               f"rank {peer} aborted the communicator")
+                    return
+                gone = self._peers_alive()
+                if gone is not None:
+                    self.abort(f"watchdog: rank {self.rank}'s {oldest.name} (call "
+                               f"{oldest.value}): {gone}")
+                    return
+                # measured from issue, not from the call: with init_local a call may wait
+                # for the other ranks' calls for as long as the user likes
+                if time.monotonic() - oldest.issued_at > self.timeout:
+                    self.abort(self.diagnose("watchdog"))
+                    return
+            except Exception as error:  # the watchdog must never die silently
+                log.error("rank %d watchdog: %r", self.rank, error)
+                return
+
+    def stop(self) -> None:
+        """Stop the watchdog and the abort pump (close)."""
+        self._stop.set()
+        if self._pump is not None:
+            self._pump.join(timeout=5)
+

@@ -1,0 +1,171 @@
+"""Argument checks of the public API: one place for each rule.
+
+Every check raises ``InvalidArgumentError`` whose message starts with the public
+call's name and says what was expected and what was given; nothing is enqueued
+before these checks pass.  The vocabularies come from one table each: reduction
+operators from ``hoccl.sched.plan.OPS``, dtypes from ``hoccl._dtypes``,
+collectives from ``hoccl.sched.COLLECTIVES``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Optional
+
+from ._buffers import Buffer
+from ._errors import InvalidArgumentError
+from .sched import Options
+from .sched.plan import OPS
+
+__all__ = ["ReduceOp", "positive_int", "reduce_op", "rank", "plan_options", "timeout_setting",
+           "flag_setting", "same_dtype", "same_shape", "blocks", "disjoint", "in_place",
+           "on_device", "OPTION_NAMES"]
+
+#: the planning options ``init``, ``init_local`` and ``set_options`` accept
+OPTION_NAMES = tuple(field.name for field in dataclasses.fields(Options))
+
+
+class ReduceOp:
+    """Reduction operators (their lower-case names are accepted too)."""
+    SUM = "sum"
+    PROD = "prod"
+    MAX = "max"
+    MIN = "min"
+    AVG = "avg"
+
+
+assert {value for name, value in vars(ReduceOp).items() if name.isupper()} == set(OPS)
+
+
+def positive_int(call: str, name: str, value: Any, optional: bool = False) -> None:
+    """``value`` must be an int > 0 (``None`` too, when ``optional``)."""
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InvalidArgumentError(f"{call}: {name} must be a positive int"
+                                   f"{' or None' if optional else ''}; got {value!r}")
+
+
+def reduce_op(call: str, op: Any) -> str:
+    """The operator's name: a ``ReduceOp`` member, an enum with such a ``value``, or a string."""
+    name = getattr(op, "value", op)
+    if isinstance(name, str) and name.lower() in OPS:
+        return name.lower()
+    raise InvalidArgumentError(f"{call}: op must be one of {', '.join(OPS)} or a hoccl.ReduceOp "
+                               f"member; got {op!r}")
+
+
+def rank(call: str, name: str, value: Any, world_size: int,
+         other_than: Optional[int] = None) -> int:
+    """A rank of the communicator (``root``, ``peer``), optionally not ``other_than``."""
+    if (isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < world_size
+            or value == other_than):
+        besides = f" other than {other_than}" if other_than is not None else ""
+        raise InvalidArgumentError(f"{call}: {name} must be a rank in [0, {world_size}){besides}; "
+                                   f"got {value!r}")
+    return value
+
+
+def plan_options(call: str, base: Options, changes: dict) -> Options:
+    """``base`` with ``changes`` applied; ``Options`` checks its own fields."""
+    unknown = sorted(set(changes) - set(OPTION_NAMES))
+    if unknown:
+        raise InvalidArgumentError(f"{call}: unknown options {unknown}; expected any of "
+                                   f"{sorted(OPTION_NAMES)}")
+    try:
+        return dataclasses.replace(base, **changes)
+    except InvalidArgumentError as error:
+        raise InvalidArgumentError(f"{call}: {error}") from None
+
+
+def timeout_setting(call: str, timeout: Any, default: float) -> float:
+    """The ``timeout`` argument, else ``HOCCL_TIMEOUT``, else ``default``: positive seconds."""
+    source = "timeout"
+    if timeout is None:
+        text = os.environ.get("HOCCL_TIMEOUT")
+        if text is None:
+            return default
+        source = "HOCCL_TIMEOUT"
+        try:
+            timeout = float(text)
+        except ValueError:
+            raise InvalidArgumentError(f"{call}: HOCCL_TIMEOUT must be a positive number of "
+                                       f"seconds; got {text!r}") from None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise InvalidArgumentError(f"{call}: {source} must be a positive number of seconds; "
+                                   f"got {timeout!r}")
+    return float(timeout)
+
+
+def flag_setting(value: Optional[bool], variable: str) -> bool:
+    """``value``, or the environment ``variable`` set to anything but "" or "0"."""
+    if value is None:
+        return os.environ.get(variable, "0") not in ("", "0")
+    return bool(value)
+
+
+# -- buffers -------------------------------------------------------------------------------
+def on_device(call: str, name: str, buffer: Buffer, backend: str, device: Optional[int]) -> None:
+    """Host memory for the host backend; memory of this rank's GPU for the CUDA backend."""
+    if backend == "host":
+        if buffer.device is not None:
+            raise InvalidArgumentError(f"{call}: {name} is on GPU {buffer.device}, but this "
+                                       f"communicator uses the host backend; pass host memory")
+    elif buffer.device is None:
+        raise InvalidArgumentError(f"{call}: {name} is host memory, but this communicator "
+                                   f"runs on GPU {device}; pass a device array")
+    elif buffer.device != device:
+        raise InvalidArgumentError(f"{call}: {name} is on GPU {buffer.device}; this rank's "
+                                   f"communicator runs on GPU {device}")
+
+
+def same_dtype(call: str, send: Buffer, recv: Buffer) -> None:
+    if send.dtype != recv.dtype:
+        raise InvalidArgumentError(f"{call}: sendbuf and recvbuf must have one dtype; got "
+                                   f"{send.dtype} and {recv.dtype}")
+
+
+def same_shape(call: str, send: Buffer, recv: Buffer) -> None:
+    same_dtype(call, send, recv)
+    if send.count != recv.count:
+        raise InvalidArgumentError(f"{call}: sendbuf and recvbuf must have the same number "
+                                   f"of elements; got {send.count} and {recv.count}")
+
+
+def blocks(call: str, send: Buffer, recv: Buffer, world_size: int, recv_is_large: bool,
+           whose: str = "") -> None:
+    """The large buffer must hold world_size blocks of the small one's size and dtype
+    (all_gather and gather: recv is large; reduce_scatter and scatter: send is)."""
+    same_dtype(call, send, recv)
+    large, small = (recv, send) if recv_is_large else (send, recv)
+    large_name, small_name = ("recvbuf", "sendbuf") if recv_is_large else ("sendbuf", "recvbuf")
+    if large.count != small.count * world_size:
+        raise InvalidArgumentError(
+            f"{call}: {whose}{large_name} must hold world_size * {small_name}.size = "
+            f"{world_size} * {small.count} = {small.count * world_size} elements; got "
+            f"{large.count}")
+
+
+def _overlap(a: Buffer, b: Buffer) -> bool:
+    return (a.nbytes > 0 and b.nbytes > 0 and a.address < b.address + b.nbytes
+            and b.address < a.address + a.nbytes)
+
+
+def disjoint(call: str, send: Buffer, recv: Buffer) -> None:
+    if _overlap(send, recv):
+        raise InvalidArgumentError(f"{call}: sendbuf and recvbuf overlap; this collective "
+                                   f"has no in-place form, pass separate buffers")
+
+
+def in_place(call: str, rank_: int, send: Buffer, recv: Buffer, own_block: Buffer,
+             inner: Buffer) -> bool:
+    """True when ``inner`` (the smaller of send and recv) is exactly ``own_block`` of the
+    larger one: the in-place form.  Any other overlap of send and recv is an error."""
+    if inner.nbytes and inner.address == own_block.address:
+        return True
+    if _overlap(send, recv):
+        raise InvalidArgumentError(
+            f"{call}: sendbuf and recvbuf overlap but not as the in-place form (the smaller "
+            f"buffer must be exactly rank {rank_}'s block of the larger one)")
+    return False

@@ -1,0 +1,137 @@
+"""Ranks that disagree, in one process (init_local): nothing is written anywhere, every
+rank involved raises MismatchError naming the call, the ranks and both values, and the
+communicator works again afterwards.  The same scenarios run under mpiexec -n 3 in
+tests/test_mpi.py (tests/mpi/run_hostile.py)."""
+
+import numpy as np
+import pytest
+
+import hoccl
+from hoccl.testing import check_collective
+
+from hostile import Guarded, make_call, scenarios
+
+WORLD = 3
+
+
+@pytest.fixture(scope="module")
+def comms():
+    comms = hoccl.init_local(WORLD, backend="host")
+    yield comms
+    for comm in comms:
+        comm.close()
+
+
+@pytest.mark.parametrize("name,collective,change,deviants", scenarios(WORLD),
+                         ids=[s[0] for s in scenarios(WORLD)])
+def test_disagreeing_ranks_write_nothing_and_all_raise(comms, name, collective, change, deviants):
+    rng = np.random.default_rng(abs(hash(name)) % (1 << 32))
+    calls = [make_call(rng, rank, WORLD, collective, change, deviants) for rank in range(WORLD)]
+    errors = {}
+    for comm, (call, _) in zip(comms, calls):
+        try:
+            call(comm)
+        except hoccl.MismatchError as error:
+            errors[comm.rank] = str(error)
+    for comm in comms:
+        try:
+            comm.synchronize()
+        except hoccl.MismatchError as error:
+            assert comm.rank not in errors, "a rank got the same mismatch twice"
+            errors[comm.rank] = str(error)
+    assert sorted(errors) == list(range(WORLD)), f"ranks without an error: {errors}"
+    for rank, text in errors.items():
+        assert text.count(": ") >= 1 and text.split(":")[0] in (collective, "all_reduce",
+                                                                  "all_gather"), text
+        assert "rank" in text and "called (" in text, text
+    for rank, (_, buffers) in enumerate(calls):
+        for buffer in buffers:
+            assert buffer.untouched(), f"rank {rank}: bytes changed in or around a buffer"
+    check_collective(comms, "all_reduce", count=7, dtype="float32", seed=len(name))
+
+
+def test_pair_calls_that_disagree_on_size_write_nothing():
+    comms = hoccl.init_local(2, backend="host")
+    rng = np.random.default_rng(1)
+    small = Guarded(rng, 4, np.float32, fill=np.nan)
+    large = Guarded(rng, 1000, np.float32, fill=1.0)
+    comms[0].send(large.view, 1)
+    with pytest.raises(hoccl.MismatchError, match=r"count=4.*count=1000|count=1000.*count=4"):
+        comms[1].recv(small.view, 0)
+    with pytest.raises(hoccl.MismatchError):
+        comms[0].synchronize()
+    comms[1].synchronize()
+    assert small.untouched() and large.untouched()
+    check_collective(comms, "broadcast", count=3, dtype="int32", root=1, seed=2)
+    for comm in comms:
+        comm.close()
+
+
+def test_a_cycle_of_ungrouped_sends_is_refused_at_once_and_grouped_it_runs():
+    comms = hoccl.init_local(3, backend="host", timeout=30)
+    data = [np.arange(4, dtype=np.int64) + 10 * rank for rank in range(3)]
+    out = [np.full(4, -1, np.int64) for _ in range(3)]
+    refused = []
+    for rank, comm in enumerate(comms):
+        for call in (lambda: comm.send(data[rank], (rank + 1) % 3),
+                     lambda: comm.recv(out[rank], (rank - 1) % 3)):
+            try:
+                call()
+            except hoccl.MismatchError as error:
+                refused.append(str(error))
+    assert refused and "can never all run" in refused[0] and "hoccl.group()" in refused[0]
+    for comm in comms:
+        try:
+            comm.synchronize()
+        except hoccl.MismatchError:
+            pass
+    # the same ring inside a group completes
+    with hoccl.group():
+        for rank, comm in enumerate(comms):
+            comm.send(data[rank], (rank + 1) % 3)
+            comm.recv(out[rank], (rank - 1) % 3)
+    for comm in comms:
+        comm.synchronize()
+    for rank in range(3):
+        assert np.array_equal(out[rank], data[(rank - 1) % 3])
+    for comm in comms:
+        comm.close()
+
+
+def test_group_mixes_collectives_and_pairs_across_ranks():
+    comms = hoccl.init_local(2, backend="host")
+    rng = np.random.default_rng(7)
+    a = [rng.standard_normal(6).astype(np.float32) for _ in range(2)]
+    gathered = [np.full(12, np.nan, np.float32) for _ in range(2)]
+    swapped = [np.full(6, np.nan, np.float32) for _ in range(2)]
+    with hoccl.group():
+        for rank, comm in enumerate(comms):
+            comm.recv(swapped[rank], 1 - rank)
+            comm.all_gather(a[rank], gathered[rank])
+            comm.send(a[rank], 1 - rank)
+    for comm in comms:
+        comm.synchronize()
+    for rank in range(2):
+        assert np.array_equal(gathered[rank].view(np.uint32),
+                              np.concatenate(a).view(np.uint32))
+        assert np.array_equal(swapped[rank].view(np.uint32), a[1 - rank].view(np.uint32))
+    for comm in comms:
+        comm.close()
+
+
+def test_a_group_whose_body_raises_runs_none_of_its_calls():
+    comms = hoccl.init_local(2, backend="host")
+    out = [np.full(4, np.nan, np.float32) for _ in range(2)]
+    with pytest.raises(RuntimeError, match="body"):
+        with hoccl.group():
+            comms[0].all_reduce(np.ones(4, np.float32), out[0])
+            raise RuntimeError("body")
+    assert np.isnan(out[0]).all()
+    with pytest.raises(hoccl.MismatchError, match="abandoned"):  # rank 1's matching call
+        comms[1].all_reduce(np.ones(4, np.float32), np.zeros(4, np.float32))
+    with pytest.raises(hoccl.MismatchError, match="abandoned"):
+        comms[0].synchronize()
+    assert np.isnan(out[0]).all()
+    check_collective(comms, "all_reduce", count=4, dtype="float32", seed=4)
+    for comm in comms:
+        comm.close()
