@@ -161,12 +161,6 @@ def test_init_bootstraps_from_a_torch_store_instead_of_mpi():
         assert received.tolist() == [10, 10, 10, 11, 11, 11]
 
 
-def test_init_refuses_both_an_mpi_communicator_and_a_bootstrap():
-    import hoccl
-    with pytest.raises(hoccl.InvalidArgumentError, match="init: pass mpi_comm or bootstrap"):
-        hoccl.init(backend="host", mpi_comm=object(), bootstrap=object())
-
-
 def test_reduction_ops_translate_and_premul_sum_carries_its_factor():
     import torch.distributed as dist
     import hoccl
