@@ -55,6 +55,7 @@ class HeldP2P(Work):
         if launcher.device is not None:
             stream = launcher.side_stream()
             stream.wait_event(self.ready)
+            self.buffer.record_stream(stream)  # the caller may drop it without waiting
         getattr(launcher.comm, self.kind)(self.buffer, self.peer, stream=stream)
 
     def finish(self) -> None:
