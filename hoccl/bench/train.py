@@ -293,7 +293,7 @@ class Library:
     name: str
     model: nn.Module
     optimizer: Any
-    losses: List[float]
+    losses: List[torch.Tensor]  # kept on the device: reading one would synchronize
 
 
 def libraries(names: Sequence[str], shape: ModelShape, device: torch.device,

@@ -44,8 +44,8 @@ class Options:
     ``backend_override``: how the group's hoccl Communicator is made.
 
     ``backend``: "cuda" or "host" (None: cuda when a GPU is visible).  ``device``: the
-    CUDA ordinal (None: torch's current device when one was set, else the local rank
-    modulo the visible GPUs).  ``settings``: keyword arguments of ``hoccl.init``
+    CUDA ordinal (None: torch's current device when one was set, else the default
+    group's, else the local rank modulo the visible GPUs).  ``settings``: keyword arguments of ``hoccl.init``
     (max_sms, copy_sms, check, self_route, chunk_bytes, copy_lanes)."""
     backend: Optional[str] = None
     device: Optional[int] = None
@@ -77,11 +77,20 @@ def communicator(group: Any = None) -> Any:
 
 
 def _device(options: Options) -> Optional[int]:
+    """The GPU of a new group's communicator: ``options.device``; else torch's current
+    device when one other than 0 was set (0 may be merely the default); else the GPU of
+    the default group's communicator (a sub-group's ranks keep their GPUs); else None,
+    and hoccl takes the local rank modulo the visible GPUs."""
     if options.device is not None:
         return options.device
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         current = torch.cuda.current_device()
-        return current if current != 0 else None  # 0: perhaps never set; hoccl picks
+        if current != 0:
+            return current
+    if dist.is_initialized():
+        default = dist.distributed_c10d._get_default_group()
+        if isinstance(default, ProcessGroupHoccl):
+            return default.communicator.device
     return None
 
 

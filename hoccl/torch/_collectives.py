@@ -12,7 +12,7 @@ from ._work import Launcher, Work
 __all__ = ["all_gather_into", "reduce_scatter_into"]
 
 
-def all_gather_into(call: str, launcher: Launcher, output: torch.Tensor, input: torch.Tensor,
+def all_gather_into(launcher: Launcher, output: torch.Tensor, input: torch.Tensor,
                     async_op: bool) -> Work:
     """``output`` = every rank's ``input`` in rank order.  In place (no own-block copy)
     when ``input`` is this rank's block of ``output``, as FSDP passes them."""

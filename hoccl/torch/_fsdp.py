@@ -19,6 +19,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as _Redu
 from .._errors import InvalidArgumentError
 from ._collectives import all_gather_into, reduce_scatter_into
 from ._ops import reduction
+from ._p2p import issue_held
 from ._work import Launcher
 
 __all__ = ["AllGather", "ReduceScatter", "use_for_fsdp", "comm_buffer"]
@@ -32,15 +33,11 @@ def comm_buffer(comm: Any, size: Sequence[Any], dtype: torch.dtype,
     return torch.empty(*size, dtype=dtype, device=device)
 
 
-def _communicator(comm: Any) -> Any:
-    """A hoccl Communicator, or the one of a hoccl process group."""
-    return getattr(comm, "communicator", comm)
-
-
 class _Hooked:
     def __init__(self, comm: Any):
-        self.comm = _communicator(comm)
-        self.launcher = Launcher(self.comm)
+        # a hoccl process group lends its launcher (and side stream); a Communicator gets one
+        self.launcher = getattr(comm, "launcher", None) or Launcher(comm)
+        self.comm = self.launcher.comm
 
     def allocate(self, size: Sequence[Any], *, dtype: torch.dtype,
                  device: torch.device) -> torch.Tensor:
@@ -61,9 +58,9 @@ class AllGather(_Hooked, _AllGather):
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: Optional[dist.ProcessGroup] = None,
                  async_op: bool = False) -> Optional[dist.Work]:
-        call = "fsdp all_gather"
-        self._check(call, group)
-        work = all_gather_into(call, self.launcher, output_tensor, input_tensor, async_op)
+        self._check("fsdp all_gather", group)
+        issue_held()
+        work = all_gather_into(self.launcher, output_tensor, input_tensor, async_op)
         return work if async_op else None
 
 
@@ -77,6 +74,7 @@ class ReduceScatter(_Hooked, _ReduceScatter):
                  async_op: bool = False) -> Optional[dist.Work]:
         call = "fsdp reduce_scatter"
         self._check(call, group)
+        issue_held()
         name, factor = reduction(call, op)
         work = reduce_scatter_into(call, self.launcher, output_tensor, input_tensor, name,
                                    factor, async_op)

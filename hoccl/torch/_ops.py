@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence, Tuple
+from typing import Any, Optional, Sequence, Tuple, TypeVar
 
 import torch
-import torch.distributed as dist
 
 from .._errors import InvalidArgumentError
 
@@ -16,6 +15,7 @@ REDUCIBLE = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.
              torch.int32, torch.int64)
 _NATIVE = frozenset(REDUCIBLE)
 _FLOATING = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.float64))
+T = TypeVar("T")
 _OPS = {"SUM": "sum", "AVG": "avg", "PRODUCT": "prod", "MIN": "min", "MAX": "max"}
 _SUPPORTED = "SUM, AVG, PRODUCT, MIN, MAX and PREMUL_SUM"
 
@@ -57,7 +57,8 @@ def movable(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.reshape(-1).view(torch.uint8) if tensor.is_contiguous() else tensor
 
 
-def one_tensor(call: str, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+def one_tensor(call: str, tensors: Sequence[T]) -> T:
+    """The one element of torch's per-rank list (a tensor, or a list of tensors)."""
     if len(tensors) != 1:
         raise InvalidArgumentError(f"{call}: hoccl takes one tensor per rank; got {len(tensors)}")
     return tensors[0]

@@ -17,7 +17,7 @@ one pair and direction (under mpirun such a group does not complete yet).
 
 from __future__ import annotations
 
-from typing import Dict, List, Tuple
+from typing import Any, Dict, List, Tuple
 
 import torch
 
@@ -40,8 +40,8 @@ class HeldP2P(Work):
                  tensor: torch.Tensor, peer: int):
         super().__init__(launcher, [tensor])
         self.kind, self.buffer, self.peer = kind, buffer, peer
-        self.ready = (None if launcher.device is None
-                      else launcher.record(torch.cuda.current_stream(launcher.device)))
+        self.ready: Any = (None if launcher.device is None
+                           else launcher.record(torch.cuda.current_stream(launcher.device)))
         self.issued = False
         _HELD.append(self)
 

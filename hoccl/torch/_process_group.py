@@ -27,7 +27,7 @@ from .._errors import InvalidArgumentError
 from ._collectives import all_gather_into, reduce_scatter_into
 from ._ops import movable, one_tensor, reducible, reduction, scaled
 from ._p2p import HeldP2P, issue_held
-from ._work import Launcher, Work, WorkList
+from ._work import Launcher, WorkList
 
 __all__ = ["ProcessGroupHoccl"]
 
@@ -55,10 +55,9 @@ class ProcessGroupHoccl(dist.ProcessGroup):
     # what torch asks a backend (``_get_backend`` returns the group itself)
     supports_splitting = False
     supports_coalescing = False
-    supports_time_estimate = False
 
     def __init__(self, comm: Any, cpu_group: Any = None):
-        super().__init__(comm.rank, comm.world_size)
+        super().__init__(comm.rank, comm.world_size)  # type: ignore[call-arg]
         self.communicator = comm
         self.cpu_group = cpu_group  # gloo, for CPU tensors when comm runs on a GPU
         self.launcher = Launcher(comm)
@@ -73,7 +72,7 @@ class ProcessGroupHoccl(dist.ProcessGroup):
         self._group_name = name
 
     @property
-    def group_name(self) -> str:
+    def group_name(self) -> str:  # type: ignore[override]
         """Set by torch after the creator returns (a Python group keeps it itself)."""
         return self._group_name
 
@@ -109,7 +108,7 @@ class ProcessGroupHoccl(dist.ProcessGroup):
         return False
 
     def _run(self, issue: Callable[[Any], Any], outputs: List[torch.Tensor],
-             tensors: Sequence[torch.Tensor], opts: Any, blocking: bool = False) -> Work:
+             tensors: Sequence[torch.Tensor], opts: Any, blocking: bool = False) -> dist.Work:
         work = self.launcher.run(issue, outputs, tensors, _async(opts), blocking=blocking)
         return self._record(work)
 
@@ -142,11 +141,12 @@ class ProcessGroupHoccl(dist.ProcessGroup):
         issue_held()
         if self._gloo(call, [output, input]):
             return self.cpu_group._allgather_base(output, input, opts)
-        return self._record(all_gather_into(call, self.launcher, output, input, _async(opts)))
+        return self._record(all_gather_into(self.launcher, output, input, _async(opts)))
 
-    _allgather_base = all_gather_single  # its name before torch 2.13
+    # its name before torch 2.13
+    _allgather_base = all_gather_single  # type: ignore[assignment]
 
-    def allgather(self, output_tensors: List[List[torch.Tensor]],
+    def allgather(self, output_tensors: List[List[torch.Tensor]],  # type: ignore[override]
                   input_tensors: List[torch.Tensor], opts: Any = None) -> dist.Work:
         """dist.all_gather (a list of outputs)."""
         call = "all_gather"
@@ -175,7 +175,8 @@ class ProcessGroupHoccl(dist.ProcessGroup):
                  for output, input in zip(outputs, inputs)]
         return WorkList(works, outputs)
 
-    allgather_into_tensor_coalesced = all_gather_single_coalesced  # before torch 2.13
+    # its name before torch 2.13
+    allgather_into_tensor_coalesced = all_gather_single_coalesced  # type: ignore[assignment]
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,
                               opts: Any = None) -> dist.Work:
@@ -188,9 +189,10 @@ class ProcessGroupHoccl(dist.ProcessGroup):
         return self._record(reduce_scatter_into(call, self.launcher, output, input, op, factor,
                                                 _async(opts)))
 
-    _reduce_scatter_base = reduce_scatter_single  # before torch 2.13
+    # its name before torch 2.13
+    _reduce_scatter_base = reduce_scatter_single  # type: ignore[assignment]
 
-    def reduce_scatter(self, output_tensors: List[torch.Tensor],
+    def reduce_scatter(self, output_tensors: List[torch.Tensor],  # type: ignore[override]
                        input_tensors: List[List[torch.Tensor]], opts: Any = None) -> dist.Work:
         """dist.reduce_scatter (a list of inputs)."""
         call = "reduce_scatter"
@@ -216,9 +218,10 @@ class ProcessGroupHoccl(dist.ProcessGroup):
                  for output, input in zip(outputs, inputs)]
         return WorkList(works, outputs)
 
-    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced  # before torch 2.13
+    # its name before torch 2.13
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced  # type: ignore[assignment]
 
-    def allreduce(self, tensors: List[torch.Tensor], opts: Any = None) -> dist.Work:
+    def allreduce(self, tensors: List[torch.Tensor], opts: Any = None) -> dist.Work:  # type: ignore[override]
         """dist.all_reduce (in place)."""
         call = "all_reduce"
         issue_held()
@@ -261,7 +264,8 @@ class ProcessGroupHoccl(dist.ProcessGroup):
         receives = output.split(list(output_split_sizes) or _even_splits(call, output, n))
         return self._exchange(call, list(receives), list(sends), [output], opts)
 
-    alltoall_base = all_to_all_single  # before torch 2.13
+    # its name before torch 2.13
+    alltoall_base = all_to_all_single  # type: ignore[assignment]
 
     def alltoall(self, output_tensors: List[torch.Tensor], input_tensors: List[torch.Tensor],
                  opts: Any = None) -> dist.Work:
@@ -296,17 +300,16 @@ class ProcessGroupHoccl(dist.ProcessGroup):
         for peer in range(self.size()):
             if peer == rank:
                 continue
-            if sends[peer].numel():
-                works.append(HeldP2P(self.launcher, "send", movable(sends[peer]), sends[peer], peer))
-            if receives[peer].numel():
-                works.append(HeldP2P(self.launcher, "recv", movable(receives[peer]), receives[peer], peer))
+            for kind, chunk in (("send", sends[peer]), ("recv", receives[peer])):
+                if chunk.numel():
+                    works.append(HeldP2P(self.launcher, kind, movable(chunk), chunk, peer))
         issue_held()
         work = WorkList(works, outputs)
         if not _async(opts):
             work.wait()
         return self._record(work)
 
-    def broadcast(self, tensors: List[torch.Tensor], opts: Any = None) -> dist.Work:
+    def broadcast(self, tensors: List[torch.Tensor], opts: Any = None) -> dist.Work:  # type: ignore[override]
         call = "broadcast"
         issue_held()
         tensor = one_tensor(call, tensors)
@@ -320,7 +323,7 @@ class ProcessGroupHoccl(dist.ProcessGroup):
                                         stream=stream)
         return self._run(issue, [tensor], [tensor], opts)
 
-    def reduce(self, tensors: List[torch.Tensor], opts: Any = None) -> dist.Work:
+    def reduce(self, tensors: List[torch.Tensor], opts: Any = None) -> dist.Work:  # type: ignore[override]
         """dist.reduce: the root's tensor receives the result, the others' stay as they are."""
         call = "reduce"
         issue_held()
@@ -337,14 +340,14 @@ class ProcessGroupHoccl(dist.ProcessGroup):
                                      stream=stream)
         return self._run(issue, [tensor], [tensor], opts)
 
-    def gather(self, output_tensors: List[List[torch.Tensor]], input_tensors: List[torch.Tensor],
+    def gather(self, output_tensors: List[List[torch.Tensor]], input_tensors: List[torch.Tensor],  # type: ignore[override]
                opts: Any = None) -> dist.Work:
         call = "gather"
         issue_held()
         input = one_tensor(call, input_tensors)
         root = self._root(call, opts)
         is_root = self.rank() == root
-        outputs = one_tensor(call, output_tensors) if is_root else []
+        outputs: List[torch.Tensor] = one_tensor(call, output_tensors) if is_root else []
         if self._gloo(call, [input, *outputs]):
             return self.cpu_group.gather(output_tensors, input_tensors, opts)
         if is_root:
@@ -364,14 +367,14 @@ class ProcessGroupHoccl(dist.ProcessGroup):
             return copy_out
         return self._run(issue, outputs, [input, *outputs], opts)
 
-    def scatter(self, output_tensors: List[torch.Tensor], input_tensors: List[List[torch.Tensor]],
+    def scatter(self, output_tensors: List[torch.Tensor], input_tensors: List[List[torch.Tensor]],  # type: ignore[override]
                 opts: Any = None) -> dist.Work:
         call = "scatter"
         issue_held()
         output = one_tensor(call, output_tensors)
         root = self._root(call, opts)
         is_root = self.rank() == root
-        inputs = one_tensor(call, input_tensors) if is_root else []
+        inputs: List[torch.Tensor] = one_tensor(call, input_tensors) if is_root else []
         if self._gloo(call, [output, *inputs]):
             return self.cpu_group.scatter(output_tensors, input_tensors, opts)
         if is_root:

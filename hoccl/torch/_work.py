@@ -83,14 +83,13 @@ class Launcher:
 class Work(dist.Work):
     """One call's handle: ``wait()``, ``is_completed()``, ``get_future()``, ``result()``."""
 
-    def __init__(self, launcher: Launcher, outputs: List[torch.Tensor], *,
-                 mark: Optional[int] = None, event: Optional[torch.cuda.Event] = None,
-                 stream: Any = None, blocking: bool = False):
+    def __init__(self, launcher: Launcher, outputs: List[torch.Tensor], *, mark: int = 0,
+                 event: Any = None, stream: Any = None, blocking: bool = False):
         super().__init__()
         self.launcher = launcher
         self.outputs = outputs
         self.mark = mark        # host backend: the communicator's call count after the call
-        self.event = event      # cuda: recorded on ``stream`` after the call
+        self.event = event      # cuda: a torch.cuda.Event recorded on ``stream`` after it
         self.stream = stream
         self.blocking = blocking
 
@@ -128,7 +127,7 @@ class Work(dist.Work):
         self.settle()
         if self.launcher.device is None:
             self.wait()
-            future = torch.futures.Future()
+            future: torch.futures.Future = torch.futures.Future()
             future.set_result(self.outputs)
             return future
         future = torch.futures.Future(devices=[self.launcher.device])
