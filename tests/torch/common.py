@@ -14,9 +14,11 @@ from hoccl.torch._ops import REDUCIBLE
 
 #: dtypes hoccl only moves (as bytes)
 COPY_ONLY = (torch.bool, torch.complex64, torch.int16)
+#: where the programs' tensors live (``--device cuda``: this rank's GPU)
+DEVICE = torch.device("cpu")
 
-__all__ = ["REDUCIBLE", "COPY_ONLY", "rank_and_world", "data", "poisoned", "expect_bits",
-           "reference", "torch_op"]
+__all__ = ["REDUCIBLE", "COPY_ONLY", "DEVICE", "use_device", "rank_and_world", "data",
+           "poisoned", "expect_bits", "reference", "torch_op"]
 
 
 def rank_and_world() -> tuple:
@@ -28,28 +30,36 @@ def rank_and_world() -> tuple:
     raise RuntimeError("run under mpiexec (PMI_RANK / OMPI_COMM_WORLD_RANK) or torchrun")
 
 
+def use_device(device: torch.device) -> None:
+    global DEVICE
+    DEVICE = device
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
 def data(seed: int, rank: int, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
-    """Rank ``rank``'s input: small integers (exact in every dtype and every order of a
-    sum of a few ranks), the same on every process for the same arguments."""
+    """Rank ``rank``'s input on ``DEVICE``: small integers (exact in every dtype and every
+    order of a sum of a few ranks), the same on every process for the same arguments."""
     generator = torch.Generator().manual_seed(seed * 1009 + rank)
     if dtype == torch.bool:
-        return torch.randint(0, 2, shape, generator=generator).bool()
+        return torch.randint(0, 2, shape, generator=generator).bool().to(DEVICE)
     low = 0 if dtype == torch.uint8 else -8
     values = torch.randint(low, 8, shape, generator=generator)
     if dtype.is_complex:
-        return torch.complex(values.float(), values.flip(-1).float()).to(dtype)
-    return values.to(dtype)
+        return torch.complex(values.float(), values.flip(-1).float()).to(dtype).to(DEVICE)
+    return values.to(dtype).to(DEVICE)
 
 
 def poisoned(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
-    """Every byte 0xA5: a NaN pattern for floats, a value ``data`` never draws otherwise."""
-    tensor = torch.empty(shape, dtype=dtype)
+    """On ``DEVICE``, every byte 0xA5: a NaN pattern for floats, a value ``data`` never
+    draws otherwise."""
+    tensor = torch.empty(shape, dtype=dtype, device=DEVICE)
     tensor.reshape(-1).view(torch.uint8).fill_(0xA5)
     return tensor
 
 
 def _bytes(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.contiguous().reshape(-1).view(torch.uint8)
+    return tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
 
 
 def expect_bits(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
@@ -64,6 +74,7 @@ def expect_bits(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
 
 
 def _numpy(tensor: torch.Tensor) -> np.ndarray:
+    tensor = tensor.cpu()
     if tensor.dtype == torch.bfloat16:
         return tensor.view(torch.int16).numpy().view(numpy_dtype("bfloat16"))
     return tensor.numpy()
@@ -81,7 +92,8 @@ def reference(inputs: Sequence[torch.Tensor], op: str, factor: Optional[float]) 
     if op == "premul":
         inputs, op = [torch.mul(x, factor).to(x.dtype) for x in inputs], "sum"
     arrays = [_numpy(x.contiguous()) for x in inputs]
-    return _torch(reduce_arrays(arrays, op, arrays[0].dtype)).reshape(inputs[0].shape)
+    result = _torch(reduce_arrays(arrays, op, arrays[0].dtype)).reshape(inputs[0].shape)
+    return result.to(inputs[0].device)
 
 
 def torch_op(name: str) -> "dist.ReduceOp.RedOpType":

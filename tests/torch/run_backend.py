@@ -1,5 +1,6 @@
 """torch.distributed on the hoccl backend, one rank per process: run with
-``mpiexec -n N python tests/torch/run_backend.py`` (MASTER_ADDR/MASTER_PORT set).
+``mpiexec -n N python tests/torch/run_backend.py [--device cuda]`` (MASTER_ADDR and
+MASTER_PORT set; ``--device cuda``: one GPU per rank, NCCL standing in for gloo).
 
 Every op torch.distributed has, synchronous and asynchronous, in every dtype torch
 sends, at odd sizes, with outputs poisoned first.  Copies are compared bit for bit;
@@ -11,6 +12,7 @@ dimension, and errors for what hoccl cannot do.  Prints one line per failure and
 
 from __future__ import annotations
 
+import argparse
 import sys
 import traceback
 import warnings
@@ -21,6 +23,7 @@ import torch.distributed as dist
 
 import hoccl
 import hoccl.torch
+import common
 from common import (COPY_ONLY, REDUCIBLE, data, expect_bits, poisoned, rank_and_world,
                     reference, torch_op)
 
@@ -239,7 +242,7 @@ def isend_then_collective(seed):
     received = poisoned((9,), torch.int64)
     dist.isend(data(seed, RANK, (9,), torch.int64), after)
     receive = dist.irecv(received, before)
-    total = torch.ones(1)
+    total = torch.ones(1, device=common.DEVICE)
     dist.all_reduce(total)
     receive.wait()
     expect_bits(received, data(seed, before, (9,), torch.int64), "isend then all_reduce")
@@ -260,9 +263,9 @@ def futures_carry_outputs(seed):
     value = work.get_future().wait()
     expect_bits(value[0], reference(inputs, "sum", FACTOR), "future value")
     expect_bits(work.result()[0], reference(inputs, "sum", FACTOR), "work result")
-    chained = dist.all_reduce(torch.ones(3), async_op=True).get_future().then(
-        lambda future: future.value()[0] * 2)
-    expect_bits(chained.wait(), torch.full((3,), 2.0 * WORLD), "future then")
+    chained = dist.all_reduce(torch.ones(3, device=common.DEVICE), async_op=True).get_future()
+    doubled = chained.then(lambda future: future.value()[0] * 2)
+    expect_bits(doubled.wait(), torch.full((3,), 2.0 * WORLD), "future then")
 
 
 def coalesced_calls(seed):
@@ -308,22 +311,23 @@ def sub_groups(seed):
         expect_bits(output, torch.cat(inputs), f"all_gather in group {ranks}")
 
 
-def device_mesh_with_a_gloo_dimension(seed):
+def device_mesh_with_another_backend(seed):
     """A 2-D mesh whose first dimension is the hoccl default group and whose second
-    runs on gloo (standing in for NCCL)."""
+    runs on NCCL (gloo on CPUs)."""
     from torch.distributed.device_mesh import init_device_mesh
-    mesh = init_device_mesh("cpu", (WORLD, 1), mesh_dim_names=("dp", "tp"),
-                            backend_override={"tp": "gloo"})
+    other = "nccl" if common.DEVICE.type == "cuda" else "gloo"
+    mesh = init_device_mesh(common.DEVICE.type, (WORLD, 1), mesh_dim_names=("dp", "tp"),
+                            backend_override={"tp": other})
     dp, tp = mesh.get_group("dp"), mesh.get_group("tp")
     assert isinstance(dp, hoccl.torch.ProcessGroupHoccl), type(dp)
-    assert dist.get_backend(tp) == "gloo", dist.get_backend(tp)
+    assert dist.get_backend(tp) == other, dist.get_backend(tp)
     inputs = [data(seed, rank, (6,), torch.float32) for rank in range(WORLD)]
     tensor = inputs[RANK].clone()
     dist.all_reduce(tensor, group=dp)
     expect_bits(tensor, reference(inputs, "sum", FACTOR), "all_reduce over the mesh's dp")
     alone = inputs[RANK].clone()
     dist.all_reduce(alone, group=tp)
-    expect_bits(alone, inputs[RANK], "all_reduce over a one-rank gloo dimension")
+    expect_bits(alone, inputs[RANK], f"all_reduce over a one-rank {other} dimension")
 
 
 # -- what hoccl refuses -----------------------------------------------------------------------
@@ -338,17 +342,26 @@ def refuses(what, call, *words):
 
 
 def unsupported_requests_raise():
-    refuses("int16 sum", lambda: dist.all_reduce(torch.ones(3, dtype=torch.int16)),
-            "all_reduce", "int16", "float16")
-    refuses("bool sum", lambda: dist.all_reduce(torch.ones(3, dtype=torch.bool)),
-            "all_reduce", "bool")
-    refuses("bitwise and", lambda: dist.all_reduce(torch.ones(3, dtype=torch.int32),
-                                                   op=dist.ReduceOp.BAND), "all_reduce", "BAND")
+    def ones(dtype):
+        return torch.ones(3, dtype=dtype, device=common.DEVICE)
+    refuses("int16 sum", lambda: dist.all_reduce(ones(torch.int16)), "all_reduce", "int16",
+            "float16")
+    refuses("bool sum", lambda: dist.all_reduce(ones(torch.bool)), "all_reduce", "bool")
+    refuses("bitwise and", lambda: dist.all_reduce(ones(torch.int32), op=dist.ReduceOp.BAND),
+            "all_reduce", "BAND")
     refuses("premul on ints", lambda: dist.all_reduce(
-        torch.ones(3, dtype=torch.int32), op=dist.ReduceOp.PREMUL_SUM(2.0)),
-        "all_reduce", "PREMUL_SUM")
-    refuses("wrong list", lambda: dist.all_gather([torch.empty(2)] * (WORLD + 1), torch.ones(2)),
+        ones(torch.int32), op=dist.ReduceOp.PREMUL_SUM(2.0)), "all_reduce", "PREMUL_SUM")
+    refuses("wrong list", lambda: dist.all_gather([ones(torch.float32)] * (WORLD + 1),
+                                                  ones(torch.float32)),
             "all_gather", "world_size")
+
+
+def cpu_tensors(seed):
+    """CPU tensors: hoccl's own on the host backend, gloo's beside a GPU communicator."""
+    inputs = [data(seed, rank, (5,), torch.float32).cpu() for rank in range(WORLD)]
+    tensor = inputs[RANK].clone()
+    dist.all_reduce(tensor)
+    expect_bits(tensor, reference(inputs, "sum", None), "all_reduce of CPU tensors")
 
 
 def complex_sums_are_float_sums(seed):
@@ -385,12 +398,18 @@ def other_cases():
     yield "coalescing manager", lambda: coalesced_calls(940)
     yield "objects", objects_travel
     yield "sub-groups", lambda: sub_groups(950)
-    yield "device mesh with a gloo dimension", lambda: device_mesh_with_a_gloo_dimension(960)
+    yield "device mesh with another backend", lambda: device_mesh_with_another_backend(960)
+    yield "cpu tensors", lambda: cpu_tensors(980)
     yield "complex sums", lambda: complex_sums_are_float_sums(970)
     yield "unsupported requests raise", unsupported_requests_raise
 
 
 def main():
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    args = parser.parse_args()
+    if args.device == "cuda":
+        common.use_device(torch.device("cuda", RANK % torch.cuda.device_count()))
     dist.init_process_group("hoccl", rank=RANK, world_size=WORLD, timeout=timedelta(seconds=60))
     assert dist.get_backend() == "hoccl"
     passed = failed = 0
@@ -401,10 +420,11 @@ def main():
         except Exception:
             failed += 1
             print(f"rank {RANK} FAILED {name}\n{traceback.format_exc()}", flush=True)
-    totals = torch.tensor([passed, failed])
+    totals = torch.tensor([passed, failed], device=common.DEVICE)
     dist.all_reduce(totals)
     if RANK == 0:
-        print(f"torch ranks={WORLD} backend=hoccl: {totals[0]} passed, {totals[1]} failed",
+        print(f"torch ranks={WORLD} backend=hoccl {args.device}: {totals[0]} passed, "
+              f"{totals[1]} failed",
               flush=True)
     dist.destroy_process_group()
     sys.exit(1 if totals[1] else 0)

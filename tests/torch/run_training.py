@@ -1,8 +1,9 @@
 """DDP and FSDP2 training on hoccl against gloo, one rank per process: run with
-``mpiexec -n N python tests/torch/run_training.py`` (MASTER_ADDR/MASTER_PORT set).
+``mpiexec -n N python tests/torch/run_training.py [--device cuda]`` (MASTER_ADDR and
+MASTER_PORT set).
 
-The default process group is hoccl (host backend); a gloo group of the same ranks is the
-reference.  Each configuration trains the same model from the same weights on the same
+The default process group is hoccl; a group of the same ranks on gloo (NCCL with
+``--device cuda``) is the reference.  Each configuration trains the same model from the same weights on the same
 data with SGD (whose update is proportional to the gradient, so a wrong reduction
 shows in the loss) and its losses are compared with gloo's, step by step:
 
@@ -19,6 +20,7 @@ Prints one line per configuration with the largest loss difference, failures, an
 
 from __future__ import annotations
 
+import argparse
 import sys
 import traceback
 import warnings
@@ -35,13 +37,15 @@ warnings.filterwarnings("ignore")
 
 RANK, WORLD = rank_and_world()
 STEPS = 6
+DEVICE = torch.device("cpu")
+REFERENCE = None  # the group the losses are compared with
 
 
 def make_model() -> nn.Module:
     torch.manual_seed(0)
     # 37 and 29 wide: shards are uneven and padded
     return nn.Sequential(nn.Linear(37, 64), nn.Tanh(), nn.Linear(64, 29), nn.Tanh(),
-                         nn.Linear(29, 5))
+                         nn.Linear(29, 5)).to(DEVICE)
 
 
 def data():
@@ -50,7 +54,8 @@ def data():
     mapping = torch.randn(37, 5, generator=torch.Generator().manual_seed(7)) / 6
     generator = torch.Generator().manual_seed(1000 + RANK)
     inputs = torch.randn(8, 37, generator=generator)
-    return inputs, inputs @ mapping + 0.01 * torch.randn(8, 5, generator=generator)
+    targets = inputs @ mapping + 0.01 * torch.randn(8, 5, generator=generator)
+    return inputs.to(DEVICE), targets.to(DEVICE)
 
 
 def train(model: nn.Module, scale: float = 1.0, prefetch=None, dtype=torch.float32) -> list:
@@ -65,24 +70,25 @@ def train(model: nn.Module, scale: float = 1.0, prefetch=None, dtype=torch.float
         optimizer.step()
         optimizer.zero_grad()
         total = loss.detach().clone()
-        dist.all_reduce(total, group=GLOO)  # the mean over ranks, through the reference
+        dist.all_reduce(total, group=REFERENCE)  # the mean over ranks, through the reference
         losses.append(total.item() / WORLD)
     return losses
 
 
 def ddp(group) -> list:
     from torch.nn.parallel import DistributedDataParallel
-    model = DistributedDataParallel(make_model(), process_group=group, bucket_cap_mb=0.005)
+    model = DistributedDataParallel(make_model(), process_group=group, bucket_cap_mb=0.005,
+                                    device_ids=[DEVICE] if DEVICE.type == "cuda" else None)
     return train(model)
 
 
-def fsdp(group, hooks=None, bf16=False, prefetch=False, divide=None) -> list:
+def fsdp(group, hooks=None, bf16=False, prefetch=False, divide=None, scale=1.0) -> list:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     model = make_model()
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None,
                                   reduce_dtype=torch.float32)
-    mesh = DeviceMesh.from_group(group, "cpu")
+    mesh = DeviceMesh.from_group(group, DEVICE.type)
     for layer in model:
         if isinstance(layer, nn.Linear):
             fully_shard(layer, mesh=mesh, mp_policy=policy)
@@ -96,7 +102,7 @@ def fsdp(group, hooks=None, bf16=False, prefetch=False, divide=None) -> list:
 
     def unshard_first(module):
         module[0].unshard(async_op=True).wait()
-    return train(model, prefetch=unshard_first if prefetch else None,
+    return train(model, scale=scale, prefetch=unshard_first if prefetch else None,
                  dtype=torch.bfloat16 if bf16 else torch.float32)
 
 
@@ -107,76 +113,66 @@ def compare(name, got, want, tolerance):
               f"({'identical' if got == want else 'within ' + format(tolerance, 'g')})",
               flush=True)
     assert len(got) == len(want) == STEPS
-    assert worst <= tolerance, f"{name}: losses {got} vs gloo {want}"
+    assert worst <= tolerance, f"{name}: losses {got} vs the reference's {want}"
     assert want[-1] < want[0], f"{name}: the reference did not train: {want}"
 
 
 def configurations():
+    """(name, the run on hoccl, the reference run, tolerance).  A reference run is shared
+    by the configurations that compare with it."""
     hoccl_group = dist.distributed_c10d._get_default_group()
-    reference = {}
+    cache = {}
 
-    def gloo(key, run):
-        if key not in reference:
-            reference[key] = run()
-        return reference[key]
-    yield "DDP", lambda: compare("DDP", ddp(hoccl_group), gloo("ddp", lambda: ddp(GLOO)), 1e-6)
+    def reference(**settings):
+        key = tuple(sorted(settings.items()))
+        return lambda: cache[key] if key in cache else cache.setdefault(
+            key, fsdp(REFERENCE, **settings))
+    yield ("DDP", lambda: ddp(hoccl_group), lambda: ddp(REFERENCE), 1e-6)
     for bf16 in (False, True):
         for prefetch in (False, True):
-            label = f"{'bf16' if bf16 else 'fp32'}{' prefetch' if prefetch else ''}"
+            label = f"{'bf16' if bf16 else 'fp32'}{', prefetch' if prefetch else ''}"
             tolerance = 1e-2 if bf16 else 1e-6
-
-            def want(b=bf16, p=prefetch):
-                return gloo(("fsdp", b, p), lambda: fsdp(GLOO, bf16=b, prefetch=p))
-            yield f"FSDP2 on hoccl {label}", lambda b=bf16, p=prefetch, t=tolerance, w=want: compare(
-                f"FSDP2 on hoccl {p and 'prefetch ' or ''}{b and 'bf16' or 'fp32'}",
-                fsdp(hoccl_group, bf16=b, prefetch=p), w(), t)
-            yield f"FSDP2 hooks {label}", lambda b=bf16, p=prefetch, t=tolerance, w=want: compare(
-                f"FSDP2 on gloo, hoccl hooks {p and 'prefetch ' or ''}{b and 'bf16' or 'fp32'}",
-                fsdp(GLOO, hooks=hoccl_group, bf16=b, prefetch=p), w(), t)
-    divide = 2.0 * WORLD  # not the world size: FSDP2 sends PREMUL_SUM(1 / divide)
-    scaled = lambda: gloo("scaled", lambda: _scaled_reference(WORLD / divide))
-    yield "FSDP2 divide factor on hoccl", lambda: compare(
-        "FSDP2 on hoccl, divide factor (PREMUL_SUM)", fsdp(hoccl_group, divide=divide),
-        scaled(), 1e-5)
-    yield "FSDP2 divide factor hooks", lambda: compare(
-        "FSDP2 on gloo, hoccl hooks, divide factor (PREMUL_SUM)",
-        fsdp(GLOO, hooks=hoccl_group, divide=divide), scaled(), 1e-5)
-
-
-def _scaled_reference(scale: float) -> list:
-    """gloo's AVG of gradients of ``scale * loss``: the gradients PREMUL_SUM gives."""
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import fully_shard
-    model = make_model()
-    mesh = DeviceMesh.from_group(GLOO, "cpu")
-    for layer in model:
-        if isinstance(layer, nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return train(model, scale=scale)
+            yield (f"FSDP2 on hoccl, {label}",
+                   lambda b=bf16, p=prefetch: fsdp(hoccl_group, bf16=b, prefetch=p),
+                   reference(bf16=bf16, prefetch=prefetch), tolerance)
+            yield (f"FSDP2 with hoccl hooks, {label}",
+                   lambda b=bf16, p=prefetch: fsdp(REFERENCE, hooks=hoccl_group, bf16=b,
+                                                   prefetch=p),
+                   reference(bf16=bf16, prefetch=prefetch), tolerance)
+    # not the world size, so FSDP2 sends PREMUL_SUM(1 / divide); the reference has no
+    # PREMUL_SUM and gets the same gradients from a loss scaled by world / divide
+    divide = 2.0 * WORLD
+    scaled = reference(scale=WORLD / divide)
+    yield ("FSDP2 on hoccl, divide factor (PREMUL_SUM)",
+           lambda: fsdp(hoccl_group, divide=divide), scaled, 1e-5)
+    yield ("FSDP2 with hoccl hooks, divide factor (PREMUL_SUM)",
+           lambda: fsdp(REFERENCE, hooks=hoccl_group, divide=divide), scaled, 1e-5)
 
 
 def main():
-    global GLOO
+    global DEVICE, REFERENCE
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    if parser.parse_args().device == "cuda":
+        DEVICE = torch.device("cuda", RANK % torch.cuda.device_count())
+        torch.cuda.set_device(DEVICE)
     dist.init_process_group("hoccl", rank=RANK, world_size=WORLD, timeout=timedelta(seconds=60))
-    GLOO = dist.new_group(backend="gloo")
+    REFERENCE = dist.new_group(backend="nccl" if DEVICE.type == "cuda" else "gloo")
     passed = failed = 0
-    for name, case in configurations():
+    for name, run, reference, tolerance in configurations():
         try:
-            case()
+            compare(name, run(), reference(), tolerance)
             passed += 1
         except Exception:
             failed += 1
             print(f"rank {RANK} FAILED {name}\n{traceback.format_exc()}", flush=True)
-    totals = torch.tensor([passed, failed])
-    dist.all_reduce(totals, group=GLOO)
+    totals = torch.tensor([passed, failed], device=DEVICE)
+    dist.all_reduce(totals, group=REFERENCE)
     if RANK == 0:
         print(f"torch training ranks={WORLD}: {totals[0]} passed, {totals[1]} failed", flush=True)
     dist.destroy_process_group()
     sys.exit(1 if totals[1] else 0)
 
-
-GLOO = None
 
 if __name__ == "__main__":
     main()
