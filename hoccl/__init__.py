@@ -17,7 +17,7 @@ from typing import Any, List, Optional, Sequence, Union
 from . import _validate as check
 from ._engine import Engine
 from ._errors import (AbortedError, DriverError, HocclError, HocclTimeoutError,
-                      InvalidArgumentError, MismatchError, PlanError)
+                      InvalidArgumentError, MismatchError, PeerDeadError, PlanError)
 from ._health import Health
 from ._validate import ReduceOp
 from .backends import cuda_device_count, open_device, pick_backend
@@ -27,7 +27,7 @@ from .sched import Options
 
 __all__ = ["init", "init_local", "Communicator", "ReduceOp", "group", "group_start",
            "group_end", "Bootstrap", "HocclError", "InvalidArgumentError", "PlanError",
-           "HocclTimeoutError", "AbortedError", "DriverError", "MismatchError",
+           "HocclTimeoutError", "AbortedError", "DriverError", "MismatchError", "PeerDeadError",
            "DEFAULT_TIMEOUT", "default_copy_sms"]
 
 __version__ = "0.1.0"

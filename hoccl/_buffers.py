@@ -1,25 +1,43 @@
-"""Buffer and array resolution: turn a user's array into (address, nbytes, dtype, device).
+"""Buffer resolution: turn a user's array into (address, count, dtype, device).
 
-Accepted: numpy arrays (host backend), cupy arrays, torch tensors, and any object
-with ``__cuda_array_interface__`` or ``__dlpack__``.  Only C-contiguous memory is
-accepted, since blocks are contiguous slices of the flattened array.  Framework
-modules are never imported here: an array is recognised by its own attributes.
+Accepted: numpy arrays and torch tensors, and any object with ``__cuda_array_interface__``
+(cupy arrays, numba device arrays) or ``__dlpack__``.  Each is read through its own
+interface: numpy's dtype and flags, torch's dtype and ``data_ptr``, the interface dict's
+typestr, shape, strides and data, and the DLPack tensor struct itself.  Framework modules
+are never imported here: a torch tensor is recognised only once torch is imported.
+
+Rules every kind of array follows:
+
+* Only C-contiguous memory: blocks are contiguous slices of the flattened array.
+* A buffer hoccl writes into (``writable=True``) must be writable.  Refused: numpy arrays
+  with ``writeable=False``, an array interface whose ``data[1]`` (read-only) is true, a
+  DLPack tensor flagged ``DLPACK_FLAG_BITMASK_READ_ONLY``, and a torch tensor that requires
+  grad while grad mode is on (torch refuses the same in-place write to a leaf; autograd
+  would not see hoccl's write).  hoccl never writes a send buffer, so it may be read-only.
+* bool is not a hoccl dtype (NCCL has none either).  A bool array moves as uint8 bytes in
+  collectives that only copy, as torch's NCCL backend moves it (``ncclUint8``), and is
+  refused in reductions (``reduction=True``): bytes of bools summed are not bools.  To
+  reduce bools, pass a uint8 view: ``max`` is then logical or and ``min`` logical and.
+* No synchronisation here: hoccl orders its work after the caller's ``stream`` only, so
+  it asks DLPack producers for none (``stream=-1``) and ignores an array interface's
+  ``stream`` entry.
 """
 
 from __future__ import annotations
 
+import ctypes
+import math
+import sys
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from ._dtypes import ITEMSIZE, dtype_name
+from . import _dtypes
+from ._dtypes import BOOL, ITEMSIZE, NAMES
 from ._errors import InvalidArgumentError
 
 __all__ = ["Buffer", "as_buffer"]
-
-_TYPESTR = {"<f2": "float16", "<f4": "float32", "<f8": "float64", "|i1": "int8", "|u1": "uint8",
-            "<i4": "int32", "<i8": "int64", "<V2": "bfloat16", "|b1": "uint8"}
 
 
 @dataclass(frozen=True)
@@ -41,12 +59,185 @@ class Buffer:
         return Buffer(self.address + offset, count, self.dtype, self.device, self.owner)
 
 
-def _check_dtype(call: str, name: str, dtype: Any) -> str:
-    normalized = dtype_name(dtype)
-    if normalized not in ITEMSIZE:
-        raise InvalidArgumentError(f"{call}: {name} has dtype {dtype}; expected one of "
-                                   f"{', '.join(ITEMSIZE)}")
-    return normalized
+def as_buffer(call: str, name: str, array: Any, *, writable: bool = True,
+              reduction: bool = True) -> Buffer:
+    """Resolve ``array`` or raise InvalidArgumentError naming ``call`` and the argument.
+
+    ``writable``: hoccl writes into the buffer (every receive buffer; a send buffer is
+    only read).  ``reduction``: hoccl combines its elements (both buffers of all_reduce,
+    reduce_scatter and reduce); bool arrays are refused there.  Both default to the
+    stricter answer.
+    """
+    if isinstance(array, np.ndarray):
+        dtype = _dtype_name(call, name, _dtypes.from_numpy(array.dtype), array.dtype, reduction)
+        flags = array.flags
+        if not flags.c_contiguous:
+            raise _not_contiguous(call, name)
+        if writable and not flags.writeable:
+            raise _read_only(call, name, "numpy writeable=False")
+        return Buffer(array.ctypes.data, array.size, dtype, None, array)
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(array, torch.Tensor):
+        return _from_torch(call, name, array, torch, writable, reduction)
+    interface = getattr(array, "__cuda_array_interface__", None)
+    if interface is not None:
+        return _from_array_interface(call, name, array, interface, writable, reduction)
+    if hasattr(array, "__dlpack__"):
+        return _from_dlpack(call, name, array, writable, reduction)
+    raise InvalidArgumentError(f"{call}: {name} must be a numpy array, a torch tensor, or an "
+                               f"object with __cuda_array_interface__ or __dlpack__; got "
+                               f"{type(array).__name__}")
+
+
+def _from_torch(call: str, name: str, tensor: Any, torch: Any, writable: bool,
+                reduction: bool) -> Buffer:
+    dtype = _dtype_name(call, name, _dtypes.from_torch(tensor.dtype), tensor.dtype, reduction)
+    if tensor.is_cuda:
+        device = tensor.get_device()
+    elif tensor.is_cpu:
+        device = None
+    else:
+        raise InvalidArgumentError(f"{call}: {name} is on device {tensor.device}; expected a "
+                                   f"CUDA or CPU tensor")
+    if not tensor.is_contiguous():
+        raise _not_contiguous(call, name)
+    if writable and tensor.requires_grad and torch.is_grad_enabled():
+        raise InvalidArgumentError(
+            f"{call}: {name} requires grad (torch requires_grad=True) and hoccl writes into it, "
+            f"which autograd cannot record; pass tensor.detach() or call under torch.no_grad()")
+    return Buffer(tensor.data_ptr(), tensor.numel(), dtype, device, tensor)
+
+
+def _from_array_interface(call: str, name: str, array: Any, interface: dict, writable: bool,
+                          reduction: bool) -> Buffer:
+    typestr = interface["typestr"]
+    dtype = _dtype_name(call, name, _dtypes.from_typestr(typestr), f"typestr {typestr!r}",
+                        reduction)
+    shape = tuple(interface["shape"])
+    strides = interface.get("strides")
+    if strides is not None and not _c_contiguous(shape, strides, ITEMSIZE[dtype]):
+        raise _not_contiguous(call, name)
+    address, read_only = interface["data"]
+    if writable and read_only:
+        raise _read_only(call, name, "__cuda_array_interface__ data[1] is True")
+    return Buffer(int(address), math.prod(shape), dtype, _interface_device(array, interface),
+                  array)
+
+
+def _interface_device(array: Any, interface: dict) -> Optional[int]:
+    """The array's ``device.id`` (cupy), else the interface's optional ``device`` entry;
+    None when neither says."""
+    ordinal = getattr(getattr(array, "device", None), "id", None)
+    if isinstance(ordinal, int):
+        return ordinal
+    return interface.get("device")
+
+
+# -- DLPack (dlpack.h) -------------------------------------------------------------------
+# numpy cannot import a bfloat16 DLPack tensor, and cupy neither imports bfloat16 nor
+# checks the read-only flag, so hoccl reads the struct the capsule points to.
+_DLPACK_CPU, _DLPACK_CUDA = 1, 2
+_DLPACK_READ_ONLY, _DLPACK_IS_COPIED = 1 << 0, 1 << 1
+_DLPACK_VERSION = (1, 0)  # the newest struct layout read here
+
+
+class _DLTensor(ctypes.Structure):
+    # DLDevice and DLDataType written out: the same offsets as the nested structs
+    _fields_ = [("data", ctypes.c_void_p), ("device_type", ctypes.c_int32),
+                ("device_id", ctypes.c_int32), ("ndim", ctypes.c_int32),
+                ("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16),
+                ("shape", ctypes.POINTER(ctypes.c_int64)),
+                ("strides", ctypes.POINTER(ctypes.c_int64)), ("byte_offset", ctypes.c_uint64)]
+
+
+class _DLManagedTensorVersioned(ctypes.Structure):
+    _fields_ = [("major", ctypes.c_uint32), ("minor", ctypes.c_uint32),
+                ("manager_ctx", ctypes.c_void_p), ("deleter", ctypes.c_void_p),
+                ("flags", ctypes.c_uint64), ("dl_tensor", _DLTensor)]
+
+
+# Own function objects: setting argtypes on ctypes.pythonapi's would change them for
+# every other user of that shared object.
+_capsule_name = ctypes.PYFUNCTYPE(ctypes.c_char_p, ctypes.py_object)(
+    ("PyCapsule_GetName", ctypes.pythonapi))
+_capsule_pointer = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.py_object, ctypes.c_char_p)(
+    ("PyCapsule_GetPointer", ctypes.pythonapi))
+
+
+def _from_dlpack(call: str, name: str, array: Any, writable: bool, reduction: bool) -> Buffer:
+    device_type, device_id = array.__dlpack_device__()
+    if device_type not in (_DLPACK_CPU, _DLPACK_CUDA):
+        raise InvalidArgumentError(f"{call}: {name} is a DLPack array on device type "
+                                   f"{int(device_type)}; expected CPU (1) or CUDA (2)")
+    stream = -1 if device_type == _DLPACK_CUDA else None
+    try:
+        try:
+            capsule = array.__dlpack__(stream=stream, max_version=_DLPACK_VERSION, copy=False)
+        except TypeError:  # a producer older than DLPack 1.0 (array API 2023.12)
+            capsule = array.__dlpack__(stream=stream)
+    except BufferError as error:
+        raise InvalidArgumentError(f"{call}: {name} cannot be exported through DLPack: "
+                                   f"{error}") from error
+    kind = _capsule_name(capsule)
+    if kind not in (b"dltensor_versioned", b"dltensor"):
+        raise InvalidArgumentError(f"{call}: {name}.__dlpack__() returned a capsule named "
+                                   f"{kind!r}; expected 'dltensor' or 'dltensor_versioned'")
+    pointer = _capsule_pointer(capsule, kind)
+    if kind == b"dltensor_versioned":
+        managed = _DLManagedTensorVersioned.from_address(pointer)
+        if managed.major > _DLPACK_VERSION[0]:
+            raise InvalidArgumentError(f"{call}: {name} was exported as DLPack "
+                                       f"{managed.major}.{managed.minor}; hoccl reads "
+                                       f"{_DLPACK_VERSION[0]}.x")
+        tensor, flags = managed.dl_tensor, managed.flags
+    else:
+        tensor, flags = _DLTensor.from_address(pointer), 0
+    found = _dtypes.from_dlpack(tensor.code, tensor.bits, tensor.lanes)
+    dtype = _dtype_name(call, name, found, f"DLPack type (code {tensor.code}, bits "
+                        f"{tensor.bits}, lanes {tensor.lanes})", reduction)
+    if flags & _DLPACK_IS_COPIED:
+        raise InvalidArgumentError(f"{call}: {name} was exported as a copy (DLPack flag "
+                                   f"IS_COPIED); pass an array hoccl can use in place")
+    shape = tuple(tensor.shape[:tensor.ndim])
+    if tensor.strides and not _c_contiguous(shape, tensor.strides[:tensor.ndim], 1):
+        raise _not_contiguous(call, name)
+    if writable and flags & _DLPACK_READ_ONLY:
+        raise _read_only(call, name, "DLPack flag READ_ONLY")
+    device = int(device_id) if device_type == _DLPACK_CUDA else None
+    # The capsule stays unconsumed and alive with the buffer: the memory is valid until its
+    # deleter runs, which the capsule's destructor does.
+    return Buffer((tensor.data or 0) + tensor.byte_offset, math.prod(shape), dtype, device,
+                  (array, capsule))
+
+
+# -- shared checks -----------------------------------------------------------------------
+def _dtype_name(call: str, name: str, found: Optional[_dtypes.DType], given: Any,
+                reduction: bool) -> str:
+    """The hoccl dtype name of ``found`` (what the array's interface reported as
+    ``given``), applying the bool rule."""
+    if found is BOOL:
+        if reduction:
+            raise InvalidArgumentError(
+                f"{call}: {name} is a bool array; hoccl does not reduce bools (bool bytes "
+                f"summed are not bools): pass a uint8 view, on which op='max' is logical or "
+                f"and op='min' logical and")
+        return "uint8"
+    if found is None:
+        raise InvalidArgumentError(f"{call}: {name} has dtype {given}; expected one of "
+                                   f"{', '.join(NAMES)}")
+    return found.name
+
+
+def _c_contiguous(shape: Sequence[int], strides: Sequence[int], step: int) -> bool:
+    """Whether ``strides`` lay ``shape`` out in C order, ``step`` being one element's
+    stride.  An extent of 1 or an empty array puts no constraint on strides."""
+    if 0 in shape:
+        return True
+    for extent, stride in zip(reversed(shape), reversed(strides)):
+        if extent != 1 and stride != step:
+            return False
+        step *= extent
+    return True
 
 
 def _not_contiguous(call: str, name: str) -> InvalidArgumentError:
@@ -54,64 +245,6 @@ def _not_contiguous(call: str, name: str) -> InvalidArgumentError:
                                 f"slices of the flattened array); pass a contiguous copy")
 
 
-def as_buffer(call: str, name: str, array: Any) -> Buffer:
-    """Resolve ``array`` or raise InvalidArgumentError naming ``call`` and the argument."""
-    module = type(array).__module__.split(".")[0]
-    if isinstance(array, np.ndarray):
-        if not array.flags.c_contiguous:
-            raise _not_contiguous(call, name)
-        dtype = _check_dtype(call, name, array.dtype)
-        return Buffer(array.ctypes.data, array.size, dtype, None, array)
-    if module == "torch":
-        if not array.is_contiguous():
-            raise _not_contiguous(call, name)
-        dtype = _check_dtype(call, name, array.dtype)
-        device = array.device.index if array.device.type == "cuda" else None
-        if array.device.type not in ("cuda", "cpu"):
-            raise InvalidArgumentError(f"{call}: {name} is on device {array.device}; "
-                                       f"expected a CUDA or CPU tensor")
-        return Buffer(array.data_ptr(), array.numel(), dtype, device, array)
-    if module == "cupy":
-        if not array.flags.c_contiguous:
-            raise _not_contiguous(call, name)
-        dtype = _check_dtype(call, name, array.dtype)
-        return Buffer(array.data.ptr, array.size, dtype, array.device.id, array)
-    interface = getattr(array, "__cuda_array_interface__", None)
-    if interface is not None:
-        shape = tuple(interface["shape"])
-        typestr = interface["typestr"]
-        dtype = _TYPESTR.get(typestr)
-        if dtype is None:
-            raise InvalidArgumentError(f"{call}: {name} has typestr {typestr!r}; expected one of "
-                                       f"{sorted(_TYPESTR)}")
-        count = int(np.prod(shape)) if shape else 1
-        strides = interface.get("strides")
-        if strides is not None and count > 1:
-            expected, item = [], ITEMSIZE[dtype]
-            for extent in reversed(shape):
-                expected.insert(0, item)
-                item *= extent
-            if tuple(strides) != tuple(expected):
-                raise _not_contiguous(call, name)
-        return Buffer(int(interface["data"][0]), count, dtype, _cai_device(array, interface), array)
-    if hasattr(array, "__dlpack__"):
-        device_type, device_id = array.__dlpack_device__()
-        if int(device_type) == 1:  # kDLCPU
-            return as_buffer(call, name, np.from_dlpack(array))
-        if int(device_type) == 2:  # kDLCUDA
-            import cupy
-            with cupy.cuda.Device(device_id):
-                return as_buffer(call, name, cupy.from_dlpack(array))
-        raise InvalidArgumentError(f"{call}: {name} is a DLPack array on device type "
-                                   f"{device_type}; expected CPU (1) or CUDA (2)")
-    raise InvalidArgumentError(f"{call}: {name} must be a numpy/cupy array, a torch tensor, or "
-                               f"an object with __cuda_array_interface__ or __dlpack__; "
-                               f"got {type(array).__name__}")
-
-
-def _cai_device(array: Any, interface: dict) -> Optional[int]:
-    device = getattr(array, "device", None)
-    ordinal = getattr(device, "id", None)
-    if isinstance(ordinal, int):
-        return ordinal
-    return interface.get("device")  # optional extension; the communicator's device otherwise
+def _read_only(call: str, name: str, reason: str) -> InvalidArgumentError:
+    return InvalidArgumentError(f"{call}: {name} is read-only ({reason}); hoccl writes into it: "
+                                f"pass a writable array")

@@ -1,55 +1,110 @@
-"""dtype names shared by the scheduler, the backends and buffer resolution."""
+"""Element types: hoccl's dtype names and how each array interface spells them.
+
+The one table of dtypes.  The scheduler and the backends use the names and item sizes
+(``NAMES``, ``ITEMSIZE``); buffer resolution finds a type from a numpy dtype, a
+``__cuda_array_interface__`` typestr, a DLPack type code or a torch dtype.
+"""
 
 from __future__ import annotations
 
+import sys
+from dataclasses import dataclass
+from typing import Any, Dict, Optional, Tuple
+
 import numpy as np
 
-__all__ = ["ITEMSIZE", "numpy_dtype", "dtype_name", "reduce_arrays"]
+__all__ = ["DType", "DTYPES", "BOOL", "NAMES", "ITEMSIZE", "numpy_dtype", "from_numpy",
+           "from_typestr", "from_dlpack", "from_torch", "reduce_arrays"]
 
-ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8,
-            "int8": 1, "uint8": 1, "int32": 4, "int64": 8}
+# DLPack type codes (dlpack.h, DLDataTypeCode)
+_DLPACK_INT, _DLPACK_UINT, _DLPACK_FLOAT, _DLPACK_BFLOAT, _DLPACK_BOOL = 0, 1, 2, 4, 6
+
+
+@dataclass(frozen=True)
+class DType:
+    """One element type.  ``name`` is hoccl's name for it and also torch's
+    (``torch.<name>``) and numpy's (ml_dtypes' for bfloat16)."""
+    name: str
+    itemsize: int
+    typestr: str  # __cuda_array_interface__ typestr; numpy's dtype.str on a little-endian host
+    dlpack: Tuple[int, int]  # DLPack (type code, bits); hoccl takes lanes == 1 only
+
+    @property
+    def numpy(self) -> np.dtype:
+        if self.name == "bfloat16":
+            import ml_dtypes  # imported on first use: most programs never need it
+            return np.dtype(ml_dtypes.bfloat16)
+        return np.dtype(self.name)
+
+
+DTYPES = (
+    DType("float16", 2, "<f2", (_DLPACK_FLOAT, 16)),
+    # bfloat16 has no standard typestr: "<V2" is ml_dtypes' dtype.str and what torch exports
+    DType("bfloat16", 2, "<V2", (_DLPACK_BFLOAT, 16)),
+    DType("float32", 4, "<f4", (_DLPACK_FLOAT, 32)),
+    DType("float64", 8, "<f8", (_DLPACK_FLOAT, 64)),
+    DType("int8", 1, "|i1", (_DLPACK_INT, 8)),
+    DType("uint8", 1, "|u1", (_DLPACK_UINT, 8)),
+    DType("int32", 4, "<i4", (_DLPACK_INT, 32)),
+    DType("int64", 8, "<i8", (_DLPACK_INT, 64)),
+)
+#: Recognised in arrays but not a hoccl dtype: buffer resolution moves bool data as
+#: uint8 bytes and refuses it in reductions (``hoccl._buffers`` says why).
+BOOL = DType("bool", 1, "|b1", (_DLPACK_BOOL, 8))
+
+#: hoccl's dtype names, the ones every backend reduces.
+NAMES = tuple(d.name for d in DTYPES)
+ITEMSIZE = {d.name: d.itemsize for d in DTYPES}
+
+_BY_NAME = {d.name: d for d in DTYPES}
+_BY_TYPESTR = {d.typestr: d for d in DTYPES + (BOOL,)}
+_BY_DLPACK = {d.dlpack: d for d in DTYPES + (BOOL,)}
+# Filled as dtype objects are met: a key per object avoids building the bfloat16 dtype
+# (an ml_dtypes import) before an array of it exists, and torch is never imported here.
+_BY_NUMPY: Dict[np.dtype, DType] = {}
+_BY_TORCH: Dict[Any, DType] = {}
 
 
 def numpy_dtype(name: str) -> np.dtype:
     """The numpy dtype for a hoccl dtype name (bfloat16 comes from ml_dtypes)."""
-    if name == "bfloat16":
-        import ml_dtypes
-        return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype(name)
+    return _BY_NAME[name].numpy
 
 
-_NAMES: dict = {}
+def from_numpy(dtype: np.dtype) -> Optional[DType]:
+    """The type of a numpy dtype, or None when hoccl has no such type (a non-native byte
+    order is none)."""
+    found = _BY_NUMPY.get(dtype)
+    if found is None:
+        found = _BY_TYPESTR.get(dtype.str)
+        if found is None or dtype != found.numpy:
+            return None
+        _BY_NUMPY[dtype] = found
+    return found
 
 
-def dtype_name(dtype) -> str:
-    """Normalise a numpy / cupy / torch dtype (or its name) to a hoccl dtype name.
-    Cached per dtype object: ``str()`` of a numpy dtype costs microseconds a call."""
-    try:
-        return _NAMES[dtype]
-    except (KeyError, TypeError):
-        pass
-    name = _dtype_name(dtype)
-    try:
-        _NAMES[dtype] = name
-    except TypeError:  # an unhashable dtype-like: not cached
-        pass
-    return name
+def from_typestr(typestr: str) -> Optional[DType]:
+    """The type a ``__cuda_array_interface__`` typestr names, or None."""
+    return _BY_TYPESTR.get(typestr)
 
 
-def _dtype_name(dtype) -> str:
-    text = str(dtype)
-    text = text.rsplit(".", 1)[-1]  # "torch.bfloat16" -> "bfloat16"
-    aliases = {"half": "float16", "float": "float32", "double": "float64",
-               "int": "int32", "long": "int64", "char": "int8", "byte": "uint8"}
-    return aliases.get(text, text)
+def from_dlpack(code: int, bits: int, lanes: int) -> Optional[DType]:
+    """The type of a DLPack ``DLDataType``, or None (vector types included)."""
+    return _BY_DLPACK.get((code, bits)) if lanes == 1 else None
+
+
+def from_torch(dtype: Any) -> Optional[DType]:
+    """The type of a torch dtype, or None.  Only called with a tensor in hand, so torch
+    is already imported."""
+    if not _BY_TORCH:
+        torch = sys.modules["torch"]
+        _BY_TORCH.update({getattr(torch, d.name): d for d in DTYPES + (BOOL,)})
+    return _BY_TORCH.get(dtype)
 
 
 def reduce_arrays(inputs, op: str, out_dtype: np.dtype) -> np.ndarray:
     """``op`` over ``inputs`` in the order given, accumulating as the GPU kernels do:
     16-bit floats in float32, other types in their own precision (integers wrap)."""
     accumulate = np.float32 if out_dtype.itemsize == 2 and out_dtype.kind in "fV" else out_dtype
-    if str(out_dtype) == "bfloat16":
-        accumulate = np.float32
     acc = np.array(inputs[0], dtype=accumulate, copy=True)
     with np.errstate(over="ignore", invalid="ignore"):
         for x in inputs[1:]:
@@ -67,7 +122,10 @@ def reduce_arrays(inputs, op: str, out_dtype: np.dtype) -> np.ndarray:
         if op == "avg":
             k = len(inputs)
             if acc.dtype.kind in "iu":
-                acc = (np.sign(acc) * (np.abs(acc) // k)).astype(acc.dtype)  # C truncation
+                # in 64 bits and toward zero, as C divides: floor division rounded up
+                # where a negative sum leaves a remainder
+                wide = acc.astype(np.int64)
+                acc = (wide // k + ((wide < 0) & (wide % k != 0))).astype(acc.dtype)
             else:
                 acc = acc / np.asarray(k, dtype=acc.dtype)
     return acc.astype(out_dtype)

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
 
 from ._buffers import Buffer
-from ._errors import HocclError, MismatchError
+from ._errors import AbortedError, HocclError, MismatchError
 from .backends._base import Device
 from .p2p import Executor
 from .sched import Options, Shape, build_plan, verify
@@ -187,6 +187,9 @@ class Engine:
         self.closed = False
         self.aborted = False
         self.abort_reason = ""
+        #: the error later calls raise: AbortedError, or PeerDeadError when a peer's
+        #: process exited
+        self.abort_error: type = AbortedError
         #: an error found for this rank's call while another rank was calling (init_local):
         #: raised by the next synchronize
         self.pending_error: Optional[HocclError] = None

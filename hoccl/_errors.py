@@ -5,7 +5,7 @@ expected and what was given (or seen), so that a log line alone is enough to act
 """
 
 __all__ = ["HocclError", "InvalidArgumentError", "PlanError", "HocclTimeoutError",
-           "AbortedError", "DriverError", "MismatchError"]
+           "AbortedError", "DriverError", "MismatchError", "PeerDeadError"]
 
 
 class HocclError(RuntimeError):
@@ -34,3 +34,7 @@ class DriverError(HocclError):
 
 class MismatchError(HocclError):
     """Ranks called different collectives, or the same collective with different arguments."""
+
+
+class PeerDeadError(AbortedError):
+    """A rank waited for a peer whose process has exited."""

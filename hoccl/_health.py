@@ -15,12 +15,17 @@ import time
 from typing import Callable, List, Optional
 
 from ._engine import Call, Engine
-from ._errors import AbortedError, HocclError, HocclTimeoutError
+from ._errors import AbortedError, HocclError, HocclTimeoutError, PeerDeadError
 from .sched.plan import Wait
 
 __all__ = ["Health"]
 
 log = logging.getLogger("hoccl")
+
+#: how long a wait goes on after a peer's process is seen gone, before it gives up: the
+#: peer may have exited after its part of the last call, with this rank's own last steps
+#: still running
+_DEAD_PEER_GRACE = 1.0
 
 
 class Health:
@@ -39,6 +44,7 @@ class Health:
         self._watchdog: Optional[threading.Thread] = None
         self._pump: Optional[threading.Thread] = None  # re-poisons after an abort
         self._stop = threading.Event()
+        self._peer_death: Optional[str] = None  # why, when a dead peer's process aborted it
 
     @property
     def rank(self) -> int:
@@ -55,6 +61,7 @@ class Health:
         next_liveness = time.monotonic() + 0.1
         while engine.completed < target:
             if engine.aborted or engine.device.failure():
+                self._check_peers(call, grace=0.0)
                 break
             now = time.monotonic()
             if now > deadline:
@@ -63,11 +70,7 @@ class Health:
                 raise HocclTimeoutError(reason)
             if now > next_liveness:
                 next_liveness = now + 0.1
-                gone = self._peers_alive()
-                if gone is not None:
-                    reason = f"{call}: rank {self.rank}: {gone}"
-                    self.abort(reason)
-                    raise AbortedError(reason)
+                self._check_peers(call, grace=_DEAD_PEER_GRACE)
             time.sleep(delay)
             delay = min(delay * 2 + 2e-6, 1e-3)
         self.check(call)
@@ -76,6 +79,27 @@ class Health:
         if error is not None:
             raise error
 
+    def _check_peers(self, call: str, grace: float) -> None:
+        """While this rank waits for its calls: abort and raise PeerDeadError if a peer's
+        process has exited and the calls do not finish within ``grace`` seconds after that
+        (a peer may exit once its part is done, with this rank's last steps still running)."""
+        gone = self._peers_alive()
+        if gone is None:
+            return
+        reason = f"{call}: rank {self.rank} waited for {gone}"
+        if self.engine.aborted:
+            if self._peer_death is not None:  # the watchdog saw it first
+                raise PeerDeadError(reason)
+            return
+        target, until = self.engine.calls, time.monotonic() + grace
+        while self.engine.completed < target and time.monotonic() < until:
+            time.sleep(0.01)
+        if self.engine.completed < target:
+            self._peer_death = reason
+            self.engine.abort_error = PeerDeadError
+            self.abort(reason)
+            raise PeerDeadError(reason)
+
     def check(self, call: str) -> None:
         """Raise AbortedError if the device failed, this rank was aborted, or a peer was."""
         engine = self.engine
@@ -83,7 +107,7 @@ class Health:
         if failure and not engine.aborted:
             self.abort(f"{call}: rank {self.rank}: device work failed: {failure}")
         if engine.aborted:
-            raise AbortedError(self._aborted_message(call))
+            raise engine.abort_error(self._aborted_message(call))
         poisoned = engine.pad.aborted_by()
         if poisoned is not None:
             self.abort(f"rank {poisoned} aborted the communicator")
@@ -179,7 +203,8 @@ class Health:
         """Abort when the oldest issued call outlives the timeout, a peer aborted or a peer's
         process is gone, without anyone calling synchronize."""
         engine = self.engine
-        period = max(0.05, min(1.0, self.timeout / 10))
+        period = max(0.05, min(0.25, self.timeout / 10))
+        dead_since = 0.0
         while not self._stop.wait(period):
             with engine.lock:
                 if engine.closed or engine.aborted:
@@ -189,21 +214,26 @@ class Health:
                 continue
             try:
                 engine.device.activate()
+                oldest = pending[0]
+                gone = self._peers_alive()
+                if gone is not None:
+                    dead_since = dead_since or time.monotonic()
+                    if time.monotonic() - dead_since > _DEAD_PEER_GRACE:
+                        self._peer_death = (f"watchdog: rank {self.rank}'s {oldest.name} (call "
+                                            f"{oldest.value}) waits for {gone}")
+                        engine.abort_error = PeerDeadError
+                        self.abort(self._peer_death)
+                        return
+                    continue
                 failure = engine.device.failure()
                 if failure:
                     self.abort(f"watchdog: rank {self.rank}: device work failed: {failure}")
                     return
-                oldest = pending[0]
                 # a peer's abort first: its poison would read as signals that arrived
                 peer = engine.pad.aborted_by()
                 if peer is not None:
                     self.abort(f"watchdog: rank {self.rank}'s {oldest.name} (call {oldest.value}): "
                                f"rank {peer} aborted the communicator")
-                    return
-                gone = self._peers_alive()
-                if gone is not None:
-                    self.abort(f"watchdog: rank {self.rank}'s {oldest.name} (call "
-                               f"{oldest.value}): {gone}")
                     return
                 # measured from issue, not from the call: with init_local a call may wait
                 # for the other ranks' calls for as long as the user likes

@@ -1,127 +1,332 @@
 """Shared-memory mailboxes: how the ranks of one host swap per-call descriptors.
 
 Every rank owns one segment in ``/dev/shm`` holding one single-producer,
-single-consumer ring per peer (the messages that peer sends it).  A ring is a
-header of two counters (messages written, messages read) and ``SLOTS`` slots; the
-writer fills slot ``written % SLOTS`` then bumps ``written``; the reader reads slot
-``read % SLOTS`` then bumps ``read``.  Each counter has one writer, and x86 keeps
-stores in order, so no lock is needed.  A message costs a pickle and two memory
-copies (microseconds) instead of an MPI round trip; MPI is used only to agree on
-the segments' names.  Segments are unlinked as soon as every rank has mapped them.
+single-consumer ring per peer (the messages that peer sends it).  A ring is two
+process-shared POSIX semaphores and ``SLOTS`` slots of ``SLOT_BYTES``::
+
+    filled   messages waiting: the writer posts it after copying a message into a slot,
+             the reader takes it before copying one out
+    free     empty slots: the reader posts it after copying a message out, the writer
+             takes it before copying one in
+
+    writer   take free ─▶ copy into slot w % SLOTS ─▶ post filled      (w += 1)
+    reader   take filled ─▶ copy out of slot r % SLOTS ─▶ post free     (r += 1)
+
+Each side counts the messages it has moved (``w``, ``r``: private to its process), which
+names the next slot.  POSIX makes sem_post and sem_trywait synchronise memory (POSIX.1,
+4.12 "Memory Synchronization"; glibc's are a release increment and an acquire
+compare-and-swap), so the reader sees every byte the writer copied before it posted
+``filled``, and the writer refills a slot only after the reader, having posted ``free``,
+is done with it — on weakly ordered CPUs (aarch64) as on x86.  No process ever blocks in
+sem_wait: waits poll sem_trywait (``wait_until``), so they can time out and notice a dead
+peer.
+
+A message costs a pickle, two memory copies and four semaphore calls (microseconds)
+instead of a round trip through the bootstrap, which is used only to agree on the
+segments' names and the ranks' processes (through the ``allgather`` and ``barrier``
+callables: MPI or a store).  Segments are unlinked as soon as every rank has mapped them.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import mmap
 import os
 import pickle
+import socket
+import struct
 import time
 import uuid
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Iterable, List, NamedTuple, Optional
 
+from ._errors import HocclError, HocclTimeoutError, InvalidArgumentError, PeerDeadError
 
-__all__ = ["Mailboxes", "SLOT_BYTES", "wait_until"]
+__all__ = ["Mailboxes", "MESSAGE_BYTES", "SLOTS", "SLOT_BYTES", "wait_until"]
 
 SLOTS = 64
 SLOT_BYTES = 16 << 10
-_HEADER = 64  # two counters, padded to a cache line
+_LENGTH = struct.Struct("<I")  # a slot starts with the length of its message
+MESSAGE_BYTES = SLOT_BYTES - _LENGTH.size  # the largest pickled message a slot holds
+# glibc's sem_t is 32 bytes, 8-byte aligned, on 64-bit Linux (x86_64 and aarch64:
+# __SIZEOF_SEM_T in bits/semaphore.h); each semaphore gets a cache line to itself.
+_SEMAPHORE_BYTES = 64
+_HEADER = 2 * _SEMAPHORE_BYTES  # filled, free
 _RING = _HEADER + SLOTS * SLOT_BYTES
+_CHECK_PERIOD = 0.05  # seconds between two ``check`` calls of a waiting ``wait_until``
+
+# sem_* live in libc (glibc 2.34 on) or in libpthread, which CPython links before that.
+_LIBC = ctypes.CDLL(None, use_errno=True)
+
+
+def _c_function(name: str, *argtypes: Any) -> Any:
+    function = getattr(_LIBC, name)
+    function.argtypes, function.restype = argtypes, ctypes.c_int
+    return function
+
+
+_sem_init = _c_function("sem_init", ctypes.c_void_p, ctypes.c_int, ctypes.c_uint)
+_sem_destroy = _c_function("sem_destroy", ctypes.c_void_p)
+_sem_post = _c_function("sem_post", ctypes.c_void_p)
+_sem_trywait = _c_function("sem_trywait", ctypes.c_void_p)
+
+
+class _Semaphore:
+    """A process-shared POSIX semaphore inside a mapped segment (valid while it is mapped)."""
+
+    __slots__ = ("_address", "what")
+
+    def __init__(self, address: int, what: str):
+        self._address = ctypes.c_void_p(address)
+        self.what = what
+
+    def initialize(self, value: int, call: str) -> None:
+        if _sem_init(self._address, 1, value):
+            self._fail(call, "sem_init")
+
+    def post(self, call: str) -> None:
+        if _sem_post(self._address):
+            self._fail(call, "sem_post")
+
+    def take(self, call: str) -> bool:
+        """Take one unit if there is one; never blocks."""
+        if _sem_trywait(self._address) == 0:
+            return True
+        if ctypes.get_errno() != errno.EAGAIN:
+            self._fail(call, "sem_trywait")
+        return False
+
+    def destroy(self, call: str) -> None:
+        if _sem_destroy(self._address):
+            self._fail(call, "sem_destroy")
+
+    def _fail(self, call: str, function: str) -> None:
+        code = ctypes.get_errno()
+        raise HocclError(f"{call}: {function} on {self.what} failed: "
+                         f"{errno.errorcode.get(code, code)} ({os.strerror(code)})")
+
+
+class _Ring:
+    """The ring ``sender`` writes in ``owner``'s segment, as one side (writer or reader)
+    sees it: ``count`` is the number of messages this side has moved through it."""
+
+    __slots__ = ("_box", "_slots", "filled", "free", "count", "held")
+
+    def __init__(self, box: mmap.mmap, base: int, owner: int, sender: int):
+        start = sender * _RING
+        self._box, self._slots = box, start + _HEADER
+        where = f"rank {sender}'s ring in rank {owner}'s mailbox"
+        self.filled = _Semaphore(base + start, f"the messages of {where}")
+        self.free = _Semaphore(base + start + _SEMAPHORE_BYTES, f"the free slots of {where}")
+        self.count = 0
+        self.held = False  # the reader has taken a message's ``filled`` unit, not the message
+
+    def write(self, data: bytes) -> None:
+        at = self._slots + (self.count % SLOTS) * SLOT_BYTES
+        _LENGTH.pack_into(self._box, at, len(data))
+        self._box[at + _LENGTH.size:at + _LENGTH.size + len(data)] = data
+        self.count += 1
+
+    def read(self) -> bytes:
+        at = self._slots + (self.count % SLOTS) * SLOT_BYTES
+        (length,) = _LENGTH.unpack_from(self._box, at)
+        self.count += 1
+        return self._box[at + _LENGTH.size:at + _LENGTH.size + length]
+
+
+class _Process(NamedTuple):
+    """A rank's process, as it described itself at construction."""
+
+    host: str
+    pid: int
+    start: Optional[int]  # see _start_time
+    namespace: Optional[str]  # the pid namespace that ``pid`` belongs to
+
+    @classmethod
+    def this(cls) -> "_Process":
+        try:
+            namespace: Optional[str] = os.readlink("/proc/self/ns/pid")
+        except OSError:
+            namespace = None
+        pid = os.getpid()
+        return cls(socket.gethostname(), pid, _start_time(pid), namespace)
+
+    def alive(self) -> bool:
+        """False once the process has exited: gone, dead but not yet reaped (a zombie), or
+        its pid now names a newer process."""
+        return _start_time(self.pid) == self.start
 
 
 class Mailboxes:
-    """This rank's view of every rank's mailbox segment."""
+    """This rank's view of every rank's mailbox segment, and of every rank's process."""
 
     def __init__(self, rank: int, world_size: int, allgather: Callable[[Any], List[Any]],
-                 barrier: Callable[[], None]):
+                 barrier: Callable[[], None], *, call: str = "init"):
         self.rank, self.world_size = rank, world_size
-        name = f"/dev/shm/hoccl-{uuid.uuid4().hex}-{rank}"
-        descriptor = os.open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        try:
-            os.ftruncate(descriptor, _RING * world_size)
-            own = mmap.mmap(descriptor, _RING * world_size)
-        finally:
-            os.close(descriptor)
-        names = allgather(name)
         self._maps: List[mmap.mmap] = []
-        for peer, peer_name in enumerate(names):
-            if peer == rank:
-                self._maps.append(own)
-                continue
-            descriptor = os.open(peer_name, os.O_RDWR)
-            try:
-                self._maps.append(mmap.mmap(descriptor, _RING * world_size))
-            finally:
-                os.close(descriptor)
-        barrier()
-        os.unlink(name)  # every rank has it mapped: nothing is left behind in /dev/shm
-        # [written, read] of every ring, as 64-bit views made once (a call reads them often)
-        self._views = [[memoryview(mapped)[sender * _RING:sender * _RING + 16].cast("Q")
-                        for sender in range(world_size)] for mapped in self._maps]
-
-    def _counters(self, owner: int, sender: int) -> memoryview:
-        """[written, read] of the ring in ``owner``'s segment that ``sender`` writes."""
-        return self._views[owner][sender]
+        self._incoming: List[_Ring] = []  # in this rank's segment, by sender
+        self._outgoing: List[_Ring] = []  # in each peer's segment, written by this rank
+        nbytes = _RING * world_size
+        name = f"/dev/shm/hoccl-{uuid.uuid4().hex}-{rank}"
+        own = _map(name, nbytes, call, create=True)
+        try:
+            base = _address(own)
+            self._incoming = [_Ring(own, base, rank, sender) for sender in range(world_size)]
+            for ring in self._incoming:
+                ring.filled.initialize(0, call)
+                ring.free.initialize(SLOTS, call)
+            me = _Process.this()
+            everyone = allgather((name, me))
+            self.processes: List[_Process] = [_Process(*process) for _, process in everyone]
+            for peer, process in enumerate(self.processes):
+                if process.host != me.host:
+                    raise InvalidArgumentError(
+                        f"{call}: rank {peer} runs on host {process.host}, rank {rank} on "
+                        f"{me.host}; mailboxes connect the ranks of one host")
+            self._maps = [own if peer == rank else _map(peer_name, nbytes, call, create=False)
+                          for peer, (peer_name, _) in enumerate(everyone)]
+            self._outgoing = [_Ring(mapped, _address(mapped), peer, rank)
+                              for peer, mapped in enumerate(self._maps)]
+            # The barrier also orders the semaphores' initialisation before any peer's use.
+            barrier()
+        finally:
+            os.unlink(name)  # every rank has it mapped (or this rank failed): nothing is left
+        # A peer's pid means something here only within the same pid namespace (a
+        # container may have its own) and with /proc to read.
+        self._watched = [process.start is not None and me.namespace is not None
+                         and process.namespace == me.namespace for process in self.processes]
 
     def send(self, peer: int, message: Any, deadline: float, call: str) -> None:
+        """Copy ``message`` into ``peer``'s mailbox, waiting (until ``deadline``) while its
+        ring from this rank is full."""
         data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-        if len(data) + 4 > SLOT_BYTES:
-            raise ValueError(f"{call}: a descriptor message of {len(data)} bytes does not fit "
-                             f"a mailbox slot of {SLOT_BYTES}")
-        counters = self._counters(peer, self.rank)
-        written = counters[0]
-        wait_until(lambda: written - counters[1] < SLOTS, deadline,
-              lambda: f"{call}: rank {self.rank}'s mailbox to rank {peer} stayed full: rank "
-                      f"{peer} stopped taking messages")
-        start = self.rank * _RING + _HEADER + (written % SLOTS) * SLOT_BYTES
-        box = self._maps[peer]
-        box[start:start + 4] = len(data).to_bytes(4, "little")
-        box[start + 4:start + 4 + len(data)] = data
-        counters[0] = written + 1  # publish after the payload (stores stay in order)
+        if len(data) > MESSAGE_BYTES:
+            raise InvalidArgumentError(
+                f"{call}: a descriptor message of {len(data)} bytes (pickled) does not fit a "
+                f"mailbox slot, which holds at most {MESSAGE_BYTES}")
+        ring = self._ring(self._outgoing, peer, call)
+        if not ring.free.take(call):
+            wait_until(lambda: ring.free.take(call), deadline,
+                       lambda: f"{call}: rank {self.rank}'s mailbox to rank {peer} stayed full "
+                               f"({SLOTS} messages): rank {peer} stopped taking messages",
+                       check=lambda: self.check_alive([peer], call))
+        ring.write(data)
+        ring.filled.post(call)
 
     def ready(self, peer: int) -> bool:
-        counters = self._views[self.rank][peer]
-        return counters[0] > counters[1]
+        """Whether a message from ``peer`` is waiting (it is then kept for ``receive``)."""
+        ring = self._ring(self._incoming, peer, "ready")
+        if not ring.held:
+            ring.held = ring.filled.take("ready")
+        return ring.held
 
     def receive(self, peer: int) -> Any:
         """The next message from ``peer`` (call only when ``ready(peer)``)."""
-        counters = self._counters(self.rank, peer)
-        read = counters[1]
-        start = peer * _RING + _HEADER + (read % SLOTS) * SLOT_BYTES
-        box = self._maps[self.rank]
-        length = int.from_bytes(box[start:start + 4], "little")
-        message = pickle.loads(box[start + 4:start + 4 + length])
-        counters[1] = read + 1
-        return message
+        ring = self._ring(self._incoming, peer, "receive")
+        if not ring.held and not ring.filled.take("receive"):
+            raise HocclError(f"receive: rank {self.rank} has no message from rank {peer}; "
+                             f"receive only when ready({peer}) is true")
+        data = ring.read()
+        ring.held = False
+        ring.free.post("receive")
+        return pickle.loads(data)
+
+    def alive(self, peer: int) -> bool:
+        """False once ``peer``'s process has exited (``_Process.alive``); True while it
+        runs, and for a peer whose process this rank cannot see."""
+        return not self._watched[peer] or self.processes[peer].alive()
+
+    def dead(self, peers: Iterable[int]) -> Optional[str]:
+        """The first of ``peers`` whose process has exited, said as "rank 2, whose process
+        (pid 1234 on host h) has exited"; None while they all run."""
+        for peer in peers:
+            if not self.alive(peer):
+                process = self.processes[peer]
+                return (f"rank {peer}, whose process (pid {process.pid} on host "
+                        f"{process.host}) has exited")
+        return None
+
+    def check_alive(self, peers: Iterable[int], call: str) -> None:
+        """Raise PeerDeadError if one of ``peers`` has exited (the check of a wait for them)."""
+        gone = self.dead(peers)
+        if gone is not None:
+            raise PeerDeadError(f"{call}: rank {self.rank} waited for {gone}")
+
+    def _ring(self, rings: List[_Ring], peer: int, call: str) -> _Ring:
+        if not 0 <= peer < len(rings):
+            raise InvalidArgumentError(
+                f"{call}: rank {self.rank} has no mailbox to rank {peer} (world size "
+                f"{self.world_size}{', closed' if not rings else ''})")
+        return rings[peer]
 
     def close(self) -> None:
-        for views in getattr(self, "_views", ()):
-            for view in views:
-                view.release()
-        self._views = []
-        for mapped in self._maps:
-            try:
-                mapped.close()
-            except BufferError:  # a numpy view still exists; the mapping goes with it
-                pass
-        self._maps.clear()
+        """Unmap every segment; twice is harmless.  The semaphores of this rank's segment
+        are destroyed first: no process ever blocks on them, so no waiter is stranded, and
+        glibc's sem_destroy releases nothing, so a peer still polling them touches memory
+        its own mapping keeps."""
+        incoming, self._incoming, self._outgoing = self._incoming, [], []
+        maps, self._maps = self._maps, []
+        for ring in incoming:
+            ring.filled.destroy("close")
+            ring.free.destroy("close")
+        for mapped in maps:
+            mapped.close()
 
 
 def wait_until(ready: Callable[[], bool], deadline: float, describe: Callable[[], str],
                check: Optional[Callable[[], None]] = None) -> None:
     """Poll ``ready()``: without sleeping for 2 ms (a peer usually answers within
     microseconds), then with sleeps backing off to 1 ms; HocclTimeoutError(``describe()``)
-    after ``deadline``.  ``check()`` runs every 100 ms meanwhile (it raises to give up)."""
-    from ._errors import HocclTimeoutError
-    spin_until = time.monotonic() + 2e-3
-    next_check = time.monotonic() + 0.1
+    after ``deadline``.  Every 50 ms of waiting, ``check()`` (which raises to end the wait:
+    a dead peer)."""
+    start = time.monotonic()
+    spin_until, check_at = start + 2e-3, start + _CHECK_PERIOD
     delay = 50e-6
     while not ready():
         now = time.monotonic()
+        if check is not None and now >= check_at:
+            check()
+            check_at = now + _CHECK_PERIOD
         if now > deadline:
             raise HocclTimeoutError(describe())
-        if check is not None and now > next_check:
-            check()
-            next_check = now + 0.1
         if now > spin_until:
             time.sleep(delay)
             delay = min(delay * 2, 1e-3)
+
+
+def _map(name: str, nbytes: int, call: str, create: bool) -> mmap.mmap:
+    """Map the segment ``name`` (created, zero-filled, when ``create``)."""
+    try:
+        descriptor = os.open(name, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
+        try:
+            if create:
+                os.ftruncate(descriptor, nbytes)
+            return mmap.mmap(descriptor, nbytes)
+        finally:
+            os.close(descriptor)
+    except OSError as error:
+        raise HocclError(f"{call}: could not {'create' if create else 'open'} the mailbox "
+                         f"segment {name} ({nbytes} bytes): {error}") from error
+
+
+def _address(mapped: mmap.mmap) -> int:
+    """Where ``mapped`` starts in this process's memory (until it is closed)."""
+    anchor = ctypes.c_char.from_buffer(mapped)
+    address = ctypes.addressof(anchor)
+    del anchor  # held, it would keep close() from unmapping
+    return address
+
+
+def _start_time(pid: int) -> Optional[int]:
+    """When process ``pid`` started (field 22 of /proc/PID/stat, clock ticks after boot),
+    or None when no such process runs: gone, dead but not yet reaped (a zombie), or not
+    visible from here."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            stat = handle.read()
+        # field 2, the command name, is in parentheses and may itself hold ")" and spaces
+        fields = stat[stat.rindex(b")") + 2:].split()
+        state, start = fields[0], int(fields[19])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None if state in (b"Z", b"X", b"x") else start

@@ -29,7 +29,7 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Protocol, Sequence, Tuple
 
-from ._errors import HocclError, MismatchError
+from ._errors import MismatchError
 from ._mailbox import Mailboxes, wait_until
 
 if TYPE_CHECKING:
@@ -401,7 +401,7 @@ class ProcessGroup:
                        lambda: f"{first.name}: rank {self.rank} waited {self.timeout:g} s for "
                                f"ranks {missing} to make the matching call {first.key}; they "
                                f"never did: a mismatched sequence of calls or a dead process",
-                       check=self._check_alive(missing, first.name))
+                       check=lambda: self.mailboxes.check_alive(missing, first.name))
             for peer in [peer for peer in missing if self.mailboxes.ready(peer)]:
                 key, signature, shared = self.mailboxes.receive(peer)
                 keys = expected[peer]
@@ -422,13 +422,6 @@ class ProcessGroup:
         for call in calls:
             call.engine.release(call)
 
-    def _check_alive(self, peers: List[int], name: str):
-        def check() -> None:
-            gone = self.mailboxes.dead(peers) if hasattr(self.mailboxes, "dead") else None
-            if gone is not None:
-                raise HocclError(f"{name}: rank {self.rank}: {gone}")
-        return check
-
     def withdraw(self, call: "Call") -> None:
         """Every call is issued or released before it returns: nothing is ever held."""
 
@@ -442,9 +435,7 @@ class ProcessGroup:
         return []
 
     def dead_peer(self) -> Optional[str]:
-        if hasattr(self.mailboxes, "dead"):
-            return self.mailboxes.dead(range(self.world_size))
-        return None
+        return self.mailboxes.dead(peer for peer in range(self.world_size) if peer != self.rank)
 
     def barrier(self) -> None:
         self.bootstrap.barrier()

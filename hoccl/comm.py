@@ -328,8 +328,8 @@ class Communicator:
         if self._engine.closed:
             raise InvalidArgumentError(f"{name}: the communicator is closed")
         if self._engine.aborted:
-            raise AbortedError(f"{name}: the communicator was aborted: "
-                               f"{self._engine.abort_reason}")
+            raise self._engine.abort_error(f"{name}: the communicator was aborted: "
+                                           f"{self._engine.abort_reason}")
 
     def _buffers(self, name: str, optional: Tuple[str, ...] = (),
                  **arrays: Any) -> List[Buffer]:
@@ -343,7 +343,9 @@ class Communicator:
                     continue
                 raise InvalidArgumentError(f"{name}: {argument} is required on rank "
                                            f"{self.rank}; got None")
-            buffer = as_buffer(name, argument, array)
+            buffer = as_buffer(name, argument, array,
+                               writable=argument == "recvbuf" or name == "recv",
+                               reduction=name in ("all_reduce", "reduce_scatter", "reduce"))
             check.on_device(name, argument, buffer, self.backend, self.device)
             resolved.append(buffer)
         return resolved

@@ -5,6 +5,34 @@
 this process for ``init_local``, or this process's rank under mpirun) with fresh
 random inputs drawn from ``seed`` (the same on every process) and poisoned outputs,
 and compares each local rank's output with ``expected``.
+
+Every comparison is exact: outputs and references are compared as unsigned integers
+of the element's width (``assert_exact``), so ``-0.0`` differs from ``0.0``, one NaN
+payload from another, and a flipped low mantissa bit from the right value.  Copies
+must be exact by definition.  Reductions are exact because the reference computes
+what the backends compute, in the same order and precision:
+
+- every plan reduces each element's inputs in rank order (``hoccl.sched.algorithms``,
+  ``_reducing``: input q is rank q's block, whichever rank owns the result), and
+  ``expected`` folds them in rank order with ``reduce_arrays``;
+- the host backend's reduce is ``reduce_arrays`` itself;
+- the CUDA kernel (``hoccl.backends._kernels``) folds its inputs left to right,
+  ``acc = op(acc, x[i])``, with float16/bfloat16 loaded into a float32 accumulator
+  and every other type in its own; ``+``, ``*`` and ``/`` are single IEEE operations
+  rounded to nearest (NVRTC's defaults: IEEE division, no flush to zero; no multiply
+  feeds an add, so no fused multiply-add can form); ``avg`` divides the sum once by
+  the number of inputs; the result is rounded once to the storage type, to nearest
+  even -- the operations ``reduce_arrays`` performs in numpy.  ``max``/``min`` keep the
+  accumulator only when it is greater (smaller) or NaN, as numpy does for float32 and
+  float64; ``random_array`` draws no zero and no NaN, so ties between ``+0.0`` and
+  ``-0.0`` and NaN payloads never arise.  One launch takes up to
+  ``MAX_INPUTS`` (64) inputs; beyond that the kernel chains launches and rounds
+  16-bit partial sums to their storage type in between, which ``reduced`` and
+  ``expected`` model when given ``inputs_per_launch``.
+
+Poison (``poison``) is a value no input equals, nor any result but the few that
+``POISON_BITS`` names (the checker then runs twice), so an element still equal to it
+was never written, and the checker says so.
 """
 
 from __future__ import annotations
@@ -13,45 +41,142 @@ from typing import Any, List, Optional, Sequence
 
 import numpy as np
 
-from ._dtypes import numpy_dtype, reduce_arrays
+from ._dtypes import dtype_name, numpy_dtype, reduce_arrays
+from .backends._kernels import MAX_INPUTS
 
-__all__ = ["expected", "random_array", "poison", "check_collective", "ArrayModule",
-           "array_module_for", "IN_PLACE_FORMS"]
+__all__ = ["expected", "reduced", "random_array", "poison", "is_poison", "assert_exact",
+           "check_collective", "PlantedFault", "FAULTS", "ArrayModule", "array_module_for",
+           "IN_PLACE_FORMS", "POISON_BITS"]
 
 #: collectives that have an in-place form
 IN_PLACE_FORMS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "reduce", "gather",
                   "scatter")
 
+#: The poison of each dtype, as the bits of one element.  Floats: a signalling NaN
+#: whose payload is the byte A5 repeated.  ``random_array`` draws no NaN, and arithmetic
+#: never returns a signalling NaN (an operation on a NaN gives a quiet one), so no copy,
+#: sum or average of inputs equals it.  Integers: the byte A5 repeated (int8 -91, uint8
+#: 165, int32 -1515870811, int64 -6510615555426900571), outside ``random_array``'s
+#: ranges [-8, 8) and [0, 8); sums, averages, maxima and minima of fewer than 12 ranks
+#: stay inside [-96, 96).  Products wrap (1-byte ones from 3 ranks on, 32-bit ones from
+#: 11) and can then equal the poison, as can int8 sums of 12 ranks or more: where an
+#: expected element equals it, ``check_collective`` runs a second time with the
+#: complement poison, so that every element is checked against a poison it does not
+#: equal.
+POISON_BITS = {"float16": 0x7DA5, "bfloat16": 0x7FA5, "float32": 0x7FA5A5A5,
+               "float64": 0x7FF5A5A5A5A5A5A5, "int8": 0xA5, "uint8": 0xA5,
+               "int32": 0xA5A5A5A5, "int64": 0xA5A5A5A5A5A5A5A5}
+
+#: the planted faults ``PlantedFault`` knows
+FAULTS = ("flip", "shift", "unwritten")
+
+
+def _bits(array: np.ndarray) -> np.ndarray:
+    """``array``'s elements as unsigned integers of the same width (no conversion)."""
+    array = np.ascontiguousarray(array)
+    return array.view(f"u{array.dtype.itemsize}")
+
 
 def random_array(rng: np.random.Generator, count: int, dtype: str) -> np.ndarray:
-    """Fresh random values: small integers for integer types (sums stay exact), normals for floats."""
+    """Fresh random values: integers in [-8, 8) ([0, 8) unsigned: sums stay exact), normals
+    for floats.  Never the poison; floats are never NaN and never zero (a float16 normal
+    under 3e-8 would round to a signed zero: it is drawn as 1 instead)."""
     np_dtype = numpy_dtype(dtype)
     if np_dtype.kind in "iu":
         low, high = (0, 8) if np_dtype.kind == "u" else (-8, 8)
         return rng.integers(low, high, count).astype(np_dtype)
-    return rng.standard_normal(count).astype(np.float32).astype(np_dtype)
+    values = rng.standard_normal(count).astype(np.float32).astype(np_dtype)
+    values[values == 0] = 1
+    return values
 
 
-def poison(count: int, dtype: str) -> np.ndarray:
-    """An array whose every byte is 0xA5: NaN-like for floats, an unlikely integer otherwise."""
-    return np.full(count * numpy_dtype(dtype).itemsize, 0xA5, np.uint8).view(numpy_dtype(dtype))
+def poison(count: int, dtype: str, bits: Optional[int] = None) -> np.ndarray:
+    """``count`` elements of ``dtype`` that are all the poison (``POISON_BITS``), or ``bits``."""
+    np_dtype = numpy_dtype(dtype)
+    bits = POISON_BITS[dtype] if bits is None else bits
+    return np.full(count, bits, dtype=f"u{np_dtype.itemsize}").view(np_dtype)
+
+
+def is_poison(array: np.ndarray, bits: Optional[int] = None) -> np.ndarray:
+    """Which elements of ``array`` are still the poison (``POISON_BITS``, or ``bits``)."""
+    bits = POISON_BITS[dtype_name(array.dtype)] if bits is None else bits
+    return _bits(array) == bits
+
+
+def assert_exact(what: str, want: np.ndarray, got: np.ndarray,
+                 poison_bits: Optional[int] = None) -> None:
+    """Raise AssertionError unless ``got`` holds ``want``'s bits exactly.
+
+    The message names ``what``, how many elements differ, how many of those are still
+    the poison (``unwritten``), and the first difference with its bits.
+    """
+    if want.shape != got.shape or want.dtype != got.dtype:
+        raise AssertionError(f"{what}: output has {got.size} elements of {got.dtype}, "
+                             f"expected {want.size} of {want.dtype}")
+    wrong = np.flatnonzero(_bits(want) != _bits(got))
+    if not wrong.size:
+        return
+    unwritten = is_poison(got, poison_bits)
+    still_poison = int(np.count_nonzero(unwritten[wrong]))
+    first = int(wrong[0])
+    digits = 2 * want.dtype.itemsize + 2
+    raise AssertionError(
+        f"{what}: {wrong.size} of {want.size} elements wrong"
+        f"{f', {still_poison} of them unwritten (still poison)' if still_poison else ''}; "
+        f"first at {first}: got {got[first]!r} ({int(_bits(got)[first]):#0{digits}x}"
+        f"{', unwritten' if unwritten[first] else ''}), expected {want[first]!r} "
+        f"({int(_bits(want)[first]):#0{digits}x})")
+
+
+def reduced(inputs: Sequence[np.ndarray], op: str, *,
+            inputs_per_launch: Optional[int] = None) -> np.ndarray:
+    """``op`` over ``inputs`` in order as the backends compute it (see the module docstring).
+
+    With ``inputs_per_launch`` (the CUDA kernel's ``MAX_INPUTS``) more inputs than that
+    are reduced in launches: the first takes ``inputs_per_launch``, each later one the
+    partial result and ``inputs_per_launch - 1`` more; every launch but the last rounds
+    the partial result to the inputs' dtype (and sums, for ``avg``); the last divides by
+    the number of all the inputs.
+    Only 16-bit floats notice: every other type accumulates in its own precision.
+    """
+    dtype = inputs[0].dtype
+    if (inputs_per_launch is None or len(inputs) <= inputs_per_launch
+            or dtype.kind in "iu" or dtype.itemsize != 2):
+        return reduce_arrays(list(inputs), op, dtype)
+    partial_op = "sum" if op == "avg" else op
+    partial = reduce_arrays(list(inputs[:inputs_per_launch]), partial_op, dtype)
+    rest = list(inputs[inputs_per_launch:])
+    while len(rest) >= inputs_per_launch:
+        partial = reduce_arrays([partial] + rest[:inputs_per_launch - 1], partial_op, dtype)
+        rest = rest[inputs_per_launch - 1:]
+    if op != "avg":
+        return reduce_arrays([partial] + rest, op, dtype)
+    total = reduce_arrays([partial] + rest, "sum", np.dtype(np.float32))
+    return (total / np.float32(len(inputs))).astype(dtype)
 
 
 def expected(collective: str, inputs: Sequence[Optional[np.ndarray]], *, op: str = "sum",
-             root: int = 0) -> List[Optional[np.ndarray]]:
+             root: int = 0, inputs_per_launch: Optional[int] = None
+             ) -> List[Optional[np.ndarray]]:
     """What each rank's receive buffer must hold; ``inputs[r]`` is rank r's send data
-    (None where a rank sends nothing).  None where a rank receives nothing."""
+    (None where a rank sends nothing).  None where a rank receives nothing.
+
+    ``send_recv`` is a ring: rank r sends to rank r+1 and receives from rank r-1.
+    Reductions fold the ranks' data in rank order (see the module docstring);
+    ``inputs_per_launch`` models a backend whose reduce chains launches of that many.
+    """
     n = len(inputs)
-    dtype = next(x for x in inputs if x is not None).dtype
+
+    def reduce(blocks):
+        return reduced(blocks, op, inputs_per_launch=inputs_per_launch)
     if collective == "all_gather":
         return [np.concatenate(inputs) for _ in range(n)]
     if collective == "all_reduce":
-        total = reduce_arrays(list(inputs), op, dtype)
+        total = reduce(inputs)
         return [total.copy() for _ in range(n)]
     if collective == "reduce_scatter":
         count = inputs[0].size // n
-        return [reduce_arrays([x[r * count:(r + 1) * count] for x in inputs], op, dtype)
-                for r in range(n)]
+        return [reduce([x[r * count:(r + 1) * count] for x in inputs]) for r in range(n)]
     if collective == "all_to_all":
         count = inputs[0].size // n
         return [np.concatenate([inputs[p][r * count:(r + 1) * count] for p in range(n)])
@@ -59,12 +184,14 @@ def expected(collective: str, inputs: Sequence[Optional[np.ndarray]], *, op: str
     if collective == "broadcast":
         return [inputs[root].copy() for _ in range(n)]
     if collective == "reduce":
-        return [reduce_arrays(list(inputs), op, dtype) if r == root else None for r in range(n)]
+        return [reduce(inputs) if r == root else None for r in range(n)]
     if collective == "gather":
         return [np.concatenate(inputs) if r == root else None for r in range(n)]
     if collective == "scatter":
         count = inputs[root].size // n
         return [inputs[root][r * count:(r + 1) * count].copy() for r in range(n)]
+    if collective == "send_recv":
+        return [inputs[(r - 1) % n].copy() if n > 1 else None for r in range(n)]
     raise ValueError(f"expected: unknown collective {collective!r}")
 
 
@@ -109,87 +236,151 @@ class ArrayModule:
             torch.cuda.synchronize(device)
 
 
+class PlantedFault(ArrayModule):
+    """An ``ArrayModule`` that corrupts each output, where it lives (host or GPU memory),
+    just before reading it back: how a checker is shown to fail before it is trusted.
+
+    Outputs are seen as blocks of ``block`` elements (a collective's ``count``):
+
+    - ``flip``: bit 0 of the middle element of every block is inverted (a float's lowest
+      mantissa bit: a change within any rounding tolerance);
+    - ``shift``: every block moves one block on, cyclically (block k holds what block
+      k-1 should); an output of one block moves one element on;
+    - ``unwritten``: the last block is the poison again, as if its copy never ran.
+
+    Empty outputs stay as they are (there is nothing to corrupt).
+    """
+
+    def __init__(self, arrays: ArrayModule, fault: str, block: int):
+        if fault not in FAULTS:
+            raise ValueError(f"PlantedFault: fault must be one of {FAULTS}, got {fault!r}")
+        if block < 1:
+            raise ValueError(f"PlantedFault: block must be at least 1 element, got {block}")
+        super().__init__(arrays.kind)
+        self.fault, self.block = fault, block
+
+    def to_numpy(self, array: Any, dtype: str) -> np.ndarray:
+        if len(array):
+            self._plant(array, dtype)
+        return super().to_numpy(array, dtype)
+
+    def _plant(self, array: Any, dtype: str) -> None:
+        if self.kind == "cupy":
+            import cupy
+            with cupy.cuda.Device(array.device.id):
+                self._corrupt(array.view(cupy.uint8), cupy.roll, dtype, array.device.id)
+        elif self.kind == "torch":
+            import torch
+            self._corrupt(array.view(torch.uint8), torch.roll, dtype, array.device.index)
+        else:
+            self._corrupt(array.view(np.uint8), np.roll, dtype, None)
+
+    def _corrupt(self, raw: Any, roll: Any, dtype: str, device: Optional[int]) -> None:
+        """Corrupt ``raw``, the output's bytes, in place (numpy, cupy or torch alike)."""
+        itemsize = numpy_dtype(dtype).itemsize
+        block_bytes = self.block * itemsize
+        blocks = max(1, len(raw) // block_bytes)
+        if self.fault == "flip":
+            for index in range(blocks):
+                first = index * block_bytes + (self.block // 2) * itemsize
+                raw[first:first + 1] ^= 1
+        elif self.fault == "shift":
+            raw[:] = roll(raw, block_bytes if blocks > 1 else itemsize)
+        else:
+            last = (blocks - 1) * block_bytes
+            raw[last:] = self.asarray(poison(len(raw[last:]) // itemsize, dtype).view(np.uint8),
+                                      device)
+
+
 def array_module_for(backend: str, dtype: str = "float32") -> ArrayModule:
     if backend == "host":
         return ArrayModule("numpy")
     return ArrayModule("torch" if dtype == "bfloat16" else "cupy")
 
 
-def _tolerance(dtype: str, op: str, world_size: int) -> tuple:
-    np_dtype = numpy_dtype(dtype)
-    if np_dtype.kind in "iu" or op in ("max", "min"):
-        return 0.0, 0.0
-    eps = {2: 1e-2, 4: 1e-5, 8: 1e-12}[np_dtype.itemsize]
-    return eps * world_size, eps * world_size
+#: elements each rank sends and receives, in multiples of ``count`` (1 or the world size)
+_COUNTS = {"all_gather": (1, "n"), "reduce_scatter": ("n", 1), "all_reduce": (1, 1),
+           "all_to_all": ("n", "n"), "broadcast": (1, 1), "reduce": (1, 1), "gather": (1, "n"),
+           "scatter": ("n", 1), "send_recv": (1, 1)}
 
 
 def check_collective(comms: Sequence[Any], collective: str, *, count: int, dtype: str,
                      op: str = "sum", root: int = 0, in_place: bool = False, seed: int = 0,
                      arrays: Optional[ArrayModule] = None, streams: Optional[Sequence[Any]] = None,
                      synchronize: bool = True) -> None:
-    """Run ``collective`` on every communicator in ``comms`` and assert each output.
+    """Run ``collective`` on every communicator in ``comms`` and assert each output exactly.
 
-    ``count`` is NCCL's count (see ``hoccl.sched.Shape``).  Raises AssertionError
-    naming the rank, the collective and the first wrong element.
+    ``collective`` is a collective's method name, or ``"send_recv"``: a ring where every
+    rank sends to rank+1 and receives from rank-1 (even ranks send first, odd ranks
+    receive first: a send completes only once its receiver's stream reaches the recv).
+    ``count`` is NCCL's count (see ``hoccl.sched.Shape``).  Raises AssertionError naming
+    the rank, the collective and the first wrong element (``assert_exact``).  With
+    ``synchronize=False`` the call is only issued, and nothing is checked.
     """
+    if collective not in _COUNTS:
+        raise ValueError(f"check_collective: unknown collective {collective!r}")
     n = comms[0].world_size
     arrays = arrays or array_module_for(comms[0].backend, dtype)
     rng = np.random.default_rng(seed)
-    send_count = {"all_gather": count, "reduce_scatter": count * n, "all_reduce": count,
-                  "all_to_all": count * n, "broadcast": count, "reduce": count, "gather": count,
-                  "scatter": count * n}[collective]
-    recv_count = {"all_gather": count * n, "reduce_scatter": count, "all_reduce": count,
-                  "all_to_all": count * n, "broadcast": count, "reduce": count,
-                  "gather": count * n, "scatter": count}[collective]
+    send_count, recv_count = (count * n if times == "n" else count
+                              for times in _COUNTS[collective])
     inputs = [random_array(rng, send_count, dtype) for _ in range(n)]
     if collective in ("broadcast", "scatter"):
         inputs = [x if r == root else None for r, x in enumerate(inputs)]
-    want = expected(collective, inputs, op=op, root=root)
-    outputs = []
-    for index, comm in enumerate(comms):
-        r, device = comm.rank, comm.device
-        receives = want[r] is not None or (collective == "scatter" and r == root)
-        recv = arrays.asarray(poison(recv_count, dtype), device) if receives else None
-        send = arrays.asarray(inputs[r], device) if inputs[r] is not None else None
-        if in_place:
-            send, recv = _in_place_buffers(collective, r, root, n, count, inputs[r], send, recv,
-                                           arrays, device, dtype)
-        outputs.append((comm, send, recv))
-    for index, (comm, send, recv) in enumerate(outputs):
+    want = expected(collective, inputs, op=op, root=root,
+                    inputs_per_launch=MAX_INPUTS if comms[0].backend == "cuda" else None)
+    poisons = [POISON_BITS[dtype]]
+    if any(w is not None and is_poison(w).any() for w in want):
+        poisons.append(POISON_BITS[dtype] ^ ((1 << 8 * numpy_dtype(dtype).itemsize) - 1))
+    for bits in poisons:
+        buffers = []
+        for comm in comms:
+            r, device = comm.rank, comm.device
+            recv = (arrays.asarray(poison(recv_count, dtype, bits), device)
+                    if want[r] is not None else None)
+            send = arrays.asarray(inputs[r], device) if inputs[r] is not None else None
+            if in_place:
+                send, recv = _in_place_buffers(collective, r, root, n, count, inputs[r], send,
+                                               recv, arrays, device, dtype, bits)
+            buffers.append((comm, send, recv))
+        _issue(collective, buffers, op, root, streams)
+        if not synchronize:
+            return
+        for comm, _, _ in buffers:
+            comm.synchronize()
+        for comm, _, recv in buffers:
+            if want[comm.rank] is not None:
+                assert_exact(f"{collective}: rank {comm.rank}", want[comm.rank],
+                             arrays.to_numpy(recv, dtype), bits)
+
+
+def _issue(collective: str, buffers: list, op: str, root: int,
+           streams: Optional[Sequence[Any]]) -> None:
+    """Call ``collective`` with each ``(comm, send, recv)`` of ``buffers``, in that order."""
+    for index, (comm, send, recv) in enumerate(buffers):
         stream = streams[index] if streams is not None else None
-        call = getattr(comm, collective)
-        if collective in ("broadcast", "reduce", "gather", "scatter"):
-            if collective == "reduce":
-                call(send, recv, root, op, stream=stream)
-            else:
-                call(send, recv, root, stream=stream)
+        if collective == "send_recv":
+            n, r = comm.world_size, comm.rank
+            if n > 1:
+                steps = [(comm.send, send, (r + 1) % n), (comm.recv, recv, (r - 1) % n)]
+                for call, buffer, peer in (steps if r % 2 == 0 else steps[::-1]):
+                    call(buffer, peer, stream=stream)
+        elif collective in ("broadcast", "gather", "scatter"):
+            getattr(comm, collective)(send, recv, root, stream=stream)
+        elif collective == "reduce":
+            comm.reduce(send, recv, root, op, stream=stream)
         elif collective in ("reduce_scatter", "all_reduce"):
-            call(send, recv, op, stream=stream)
+            getattr(comm, collective)(send, recv, op, stream=stream)
         else:
-            call(send, recv, stream=stream)
-    if not synchronize:
-        return
-    for comm, _, _ in outputs:
-        comm.synchronize()
-    rtol, atol = _tolerance(dtype, op, n)
-    for comm, send, recv in outputs:
-        r = comm.rank
-        if want[r] is None:
-            continue
-        got_array = recv
-        if in_place and collective == "reduce_scatter":
-            got = arrays.to_numpy(send, dtype)[r * count:(r + 1) * count]
-        elif in_place and collective == "scatter" and r == root:
-            got = arrays.to_numpy(send, dtype)[r * count:(r + 1) * count]
-        else:
-            got = arrays.to_numpy(got_array, dtype)
-        _assert_close(collective, r, want[r], got, rtol, atol)
+            getattr(comm, collective)(send, recv, stream=stream)
 
 
-def _in_place_buffers(collective, r, root, n, count, data, send, recv, arrays, device, dtype):
-    """The in-place form of rank r's buffers: one array, the send data at its place in it."""
+def _in_place_buffers(collective, r, root, n, count, data, send, recv, arrays, device, dtype,
+                      bits):
+    """The in-place form of rank r's buffers: one array, the send data at its place in it;
+    ``recv`` is the part that receives the result."""
     if collective == "all_gather":
-        full = poison(count * n, dtype)
+        full = poison(count * n, dtype, bits)
         full[r * count:(r + 1) * count] = data
         recv = arrays.asarray(full, device)
         return recv[r * count:(r + 1) * count], recv
@@ -206,7 +397,7 @@ def _in_place_buffers(collective, r, root, n, count, data, send, recv, arrays, d
     if collective == "gather":
         if r != root:
             return send, None
-        full = poison(count * n, dtype)
+        full = poison(count * n, dtype, bits)
         full[r * count:(r + 1) * count] = data
         recv = arrays.asarray(full, device)
         return recv[r * count:(r + 1) * count], recv
@@ -215,21 +406,3 @@ def _in_place_buffers(collective, r, root, n, count, data, send, recv, arrays, d
             return None, recv
         return send, send[r * count:(r + 1) * count]
     raise ValueError(f"check_collective: {collective} has no in-place form")
-
-
-def _assert_close(collective: str, rank: int, want: np.ndarray, got: np.ndarray,
-                  rtol: float, atol: float) -> None:
-    if want.shape != got.shape:
-        raise AssertionError(f"{collective}: rank {rank} output has {got.size} elements, "
-                             f"expected {want.size}")
-    w = want.astype(np.float64) if want.dtype.kind not in "iu" else want
-    g = got.astype(np.float64) if got.dtype.kind not in "iu" else got
-    if rtol == 0 and atol == 0:
-        bad = np.flatnonzero(~((w == g) | (np.isnan(w) & np.isnan(g)) if w.dtype.kind == "f"
-                               else (w == g)))
-    else:
-        bad = np.flatnonzero(~np.isclose(g, w, rtol=rtol, atol=atol, equal_nan=True))
-    if bad.size:
-        i = int(bad[0])
-        raise AssertionError(f"{collective}: rank {rank} has {bad.size} wrong elements of "
-                             f"{want.size}; first at {i}: got {got[i]!r}, expected {want[i]!r}")

@@ -2,6 +2,7 @@ import os
 
 import pytest
 
+import hoccl
 from hoccl.backends import cuda_device_count
 
 GPUS = cuda_device_count()
@@ -18,3 +19,18 @@ def pytest_collection_modifyitems(config, items):
 def _verify_plans(monkeypatch):
     """Every plan a test runs is verified first (hoccl.sched.verify)."""
     monkeypatch.setenv("HOCCL_VERIFY", os.environ.get("HOCCL_VERIFY", "1"))
+
+
+@pytest.fixture
+def init_local():
+    """``hoccl.init_local`` for one test: every communicator it returns is closed (again,
+    harmlessly, where the test closed it itself) when the test ends, passed or failed."""
+    opened = []
+
+    def open_local(*args, **kwargs):
+        comms = hoccl.init_local(*args, **kwargs)
+        opened.extend(comms)
+        return comms
+    yield open_local
+    for comm in opened:
+        comm.close()

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import hoccl
-from hoccl.testing import check_collective
+from hoccl.testing import assert_exact, check_collective, is_poison, poison
 
 from hostile import Guarded, make_call, scenarios
 
@@ -50,8 +50,8 @@ def test_disagreeing_ranks_write_nothing_and_all_raise(comms, name, collective, 
     check_collective(comms, "all_reduce", count=7, dtype="float32", seed=len(name))
 
 
-def test_pair_calls_that_disagree_on_size_write_nothing():
-    comms = hoccl.init_local(2, backend="host")
+def test_pair_calls_that_disagree_on_size_write_nothing(init_local):
+    comms = init_local(2, backend="host")
     rng = np.random.default_rng(1)
     small = Guarded(rng, 4, np.float32, fill=np.nan)
     large = Guarded(rng, 1000, np.float32, fill=1.0)
@@ -63,12 +63,10 @@ def test_pair_calls_that_disagree_on_size_write_nothing():
     comms[1].synchronize()
     assert small.untouched() and large.untouched()
     check_collective(comms, "broadcast", count=3, dtype="int32", root=1, seed=2)
-    for comm in comms:
-        comm.close()
 
 
-def test_a_cycle_of_ungrouped_sends_is_refused_at_once_and_grouped_it_runs():
-    comms = hoccl.init_local(3, backend="host", timeout=30)
+def test_a_cycle_of_ungrouped_sends_is_refused_at_once_and_grouped_it_runs(init_local):
+    comms = init_local(3, backend="host", timeout=30)
     data = [np.arange(4, dtype=np.int64) + 10 * rank for rank in range(3)]
     out = [np.full(4, -1, np.int64) for _ in range(3)]
     refused = []
@@ -93,17 +91,15 @@ def test_a_cycle_of_ungrouped_sends_is_refused_at_once_and_grouped_it_runs():
     for comm in comms:
         comm.synchronize()
     for rank in range(3):
-        assert np.array_equal(out[rank], data[(rank - 1) % 3])
-    for comm in comms:
-        comm.close()
+        assert_exact(f"grouped recv: rank {rank}", data[(rank - 1) % 3], out[rank])
 
 
-def test_group_mixes_collectives_and_pairs_across_ranks():
-    comms = hoccl.init_local(2, backend="host")
+def test_group_mixes_collectives_and_pairs_across_ranks(init_local):
+    comms = init_local(2, backend="host")
     rng = np.random.default_rng(7)
     a = [rng.standard_normal(6).astype(np.float32) for _ in range(2)]
-    gathered = [np.full(12, np.nan, np.float32) for _ in range(2)]
-    swapped = [np.full(6, np.nan, np.float32) for _ in range(2)]
+    gathered = [poison(12, "float32") for _ in range(2)]
+    swapped = [poison(6, "float32") for _ in range(2)]
     with hoccl.group():
         for rank, comm in enumerate(comms):
             comm.recv(swapped[rank], 1 - rank)
@@ -112,26 +108,21 @@ def test_group_mixes_collectives_and_pairs_across_ranks():
     for comm in comms:
         comm.synchronize()
     for rank in range(2):
-        assert np.array_equal(gathered[rank].view(np.uint32),
-                              np.concatenate(a).view(np.uint32))
-        assert np.array_equal(swapped[rank].view(np.uint32), a[1 - rank].view(np.uint32))
-    for comm in comms:
-        comm.close()
+        assert_exact(f"grouped all_gather: rank {rank}", np.concatenate(a), gathered[rank])
+        assert_exact(f"grouped recv: rank {rank}", a[1 - rank], swapped[rank])
 
 
-def test_a_group_whose_body_raises_runs_none_of_its_calls():
-    comms = hoccl.init_local(2, backend="host")
-    out = [np.full(4, np.nan, np.float32) for _ in range(2)]
+def test_a_group_whose_body_raises_runs_none_of_its_calls(init_local):
+    comms = init_local(2, backend="host")
+    out = [poison(4, "float32") for _ in range(2)]
     with pytest.raises(RuntimeError, match="body"):
         with hoccl.group():
             comms[0].all_reduce(np.ones(4, np.float32), out[0])
             raise RuntimeError("body")
-    assert np.isnan(out[0]).all()
+    assert is_poison(out[0]).all()
     with pytest.raises(hoccl.MismatchError, match="abandoned"):  # rank 1's matching call
         comms[1].all_reduce(np.ones(4, np.float32), np.zeros(4, np.float32))
     with pytest.raises(hoccl.MismatchError, match="abandoned"):
         comms[0].synchronize()
-    assert np.isnan(out[0]).all()
+    assert is_poison(out[0]).all()
     check_collective(comms, "all_reduce", count=4, dtype="float32", seed=4)
-    for comm in comms:
-        comm.close()

@@ -1,5 +1,6 @@
 """The public API under mpiexec (-n 2 and -n 4) on the host backend: real rendezvous,
-descriptor exchange, cross-process copies and signals."""
+descriptor exchange, cross-process copies and signals; the same checks failing on every
+planted fault; failures across processes."""
 
 import os
 import shutil
@@ -9,6 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from hoccl.testing import FAULTS
+
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast", "reduce",
+               "gather", "scatter", "send_recv")
 SCRIPT = Path(__file__).parent / "mpi" / "run_checks.py"
 
 
@@ -21,17 +26,43 @@ def _mpiexec():
     return found
 
 
-@pytest.mark.mpi
-@pytest.mark.parametrize("ranks", [2, 4])
-def test_api_under_mpiexec_on_the_host_backend(ranks):
-    command = [_mpiexec(), "-n", str(ranks), sys.executable, str(SCRIPT), "--backend", "host"]
+def _run_checks(ranks, *args):
+    """run_checks.py under mpiexec on the host backend; its exit status and output."""
+    command = [_mpiexec(), "-n", str(ranks), sys.executable, str(SCRIPT), "--backend", "host",
+               *args]
     # Open MPI refuses root and more ranks than cores unless told; MPICH ignores these.
     env = {**os.environ, "HOCCL_VERIFY": "1", "OMPI_ALLOW_RUN_AS_ROOT": "1",
            "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "OMPI_MCA_rmaps_base_oversubscribe": "1"}
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, output[-4000:]
+    return result.returncode, result.stdout + result.stderr
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_api_under_mpiexec_on_the_host_backend(ranks):
+    returncode, output = _run_checks(ranks)
+    assert returncode == 0, output[-4000:]
     assert f"mpi ranks={ranks} backend=host:" in output and " 0 failed" in output, output[-4000:]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("fault", FAULTS)
+def test_every_check_under_mpiexec_fails_on_a_planted_fault(fault):
+    """Every output corrupted before it is read: every case of every collective and dtype
+    must fail, and none by an error other than the wrong output."""
+    returncode, output = _run_checks(2, "--plant-fault", fault, "--counts", "17", "--dtypes",
+                                     "float16,bfloat16,float32,float64,int8,uint8,int32,int64")
+    assert returncode == 0, output[-4000:]
+    label = f"mpi ranks=2 backend=host fault={fault}"
+    for collective in COLLECTIVES:
+        line = next((line for line in output.splitlines()
+                     if line.startswith(f"{label} {collective}: ")), None)
+        assert line is not None, output[-4000:]
+        passed, failed = (int(part.split()[0]) for part in line.split(": ")[1].split(", "))
+        assert passed == 0 and failed >= 8, line
+    total = next(line for line in output.splitlines() if line.startswith(f"{label}: "))
+    assert total.startswith(f"{label}: 0 passed, ") and "error" not in total, total
+    assert ("unwritten (still poison)" in output) == (fault == "unwritten")
 
 
 FAILURES = Path(__file__).parent / "mpi" / "run_failures.py"
@@ -45,12 +76,20 @@ def keep_going_flags(mpiexec: str):
     return ["--mca", "orte_abort_on_non_zero_status", "0"]
 
 
+# A rank killed by a signal makes mpiexec (MPICH's, even told to keep going) kill the others:
+# a rank that is to be killed runs under a shell that outlives it and exits normally.
+SURVIVE_KILL = ["sh", "-c", '"$@"; exit 0', "sh"]
+
+
 @pytest.mark.mpi
 @pytest.mark.parametrize("scenario,survivors", [("mismatch", [0, 1]), ("dead", [0]),
-                                                ("absent", [0]), ("abort", [0, 1])])
+                                                ("absent", [0]), ("killed", [0]), ("early", [0]),
+                                                ("abort", [0, 1])])
 def test_failures_across_processes_raise_instead_of_hanging(scenario, survivors):
     mpiexec = _mpiexec()
-    command = [mpiexec, *keep_going_flags(mpiexec), "-n", "2", sys.executable, str(FAILURES),
+    command = [mpiexec, *keep_going_flags(mpiexec), "-n", "2",
+               *(SURVIVE_KILL if scenario in ("killed", "early") else []), sys.executable,
+               str(FAILURES),
                scenario, "--backend", "host"]
     env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
     result = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import hoccl
-from hoccl.testing import check_collective, poison, random_array
+from hoccl.testing import assert_exact, check_collective, is_poison, poison, random_array
 
 
 def _block_default_stream(comm):
@@ -24,10 +24,10 @@ def _block_default_stream(comm):
     return gate
 
 
-def _all_reduce_with_rank_1_held(timeout):
+def _all_reduce_with_rank_1_held(init_local, timeout):
     """Two host ranks whose all_reduce cannot finish: rank 1's caller stream is held.
     Returns the communicators and the gate that releases rank 1's stream."""
-    comms = hoccl.init_local(2, backend="host", timeout=timeout)
+    comms = init_local(2, backend="host", timeout=timeout)
     gate = _block_default_stream(comms[1])
     data = [np.ones(8, np.float32) for _ in range(2)]
     out = [poison(8, "float32") for _ in range(2)]
@@ -36,8 +36,8 @@ def _all_reduce_with_rank_1_held(timeout):
     return comms, gate
 
 
-def test_watchdog_aborts_stuck_work_and_names_the_missing_peer():
-    comms, gate = _all_reduce_with_rank_1_held(timeout=1)
+def test_watchdog_aborts_stuck_work_and_names_the_missing_peer(init_local):
+    comms, gate = _all_reduce_with_rank_1_held(init_local, timeout=1)
     data = [np.ones(8, np.float32) for _ in range(2)]
     deadline = time.monotonic() + 10
     while not comms[0].aborted and time.monotonic() < deadline:
@@ -57,12 +57,12 @@ def test_watchdog_aborts_stuck_work_and_names_the_missing_peer():
             comm.device_handle.synchronize_stream(lane, 5)
         comm.close()
     # and a new communicator works
-    check_collective(hoccl.init_local(2, backend="host"), "all_reduce", count=9,
-                     dtype="int32", seed=1)
+    check_collective(init_local(2, backend="host"), "all_reduce", count=9, dtype="int32",
+                     seed=1)
 
 
-def test_synchronize_timeout_says_which_signal_is_missing():
-    comms = hoccl.init_local(2, backend="host", timeout=0.5)
+def test_synchronize_timeout_says_which_signal_is_missing(init_local):
+    comms = init_local(2, backend="host", timeout=0.5)
     comms[0]._health._stop.set()  # keep the watchdog out of it: this is synchronize's own timeout
     comms[1]._health._stop.set()
     gate = _block_default_stream(comms[1])
@@ -83,8 +83,8 @@ def test_synchronize_timeout_says_which_signal_is_missing():
     gate.set()
 
 
-def test_abort_releases_waits_and_later_calls_raise():
-    comms = hoccl.init_local(3, backend="host", timeout=60)
+def test_abort_releases_waits_and_later_calls_raise(init_local):
+    comms = init_local(3, backend="host", timeout=60)
     gate = _block_default_stream(comms[2])
     for comm in comms:
         comm.barrier()
@@ -102,11 +102,11 @@ def test_abort_releases_waits_and_later_calls_raise():
         comm.close()
 
 
-def test_timeout_comes_from_the_environment(monkeypatch):
+def test_timeout_comes_from_the_environment(init_local, monkeypatch):
     monkeypatch.setenv("HOCCL_TIMEOUT", "7.5")
-    assert hoccl.init_local(1, backend="host")[0].timeout == 7.5
+    assert init_local(1, backend="host")[0].timeout == 7.5
     with pytest.raises(hoccl.InvalidArgumentError, match="timeout must be a positive"):
-        hoccl.init_local(1, backend="host", timeout=-1)
+        init_local(1, backend="host", timeout=-1)
 
 
 def test_many_init_close_cycles_leak_no_threads_or_files():
@@ -127,7 +127,7 @@ def test_many_init_close_cycles_leak_no_threads_or_files():
                 comm.all_gather(data[comm.rank], out[comm.rank])
             for comm in comms:
                 comm.synchronize()
-            assert np.array_equal(out[0], np.concatenate(data))
+            assert_exact(f"cycle {cycle}: rank 0", np.concatenate(data), out[0])
         for comm in comms:
             comm.close()
     after = census()
@@ -169,10 +169,10 @@ def test_debug_logging_traces_init_and_each_collective():
     assert "hoccl DEBUG rank 1 issue all_gather" in log, log
 
 
-def test_watchdog_does_not_count_the_wait_for_other_ranks_calls():
+def test_watchdog_does_not_count_the_wait_for_other_ranks_calls(init_local):
     """init_local: rank 0 calls, rank 1 calls much later (longer than the timeout); the
     collective then runs normally, and the watchdog must not abort it."""
-    comms = hoccl.init_local(2, backend="host", timeout=0.5)
+    comms = init_local(2, backend="host", timeout=0.5)
     data = [np.full(4, rank + 1.0) for rank in range(2)]
     out = [poison(4, "float64") for _ in range(2)]
     comms[0].barrier()  # starts rank 0's watchdog
@@ -182,17 +182,18 @@ def test_watchdog_does_not_count_the_wait_for_other_ranks_calls():
     comms[1].all_reduce(data[1], out[1])
     for comm in comms:
         comm.synchronize()
-    assert not comms[0].aborted and np.array_equal(out[0], np.full(4, 3.0))
+    assert not comms[0].aborted
+    assert_exact("all_reduce: rank 0", np.full(4, 3.0), out[0])
 
 
 @pytest.mark.parametrize("gate_opens", [False, True])
 def test_close_after_abort_keeps_memory_that_a_held_caller_stream_will_still_touch(
-        monkeypatch, caplog, gate_opens):
+        init_local, monkeypatch, caplog, gate_opens):
     """An aborted call whose caller stream is still held (by the user's own work) reaches
     its fences later: close waits a bounded time for it, then keeps the devices' memory
     instead of freeing what that stream will write into."""
     monkeypatch.setattr(sys.modules["hoccl.comm"], "_DRAIN_SECONDS", 2.0 if gate_opens else 0.3)
-    comms, gate = _all_reduce_with_rank_1_held(timeout=60)
+    comms, gate = _all_reduce_with_rank_1_held(init_local, timeout=60)
     comms[0].abort("test abort")
     leaks = []
     for comm in comms:
@@ -212,10 +213,10 @@ def test_close_after_abort_keeps_memory_that_a_held_caller_stream_will_still_tou
     gate.set()
 
 
-def test_close_completes_calls_the_other_ranks_never_made(caplog):
+def test_close_completes_calls_the_other_ranks_never_made(init_local, caplog):
     """init_local holds a call until every rank has made it; a rank that closes first
     must not leave its caller's stream waiting for that call for ever."""
-    comms = hoccl.init_local(2, backend="host", timeout=30)
+    comms = init_local(2, backend="host", timeout=30)
     send = random_array(np.random.default_rng(5), 4, "float32")
     recv = poison(8, "float32")
     comms[0].all_gather(send, recv)  # rank 1 never makes it
@@ -226,7 +227,7 @@ def test_close_completes_calls_the_other_ranks_never_made(caplog):
         comms[0].close()
     assert after.wait(5), "the caller's stream stayed blocked after close"
     assert "1 call(s) never ran" in caplog.text and "all_gather" in caplog.text
-    assert np.array_equal(recv.view(np.uint8), poison(8, "float32").view(np.uint8))  # unwritten
+    assert is_poison(recv).all()  # unwritten
     with pytest.raises(hoccl.HocclTimeoutError, match=r"ranks \[0\] have not made"):
         comms[1].all_gather(send, poison(8, "float32"))
         comms[1].synchronize()

@@ -1,11 +1,14 @@
 """Every collective's plan is verified and simulated, and its result matches a numpy
 reference written from the NCCL/MPI definitions (independently of the plan).
 
-Inputs are fresh random data, outputs are poisoned before each run, and every buffer
-(inputs included: a collective must not touch its caller's input) is compared byte
-for byte.  Reductions use ``reduce_arrays`` over the ranks in rank order, the order
-and accumulation the plan's ``Reduce`` steps use, so floats compare exactly too.
-Set ``HOCCL_TEST_SEED`` to replay a failing run.
+Inputs are fresh random data, outputs are poisoned before each run (``hoccl.testing.poison``:
+a signalling NaN for floats, which no input or sum equals), and every buffer (inputs
+included: a collective must not touch its caller's input) is compared bit for bit.
+Integer inputs span their whole type (never the poison itself), so a wrapped sum can
+equal the poison; that an output is written at all is ``verify``'s proof (every output
+byte written exactly once), not the poison's.  Reductions use ``reduce_arrays`` over
+the ranks in rank order, the order and accumulation the plan's ``Reduce`` steps use, so
+floats compare exactly too.  Set ``HOCCL_TEST_SEED`` to replay a failing run.
 """
 
 from __future__ import annotations
@@ -20,8 +23,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hoccl._dtypes import ITEMSIZE, numpy_dtype, reduce_arrays
-from hoccl.sched import COLLECTIVES, SCRATCH_FILL as POISON, Options, Shape, build_plan, simulate, verify
+from hoccl.sched import COLLECTIVES, Options, Shape, build_plan, simulate, verify
 from hoccl.sched.plan import CHANNELS, READY, Wait
+from hoccl.testing import assert_exact, is_poison, poison
 
 SESSION_SEED = int(os.environ.get("HOCCL_TEST_SEED", random.randrange(2 ** 32)))
 DTYPES = tuple(ITEMSIZE)
@@ -66,12 +70,10 @@ def _random(rng: np.random.Generator, dtype: str, count: int) -> np.ndarray:
     dt = numpy_dtype(dtype)
     if dt.kind in "iu":
         info = np.iinfo(dt)
-        return rng.integers(info.min, info.max, size=count, dtype=dt, endpoint=True)
+        values = rng.integers(info.min, info.max, size=count, dtype=dt, endpoint=True)
+        values[is_poison(values)] ^= 1
+        return values
     return rng.standard_normal(count).astype(dt)
-
-
-def _poison(dtype: str, count: int) -> np.ndarray:
-    return np.full(count * ITEMSIZE[dtype], POISON, dtype=np.uint8).view(numpy_dtype(dtype))
 
 
 def _reduced(blocks: List[np.ndarray], case: Case) -> np.ndarray:
@@ -98,12 +100,12 @@ def reference(case: Case, rng: np.random.Generator) -> Tuple[Arrays, Arrays]:
         gathered = np.concatenate(data)
         for r in range(n):
             if in_place:
-                recv = _poison(dt, n * c)
+                recv = poison(n * c, dt)
                 block(recv, r)[...] = data[r]
                 give(r, "recv", recv, gathered)
             else:
                 give(r, "send", data[r], data[r])
-                give(r, "recv", _poison(dt, n * c), gathered)
+                give(r, "recv", poison(n * c, dt), gathered)
     elif kind == "reduce_scatter":
         sends = [_random(rng, dt, n * c) for _ in range(n)]
         for r in range(n):
@@ -114,7 +116,7 @@ def reference(case: Case, rng: np.random.Generator) -> Tuple[Arrays, Arrays]:
                 give(r, "send", sends[r], after)
             else:
                 give(r, "send", sends[r], sends[r])
-                give(r, "recv", _poison(dt, c), result)
+                give(r, "recv", poison(c, dt), result)
     elif kind in ("all_reduce", "reduce"):
         data = [_random(rng, dt, c) for _ in range(n)]
         total = _reduced(data, case)
@@ -125,12 +127,12 @@ def reference(case: Case, rng: np.random.Generator) -> Tuple[Arrays, Arrays]:
                 give(r, "recv", data[r], total)
             else:
                 give(r, "send", data[r], data[r])
-                give(r, "recv", _poison(dt, c), total)
+                give(r, "recv", poison(c, dt), total)
     elif kind == "all_to_all":
         sends = [_random(rng, dt, n * c) for _ in range(n)]
         for r in range(n):
             give(r, "send", sends[r], sends[r])
-            give(r, "recv", _poison(dt, n * c), np.concatenate([block(s, r) for s in sends]))
+            give(r, "recv", poison(n * c, dt), np.concatenate([block(s, r) for s in sends]))
     elif kind == "broadcast":
         data = _random(rng, dt, c)
         for r in range(n):
@@ -139,44 +141,35 @@ def reference(case: Case, rng: np.random.Generator) -> Tuple[Arrays, Arrays]:
                 continue
             if r == root:
                 give(r, "send", data, data)
-            give(r, "recv", _poison(dt, c), data)
+            give(r, "recv", poison(c, dt), data)
     elif kind == "gather":
         data = [_random(rng, dt, c) for _ in range(n)]
         for r in range(n):
             if r == root and in_place:
-                recv = _poison(dt, n * c)
+                recv = poison(n * c, dt)
                 block(recv, r)[...] = data[r]
                 give(r, "recv", recv, np.concatenate(data))
                 continue
             give(r, "send", data[r], data[r])
             if r == root:
-                give(r, "recv", _poison(dt, n * c), np.concatenate(data))
+                give(r, "recv", poison(n * c, dt), np.concatenate(data))
     elif kind == "scatter":
         send = _random(rng, dt, n * c)
         for r in range(n):
             if r == root:
                 give(r, "send", send, send)
             if r != root or not in_place:
-                give(r, "recv", _poison(dt, c), block(send, r).copy())
+                give(r, "recv", poison(c, dt), block(send, r).copy())
     elif kind == "sendrecv":
         data = _random(rng, dt, c)
         give(case.root, "send", data, data)
-        give(case.peer, "recv", _poison(dt, c), data)
+        give(case.peer, "recv", poison(c, dt), data)
     elif kind != "barrier":
         raise AssertionError(f"no reference for {kind}")
     return arrays, expected
 
 
 # -- running a case -----------------------------------------------------------------------
-def _first_difference(actual: np.ndarray, wanted: np.ndarray) -> str:
-    got, want = actual.reshape(-1).view(np.uint8), wanted.reshape(-1).view(np.uint8)
-    if got.size != want.size:
-        return f"{got.size} bytes, expected {want.size}"
-    index = int(np.flatnonzero(got != want)[0])
-    poisoned = " (poison: never written)" if got[index] == POISON else ""
-    return f"first wrong byte {index}: {got[index]:#04x}{poisoned}, expected {want[index]:#04x}"
-
-
 def run_case(case: Case, seeds=(None, 1, 2), case_seed: int = 0) -> None:
     plan = build_plan(case.shape(), case.options())
     assert verify(plan) is plan
@@ -191,10 +184,9 @@ def run_case(case: Case, seeds=(None, 1, 2), case_seed: int = 0) -> None:
         simulate(plan, arrays, seed=seed)
         for rank in range(case.world_size):
             for name, wanted in expected[rank].items():
-                actual = arrays[rank][name]
-                assert actual.tobytes() == wanted.tobytes(), (
-                    f"{case.label()} (simulate seed {seed}, HOCCL_TEST_SEED={SESSION_SEED}): "
-                    f"rank {rank} {name!r}: {_first_difference(actual, wanted)}")
+                assert_exact(f"{case.label()} (simulate seed {seed}, HOCCL_TEST_SEED="
+                             f"{SESSION_SEED}): rank {rank} {name!r}", wanted,
+                             arrays[rank][name])
 
 
 # -- the grid -----------------------------------------------------------------------------

@@ -30,7 +30,7 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   step gpu-local 200 python3 -m pytest -q -x -p no:cacheprovider --timeout=90 tests/gpu "$@"
   step gpu-mpirun 90 $MPIRUN python3 tests/mpi/run_checks.py --backend cuda --counts 0,1,17,100003
   step hostile-mpirun 120 $MPIRUN python3 tests/mpi/run_hostile.py --backend cuda
-  for scenario in mismatch dead absent abort; do
+  for scenario in mismatch dead absent killed early abort; do
     step "fail-$scenario" 60 $MPIRUN --mca orte_abort_on_non_zero_status 0 \
       python3 tests/mpi/run_failures.py $scenario --backend cuda
   done
@@ -46,6 +46,9 @@ fi
 if [ "$what" = compare ]; then
   BASELINE=${BASELINE:-.baseline}
   for round in 1 2; do
+    step "profile-baseline-$round" 60 bash -c "cd $BASELINE && PYTHONPATH=\$PWD:$DEPS $MPIRUN \
+      python3 tools/profile_call.py --size 1M"
+    step "profile-now-$round" 60 $MPIRUN python3 tools/profile_call.py --size 1M
     step "compare-baseline-$round" 150 bash -c "cd $BASELINE && PYTHONPATH=\$PWD:$DEPS $MPIRUN \
       python3 -m hoccl.bench --sizes 1M,1G --libraries hoccl --out $OUT/compare-baseline-$round"
     step "compare-now-$round" 150 $MPIRUN python3 -m hoccl.bench --sizes 1M,1G \

@@ -23,12 +23,13 @@ import abc
 import enum
 from typing import Any, List, Optional, Sequence, Tuple
 
+from .._dtypes import NAMES
 from ..sched.plan import OPS as _PLAN_OPS
 
 __all__ = ["Device", "HostWord", "MemOp", "DTYPES", "OPS"]
 
 #: dtype names every backend accepts in ``reduce``.
-DTYPES = ("float16", "bfloat16", "float32", "float64", "int8", "uint8", "int32", "int64")
+DTYPES = NAMES
 #: reduction operators; "avg" is the sum divided by the number of inputs.
 OPS = _PLAN_OPS
 

@@ -36,6 +36,7 @@ from typing import Any, List, Sequence, Tuple
 
 from cuda.bindings import driver
 
+from .._dtypes import ITEMSIZE as _ITEMSIZE
 from .._errors import DriverError, HocclTimeoutError, InvalidArgumentError
 from . import _kernels
 from ._base import DTYPES, OPS, Device, HostWord, MemOp
@@ -55,9 +56,6 @@ _MAX_BATCH_MEMOPS = 255
 _SINGLE_MEMOPS = 8  # up to this many memops go as single calls (cheaper from Python)
 _WRITE_DEFAULT = driver.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT
 _WAIT_GEQ = driver.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
-
-_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8,
-             "int8": 1, "uint8": 1, "int32": 4, "int64": 8}
 
 _HINTS = {
     driver.CUresult.CUDA_ERROR_OUT_OF_MEMORY: "free GPU memory or use smaller buffers",

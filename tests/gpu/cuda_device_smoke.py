@@ -5,11 +5,13 @@
 Opens both GPUs in one process, checks every primitive of ``CudaDevice`` against numpy
 on fresh random data with poisoned outputs, prints one PASS/FAIL line per check and a
 summary, then measures the capped kernels' bandwidth.  Exits non-zero on any failure.
+Reductions are compared bit for bit with ``hoccl.testing.reduced`` (the kernel's order
+and precision, chained launches included), and the comparison is shown to fail on a
+flipped bit and an unwritten block of a real output first.
 """
 
 from __future__ import annotations
 
-import collections
 import faulthandler
 import sys
 import time
@@ -18,15 +20,18 @@ import traceback
 import cupy as cp
 import numpy as np
 
+from hoccl._dtypes import numpy_dtype
 from hoccl._errors import HocclTimeoutError, InvalidArgumentError
 from hoccl.backends._base import DTYPES, OPS, MemOp
+from hoccl.backends._kernels import MAX_INPUTS
 from hoccl.backends.cuda import open_device
+from hoccl.testing import (FAULTS, ArrayModule, PlantedFault, assert_exact, poison, random_array,
+                           reduced)
 
 MiB = 1 << 20
 SEED = int(np.random.SeedSequence().entropy % (1 << 32))
 rng = np.random.default_rng(SEED)
 outcomes = []
-inexact = collections.Counter()  # float elements within rounding of numpy but not bit-exact
 
 
 def report(name, passed, detail=""):
@@ -90,71 +95,44 @@ def blocked(device, stream, seconds=0.05):
     return False
 
 
-def bf16_to_f32(bits):
-    return (bits.astype(np.uint32) << 16).view(np.float32)
-
-
-def f32_to_bf16(values):
-    u = values.astype(np.float32).view(np.uint32)
-    rounded = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
-    return np.where(np.isnan(values), ((u >> 16) | 0x40).astype(np.uint16), rounded)
-
-
+#: how each dtype is held in numpy and cupy (cupy has no bfloat16: its bits as uint16)
 STORAGE = {"float16": np.float16, "bfloat16": np.uint16, "float32": np.float32,
            "float64": np.float64, "int8": np.int8, "uint8": np.uint8, "int32": np.int32,
            "int64": np.int64}
 
 
 def random_elements(dtype, count):
-    if dtype == "bfloat16":
-        return f32_to_bf16(rng.uniform(-2, 2, count).astype(np.float32))
-    if dtype.startswith("float"):
-        return rng.uniform(-2, 2, count).astype(STORAGE[dtype])
+    """Floats: ``hoccl.testing``'s normals (never zero or NaN); integers: the whole type,
+    so that sums and products wrap (an integer result can then equal the poison: the
+    float checks and the guard bytes show what the kernels leave unwritten)."""
+    if dtype.startswith("float") or dtype == "bfloat16":
+        return random_array(rng, count, dtype).view(STORAGE[dtype])
     info = np.iinfo(STORAGE[dtype])
     return rng.integers(info.min, info.max, count, dtype=STORAGE[dtype], endpoint=True)
 
 
 def reference(dtype, op, inputs):
-    """What the kernel computes, in numpy: float16/bfloat16/float32 accumulate in float32
-    (float64 in float64) in input order; integers wrap; integer avg truncates toward zero."""
-    combine = {"sum": np.add, "avg": np.add, "prod": np.multiply,
-               "max": np.maximum, "min": np.minimum}[op]
-    if dtype == "bfloat16" or dtype.startswith("float"):
-        accumulator = np.float64 if dtype == "float64" else np.float32
-        values = [bf16_to_f32(x) if dtype == "bfloat16" else x.astype(accumulator) for x in inputs]
-        acc = values[0].copy()
-        for value in values[1:]:
-            acc = combine(acc, value)
-        if op == "avg":
-            acc = acc / accumulator(len(inputs))
-        return f32_to_bf16(acc) if dtype == "bfloat16" else acc.astype(STORAGE[dtype])
-    acc = inputs[0].copy()
-    with np.errstate(over="ignore"):
-        for value in inputs[1:]:
-            acc = combine(acc, value)
-    if op == "avg":
-        n = STORAGE[dtype](len(inputs))
-        floor = acc // n
-        acc = (floor + ((acc % n != 0) & (acc < 0))).astype(STORAGE[dtype])
-    return acc
+    """What the kernel computes: inputs folded in order, 16-bit floats in float32, launches
+    of ``MAX_INPUTS`` chained (``hoccl.testing.reduced``)."""
+    values = [x.view(numpy_dtype(dtype)) for x in inputs]
+    return reduced(values, op, inputs_per_launch=MAX_INPUTS).view(STORAGE[dtype])
 
 
 def compare(dtype, got, want):
-    """None when equal (floats: bit-exact, or within rounding with a note)."""
-    if np.array_equal(got.view(np.uint8), want.view(np.uint8)):
-        return None
-    if dtype in ("float16", "float32", "float64", "bfloat16"):
-        g = bf16_to_f32(got) if dtype == "bfloat16" else got.astype(np.float64)
-        w = bf16_to_f32(want) if dtype == "bfloat16" else want.astype(np.float64)
-        tolerance = {"float16": 2e-3, "bfloat16": 1e-2, "float32": 1e-6, "float64": 1e-13}[dtype]
-        if np.allclose(g, w, rtol=tolerance, atol=tolerance):
-            inexact[dtype] += int(np.count_nonzero(g != w))
-            return None
-    differ = np.flatnonzero((got.view(np.uint8).reshape(got.size, -1)
-                             != want.view(np.uint8).reshape(want.size, -1)).any(axis=1))
-    index = int(differ[0])
-    return (f"{differ.size} of {got.size} differ; first at {index}: "
-            f"got {got[index]!r} want {want[index]!r}")
+    """None when ``got`` holds ``want``'s bits exactly, else what differs."""
+    try:
+        assert_exact(dtype, want.view(numpy_dtype(dtype)), got.view(numpy_dtype(dtype)))
+    except AssertionError as error:
+        return str(error)
+    return None
+
+
+def poisoned_output(ordinal, dtype, count, before, after):
+    """``count`` poisoned elements (``hoccl.testing.poison``) between ``before`` and ``after``
+    guard bytes of 0xAB, on GPU ``ordinal``."""
+    return on(ordinal, np.concatenate([np.full(before, 0xAB, np.uint8),
+                                       poison(count, dtype).view(np.uint8),
+                                       np.full(after, 0xAB, np.uint8)]))
 
 
 def local_copy_problems(dev0, s0):
@@ -184,7 +162,7 @@ def reduce_problems(dev0, s0, dtype):
             inputs = [random_elements(dtype, count) for _ in range(n)]
             pad = np.zeros(offset, STORAGE[dtype])
             arrays = [on(0, np.concatenate([pad, x])) for x in inputs]
-            out = poisoned(0, (count + offset) * itemsize + 64)
+            out = poisoned_output(0, dtype, count, offset * itemsize, 64)
             dev0.reduce(s0, out.data.ptr + offset * itemsize,
                         [a.data.ptr + offset * itemsize for a in arrays], count, dtype, op)
             dev0.synchronize_stream(s0, 10)
@@ -207,12 +185,14 @@ def reduce_problems(dev0, s0, dtype):
 
 
 def chain_problems(dev0, s0):
-    """More inputs than one launch takes, and mutually misaligned inputs."""
+    """More inputs than one launch takes (16-bit partial sums rounded between launches), and
+    mutually misaligned inputs."""
     problems = []
-    for dtype, op in (("float32", "sum"), ("float32", "avg"), ("int32", "avg")):
+    for dtype, op in (("float32", "sum"), ("float32", "avg"), ("int32", "avg"),
+                      ("float16", "sum"), ("bfloat16", "avg"), ("float16", "max")):
         inputs = [random_elements(dtype, 1001) for _ in range(70)]
         arrays = [on(0, x) for x in inputs]
-        out = poisoned(0, 1001 * 4)
+        out = poisoned_output(0, dtype, 1001, 0, 0)
         dev0.reduce(s0, out.data.ptr, [a.data.ptr for a in arrays], 1001, dtype, op)
         dev0.synchronize_stream(s0, 10)
         problem = compare(dtype, host(out).view(STORAGE[dtype]), reference(dtype, op, inputs))
@@ -220,7 +200,7 @@ def chain_problems(dev0, s0):
             problems.append(f"{dtype} {op} x70: {problem}")
     inputs = [random_elements("bfloat16", 5003) for _ in range(3)]
     arrays = [on(0, np.concatenate([np.zeros(k, np.uint16), x])) for k, x in enumerate(inputs)]
-    out = poisoned(0, 5003 * 2)
+    out = poisoned_output(0, "bfloat16", 5003, 0, 0)
     dev0.reduce(s0, out.data.ptr, [a.data.ptr + 2 * k for k, a in enumerate(arrays)], 5003,
                 "bfloat16", "avg")
     dev0.synchronize_stream(s0, 10)
@@ -342,8 +322,28 @@ def main():
     for dtype in DTYPES:
         check(f"reduce {dtype}: every op x 2/3/8 inputs, odd counts, head offsets, in place")(
             lambda dtype=dtype: reduce_problems(dev0, s0, dtype))
-    check("reduce: 70 inputs chain (float32 sum/avg, int32 avg) and mutually misaligned inputs")(
-        lambda: chain_problems(dev0, s0))
+    check("reduce: 70 inputs chain (float32 sum/avg, int32 avg, float16 sum/max, bfloat16 avg) "
+          "and mutually misaligned inputs")(lambda: chain_problems(dev0, s0))
+
+    @check("compare fails on a flipped bit, shifted data and an unwritten block of a real "
+           "reduce output")
+    def _():
+        inputs = [random_elements("float16", 4099) for _ in range(3)]
+        arrays = [on(0, x) for x in inputs]
+        want = reference("float16", "sum", inputs)
+        for fault in (None,) + FAULTS:
+            out = poisoned_output(0, "float16", 4099, 0, 0).view(cp.float16)
+            dev0.reduce(s0, out.data.ptr, [a.data.ptr for a in arrays], 4099, "float16", "sum")
+            dev0.synchronize_stream(s0, 10)
+            reader = (ArrayModule("cupy") if fault is None
+                      else PlantedFault(ArrayModule("cupy"), fault, block=4099))
+            problem = compare("float16", reader.to_numpy(out, "float16"), want)
+            if fault is None and problem:
+                return f"the output itself is wrong: {problem}"
+            if fault is not None and not problem:
+                return f"the planted {fault} passed the comparison"
+            if fault == "unwritten" and "unwritten (still poison)" not in problem:
+                return f"the unwritten block was not named: {problem}"
 
     @check("export: same buffer gives identical cached descriptors; refuses non-CUDA memory")
     def _():
@@ -405,8 +405,6 @@ def main():
             return None
         return "host word readable after close"
 
-    if inexact:
-        print(f"     note: elements not bit-exact with numpy (within rounding): {dict(inexact)}")
     passed = sum(outcomes)
     print(f"checks: {passed} passed, {len(outcomes) - passed} failed "
           f"({time.perf_counter() - started:.1f} s)", flush=True)

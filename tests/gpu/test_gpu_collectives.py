@@ -1,16 +1,18 @@
 """Every collective on real GPUs in one process (init_local over all visible GPUs),
-against numpy, fresh random data, poisoned outputs.  The mpirun mode runs
-tests/mpi/run_checks.py --backend cuda on the device machine."""
+against numpy bit for bit, fresh random data, poisoned outputs; and the same checker
+failing on faults planted in real GPU outputs.  The mpirun mode runs
+tests/mpi/run_checks.py --backend cuda on the device machine (tools/gpu_run.sh)."""
 
 import numpy as np
 import pytest
 
-from hoccl.testing import IN_PLACE_FORMS, ArrayModule, check_collective, poison, random_array
+from hoccl.testing import (FAULTS, IN_PLACE_FORMS, ArrayModule, PlantedFault, array_module_for,
+                           assert_exact, check_collective, poison, random_array)
 
 pytestmark = pytest.mark.gpu
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast", "reduce",
-               "gather", "scatter")
+               "gather", "scatter", "send_recv")
 ROOTED = ("broadcast", "reduce", "gather", "scatter")
 REDUCING = ("reduce_scatter", "all_reduce", "reduce")
 DTYPES = ("float16", "bfloat16", "float32", "float64", "int8", "uint8", "int32", "int64")
@@ -18,9 +20,9 @@ DTYPES = ("float16", "bfloat16", "float32", "float64", "int8", "uint8", "int32",
 
 @pytest.mark.parametrize("collective", COLLECTIVES)
 @pytest.mark.parametrize("route", ["peer", "local"])
-def test_every_collective_every_dtype_small_and_odd_sizes(gpu_comms, collective, route):
-    for comm in gpu_comms:
-        comm.set_options(self_route=route, chunk_bytes=4096)
+def test_every_collective_every_dtype_small_and_odd_sizes(gpu_comms, gpu_options, collective,
+                                                          route):
+    gpu_options(self_route=route, chunk_bytes=4096)
     n, seed = gpu_comms[0].world_size, 0
     for dtype in DTYPES:
         for count in (0, 1, 1001, 65537):
@@ -31,8 +33,6 @@ def test_every_collective_every_dtype_small_and_odd_sizes(gpu_comms, collective,
                         seed += 1
                         check_collective(gpu_comms, collective, count=count, dtype=dtype, op=op,
                                          root=root, in_place=in_place, seed=seed)
-    for comm in gpu_comms:
-        comm.set_options(self_route="local", chunk_bytes=32 << 20)  # the defaults
 
 
 @pytest.mark.parametrize("collective", ["all_reduce", "reduce_scatter", "all_gather", "all_to_all"])
@@ -115,10 +115,11 @@ def test_kernels_before_and_after_on_the_same_stream_need_no_host_sync(gpu_comms
             cupy.multiply(sources[comm.rank], 2, out=sends[comm.rank])   # kernel before
             comm.all_gather(sends[comm.rank], recvs[comm.rank])          # stream=None: current
             doubled.append(recvs[comm.rank] + 1)                          # kernel after
-    want = np.concatenate(values) * 2 + 1
+    want = np.concatenate(values) * np.float32(2) + np.float32(1)  # the same float32 operations
     for comm in gpu_comms:
         with cupy.cuda.Device(comm.device):
-            np.testing.assert_array_equal(doubled[comm.rank].get(), want)
+            assert_exact(f"all_gather between kernels: rank {comm.rank}", want,
+                         doubled[comm.rank].get())
 
 
 def test_back_to_back_on_different_streams_and_a_thousand_in_a_loop(gpu_comms):
@@ -146,8 +147,8 @@ def test_back_to_back_on_different_streams_and_a_thousand_in_a_loop(gpu_comms):
         comm.synchronize()
     for i in range(0, loops, 37):
         for comm in gpu_comms:
-            np.testing.assert_array_equal(arrays.to_numpy(recvs[i][comm.rank], "int32"),
-                                          np.concatenate(data[i]))
+            assert_exact(f"all_gather {i}: rank {comm.rank}", np.concatenate(data[i]),
+                         arrays.to_numpy(recvs[i][comm.rank], "int32"))
 
 
 def test_send_recv_and_barrier(gpu_comms):
@@ -170,5 +171,25 @@ def test_send_recv_and_barrier(gpu_comms):
     for comm in gpu_comms:
         comm.synchronize()
     for comm in gpu_comms:
-        np.testing.assert_array_equal(arrays.to_numpy(recvs[comm.rank], "float64"),
-                                      data[(comm.rank - 1) % n])
+        assert_exact(f"recv: rank {comm.rank}", data[(comm.rank - 1) % n],
+                     arrays.to_numpy(recvs[comm.rank], "float64"))
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_the_checker_fails_on_faults_planted_in_real_gpu_outputs(gpu_comms, fault):
+    """Every output corrupted in GPU memory after the collective and before the checker reads
+    it (a flipped low bit, shifted blocks, a block set back to poison): every collective,
+    dtype and form must fail the check that the same calls pass above."""
+    n, count, caught = gpu_comms[0].world_size, 1001, 0
+    for seed, (collective, dtype) in enumerate((c, d) for c in COLLECTIVES for d in DTYPES):
+        if collective == "send_recv" and n == 1:
+            continue
+        for in_place in ([False, True] if collective in IN_PLACE_FORMS else [False]):
+            arrays = PlantedFault(array_module_for("cuda", dtype), fault, block=count)
+            with pytest.raises(AssertionError) as info:
+                check_collective(gpu_comms, collective, count=count, dtype=dtype, root=n - 1,
+                                 in_place=in_place, seed=seed, arrays=arrays)
+            assert str(info.value).startswith(f"{collective}: rank "), str(info.value)
+            assert ("unwritten (still poison)" in str(info.value)) == (fault == "unwritten")
+            caught += 1
+    assert caught >= 8 * len(DTYPES), caught

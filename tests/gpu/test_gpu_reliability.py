@@ -29,10 +29,10 @@ def _held_stream(device, seconds):
         return stream
 
 
-def test_watchdog_aborts_stuck_work_and_the_streams_drain():
+def test_watchdog_aborts_stuck_work_and_the_streams_drain(init_local):
     import cupy
     count = cupy.cuda.runtime.getDeviceCount()
-    comms = hoccl.init_local(list(range(min(count, 2))), backend="cuda", timeout=2)
+    comms = init_local(list(range(min(count, 2))), backend="cuda", timeout=2)
     if len(comms) < 2:
         pytest.skip("needs two GPUs")
     arrays = ArrayModule("cupy")
@@ -60,7 +60,7 @@ def test_watchdog_aborts_stuck_work_and_the_streams_drain():
         comms[0].synchronize()
     for comm in comms:
         comm.close()
-    check_collective(hoccl.init_local([0, 1], backend="cuda"), "all_gather", count=1001,
+    check_collective(init_local([0, 1], backend="cuda"), "all_gather", count=1001,
                      dtype="float32", seed=3)
 
 
@@ -70,18 +70,23 @@ def test_a_thousand_init_close_cycles_leak_no_device_memory_or_files():
     import cupy
     gpus = list(range(min(cupy.cuda.runtime.getDeviceCount(), 2)))
     comms = hoccl.init_local(gpus, backend="cuda")
-    check_collective(comms, "all_reduce", count=1 << 16, dtype="float32", seed=1)
-    for comm in comms:
-        comm.close()
+    try:
+        check_collective(comms, "all_reduce", count=1 << 16, dtype="float32", seed=1)
+    finally:
+        for comm in comms:
+            comm.close()
     with cupy.cuda.Device(0):
         before = cupy.cuda.runtime.memGetInfo()[0]
     files = len(os.listdir("/proc/self/fd"))
     for cycle in range(1000):
         comms = hoccl.init_local(gpus, backend="cuda")
-        if cycle % 100 == 0:  # and they still work
-            check_collective(comms, "all_reduce", count=1 << 16, dtype="float32", seed=cycle)
-        for comm in comms:
-            comm.close()
+        try:
+            if cycle % 100 == 0:  # and they still work
+                check_collective(comms, "all_reduce", count=1 << 16, dtype="float32",
+                                 seed=cycle)
+        finally:
+            for comm in comms:
+                comm.close()
     with cupy.cuda.Device(0):
         after = cupy.cuda.runtime.memGetInfo()[0]
     assert before - after < 64 << 20, f"device memory fell by {(before - after) >> 20} MiB"

@@ -1,13 +1,14 @@
 """The SM-starved test: every SM of every GPU is held by a spinning kernel while a
 collective runs on another stream.  A collective that needs no SM finishes long
-before the spin ends; one that needs SMs waits for it (DEVICE.md)."""
+before the spin ends; one that needs SMs waits for it (README.md, "Zero-SM
+synchronisation" and "A rank's own block")."""
 
 import time
 
 import numpy as np
 import pytest
 
-from hoccl.testing import ArrayModule, poison, random_array
+from hoccl.testing import ArrayModule, assert_exact, poison, random_array
 
 pytestmark = pytest.mark.gpu
 
@@ -87,9 +88,8 @@ def _buffers(comms, count, blocks_in_recv, in_place, seed):
 
 
 @pytest.mark.parametrize("in_place", [True, False])
-def test_all_gather_needs_no_sm(gpu_comms, in_place):
-    for comm in gpu_comms:
-        comm.set_options(self_route="peer")
+def test_all_gather_needs_no_sm(gpu_comms, gpu_options, in_place):
+    gpu_options(self_route="peer")
     n, count = gpu_comms[0].world_size, 64 << 20
     data, sends, recvs = _buffers(gpu_comms, count, n, in_place, 41)
 
@@ -98,12 +98,13 @@ def test_all_gather_needs_no_sm(gpu_comms, in_place):
             comm.all_gather(sends[comm.rank], recvs[comm.rank], stream=stream)
     assert _starved(gpu_comms, launch), "all_gather waited for SMs"
     for comm in gpu_comms:
-        np.testing.assert_array_equal(recvs[comm.rank].get(), np.concatenate(data))
+        assert_exact(f"all_gather: rank {comm.rank}", np.concatenate(data),
+                     recvs[comm.rank].get())
 
 
-def test_all_to_all_broadcast_gather_scatter_send_recv_barrier_need_no_sm(gpu_comms):
-    for comm in gpu_comms:
-        comm.set_options(self_route="peer")
+def test_all_to_all_broadcast_gather_scatter_send_recv_barrier_need_no_sm(gpu_comms,
+                                                                         gpu_options):
+    gpu_options(self_route="peer")
     n, count = gpu_comms[0].world_size, 16 << 20
     arrays = ArrayModule("cupy")
     rng = np.random.default_rng(43)
@@ -133,27 +134,33 @@ def test_all_to_all_broadcast_gather_scatter_send_recv_barrier_need_no_sm(gpu_co
     for comm in gpu_comms:
         r = comm.rank
         want = np.concatenate([source[p][r * count:(r + 1) * count] for p in range(n)])
-        np.testing.assert_array_equal(a2a_out[r].get(), want)
-        np.testing.assert_array_equal(bcast[r].get(), source[0][:count])
-    np.testing.assert_array_equal(gathered.get(), np.concatenate([s[:count] for s in source]))
+        assert_exact(f"all_to_all: rank {r}", want, a2a_out[r].get())
+        assert_exact(f"broadcast: rank {r}", source[0][:count], bcast[r].get())
+    assert_exact("gather: rank 0", np.concatenate([s[:count] for s in source]), gathered.get())
     if n > 1:
-        np.testing.assert_array_equal(scattered[1].get(), source[0][:count])
+        assert_exact("recv: rank 1", source[0][:count], scattered[1].get())
 
 
-def test_local_route_and_reductions_do_use_sms(gpu_comms):
+def test_local_route_and_reductions_do_use_sms(gpu_comms, gpu_options):
     """The control: a same-GPU copy (local route) and a reduction wait for the spin."""
     n, count = gpu_comms[0].world_size, 16 << 20
-    for comm in gpu_comms:
-        comm.set_options(self_route="local")
+    gpu_options(self_route="local")
     data, sends, recvs = _buffers(gpu_comms, count, n, False, 47)
 
     def launch(streams):
         for comm, stream in zip(gpu_comms, streams):
             comm.all_gather(sends[comm.rank], recvs[comm.rank], stream=stream)
-    try:
-        assert not _starved(gpu_comms, launch), "the local route should need SMs"
-    finally:
-        for comm in gpu_comms:
-            comm.set_options(self_route="local")  # the default
+    assert not _starved(gpu_comms, launch), "the local route should need SMs"
     for comm in gpu_comms:
-        np.testing.assert_array_equal(recvs[comm.rank].get(), np.concatenate(data))
+        assert_exact(f"all_gather: rank {comm.rank}", np.concatenate(data),
+                     recvs[comm.rank].get())
+    arrays = ArrayModule("cupy")
+    sums = [arrays.asarray(poison(count, "uint8"), comm.device) for comm in gpu_comms]
+
+    def reduce(streams):
+        for comm, stream in zip(gpu_comms, streams):
+            comm.all_reduce(sends[comm.rank], sums[comm.rank], stream=stream)
+    assert not _starved(gpu_comms, reduce), "a reduction should need SMs"
+    for comm in gpu_comms:
+        assert_exact(f"all_reduce: rank {comm.rank}", sum(data).astype(np.uint8),
+                     sums[comm.rank].get())

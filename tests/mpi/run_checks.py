@@ -1,9 +1,18 @@
-"""The public API under mpirun, one rank per process: run with ``mpiexec -n N python run_checks.py [--backend B]``.
+"""The public API under mpirun, one rank per process: run with
+``mpiexec -n N python run_checks.py [--backend B] [--plant-fault FAULT]``.
 
 Every rank draws the same inputs from the same seeds, runs each collective through
-``hoccl.init()`` and checks its own output against numpy.  Prints one line per
-failure and ``N passed, M failed`` at the end (rank 0), and exits non-zero when any
-rank saw a failure.
+``hoccl.init()`` and checks its own output against numpy bit for bit
+(``hoccl.testing.check_collective``).  A case fails when it failed on any rank.  Rank 0
+prints ``N passed, M failed`` at the end; every rank prints each of its failures; the
+exit status is non-zero when a case failed.
+
+``--plant-fault flip|shift|unwritten`` corrupts every output just before it is read
+(``hoccl.testing.PlantedFault``), to show the checks fail on it: every case must then
+fail with an AssertionError.  Rank 0 prints ``N passed, M failed`` per collective and in
+total, and the exit status is non-zero when a case passed or raised anything else.
+Counts below 2 are left out there (an empty output has nothing to corrupt, and one
+element cannot shift).
 """
 
 import argparse
@@ -14,16 +23,21 @@ import numpy as np
 from mpi4py import MPI
 
 import hoccl
-from hoccl.testing import IN_PLACE_FORMS, array_module_for, check_collective, poison, random_array
+from hoccl.testing import (FAULTS, IN_PLACE_FORMS, PlantedFault, array_module_for, assert_exact,
+                           check_collective, poison, random_array)
 
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast", "reduce",
+               "gather", "scatter", "send_recv")
 ROOTED = ("broadcast", "reduce", "gather", "scatter")
 REDUCING = ("reduce_scatter", "all_reduce", "reduce")
+PASSED, FAILED, ERROR = 0, 1, 2  # a case's outcome; the worst over the ranks counts
 
 
 def cases(world_size, dtypes, counts):
     seed = 0
-    for collective in ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast",
-                       "reduce", "gather", "scatter"):
+    for collective in COLLECTIVES:
+        if collective == "send_recv" and world_size == 1:
+            continue
         for dtype in dtypes:
             for count in counts:
                 for in_place in ([False, True] if collective in IN_PLACE_FORMS else [False]):
@@ -34,26 +48,6 @@ def cases(world_size, dtypes, counts):
                             seed += 1
                             yield dict(collective=collective, dtype=dtype, count=count,
                                        in_place=in_place, root=root, op=op, seed=seed)
-
-
-def check_send_recv(comm, arrays, seed):
-    """Ring: every rank sends to rank+1 and receives from rank-1, twice, both orders."""
-    n, r = comm.world_size, comm.rank
-    if n == 1:
-        return
-    rng = np.random.default_rng(seed)
-    data = [random_array(rng, 37, "int32") for _ in range(n)]
-    out = arrays.asarray(poison(37, "int32"), comm.device)
-    source = arrays.asarray(data[r], comm.device)
-    if r % 2 == 0:
-        comm.send(source, (r + 1) % n)
-        comm.recv(out, (r - 1) % n)
-    else:
-        comm.recv(out, (r - 1) % n)
-        comm.send(source, (r + 1) % n)
-    comm.synchronize()
-    got = arrays.to_numpy(out, "int32")
-    assert np.array_equal(got, data[(r - 1) % n]), f"send/recv: rank {r} got {got[:4]}"
 
 
 def check_reallocated_buffers(comm, seed):
@@ -69,12 +63,29 @@ def check_reallocated_buffers(comm, seed):
         recv = arrays.asarray(poison(n << 16, "int32"), comm.device)
         comm.all_gather(send, recv)
         comm.synchronize()
-        got = arrays.to_numpy(recv, "int32")
-        assert np.array_equal(got, np.concatenate(data)), f"round {round_}: stale mapping?"
+        assert_exact(f"round {round_} (a stale mapping?): rank {comm.rank}",
+                     np.concatenate(data), arrays.to_numpy(recv, "int32"))
         del send, recv
         if comm.backend == "cuda":
             import cupy
             cupy.get_default_memory_pool().free_all_blocks()  # the next round allocates anew
+
+
+def run(world, comm, name, action, fault):
+    """Run one case on this rank; its outcome over all ranks."""
+    try:
+        action()
+        outcome = PASSED
+    except AssertionError as error:
+        outcome = FAILED
+        if fault is None:
+            print(f"rank {comm.rank} FAILED {name}\n{traceback.format_exc()}", flush=True)
+        else:
+            print(f"rank {comm.rank} caught fault={fault} in {name}: {error}"[:400], flush=True)
+    except Exception:
+        outcome = ERROR
+        print(f"rank {comm.rank} ERROR {name}\n{traceback.format_exc()}", flush=True)
+    return world.allreduce(outcome, op=MPI.MAX)
 
 
 def main():
@@ -82,35 +93,40 @@ def main():
     parser.add_argument("--backend", default=None)
     parser.add_argument("--dtypes", default="float32,bfloat16,int32,uint8")
     parser.add_argument("--counts", default="0,1,17,1000")
+    parser.add_argument("--plant-fault", choices=FAULTS, default=None)
     args = parser.parse_args()
     world = MPI.COMM_WORLD
     comm = hoccl.init(backend=args.backend, timeout=120)
+    fault = args.plant_fault
     dtypes = args.dtypes.split(",")
-    counts = [int(c) for c in args.counts.split(",")]
-    passed = failed = 0
+    counts = [int(c) for c in args.counts.split(",") if fault is None or int(c) >= 2]
+    outcomes = {collective: [] for collective in COLLECTIVES}
     for case in cases(comm.world_size, dtypes, counts):
-        try:
-            arrays = array_module_for(comm.backend, case["dtype"])
-            check_collective([comm], arrays=arrays, **case)
-            passed += 1
-        except Exception:
-            failed += 1
-            print(f"rank {comm.rank} FAILED {case}\n{traceback.format_exc()}", flush=True)
-    for name, action in (("send_recv", lambda: check_send_recv(comm, array_module_for(
-            comm.backend, "int32"), 7)), ("barrier", lambda: (comm.barrier(), comm.synchronize())),
-            ("reallocated buffers", lambda: check_reallocated_buffers(comm, 11))):
-        try:
-            action()
-            passed += 1
-        except Exception:
-            failed += 1
-            print(f"rank {comm.rank} FAILED {name}\n{traceback.format_exc()}", flush=True)
+        arrays = array_module_for(comm.backend, case["dtype"])
+        if fault is not None:
+            arrays = PlantedFault(arrays, fault, block=case["count"])
+        outcomes[case["collective"]].append(
+            run(world, comm, str(case), lambda: check_collective([comm], arrays=arrays, **case),
+                fault))
+    if fault is None:
+        outcomes["barrier"] = [run(world, comm, "barrier",
+                                   lambda: (comm.barrier(), comm.synchronize()), None)]
+        outcomes["reallocated buffers"] = [run(world, comm, "reallocated buffers",
+                                               lambda: check_reallocated_buffers(comm, 11), None)]
     comm.close()
-    totals = world.allreduce(np.array([passed, failed]), op=MPI.SUM)
+    every = [outcome for results in outcomes.values() for outcome in results]
+    passed, failed, errors = (every.count(outcome) for outcome in (PASSED, FAILED, ERROR))
     if world.rank == 0:
-        print(f"mpi ranks={world.size} backend={comm.backend}: "
-              f"{totals[0]} passed, {totals[1]} failed", flush=True)
-    sys.exit(1 if totals[1] else 0)
+        label = f"mpi ranks={world.size} backend={comm.backend}"
+        if fault is not None:
+            label += f" fault={fault}"
+            for collective, results in outcomes.items():
+                print(f"{label} {collective}: {results.count(PASSED)} passed, "
+                      f"{results.count(FAILED)} failed", flush=True)
+        print(f"{label}: {passed} passed, {failed + errors} failed"
+              f"{f' ({errors} by an error other than a wrong output)' if errors else ''}",
+              flush=True)
+    sys.exit(1 if errors or (passed if fault is not None else failed) else 0)
 
 
 if __name__ == "__main__":

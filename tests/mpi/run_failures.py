@@ -3,11 +3,16 @@
 mismatch   ranks call all_reduce with different counts (check mode): both raise
            MismatchError naming the call, the other rank and both values; the next
            collective still works.
-dead       rank 1 dies with its part of an all_reduce still queued behind a long kernel;
-           rank 0 raises within the timeout.
+dead       rank 1 dies with its part of an all_reduce still queued behind a long kernel
+           (during a call); rank 0's synchronize raises PeerDeadError within 5 s, with the
+           default 300 s timeout.
            Launch with the MPI's keep-going flag (MPICH: -disable-auto-cleanup).
 absent     rank 1 never makes rank 0's call: rank 0's call raises HocclTimeoutError
            naming rank 1 after the timeout, and its stream is not left blocked.
+killed     after a call both made, rank 1 is killed (SIGKILL) before a call rank 0 makes:
+           rank 0's call raises naming rank 1's exited process within 5 s, with the
+           default 300 s timeout.  Launch with the MPI's keep-going flag.
+early      rank 1 is killed before any call: the same.
 abort      rank 0's stream is held (a long kernel) so rank 1's all_reduce waits for it;
            rank 0 aborts; rank 1's wait is released and it learns of the abort
            (AbortedError naming rank 0) within its timeout, without hanging.
@@ -16,6 +21,7 @@ Each surviving rank prints ``rank R: OK <what happened>`` or ``rank R: FAILED ..
 
 import argparse
 import os
+import signal
 import sys
 import time
 
@@ -49,11 +55,14 @@ def _held_stream(comm, seconds):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("scenario", choices=["mismatch", "dead", "absent", "abort"])
+    parser.add_argument("scenario", choices=["mismatch", "dead", "absent", "killed", "early",
+                                             "abort"])
     parser.add_argument("--backend", default=None)
     args = parser.parse_args()
     world = MPI.COMM_WORLD
-    comm = hoccl.init(backend=args.backend, timeout=5)
+    # "killed" keeps the default timeout: a dead peer must be seen long before it
+    dies = args.scenario in ("dead", "killed", "early")
+    comm = hoccl.init(backend=args.backend, timeout=300 if dies else 5)
     arrays = array_module_for(comm.backend, "float32")
     r = comm.rank
 
@@ -80,7 +89,9 @@ def main():
                 total = buffer(4, r + 1)
                 comm.all_reduce(total, total)
                 comm.synchronize()
-                ok = ok and np.allclose(arrays.to_numpy(total, "float32"), 3.0)
+                got = arrays.to_numpy(total, "float32")
+                ok = ok and np.array_equal(got.view(np.uint32),  # 1 + 2, exactly
+                                           np.full(4, 3.0, np.float32).view(np.uint32))
                 print(f"rank {r}: {'OK' if ok else 'FAILED'} {text}", flush=True)
         elif args.scenario == "dead":
             out = buffer(1 << 16, 0.0)
@@ -93,9 +104,9 @@ def main():
             try:
                 comm.synchronize()
                 print(f"rank {r}: FAILED synchronize returned", flush=True)
-            except hoccl.HocclError as error:
+            except hoccl.PeerDeadError as error:
                 waited = time.monotonic() - started
-                ok = waited < 20
+                ok = waited < 5 and "rank 1, whose process (pid" in str(error) and comm.aborted
                 print(f"rank {r}: {'OK' if ok else 'FAILED'} {type(error).__name__} after "
                       f"{waited:.1f} s: {error}", flush=True)
         elif args.scenario == "absent":
@@ -112,6 +123,26 @@ def main():
                           f"{waited:.1f} s: {error}", flush=True)
             world.Barrier()
             ok = ok or r == 1
+        elif args.scenario in ("killed", "early"):
+            if args.scenario == "killed":
+                total = buffer(4, r + 1)
+                comm.all_reduce(total, total)  # the pair works before rank 1 dies
+                comm.synchronize()
+            world.Barrier()
+            if r == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+            started = time.monotonic()
+            try:
+                comm.all_reduce(buffer(1 << 10), buffer(1 << 10, 0.0))
+                print(f"rank {r}: FAILED the call returned", flush=True)
+            except hoccl.PeerDeadError as error:
+                waited = time.monotonic() - started
+                text = str(error)
+                ok = (waited < 5 and text.startswith("all_reduce:")
+                      and "rank 1, whose process (pid" in text and text.endswith("has exited")
+                      and comm.timeout == 300 and comm.aborted)
+                print(f"rank {r}: {'OK' if ok else 'FAILED'} {type(error).__name__} after "
+                      f"{waited:.2f} s: {error}", flush=True)
         else:  # abort
             out = buffer(1 << 16, 0.0)
             stream = _held_stream(comm, seconds=3) if r == 0 else None
