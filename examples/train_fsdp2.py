@@ -3,13 +3,14 @@
 code is the same, only the backend name changes.
 
   torchrun --nproc-per-node 2 examples/train_fsdp2.py --backend hoccl     # GPUs
-  mpirun -np 2 examples/train_fsdp2.py --backend nccl                       # same, mpirun
+  mpirun -np 2 python examples/train_fsdp2.py --backend nccl               # same, mpirun
   mpiexec -n 2 python examples/train_fsdp2.py --backend hoccl --tiny       # CPU, host backend
 
 The model (RMSNorm, rotary causal attention through SDPA, SwiGLU MLP) is the one of
 ``python -m hoccl.bench.train``.  Every rank starts from the same weights and trains on
-its own random tokens; rank 0 prints the loss of every step (the mean over ranks), so
-two runs with different backends can be compared line by line.  ``--hooks`` keeps the
+its own batches (token sequences that follow a fixed rule, with noise, so the loss
+falls); rank 0 prints the loss of every step (the mean over ranks), so two runs with
+different backends can be compared line by line.  ``--hooks`` keeps the
 backend for the process group and sends only FSDP2's all-gathers and reduce-scatters
 through hoccl (``hoccl.torch.use_for_fsdp``).
 """
