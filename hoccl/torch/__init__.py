@@ -23,7 +23,7 @@ except ImportError as error:  # pragma: no cover - exercised only without torch
 
 import hoccl
 
-from .._errors import InvalidArgumentError
+from .. import InvalidArgumentError
 from ._bootstrap import StoreBootstrap
 from ._fsdp import AllGather, ReduceScatter, use_for_fsdp
 from ._process_group import ProcessGroupHoccl

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather as _AllGather
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as _ReduceScatter
 
-from .._errors import InvalidArgumentError
+from .. import InvalidArgumentError
 from ._collectives import all_gather_into, reduce_scatter_into
 from ._ops import reduction
 from ._p2p import issue_held

@@ -6,7 +6,7 @@ from typing import Any, Optional, Sequence, Tuple, TypeVar
 
 import torch
 
-from .._errors import InvalidArgumentError
+from .. import InvalidArgumentError
 
 __all__ = ["REDUCIBLE", "reduction", "reducible", "movable", "one_tensor", "scaled"]
 

@@ -23,7 +23,7 @@ from typing import Any, Callable, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .._errors import InvalidArgumentError
+from .. import InvalidArgumentError
 from ._collectives import all_gather_into, reduce_scatter_into
 from ._ops import movable, one_tensor, reducible, reduction, scaled
 from ._p2p import HeldP2P, issue_held
