@@ -237,6 +237,20 @@ class Communicator:
                 f"with init_local make every rank's call before synchronizing")
         self._health.synchronize()
 
+    @property
+    def calls(self) -> int:
+        """How many calls (collectives, send, recv, barrier) this rank has made so far: a
+        mark for ``finished``."""
+        return self._engine.calls
+
+    def finished(self, mark: int) -> bool:
+        """Whether every call this rank made up to ``mark`` (a value of ``calls``) has
+        finished on the device.  Never blocks; raises AbortedError after an abort."""
+        engine = self._engine
+        if engine.aborted:
+            raise AbortedError(f"finished: the communicator was aborted: {engine.abort_reason}")
+        return engine.closed or engine.completed >= mark
+
     def abort(self, reason: str = "") -> None:
         """Release every stream-side wait of this communicator and make later calls raise.
 

@@ -1,0 +1,504 @@
+"""python -m hoccl.bench.train: an FSDP2 training step on NCCL and on hoccl, in one run.
+
+A Llama-style decoder (RMSNorm, rotary causal attention through SDPA, SwiGLU MLP) is
+sharded with FSDP2 in bf16 (fp32 gradient reduction) once per library, from the same
+initial weights; then trials alternate between the libraries (so drift in clocks or
+temperature hits all of them alike) over a sweep of shapes, from compute-bound to
+communication-heavy.  Libraries:
+
+* ``nccl`` (``gloo`` on CPU): FSDP2 on the default process group;
+* ``hoccl``: FSDP2 on a hoccl process group (``dist.new_group(backend="hoccl")``);
+* ``hoccl-hooks``: FSDP2 on the default group, its all-gathers and reduce-scatters
+  through ``hoccl.torch.use_for_fsdp``.
+
+Per shape and library it prints the median step time, tokens/s (global), the ratio to
+the baseline, and the exposed communication per step, from a torch.profiler trace of a
+few more steps on each GPU: the time during which communication work runs on the GPU
+(NCCL kernels; hoccl's copy-engine copies and its reduce/copy kernels) while no compute
+kernel runs on any stream.  Work invisible to the profiler is not in it: hoccl's waits
+for its peers are stream memory operations, so a step stalled on them shows as idle
+time (its own column), while NCCL waits inside its kernels.  On CPU there is no device
+timeline and both columns are empty.  JSON, Markdown and a PNG go to ``--out``.
+
+  mpirun -np 2 python -m hoccl.bench.train                     # GPUs: nccl vs hoccl
+  mpiexec -n 2 python -m hoccl.bench.train --shapes tiny       # CPU: gloo vs hoccl host
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["ModelShape", "Decoder", "SHAPES", "exposed", "main"]
+
+
+# -- the model ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ModelShape:
+    """A decoder and the batch it trains on (per rank)."""
+    dim: int
+    layers: int
+    heads: int
+    seq: int
+    batch: int
+    vocab: int = 32000
+
+    @property
+    def hidden(self) -> int:
+        """SwiGLU width: 8/3 of ``dim``, rounded up to a multiple of 64."""
+        return -(-(8 * self.dim // 3) // 64) * 64
+
+    def parameters(self) -> int:
+        per_layer = 4 * self.dim * self.dim + 3 * self.dim * self.hidden + 2 * self.dim
+        return self.layers * per_layer + 2 * self.vocab * self.dim + self.dim
+
+    def label(self) -> str:
+        return f"d{self.dim} L{self.layers} s{self.seq} b{self.batch}"
+
+
+#: the sweep, from compute-bound to communication-heavy, and a tiny one for CPUs
+SHAPES = {
+    "compute": ModelShape(dim=4096, layers=16, heads=32, seq=2048, batch=4),
+    "comm": ModelShape(dim=4096, layers=16, heads=32, seq=512, batch=1),
+    "large": ModelShape(dim=5120, layers=12, heads=40, seq=1024, batch=1),
+    "tiny": ModelShape(dim=64, layers=2, heads=4, seq=32, batch=2, vocab=256),
+}
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.to(x.dtype) * self.weight
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    first, second = x[..., :half], x[..., half:]
+    return torch.cat([first * cos - second * sin, second * cos + first * sin], dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, shape: ModelShape):
+        super().__init__()
+        self.heads = shape.heads
+        self.qkv = nn.Linear(shape.dim, 3 * shape.dim, bias=False)
+        self.out = nn.Linear(shape.dim, shape.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        batch, seq, dim = x.shape
+        q, k, v = self.qkv(x).view(batch, seq, 3, self.heads, dim // self.heads).unbind(2)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(y.transpose(1, 2).reshape(batch, seq, dim))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, shape: ModelShape):
+        super().__init__()
+        self.gate = nn.Linear(shape.dim, shape.hidden, bias=False)
+        self.up = nn.Linear(shape.dim, shape.hidden, bias=False)
+        self.down = nn.Linear(shape.hidden, shape.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class Block(nn.Module):
+    def __init__(self, shape: ModelShape):
+        super().__init__()
+        self.attention_norm, self.attention = RMSNorm(shape.dim), Attention(shape)
+        self.mlp_norm, self.mlp = RMSNorm(shape.dim), SwiGLU(shape)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Decoder(nn.Module):
+    """Token embedding, ``layers`` blocks, a final RMSNorm and the output projection."""
+
+    def __init__(self, shape: ModelShape):
+        super().__init__()
+        self.shape = shape
+        self.embedding = nn.Embedding(shape.vocab, shape.dim)
+        self.blocks = nn.ModuleList(Block(shape) for _ in range(shape.layers))
+        self.norm = RMSNorm(shape.dim)
+        self.output = nn.Linear(shape.dim, shape.vocab, bias=False)
+        head_dim = shape.dim // shape.heads
+        frequencies = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+        angles = torch.outer(torch.arange(shape.seq).float(), frequencies)
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embedding(tokens)
+        cos, sin = self.cos.to(x.dtype), self.sin.to(x.dtype)
+        for block in self.blocks:
+            x = block(x, cos, sin)
+        return self.output(self.norm(x))
+
+
+def shard(shape: ModelShape, mesh: Any, device: torch.device, seed: int = 0) -> nn.Module:
+    """The decoder with the same initial weights on every rank and for every library,
+    each block and then the whole model sharded with FSDP2 over ``mesh``: bf16 compute,
+    fp32 gradient reduction."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = Decoder(shape)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    return model
+
+
+def batch(shape: ModelShape, step: int, rank: int, device: torch.device):
+    """(tokens, targets) of ``rank`` at ``step``, the same for every library: sequences
+    that follow ``next = (5 * token + 1) mod vocab`` from a random start, with one token
+    in eight replaced by a random one, so that the loss has something to learn."""
+    generator = torch.Generator().manual_seed(step * 100003 + rank)
+    size = (shape.batch, shape.seq + 1)
+    tokens = torch.empty(size, dtype=torch.int64)
+    tokens[:, 0] = torch.randint(0, shape.vocab, (shape.batch,), generator=generator)
+    for position in range(1, shape.seq + 1):
+        tokens[:, position] = (5 * tokens[:, position - 1] + 1) % shape.vocab
+    noise = torch.rand(size, generator=generator) < 0.125
+    tokens[noise] = torch.randint(0, shape.vocab, (int(noise.sum()),), generator=generator)
+    tokens = tokens.to(device)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def train_step(model: nn.Module, optimizer: Any, tokens: torch.Tensor,
+               targets: torch.Tensor) -> torch.Tensor:
+    """One step: forward, next-token cross-entropy, backward, optimizer.  Returns the loss."""
+    logits = model(tokens)
+    loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
+def optimizer_for(model: nn.Module, device: torch.device, lr: float = 3e-4) -> Any:
+    return torch.optim.AdamW(model.parameters(), lr=lr, fused=device.type == "cuda")
+
+
+# -- launching -----------------------------------------------------------------------------------
+def launch_env() -> Tuple[int, int, int]:
+    """(rank, world size, local rank) from torchrun's or mpirun's environment."""
+    for rank, size, local in (("RANK", "WORLD_SIZE", "LOCAL_RANK"),
+                              ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
+                               "OMPI_COMM_WORLD_LOCAL_RANK"),
+                              ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID")):
+        if rank in os.environ:
+            rank_value = int(os.environ[rank])
+            return rank_value, int(os.environ[size]), int(os.environ.get(local, rank_value))
+    return 0, 1, 0
+
+
+def init_distributed(backend: str) -> Tuple[int, int, torch.device]:
+    """torch.distributed with ``backend`` as the default group (env:// rendezvous; under
+    mpirun MASTER_ADDR defaults to 127.0.0.1 and MASTER_PORT to 29500)."""
+    import torch.distributed as dist
+    if backend == "hoccl":
+        import hoccl.torch  # noqa: F401  registers the backend
+    rank, world_size, local_rank = launch_env()
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29500")
+    device = torch.device("cpu")
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, rank=rank, world_size=world_size)
+    return rank, world_size, device
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# -- exposed communication --------------------------------------------------------------------
+def is_communication(name: str) -> bool:
+    """A device activity that moves data between ranks: NCCL's kernels, hoccl's kernels and
+    its peer copies (copy engines)."""
+    return name.startswith(("nccl", "hoccl_")) or name.startswith("Memcpy PtoP")
+
+
+def exposed(activities: Iterable[Tuple[float, float, bool]]) -> Dict[str, float]:
+    """From device activities ``(start, end, is_communication)``: the time some activity
+    runs ("busy"), communication runs ("communication"), communication runs while no
+    compute does ("exposed"), and nothing runs ("idle"), within the span of all of them."""
+    points = []
+    for start, end, communication in activities:
+        if end > start:
+            points += [(start, 1, communication), (end, -1, communication)]
+    if not points:
+        return {"span": 0.0, "busy": 0.0, "communication": 0.0, "exposed": 0.0, "idle": 0.0}
+    points.sort(key=lambda point: (point[0], point[1]))
+    running = {True: 0, False: 0}
+    totals = {"busy": 0.0, "communication": 0.0, "exposed": 0.0}
+    last = points[0][0]
+    for time_point, change, communication in points:
+        width = time_point - last
+        if running[True] or running[False]:
+            totals["busy"] += width
+        if running[True]:
+            totals["communication"] += width
+            if not running[False]:
+                totals["exposed"] += width
+        running[communication] += change
+        last = time_point
+    span = points[-1][0] - points[0][0]
+    return {"span": span, **totals, "idle": span - totals["busy"]}
+
+
+def profile_steps(run_steps, steps: int, device: torch.device) -> Optional[Dict[str, float]]:
+    """Per-step averages of ``exposed`` over ``steps`` profiled steps (None on CPU)."""
+    if device.type != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+    synchronize(device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:
+        run_steps(steps)
+        synchronize(device)
+    activities = [(event.time_range.start, event.time_range.end, is_communication(event.name))
+                  for event in profiler.events()
+                  if event.device_type == torch.autograd.DeviceType.CUDA]
+    totals = exposed(activities)
+    return {key: value / steps / 1000 for key, value in totals.items()}  # µs -> ms per step
+
+
+# -- the benchmark -------------------------------------------------------------------------------
+@dataclass
+class Library:
+    name: str
+    model: nn.Module
+    optimizer: Any
+    losses: List[torch.Tensor]  # kept on the device: reading one would synchronize
+
+
+def libraries(names: Sequence[str], shape: ModelShape, device: torch.device,
+              hoccl_group: Any) -> List[Library]:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    import hoccl.torch
+    found = []
+    for name in names:
+        if name == "hoccl":
+            mesh = DeviceMesh.from_group(hoccl_group, device.type)
+        else:
+            mesh = DeviceMesh.from_group(dist.distributed_c10d._get_default_group(), device.type)
+        model = shard(shape, mesh, device)
+        if name == "hoccl-hooks":
+            hoccl.torch.use_for_fsdp(model, hoccl_group)
+        found.append(Library(name, model, optimizer_for(model, device), []))
+    return found
+
+
+def run_steps(library: Library, shape: ModelShape, first: int, steps: int, rank: int,
+              device: torch.device) -> None:
+    for step in range(first, first + steps):
+        tokens, targets = batch(shape, step, rank, device)
+        library.losses.append(train_step(library.model, library.optimizer, tokens, targets))
+
+
+def measure(shape_name: str, shape: ModelShape, names: Sequence[str], args: argparse.Namespace,
+            rank: int, world_size: int, device: torch.device, hoccl_group: Any,
+            baseline: str) -> List[Dict[str, Any]]:
+    import torch.distributed as dist
+    found = libraries(names, shape, device, hoccl_group)
+    times: Dict[str, List[float]] = {library.name: [] for library in found}
+    step = 0
+    for library in found:  # warm-up: allocations, kernel loads, descriptor caches
+        run_steps(library, shape, 0, args.warmup, rank, device)
+    step += args.warmup
+    for _ in range(args.trials):
+        for library in found:
+            synchronize(device)
+            dist.barrier()
+            start = time.perf_counter()
+            run_steps(library, shape, step, args.steps, rank, device)
+            synchronize(device)
+            times[library.name].append((time.perf_counter() - start) / args.steps)
+        step += args.steps
+    records = []
+    for library in found:
+        profile = profile_steps(lambda count: run_steps(library, shape, step, count, rank, device),
+                                args.profile_steps, device)
+        slowest = torch.tensor(times[library.name], dtype=torch.float64, device=device)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        median = statistics.median(slowest.tolist())
+        losses = [float(loss) for loss in library.losses[:args.warmup + args.steps]]
+        records.append({"shape": shape_name, **asdict(shape), "parameters": shape.parameters(),
+                        "library": library.name, "step_s": slowest.tolist(),
+                        "median_step_s": median,
+                        "tokens_per_s": shape.batch * shape.seq * world_size / median,
+                        "profile_ms_per_step": profile, "first_losses": losses})
+    base = next((r["median_step_s"] for r in records if r["library"] == baseline), None)
+    for record in records:
+        record["speedup_vs_baseline"] = base / record["median_step_s"] if base else None
+    del found
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return records
+
+
+def table(result: Dict[str, Any]) -> str:
+    baseline = result["baseline"]
+    lines = [f"FSDP2 training step, {result['world_size']} ranks, {result['meta']['device']}, "
+             f"bf16 compute, fp32 reduction; median of {result['trials']} trials x "
+             f"{result['steps']} steps",
+             "",
+             f"| shape | params | library | step ms | tokens/s | {baseline} time / this | "
+             f"exposed comm ms/step | comm ms/step | idle ms/step |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for record in result["records"]:
+        profile = record["profile_ms_per_step"] or {}
+
+        def cell(key):
+            return f"{profile[key]:.2f}" if key in profile else "—"
+        ratio = record["speedup_vs_baseline"]
+        lines.append(
+            f"| {record['shape']} ({ModelShape(**{k: record[k] for k in ('dim', 'layers', 'heads', 'seq', 'batch', 'vocab')}).label()}) "
+            f"| {_count(record['parameters'])} | {record['library']} "
+            f"| {record['median_step_s'] * 1000:.1f} | {record['tokens_per_s']:,.0f} "
+            f"| {'—' if ratio is None else f'{ratio:.3f}x'} | {cell('exposed')} "
+            f"| {cell('communication')} | {cell('idle')} |")
+    return "\n".join(lines)
+
+
+def _count(parameters: int) -> str:
+    return f"{parameters / 1e9:.2f} B" if parameters >= 1e9 else f"{parameters / 1e6:.2f} M"
+
+
+def plot(result: Dict[str, Any], folder: str) -> str:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    records = result["records"]
+    shapes = list(dict.fromkeys(r["shape"] for r in records))
+    names = list(dict.fromkeys(r["library"] for r in records))
+    figure, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    width = 0.8 / max(1, len(names))
+    for index, name in enumerate(names):
+        rows = {r["shape"]: r for r in records if r["library"] == name}
+        positions = [shapes.index(shape) + index * width for shape in shapes]
+        axes[0].bar(positions, [rows[s]["median_step_s"] * 1000 if s in rows else 0
+                                for s in shapes], width, label=name)
+        axes[1].bar(positions, [(rows[s]["profile_ms_per_step"] or {}).get("exposed", 0)
+                                if s in rows else 0 for s in shapes], width, label=name)
+    if not any(r["profile_ms_per_step"] for r in records):
+        axes[1].text(0.5, 0.5, "no device timeline (CPU run)", ha="center", va="center",
+                     transform=axes[1].transAxes)
+    for axis, label in zip(axes, ("step time (ms)", "exposed communication (ms/step)")):
+        axis.set_xticks([i + width * (len(names) - 1) / 2 for i in range(len(shapes))])
+        axis.set_xticklabels(shapes)
+        axis.set_ylabel(label)
+        axis.grid(True, axis="y", alpha=0.3)
+        axis.legend(fontsize=8)
+    figure.suptitle(f"FSDP2 step, {result['world_size']} x {result['meta']['device']}")
+    figure.tight_layout()
+    path = os.path.join(folder, "train.png")
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path
+
+
+def metadata(device: torch.device) -> Dict[str, Any]:
+    import hoccl
+    info = {"command": " ".join(sys.argv), "date": datetime.now(timezone.utc).isoformat(),
+            "host": platform.node(), "python": sys.version.split()[0],
+            "torch": torch.__version__, "hoccl": hoccl.__version__,
+            "device": (torch.cuda.get_device_name(device) if device.type == "cuda"
+                       else f"CPU ({platform.processor() or platform.machine()})")}
+    if device.type == "cuda":
+        try:
+            info["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+        except Exception as error:  # report, do not fail the benchmark
+            info["nccl"] = f"unknown ({error})"
+    return info
+
+
+def arguments(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m hoccl.bench.train", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", default="compute,comm,large",
+                        help=f"comma-separated names of {sorted(SHAPES)}, or "
+                             f"dim:layers:heads:seq:batch")
+    parser.add_argument("--libraries", default="",
+                        help="comma-separated: the baseline (nccl on GPUs, gloo on CPUs), hoccl, "
+                             "hoccl-hooks; default: baseline,hoccl,hoccl-hooks")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per trial")
+    parser.add_argument("--trials", type=int, default=5, help="trials per library, interleaved")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per library")
+    parser.add_argument("--profile-steps", type=int, default=3,
+                        help="profiled steps per library for the exposed-communication figures")
+    parser.add_argument("--max-sms", type=int, default=8, help="hoccl's SM cap for sums")
+    parser.add_argument("--out", default="results/train", help="folder for JSON, Markdown, PNG")
+    return parser.parse_args(argv)
+
+
+def shapes_from(text: str) -> List[Tuple[str, ModelShape]]:
+    found = []
+    for item in text.split(","):
+        if item in SHAPES:
+            found.append((item, SHAPES[item]))
+        else:
+            dim, layers, heads, seq, size = (int(part) for part in item.split(":"))
+            found.append((item, ModelShape(dim, layers, heads, seq, size)))
+    return found
+
+
+def main(argv=None) -> None:
+    args = arguments(argv)
+    import torch.distributed as dist
+    import hoccl.torch
+    baseline = "nccl" if torch.cuda.is_available() else "gloo"
+    rank, world_size, device = init_distributed(baseline)
+    names = [name for name in (args.libraries or f"{baseline},hoccl,hoccl-hooks").split(",")]
+    unknown = set(names) - {baseline, "hoccl", "hoccl-hooks"}
+    if unknown:
+        raise SystemExit(f"--libraries: unknown {sorted(unknown)}; expected {baseline}, hoccl, "
+                         f"hoccl-hooks")
+    hoccl_group = dist.new_group(backend="hoccl", pg_options=hoccl.torch.Options(
+        settings={"max_sms": args.max_sms}))
+    records = []
+    for shape_name, shape in shapes_from(args.shapes):
+        if rank == 0:
+            print(f"# {shape_name}: {shape.label()}, {_count(shape.parameters())} parameters",
+                  flush=True)
+        records += measure(shape_name, shape, names, args, rank, world_size, device,
+                           hoccl_group, baseline)
+    result = {"meta": metadata(device), "world_size": world_size, "baseline": baseline,
+              "steps": args.steps, "trials": args.trials, "records": records}
+    if rank == 0:
+        from ._harness import report
+        report(result, args.out, "train", table(result))
+        try:
+            print("wrote", plot(result, args.out))
+        except ImportError as error:
+            print(f"# plot skipped: {error}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

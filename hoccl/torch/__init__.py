@@ -1,0 +1,123 @@
+"""PyTorch on hoccl: a torch.distributed backend and FSDP2's custom collectives.
+
+    import hoccl.torch                          # registers the "hoccl" backend
+    dist.init_process_group("hoccl")            # code written for NCCL runs on hoccl
+    hoccl.torch.use_for_fsdp(model, comm)       # or keep NCCL and hook only FSDP2's calls
+
+Importing this module needs torch (``import hoccl`` never imports it).  The backend
+bootstraps from torch's store (no MPI needed); each group, ``new_group`` and DeviceMesh
+dimension included, is a hoccl Communicator of its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Mapping, Optional
+
+try:
+    import torch
+    import torch.distributed as dist
+except ImportError as error:  # pragma: no cover - exercised only without torch
+    raise ImportError("hoccl.torch needs PyTorch (>= 2.9): pip install 'hoccl[torch]'") from error
+
+import hoccl
+
+from .. import InvalidArgumentError
+from ._bootstrap import StoreBootstrap
+from ._fsdp import AllGather, ReduceScatter, use_for_fsdp
+from ._process_group import ProcessGroupHoccl
+from ._work import Work
+
+__all__ = ["Options", "ProcessGroupHoccl", "StoreBootstrap", "AllGather", "ReduceScatter",
+           "Work", "use_for_fsdp", "communicator", "BACKEND"]
+
+#: the name under which torch.distributed knows the backend
+BACKEND = "hoccl"
+
+_SETTINGS = ("max_sms", "copy_sms", "verify_plans", "self_route", "chunk_bytes", "copy_lanes")
+
+
+@dataclass(frozen=True)
+class Options:
+    """``pg_options`` of ``init_process_group("hoccl", ...)``, ``new_group`` or a DeviceMesh
+    ``backend_override``: how the group's hoccl Communicator is made.
+
+    ``backend``: "cuda" or "host" (None: cuda when a GPU is visible).  ``device``: the
+    CUDA ordinal (None: torch's current device when one was set, else the default
+    group's, else the local rank modulo the visible GPUs).  ``settings``: keyword arguments of ``hoccl.init``
+    (max_sms, copy_sms, check, self_route, chunk_bytes, copy_lanes)."""
+    backend: Optional[str] = None
+    device: Optional[int] = None
+    settings: Mapping[str, Any] = field(default_factory=dict)
+    timeout: Optional[timedelta] = None
+
+    def __post_init__(self) -> None:
+        if self.backend not in (None, "cuda", "host"):
+            raise InvalidArgumentError(f"Options: backend must be 'cuda', 'host' or None; got "
+                                       f"{self.backend!r}")
+        unknown = sorted(set(self.settings) - set(_SETTINGS))
+        if unknown:
+            raise InvalidArgumentError(f"Options: unknown settings {unknown}; expected any of "
+                                       f"{list(_SETTINGS)}")
+
+    @property
+    def _timeout(self) -> Optional[timedelta]:
+        """What DeviceMesh reads from a backend's options."""
+        return self.timeout
+
+
+def communicator(group: Any = None) -> Any:
+    """The hoccl Communicator of a hoccl process group (default: the default group)."""
+    group = group if group is not None else dist.distributed_c10d._get_default_group()
+    if not isinstance(group, ProcessGroupHoccl):
+        raise InvalidArgumentError(f"communicator: {type(group).__name__} is not a hoccl "
+                                   f"process group")
+    return group.communicator
+
+
+def _device(options: Options) -> Optional[int]:
+    """The GPU of a new group's communicator: ``options.device``; else torch's current
+    device when one other than 0 was set (0 may be merely the default); else the GPU of
+    the default group's communicator (a sub-group's ranks keep their GPUs); else None,
+    and hoccl takes the local rank modulo the visible GPUs."""
+    if options.device is not None:
+        return options.device
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        current = torch.cuda.current_device()
+        if current != 0:
+            return current
+    if dist.is_initialized():
+        default = dist.distributed_c10d._get_default_group()
+        if isinstance(default, ProcessGroupHoccl):
+            return default.communicator.device
+    return None
+
+
+def _create(backend_options: Any, pg_options: Any) -> ProcessGroupHoccl:
+    """torch.distributed's creator (extended API): one Communicator per group, bootstrapped
+    through the group's store; a gloo group beside it for CPU tensors when it is on a GPU."""
+    options = pg_options if pg_options is not None else Options()
+    if not isinstance(options, Options):
+        raise InvalidArgumentError(f"init_process_group: pg_options of the hoccl backend must "
+                                   f"be hoccl.torch.Options; got {type(options).__name__}")
+    store = backend_options.store
+    rank, world_size = backend_options.group_rank, backend_options.group_size
+    timeout = backend_options.timeout
+    comm = hoccl.init(backend=options.backend, bootstrap=StoreBootstrap(store, rank, world_size),
+                      device=_device(options), timeout=timeout.total_seconds() or None,
+                      **dict(options.settings))
+    cpu_group = None
+    if comm.backend == "cuda":
+        from torch.distributed import ProcessGroupGloo
+        cpu_group = ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, world_size, timeout)
+    return ProcessGroupHoccl(comm, cpu_group)
+
+
+def _register() -> None:
+    if not hasattr(dist.Backend, BACKEND.upper()):
+        dist.Backend.register_backend(BACKEND, _create, extended_api=True,
+                                      devices=["cpu", "cuda"])
+
+
+_register()

@@ -1,0 +1,35 @@
+"""The two calls FSDP2 makes, shared by the process group and FSDP's custom hooks."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from ._ops import movable, reducible, scaled
+from ._work import Launcher, Work
+
+__all__ = ["all_gather_into", "reduce_scatter_into"]
+
+
+def all_gather_into(launcher: Launcher, output: torch.Tensor, input: torch.Tensor,
+                    async_op: bool) -> Work:
+    """``output`` = every rank's ``input`` in rank order.  In place (no own-block copy)
+    when ``input`` is this rank's block of ``output``, as FSDP passes them."""
+    def issue(stream: Any) -> None:
+        launcher.comm.all_gather(movable(input), movable(output), stream=stream)
+    return launcher.run(issue, [output], [input, output], async_op)
+
+
+def reduce_scatter_into(call: str, launcher: Launcher, output: torch.Tensor,
+                        input: torch.Tensor, op: str, factor: Optional[Any],
+                        async_op: bool) -> Work:
+    """``output`` = ``op`` over ranks of their block ``rank`` of ``input``; with a
+    ``factor`` (PREMUL_SUM) the sum of every rank's ``input * factor``: the scaled
+    input is a temporary (one extra pass over it), so the call is out of place."""
+    reducible(call, output, factor)
+
+    def issue(stream: Any) -> None:
+        source = input if factor is None else scaled(input, factor)
+        launcher.comm.reduce_scatter(source, output, op, stream=stream)
+    return launcher.run(issue, [output], [input, output], async_op)

@@ -1,0 +1,71 @@
+"""What torch asks for, in hoccl's terms: reduction operators, dtypes, byte views."""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence, Tuple, TypeVar
+
+import torch
+
+from .. import InvalidArgumentError
+
+__all__ = ["REDUCIBLE", "reduction", "reducible", "movable", "one_tensor", "scaled"]
+
+#: the dtypes hoccl's reduction kernels take
+REDUCIBLE = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.uint8,
+             torch.int32, torch.int64)
+_NATIVE = frozenset(REDUCIBLE)
+_FLOATING = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.float64))
+T = TypeVar("T")
+_OPS = {"SUM": "sum", "AVG": "avg", "PRODUCT": "prod", "MIN": "min", "MAX": "max"}
+_SUPPORTED = "SUM, AVG, PRODUCT, MIN, MAX and PREMUL_SUM"
+
+
+def reduction(call: str, op: Any) -> Tuple[str, Optional[Any]]:
+    """(hoccl op, premultiplier or None) for a ``dist.ReduceOp`` (or its ``RedOpType``).
+
+    PREMUL_SUM(factor) is SUM of every rank's input times ``factor`` (a float, or a
+    one-element tensor, as NCCL takes it)."""
+    kind = getattr(op, "op", op)
+    name = getattr(kind, "name", str(kind))
+    if name == "PREMUL_SUM":
+        factor = getattr(op, "factor", None)
+        if factor is None:  # releases whose ReduceOp has no .factor pickle it as (op, factor)
+            factor = op.__getstate__()[1]
+        return "sum", factor
+    if name not in _OPS:
+        raise InvalidArgumentError(f"{call}: hoccl has no reduction {name}; it supports "
+                                   f"{_SUPPORTED}")
+    return _OPS[name], None
+
+
+def reducible(call: str, tensor: torch.Tensor, factor: Optional[Any] = None) -> None:
+    """Raise unless hoccl can reduce ``tensor``'s dtype (PREMUL_SUM: floating dtypes only)."""
+    if tensor.dtype not in _NATIVE:
+        raise InvalidArgumentError(
+            f"{call}: hoccl cannot reduce {tensor.dtype}; it reduces "
+            f"{', '.join(str(dtype).split('.')[-1] for dtype in REDUCIBLE)}")
+    if factor is not None and tensor.dtype not in _FLOATING:
+        raise InvalidArgumentError(f"{call}: PREMUL_SUM needs a floating dtype; got "
+                                   f"{tensor.dtype}")
+
+
+def movable(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as hoccl moves it: itself in a dtype hoccl knows, else its bytes (a copy
+    moves bits, so bool, complex, float8, int16 ... travel as uint8)."""
+    if tensor.dtype in _NATIVE:
+        return tensor
+    return tensor.reshape(-1).view(torch.uint8) if tensor.is_contiguous() else tensor
+
+
+def one_tensor(call: str, tensors: Sequence[T]) -> T:
+    """The one element of torch's per-rank list (a tensor, or a list of tensors)."""
+    if len(tensors) != 1:
+        raise InvalidArgumentError(f"{call}: hoccl takes one tensor per rank; got {len(tensors)}")
+    return tensors[0]
+
+
+def scaled(tensor: torch.Tensor, factor: Any) -> torch.Tensor:
+    """A new tensor ``tensor * factor`` in ``tensor``'s dtype: PREMUL_SUM's premultiply,
+    one extra pass over the input (hoccl's sum kernels take no factor)."""
+    return torch.mul(tensor, factor).to(tensor.dtype)
+

@@ -1,0 +1,427 @@
+"""torch.distributed's ProcessGroup on a hoccl Communicator: the "hoccl" backend.
+
+Each method takes torch's arguments (tensor lists and an options object), checks what
+hoccl can do, and makes hoccl calls through the rank's Launcher (which picks the
+stream and makes the Work).  What hoccl has no form for is built from what it has:
+
+* list forms (all_gather, gather, reduce_scatter, scatter) go through one flat
+  temporary, copied out or in by torch on the call's stream;
+* all_to_all with uneven splits, and the list all_to_all, are a batch of send/recv
+  pairs (every rank's chunk for every peer) plus a local copy of the own chunk;
+* PREMUL_SUM(f) is SUM of ``input * f``, the scaled input a temporary (out of place) or
+  the tensor itself (all_reduce, whose output overwrites it);
+* copies move any dtype as its bytes; reductions take hoccl's dtypes only.
+
+CPU tensors in a group whose communicator is on a GPU go to a gloo group made from the
+same store.  Unsupported requests raise InvalidArgumentError naming the call.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .. import InvalidArgumentError
+from ._collectives import all_gather_into, reduce_scatter_into
+from ._ops import movable, one_tensor, reducible, reduction, scaled
+from ._p2p import HeldP2P, issue_held
+from ._work import Launcher, WorkList
+
+__all__ = ["ProcessGroupHoccl"]
+
+
+def _async(opts: Any) -> bool:
+    """torch passes ``asyncOp``; without it (older releases, C++ callers' defaults) a call is
+    asynchronous, which is also correct for a caller that waits at once."""
+    return bool(getattr(opts, "asyncOp", True))
+
+
+def _even_splits(call: str, tensor: torch.Tensor, world_size: int) -> List[int]:
+    rows = tensor.size(0) if tensor.dim() else 1
+    if rows % world_size:
+        raise InvalidArgumentError(f"{call}: with no split sizes, dim 0 ({rows}) must be a "
+                                   f"multiple of the world size {world_size}")
+    return [rows // world_size] * world_size
+
+
+class ProcessGroupHoccl(dist.ProcessGroup):
+    """A torch.distributed process group whose collectives are hoccl calls.
+
+    Made by ``dist.init_process_group("hoccl")`` and ``dist.new_group`` once
+    ``hoccl.torch`` is imported; ``communicator`` is its ``hoccl.Communicator``."""
+
+    # what torch asks a backend (``_get_backend`` returns the group itself)
+    supports_splitting = False
+    supports_coalescing = False
+
+    def __init__(self, comm: Any, cpu_group: Any = None):
+        super().__init__(comm.rank, comm.world_size)  # type: ignore[call-arg]
+        self.communicator = comm
+        self.cpu_group = cpu_group  # gloo, for CPU tensors when comm runs on a GPU
+        self.launcher = Launcher(comm)
+        self._coalesced: Optional[List[dist.Work]] = None
+        self._group_name = ""
+
+    # -- what torch asks of a backend -----------------------------------------------------
+    def getBackendName(self) -> str:
+        return "hoccl"
+
+    def _set_group_name(self, name: str) -> None:
+        self._group_name = name
+
+    @property
+    def group_name(self) -> str:  # type: ignore[override]
+        """Set by torch after the creator returns (a Python group keeps it itself)."""
+        return self._group_name
+
+    def _get_backend(self, device: Any) -> Any:
+        if torch.device(device).type == "cpu" and self.cpu_group is not None:
+            return self.cpu_group
+        return self
+
+    def supports_tensor_alloc(self, device: Any) -> bool:
+        return False
+
+    def shutdown(self) -> None:
+        issue_held()
+        self.communicator.close()
+
+    def abort(self) -> None:
+        self.communicator.abort("torch.distributed aborted the process group")
+
+    # -- routing and bookkeeping --------------------------------------------------------
+    def _gloo(self, call: str, tensors: Sequence[torch.Tensor]) -> bool:
+        """True when ``tensors`` are CPU tensors and this rank's communicator is on a GPU."""
+        kinds = sorted({tensor.device.type for tensor in tensors})
+        if self.launcher.device is None:
+            if kinds not in ([], ["cpu"]):
+                raise InvalidArgumentError(f"{call}: this hoccl process group runs on the host "
+                                           f"backend and takes CPU tensors; got {kinds} tensors")
+            return False
+        if kinds == ["cpu"]:
+            return True
+        if kinds not in ([], ["cuda"]):
+            raise InvalidArgumentError(f"{call}: the tensors of one call must all be on the GPU "
+                                       f"or all on the CPU; got {kinds}")
+        return False
+
+    def _run(self, issue: Callable[[Any], Any], outputs: List[torch.Tensor],
+             tensors: Sequence[torch.Tensor], opts: Any, blocking: bool = False) -> dist.Work:
+        work = self.launcher.run(issue, outputs, tensors, _async(opts), blocking=blocking)
+        return self._record(work)
+
+    def _record(self, work: dist.Work) -> dist.Work:
+        if self._coalesced is not None:
+            self._coalesced.append(work)
+        return work
+
+    def _root(self, call: str, opts: Any) -> int:
+        if getattr(opts, "rootTensor", 0) != 0:
+            raise InvalidArgumentError(f"{call}: hoccl takes one tensor per rank (rootTensor 0)")
+        return opts.rootRank
+
+    def _blocks(self, call: str, tensors: Sequence[torch.Tensor], like: torch.Tensor) -> None:
+        """A list form's ``world_size`` tensors, each of ``like``'s size and dtype."""
+        if len(tensors) != self.size():
+            raise InvalidArgumentError(f"{call}: expected a list of world_size = {self.size()} "
+                                       f"tensors; got {len(tensors)}")
+        for tensor in tensors:
+            if tensor.numel() != like.numel() or tensor.dtype != like.dtype:
+                raise InvalidArgumentError(
+                    f"{call}: every tensor of the list must have {like.numel()} elements of "
+                    f"{like.dtype}, like this rank's; got {tensor.numel()} of {tensor.dtype}")
+
+    # -- collectives ------------------------------------------------------------------------
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,
+                          opts: Any = None) -> dist.Work:
+        """dist.all_gather_into_tensor."""
+        call = "all_gather_into_tensor"
+        issue_held()
+        if self._gloo(call, [output, input]):
+            return self.cpu_group._allgather_base(output, input, opts)
+        return self._record(all_gather_into(self.launcher, output, input, _async(opts)))
+
+    # its name before torch 2.13
+    _allgather_base = all_gather_single  # type: ignore[assignment]
+
+    def allgather(self, output_tensors: List[List[torch.Tensor]],  # type: ignore[override]
+                  input_tensors: List[torch.Tensor], opts: Any = None) -> dist.Work:
+        """dist.all_gather (a list of outputs)."""
+        call = "all_gather"
+        issue_held()
+        input = one_tensor(call, input_tensors)
+        outputs = one_tensor(call, output_tensors)
+        if self._gloo(call, [input, *outputs]):
+            return self.cpu_group.allgather(output_tensors, input_tensors, opts)
+        self._blocks(call, outputs, input)
+        count = input.numel()
+
+        def issue(stream: Any) -> Callable[[], None]:
+            flat = torch.empty(count * self.size(), dtype=input.dtype, device=input.device)
+            self.communicator.all_gather(movable(input.contiguous()), movable(flat),
+                                         stream=stream)
+
+            def copy_out() -> None:
+                for rank, output in enumerate(outputs):
+                    output.copy_(flat[rank * count:(rank + 1) * count].view_as(output))
+            return copy_out
+        return self._run(issue, outputs, [input, *outputs], opts)
+
+    def all_gather_single_coalesced(self, outputs: List[torch.Tensor],
+                                    inputs: List[torch.Tensor], opts: Any = None) -> dist.Work:
+        works = [self.all_gather_single(output, input, opts)
+                 for output, input in zip(outputs, inputs)]
+        return WorkList(works, outputs)
+
+    # its name before torch 2.13
+    allgather_into_tensor_coalesced = all_gather_single_coalesced  # type: ignore[assignment]
+
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,
+                              opts: Any = None) -> dist.Work:
+        """dist.reduce_scatter_tensor."""
+        call = "reduce_scatter_tensor"
+        issue_held()
+        if self._gloo(call, [output, input]):
+            return self.cpu_group._reduce_scatter_base(output, input, opts)
+        op, factor = reduction(call, opts.reduceOp)
+        return self._record(reduce_scatter_into(call, self.launcher, output, input, op, factor,
+                                                _async(opts)))
+
+    # its name before torch 2.13
+    _reduce_scatter_base = reduce_scatter_single  # type: ignore[assignment]
+
+    def reduce_scatter(self, output_tensors: List[torch.Tensor],  # type: ignore[override]
+                       input_tensors: List[List[torch.Tensor]], opts: Any = None) -> dist.Work:
+        """dist.reduce_scatter (a list of inputs)."""
+        call = "reduce_scatter"
+        issue_held()
+        output = one_tensor(call, output_tensors)
+        inputs = one_tensor(call, input_tensors)
+        if self._gloo(call, [output, *inputs]):
+            return self.cpu_group.reduce_scatter(output_tensors, input_tensors, opts)
+        self._blocks(call, inputs, output)
+        op, factor = reduction(call, opts.reduceOp)
+        reducible(call, output, factor)
+
+        def issue(stream: Any) -> None:
+            flat = torch.cat([tensor.reshape(-1) for tensor in inputs])
+            if factor is not None:
+                flat.mul_(factor)
+            self.communicator.reduce_scatter(flat, output, op, stream=stream)
+        return self._run(issue, [output], [output, *inputs], opts)
+
+    def reduce_scatter_single_coalesced(self, outputs: List[torch.Tensor],
+                                        inputs: List[torch.Tensor], opts: Any = None) -> dist.Work:
+        works = [self.reduce_scatter_single(output, input, opts)
+                 for output, input in zip(outputs, inputs)]
+        return WorkList(works, outputs)
+
+    # its name before torch 2.13
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced  # type: ignore[assignment]
+
+    def allreduce(self, tensors: List[torch.Tensor], opts: Any = None) -> dist.Work:  # type: ignore[override]
+        """dist.all_reduce (in place)."""
+        call = "all_reduce"
+        issue_held()
+        tensor = one_tensor(call, tensors)
+        if self._gloo(call, [tensor]):
+            return self.cpu_group.allreduce(tensors, opts)
+        op, factor = reduction(call, opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+        reducible(call, tensor, factor)
+
+        def issue(stream: Any) -> None:
+            if factor is not None:
+                tensor.mul_(factor)  # the output overwrites it: no temporary needed
+            self.communicator.all_reduce(tensor, tensor, op, stream=stream)
+        return self._run(issue, [tensor], [tensor], opts)
+
+    def allreduce_coalesced(self, tensors: List[torch.Tensor], opts: Any = None) -> dist.Work:
+        works = [self.allreduce([tensor], opts) for tensor in tensors]
+        return WorkList(works, tensors)
+
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,
+                          output_split_sizes: List[int], input_split_sizes: List[int],
+                          opts: Any = None) -> dist.Work:
+        """dist.all_to_all_single: even splits are one hoccl all_to_all; uneven ones a
+        batch of send/recv pairs (hoccl's all_to_all has equal blocks only)."""
+        call = "all_to_all_single"
+        issue_held()
+        if self._gloo(call, [output, input]):
+            return self.cpu_group.alltoall_base(output, input, output_split_sizes,
+                                                input_split_sizes, opts)
+        if not output_split_sizes and not input_split_sizes:
+            if input.numel() % self.size():
+                raise InvalidArgumentError(f"{call}: the input's {input.numel()} elements do not "
+                                           f"split evenly over world_size {self.size()}")
+
+            def issue(stream: Any) -> None:
+                self.communicator.all_to_all(movable(input), movable(output), stream=stream)
+            return self._run(issue, [output], [input, output], opts)
+        n = self.size()
+        sends = input.split(list(input_split_sizes) or _even_splits(call, input, n))
+        receives = output.split(list(output_split_sizes) or _even_splits(call, output, n))
+        return self._exchange(call, list(receives), list(sends), [output], opts)
+
+    # its name before torch 2.13
+    alltoall_base = all_to_all_single  # type: ignore[assignment]
+
+    def alltoall(self, output_tensors: List[torch.Tensor], input_tensors: List[torch.Tensor],
+                 opts: Any = None) -> dist.Work:
+        """dist.all_to_all (lists; chunks may differ in size): send/recv pairs."""
+        call = "all_to_all"
+        issue_held()
+        if self._gloo(call, [*output_tensors, *input_tensors]):
+            return self.cpu_group.alltoall(output_tensors, input_tensors, opts)
+        if len(output_tensors) != self.size() or len(input_tensors) != self.size():
+            raise InvalidArgumentError(f"{call}: expected world_size = {self.size()} input and "
+                                       f"output tensors; got {len(input_tensors)} and "
+                                       f"{len(output_tensors)}")
+        return self._exchange(call, output_tensors, input_tensors, output_tensors, opts)
+
+    def _exchange(self, call: str, receives: Sequence[torch.Tensor],
+                  sends: Sequence[torch.Tensor], outputs: List[torch.Tensor],
+                  opts: Any) -> dist.Work:
+        """Chunk ``p`` of ``sends`` to rank p, into chunk ``r`` of rank p's ``receives``: the
+        own chunk by a local copy on the current stream, every other non-empty one by a
+        send/recv pair, all issued as one batch."""
+        rank = self.rank()
+        for peer, (send, receive) in enumerate(zip(sends, receives)):
+            if send.dtype != receive.dtype:
+                raise InvalidArgumentError(f"{call}: input and output must have one dtype; got "
+                                           f"{send.dtype} and {receive.dtype}")
+        own_send, own_receive = sends[rank], receives[rank]
+        if own_send.numel() != own_receive.numel():
+            raise InvalidArgumentError(f"{call}: this rank sends itself {own_send.numel()} "
+                                       f"elements but receives {own_receive.numel()}")
+        own_receive.copy_(own_send.view_as(own_receive))
+        works: List[dist.Work] = []
+        for peer in range(self.size()):
+            if peer == rank:
+                continue
+            for kind, chunk in (("send", sends[peer]), ("recv", receives[peer])):
+                if chunk.numel():
+                    works.append(HeldP2P(self.launcher, kind, movable(chunk), chunk, peer))
+        issue_held()
+        work = WorkList(works, outputs)
+        if not _async(opts):
+            work.wait()
+        return self._record(work)
+
+    def broadcast(self, tensors: List[torch.Tensor], opts: Any = None) -> dist.Work:  # type: ignore[override]
+        call = "broadcast"
+        issue_held()
+        tensor = one_tensor(call, tensors)
+        if self._gloo(call, [tensor]):
+            return self.cpu_group.broadcast(tensors, opts)
+        root = self._root(call, opts)
+
+        def issue(stream: Any) -> None:
+            buffer = movable(tensor)
+            self.communicator.broadcast(buffer if self.rank() == root else None, buffer, root,
+                                        stream=stream)
+        return self._run(issue, [tensor], [tensor], opts)
+
+    def reduce(self, tensors: List[torch.Tensor], opts: Any = None) -> dist.Work:  # type: ignore[override]
+        """dist.reduce: the root's tensor receives the result, the others' stay as they are."""
+        call = "reduce"
+        issue_held()
+        tensor = one_tensor(call, tensors)
+        if self._gloo(call, [tensor]):
+            return self.cpu_group.reduce(tensors, opts)
+        root = self._root(call, opts)
+        op, factor = reduction(call, opts.reduceOp)
+        reducible(call, tensor, factor)
+
+        def issue(stream: Any) -> None:
+            source = tensor if factor is None else scaled(tensor, factor)
+            self.communicator.reduce(source, tensor if self.rank() == root else None, root, op,
+                                     stream=stream)
+        return self._run(issue, [tensor], [tensor], opts)
+
+    def gather(self, output_tensors: List[List[torch.Tensor]], input_tensors: List[torch.Tensor],  # type: ignore[override]
+               opts: Any = None) -> dist.Work:
+        call = "gather"
+        issue_held()
+        input = one_tensor(call, input_tensors)
+        root = self._root(call, opts)
+        is_root = self.rank() == root
+        outputs: List[torch.Tensor] = one_tensor(call, output_tensors) if is_root else []
+        if self._gloo(call, [input, *outputs]):
+            return self.cpu_group.gather(output_tensors, input_tensors, opts)
+        if is_root:
+            self._blocks(call, outputs, input)
+        count = input.numel()
+
+        def issue(stream: Any) -> Optional[Callable[[], None]]:
+            if not is_root:
+                self.communicator.gather(movable(input), None, root, stream=stream)
+                return None
+            flat = torch.empty(count * self.size(), dtype=input.dtype, device=input.device)
+            self.communicator.gather(movable(input), movable(flat), root, stream=stream)
+
+            def copy_out() -> None:
+                for rank, output in enumerate(outputs):
+                    output.copy_(flat[rank * count:(rank + 1) * count].view_as(output))
+            return copy_out
+        return self._run(issue, outputs, [input, *outputs], opts)
+
+    def scatter(self, output_tensors: List[torch.Tensor], input_tensors: List[List[torch.Tensor]],  # type: ignore[override]
+                opts: Any = None) -> dist.Work:
+        call = "scatter"
+        issue_held()
+        output = one_tensor(call, output_tensors)
+        root = self._root(call, opts)
+        is_root = self.rank() == root
+        inputs: List[torch.Tensor] = one_tensor(call, input_tensors) if is_root else []
+        if self._gloo(call, [output, *inputs]):
+            return self.cpu_group.scatter(output_tensors, input_tensors, opts)
+        if is_root:
+            self._blocks(call, inputs, output)
+
+        def issue(stream: Any) -> None:
+            flat = torch.cat([tensor.reshape(-1) for tensor in inputs]) if is_root else None
+            self.communicator.scatter(None if flat is None else movable(flat), movable(output),
+                                      root, stream=stream)
+        return self._run(issue, [output], [output, *inputs], opts)
+
+    def barrier(self, opts: Any = None) -> dist.Work:
+        """Every rank's stream reaches the barrier before any goes on; ``wait()`` also blocks
+        the host until then (as NCCL's barrier does)."""
+        issue_held()
+
+        def issue(stream: Any) -> None:
+            self.communicator.barrier(stream=stream)
+        return self._run(issue, [], [], opts, blocking=True)
+
+    # -- point to point -------------------------------------------------------------------
+    def send(self, tensors: List[torch.Tensor], dst: int, tag: int = 0) -> dist.Work:
+        """Held until something needs it (see hoccl.torch._p2p); the tag is not used."""
+        return self._p2p("send", tensors, dst, tag)
+
+    def recv(self, tensors: List[torch.Tensor], src: int, tag: int = 0) -> dist.Work:
+        return self._p2p("recv", tensors, src, tag)
+
+    def recv_anysource(self, tensors: List[torch.Tensor], tag: int = 0) -> dist.Work:
+        raise InvalidArgumentError("recv: hoccl needs the source rank; receiving from any "
+                                   "source is not supported")
+
+    def _p2p(self, kind: str, tensors: List[torch.Tensor], peer: int, tag: int) -> dist.Work:
+        tensor = one_tensor(kind, tensors)
+        if self._gloo(kind, [tensor]):
+            return getattr(self.cpu_group, kind)(tensors, peer, tag)
+        return self._record(HeldP2P(self.launcher, kind, movable(tensor), tensor, peer))
+
+    # -- coalescing (torch's _coalescing_manager) ------------------------------------------
+    def _start_coalescing(self, device: Any) -> None:
+        self._coalesced = []
+
+    def _end_coalescing(self, device: Any) -> dist.Work:
+        """One Work for every call since ``_start_coalescing``; held send/recv go out now."""
+        works, self._coalesced = self._coalesced or [], None
+        issue_held()
+        return WorkList(works, [tensor for work in works for tensor in work.result()])
+
+    start_coalescing = _start_coalescing  # the names torch's C++ side calls
+    end_coalescing = _end_coalescing

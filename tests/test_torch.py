@@ -1,0 +1,212 @@
+"""PyTorch on hoccl, on the host backend: the torch.distributed backend under mpiexec
+(-n 2 and -n 3), FSDP2 and DDP training against gloo, the training example and the
+training benchmark's smoke run.  Skipped when torch is not installed."""
+
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+ROOT = Path(__file__).resolve().parent.parent
+PROGRAMS = Path(__file__).parent / "torch"
+
+
+def _mpiexec():
+    found = shutil.which("mpiexec") or shutil.which("mpirun")
+    if found is None:
+        if os.environ.get("HOCCL_REQUIRE_MPI"):
+            pytest.fail("mpiexec not found, and HOCCL_REQUIRE_MPI is set")
+        pytest.skip("mpiexec not found")
+    return found
+
+
+def _free_port():
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def launch(ranks, *args, timeout=600):
+    """``mpiexec -n ranks python args...`` with torch's env:// rendezvous set up."""
+    # one torch thread per process: the ranks share the machine's cores
+    env = {**os.environ, "HOCCL_VERIFY": "1", "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(_free_port()), "OMPI_ALLOW_RUN_AS_ROOT": "1",
+           "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "OMPI_MCA_rmaps_base_oversubscribe": "1",
+           "PYTHONPATH": os.pathsep.join([str(PROGRAMS), str(ROOT),
+                                          os.environ.get("PYTHONPATH", "")])}
+    command = [_mpiexec(), "-n", str(ranks), sys.executable, *map(str, args)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
+    return result.returncode, result.stdout + result.stderr
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_every_torch_distributed_op_on_the_hoccl_backend(ranks):
+    code, output = launch(ranks, PROGRAMS / "run_backend.py")
+    assert code == 0, output[-6000:]
+    assert re.search(rf"torch ranks={ranks} backend=hoccl cpu: \d+ passed, 0 failed", output), \
+        output[-6000:]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_ddp_and_fsdp2_on_hoccl_train_to_gloos_losses(ranks):
+    code, output = launch(ranks, PROGRAMS / "run_training.py")
+    assert code == 0, output[-6000:]
+    assert re.search(rf"torch training ranks={ranks}: \d+ passed, 0 failed", output), \
+        output[-6000:]
+
+
+def _losses(output):
+    return [float(value) for value in re.findall(r"^step \d+ loss (\S+)$", output, re.M)]
+
+
+@pytest.mark.mpi
+def test_the_fsdp2_example_trains_to_the_same_losses_on_gloo_and_hoccl():
+    """2 ranks sum in one order only, so the losses agree exactly."""
+    runs = {}
+    for name, flags in (("gloo", ["--backend", "gloo"]), ("hoccl", ["--backend", "hoccl"]),
+                        ("hooks", ["--backend", "gloo", "--hooks"])):
+        code, output = launch(2, ROOT / "examples" / "train_fsdp2.py", *flags, "--tiny",
+                              "--steps", "8", "--lr", "3e-3")
+        assert code == 0, output[-4000:]
+        runs[name] = _losses(output)
+    assert len(runs["gloo"]) == 8 and runs["gloo"][-1] < runs["gloo"][0], runs
+    assert runs["hoccl"] == runs["gloo"], runs
+    assert runs["hooks"] == runs["gloo"], runs
+
+
+@pytest.mark.mpi
+def test_the_training_benchmark_runs_on_cpus_and_writes_its_results(tmp_path):
+    code, output = launch(2, "-m", "hoccl.bench.train", "--shapes", "tiny", "--steps", "1",
+                          "--trials", "2", "--warmup", "1", "--profile-steps", "1",
+                          "--out", tmp_path)
+    assert code == 0, output[-4000:]
+    import json
+    result = json.loads((tmp_path / "train.json").read_text())
+    assert {r["library"] for r in result["records"]} == {"gloo", "hoccl", "hoccl-hooks"}
+    for record in result["records"]:
+        assert record["median_step_s"] > 0 and record["tokens_per_s"] > 0, record
+        assert record["profile_ms_per_step"] is None  # no device timeline on CPUs
+    assert (tmp_path / "train.md").exists()
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return
+    assert (tmp_path / "train.png").stat().st_size > 0
+
+
+# -- pieces that need no second process ------------------------------------------------------
+def _in_threads(world_size, function):
+    """Run ``function(rank)`` in one thread per rank; re-raise the first failure."""
+    import threading
+    results, errors = {}, []
+
+    def body(rank):
+        try:
+            results[rank] = function(rank)
+        except BaseException as error:  # reported to the test below
+            errors.append(error)
+    threads = [threading.Thread(target=body, args=(rank,)) for rank in range(world_size)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    if errors:
+        raise errors[0]
+    return results
+
+
+def test_store_bootstrap_gathers_in_rank_order_and_removes_its_keys():
+    import torch.distributed as dist
+    from hoccl.torch import StoreBootstrap
+    store = dist.HashStore()
+
+    def exchange(rank):
+        bootstrap = StoreBootstrap(store, rank, 3)
+        gathered = [bootstrap.allgather({"rank": rank, "payload": "x" * (rank * 1000)})
+                    for _ in range(4)]
+        bootstrap.barrier()
+        return gathered
+    results = _in_threads(3, exchange)
+    want = [{"rank": rank, "payload": "x" * (rank * 1000)} for rank in range(3)]
+    assert all(rounds == [want] * 4 for rounds in results.values()), results
+    assert store.num_keys() == 0
+
+
+def test_init_bootstraps_from_a_torch_store_instead_of_mpi():
+    import numpy as np
+    import torch.distributed as dist
+    import hoccl
+    from hoccl.torch import StoreBootstrap
+    store = dist.HashStore()
+
+    def rank_main(rank):
+        with hoccl.init(backend="host", bootstrap=StoreBootstrap(store, rank, 2),
+                        timeout=30) as comm:
+            received = np.full(6, -1, np.int32)
+            comm.all_gather(np.full(3, rank + 10, np.int32), received)
+            comm.synchronize()
+            return comm.rank, comm.world_size, received
+    results = _in_threads(2, rank_main)
+    for rank, (got_rank, size, received) in results.items():
+        assert (got_rank, size) == (rank, 2)
+        assert received.tolist() == [10, 10, 10, 11, 11, 11]
+
+
+def test_reduction_ops_translate_and_premul_sum_carries_its_factor():
+    import torch.distributed as dist
+    import hoccl
+    from hoccl.torch._ops import reduction
+    assert reduction("all_reduce", dist.ReduceOp.SUM) == ("sum", None)
+    assert reduction("all_reduce", dist.ReduceOp.AVG) == ("avg", None)
+    assert reduction("all_reduce", dist.ReduceOp.PRODUCT) == ("prod", None)
+    assert reduction("all_reduce", dist.ReduceOp.PREMUL_SUM(0.25)) == ("sum", 0.25)
+    with pytest.raises(hoccl.InvalidArgumentError, match="reduce: hoccl has no reduction BXOR"):
+        reduction("reduce", dist.ReduceOp.BXOR)
+
+
+def test_copies_of_dtypes_hoccl_cannot_reduce_move_their_bytes():
+    from hoccl.torch._ops import movable
+    flags = torch.tensor([[True, False], [False, True]])
+    view = movable(flags)
+    assert view.dtype == torch.uint8 and view.data_ptr() == flags.data_ptr()
+    assert view.numel() == 4
+    floats = torch.ones(3)
+    assert movable(floats) is floats
+
+
+def test_options_reject_what_init_does_not_take():
+    import hoccl
+    from hoccl.torch import Options
+    with pytest.raises(hoccl.InvalidArgumentError, match="unknown settings"):
+        Options(settings={"max_sm": 4})
+    with pytest.raises(hoccl.InvalidArgumentError, match="backend must be"):
+        Options(backend="nccl")
+
+
+def test_exposed_communication_is_communication_time_without_compute():
+    from hoccl.bench.train import exposed
+    # compute 0-10 and 20-30; communication 5-25: exposed 10-20; idle 30-35
+    activities = [(0, 10, False), (20, 30, False), (5, 25, True), (33, 35, True)]
+    totals = exposed(activities)
+    assert totals == {"span": 35, "busy": 32, "communication": 22, "exposed": 12, "idle": 3}
+    assert exposed([(0, 4, True), (1, 2, True)])["communication"] == 4  # overlaps count once
+    assert exposed([])["exposed"] == 0
+
+
+def test_device_activities_are_sorted_into_communication_and_compute():
+    from hoccl.bench.train import is_communication
+    for name in ("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)",
+                 "hoccl_reduce_bfloat16_sum", "hoccl_copy_16", "Memcpy PtoP (Device -> Device)"):
+        assert is_communication(name), name
+    for name in ("ampere_bf16_s16816gemm_bf16_128x128", "Memcpy DtoD (Device -> Device)",
+                 "void at::native::vectorized_elementwise_kernel<4>"):
+        assert not is_communication(name), name
