@@ -56,7 +56,7 @@ if [ "$what" = torch ]; then
   done
   step train-bench 330 $TRUN python3 -m hoccl.bench.train --out "$OUT/train"
 fi
-if [ "$what" = hier ] || [ "$what" = torch ]; then
+if [ "$what" = hier ] || [ "$what" = tests ]; then
   # 2 simulated hosts of 1 GPU, NCCL between them forced onto sockets; then one host of 2
   step hier-2x1-nccl 150 $MPIRUN -x NCCL_P2P_DISABLE=1 -x NCCL_SHM_DISABLE=1 \
     python3 tests/mpi/run_hierarchical.py --backend cuda --inter-host nccl --local-size 1 \
