@@ -177,8 +177,9 @@ def _connect(call: str, backend: str, bootstrap: Bootstrap, device: Optional[int
     group = ProcessGroup(bootstrap, check.timeout_setting(call, timeout, DEFAULT_TIMEOUT))
     world_size = group.world_size
     settings = _Settings(call, world_size, timeout, verify_plans, max_sms, copy_sms, options)
+    local_rank = group.local_rank()  # an exchange every rank makes, device given or not
     if backend == "cuda" and device is None:
-        device = group.local_rank() % cuda_device_count()
+        device = local_rank % cuda_device_count()
     handle = open_device(backend, device, max_sms=settings.max_sms, copy_sms=settings.copy_sms)
     engine = settings.engine(group.rank, world_size, handle)
     identity = (group.host, group.pid, handle.ordinal, handle.export(engine.pad.address))
