@@ -25,7 +25,7 @@ from . import _validate as check
 from ._buffers import Buffer, as_buffer
 from ._dtypes import ITEMSIZE
 from ._engine import Call, Engine
-from ._errors import (HocclError, HocclTimeoutError, InvalidArgumentError,
+from ._errors import (AbortedError, HocclError, HocclTimeoutError, InvalidArgumentError,
                       MismatchError)
 from ._health import Health
 from .bootstrap import Group
