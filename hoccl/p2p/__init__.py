@@ -96,12 +96,23 @@ class Executor:
 
         Each plan's lanes wait for its caller's ``entry`` event, then run its steps
         (signal values offset by ``base``; ``addresses[(rank, name)]`` are buffer bases).
-        Several items (a ``hoccl.group()``) run side by side, each on lanes of its own,
-        so that calls of one group never wait for each other (a ring of send/recv); lane
-        0 then joins every lane used and writes the completion value once.
+        Several items (a ``hoccl.group()``) run side by side, each family of them (the
+        collectives; the send/recv of one pair and direction) on lanes of its own, so that
+        calls of one group never wait for each other (a ring of send/recv); lane 0 then
+        joins every lane used and writes the completion value once.
         """
         device, streams = self.device, self.streams
-        total = sum(plan.lanes for plan, _, _, _ in items)
+        # Plans that signal the same slots (every collective; send/recv of one pair and
+        # direction) must run one after another on the same lanes: a slot has one writer
+        # and its values only grow.  Plans of different families run side by side.
+        firsts: Dict[tuple, int] = {}
+        widths: Dict[tuple, int] = {}
+        for plan, _, _, _ in items:
+            widths[plan.pair] = max(widths.get(plan.pair, 0), plan.lanes)
+        total = 0
+        for family, width in widths.items():
+            firsts[family] = total
+            total += width
         streams.ensure_lanes(total)
         lanes = streams.lanes
         pending: List[list] = [[] for _ in range(total)]
@@ -113,12 +124,12 @@ class Executor:
                 pending[lane_index] = []
 
         try:
-            first = 0
             for item, (plan, addresses, base, entry) in enumerate(items):
-                for lane in lanes[first:first + plan.lanes]:
-                    device.wait_event(lane, entry)
+                first = firsts[plan.pair]
+                for lane_index in range(first, first + plan.lanes):
+                    flush(lane_index)
+                    device.wait_event(lanes[lane_index], entry)
                 self._steps(plan, addresses, base, first, pending, flush, marks, item)
-                first += plan.lanes
             # join: lane 0 continues only after every other lane's last step
             for lane_index in range(1, total):
                 flush(lane_index)

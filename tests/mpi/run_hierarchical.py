@@ -43,6 +43,12 @@ def cases(world_size, local_size, dtypes, counts, ops):
                 for in_place in ([False, True] if collective in IN_PLACE_FORMS else [False]):
                     for root in (roots(world_size, local_size) if collective in ROOTED else [0]):
                         for op in (ops if collective in REDUCING else ["sum"]):
+                            if (collective in REDUCING and op in ("sum", "avg", "prod")
+                                    and "float" in dtype):
+                                # the hierarchy adds per host first: float sums round in
+                                # another order than the flat reference, so they are checked
+                                # against simulate_hierarchical in test_hierarchical_plans
+                                continue
                             seed += 1
                             yield dict(collective=collective, dtype=dtype, count=count,
                                        in_place=in_place, root=root, op=op, seed=seed)

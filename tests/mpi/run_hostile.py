@@ -91,6 +91,26 @@ def main():
             passed += 1
         else:
             failures.append(f"grouped ring: got {out}")
+    # a group with two sends and two receives of one pair and two collectives completes
+    if n >= 2:
+        peer = rank ^ 1 if (rank ^ 1) < n else rank
+        if peer != rank:
+            first = array(np.full(4, rank + 1.0, np.float32))
+            second = array(np.full(4, rank + 11.0, np.float32))
+            got = [array(np.zeros(4, np.float32)) for _ in range(2)]
+            with hoccl.group():
+                comm.send(first, peer)
+                comm.send(second, peer)
+                comm.recv(got[0], peer)
+                comm.recv(got[1], peer)
+            comm.synchronize()
+            if (np.array_equal(host(got[0]), np.full(4, peer + 1.0, np.float32))
+                    and np.array_equal(host(got[1]), np.full(4, peer + 11.0, np.float32))):
+                passed += 1
+            else:
+                failures.append(f"grouped pair twice: got {host(got[0])} {host(got[1])}")
+        else:
+            passed += 1
     if usable(999):
         passed += 1
     else:

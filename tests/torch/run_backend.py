@@ -47,7 +47,8 @@ def run(function, *args, async_op, **kwargs):
 
 
 def torch_reduce_op(name):
-    return dist.ReduceOp.PREMUL_SUM(FACTOR) if name == "premul" else torch_op(name)
+    # torch 2.11 and 2.13 both build a premultiplied sum with this helper
+    return dist._make_nccl_premul_sum(FACTOR) if name == "premul" else torch_op(name)
 
 
 def ops_for(dtype):
