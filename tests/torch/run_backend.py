@@ -42,6 +42,9 @@ def run(function, *args, async_op, **kwargs):
     if async_op:
         assert work is not None, f"{function.__name__}(async_op=True) returned no Work"
         work.wait()
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            # as with NCCL, wait() only orders the current stream after the call
+            torch.cuda.current_stream().synchronize()
         assert work.is_completed(), f"{function.__name__}: Work not completed after wait()"
     return work
 
