@@ -568,16 +568,16 @@ def _nccl_engines(call: str, bootstrap: Bootstrap, topology: Topology, device: i
         return (_Nccl4pyEngine(rail, label, device), _Nccl4pyEngine(world, label, device),
                 label)
     try:
-        import torch
         import torch.distributed as dist
     except ImportError:
-        torch = dist = None
+        dist = None  # type: ignore[assignment]
     if dist is None or not dist.is_initialized() or dist.get_backend() != "nccl" \
             or dist.get_world_size() != topology.world_size or dist.get_rank() != rank:
         raise InvalidArgumentError(
             f"{call}: inter_host='nccl' needs nccl4py (pip install nccl4py) or "
             f"torch.distributed initialised with the NCCL backend on the same world (rank "
             f"{rank} of {topology.world_size}); or pass inter_host='mpi'")
+    import torch
     torch.cuda.set_device(device)
     rails = [dist.new_group(list(topology.groups("rail")[l])) for l in range(topology.local_size)]
     label = f"nccl (torch.distributed {torch.__version__})"

@@ -158,7 +158,7 @@ def reduced(inputs: Sequence[np.ndarray], op: str, *,
     return (total / np.float32(len(inputs))).astype(dtype)
 
 
-def expected(collective: str, inputs: Sequence[Optional[np.ndarray]], *, op: str = "sum",
+def expected(collective: str, inputs: Sequence[Any], *, op: str = "sum",
              root: int = 0, inputs_per_launch: Optional[int] = None
              ) -> List[Optional[np.ndarray]]:
     """What each rank's receive buffer must hold; ``inputs[r]`` is rank r's send data
@@ -327,7 +327,7 @@ def check_collective(comms: Sequence[Any], collective: str, *, count: int, dtype
     rng = np.random.default_rng(seed)
     send_count, recv_count = (count * n if times == "n" else count
                               for times in _COUNTS[collective])
-    inputs = [random_array(rng, send_count, dtype) for _ in range(n)]
+    inputs: List[Any] = [random_array(rng, send_count, dtype) for _ in range(n)]
     if collective in ("broadcast", "scatter"):
         inputs = [x if r == root else None for r, x in enumerate(inputs)]
     want = expected(collective, inputs, op=op, root=root,

@@ -128,6 +128,7 @@ def run(args: argparse.Namespace):
                 comm_events[index][1] = end
             gemm_span = comm_span = 0.0
             for (gs, ge), (cs, ce) in zip(gemm_events, comm_events):
+                assert gs is not None and ge is not None and cs is not None and ce is not None
                 ge.synchronize()
                 ce.synchronize()
                 gemm_span = max(gemm_span, gs.elapsed_time(ge) / 1000)

@@ -354,7 +354,7 @@ def unsupported_requests_raise():
     refuses("bitwise and", lambda: dist.all_reduce(ones(torch.int32), op=dist.ReduceOp.BAND),
             "all_reduce", "BAND")
     refuses("premul on ints", lambda: dist.all_reduce(
-        ones(torch.int32), op=dist.ReduceOp.PREMUL_SUM(2.0)), "all_reduce", "PREMUL_SUM")
+        ones(torch.int32), op=dist._make_nccl_premul_sum(2.0)), "all_reduce", "PREMUL_SUM")
     refuses("wrong list", lambda: dist.all_gather([ones(torch.float32)] * (WORLD + 1),
                                                   ones(torch.float32)),
             "all_gather", "world_size")
