@@ -43,12 +43,6 @@ def cases(world_size, local_size, dtypes, counts, ops):
                 for in_place in ([False, True] if collective in IN_PLACE_FORMS else [False]):
                     for root in (roots(world_size, local_size) if collective in ROOTED else [0]):
                         for op in (ops if collective in REDUCING else ["sum"]):
-                            if (collective in REDUCING and op in ("sum", "avg", "prod")
-                                    and "float" in dtype):
-                                # the hierarchy adds per host first: float sums round in
-                                # another order than the flat reference, so they are checked
-                                # against simulate_hierarchical in test_hierarchical_plans
-                                continue
                             seed += 1
                             yield dict(collective=collective, dtype=dtype, count=count,
                                        in_place=in_place, root=root, op=op, seed=seed)
@@ -109,7 +103,14 @@ def main():
     counts = [int(c) for c in args.counts.split(",")]
     for case in cases(comm.world_size, local_size, dtypes, counts, args.ops.split(",")):
         try:
-            check_collective([comm], arrays=array_module_for(comm.backend, case["dtype"]), **case)
+            # the hierarchy adds per host first: float sums round in another order than
+            # the flat reference, so they compare to a few roundings of the dtype
+            reorders = (case["collective"] in REDUCING and case["op"] != "max"
+                        and case["op"] != "min" and "float" in case["dtype"])
+            rounding = ({"bfloat16": 4e-2, "float16": 4e-3}.get(case["dtype"], 1e-5)
+                        if reorders else None)
+            check_collective([comm], arrays=array_module_for(comm.backend, case["dtype"]),
+                             rounding=rounding, **case)
             passed += 1
         except Exception:
             failed += 1
