@@ -759,6 +759,9 @@ class HierarchicalCommunicator(Communicator):
         self._usable("synchronize")
         if self.backend == "cuda":
             from cuda.bindings import driver
+            # the frameworks may have made another GPU's context current since hoccl's
+            # last call: the streams below are this GPU's
+            self._host.device_handle.activate()
             for stream in list(self._streams):
                 self._host.device_handle.synchronize_stream(driver.CUstream(stream), self.timeout)
             self._streams.clear()
