@@ -15,7 +15,7 @@ import hoccl
 from hoccl._hierarchy import SubBootstrap, host_topology
 from hoccl.sched.hierarchical import Topology
 
-from test_mpi import _mpiexec
+from test_mpi import MPI_ENV, _mpiexec
 
 SCRIPT = Path(__file__).parent / "mpi" / "run_hierarchical.py"
 
@@ -34,9 +34,7 @@ def test_collectives_across_simulated_hosts_match_numpy(ranks, local_size, inter
     dtypes, counts, ops = RUNS[ranks, local_size, inter_host]
     command = [_mpiexec(), "-n", str(ranks), sys.executable, str(SCRIPT), "--backend", "host",
                "--inter-host", inter_host, "--dtypes", dtypes, "--counts", counts, "--ops", ops]
-    env = {**os.environ, "HOCCL_VERIFY": "1", "HOCCL_LOCAL_SIZE": str(local_size),
-           "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-           "OMPI_MCA_rmaps_base_oversubscribe": "1"}
+    env = {**os.environ, **MPI_ENV, "HOCCL_VERIFY": "1", "HOCCL_LOCAL_SIZE": str(local_size)}
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-4000:]

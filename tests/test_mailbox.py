@@ -17,7 +17,7 @@ import pytest
 
 from hoccl._errors import HocclError, HocclTimeoutError, InvalidArgumentError, PeerDeadError
 from hoccl._mailbox import MESSAGE_BYTES, SLOTS, Mailboxes, _Process, _start_time
-from test_mpi import SURVIVE_KILL, _mpiexec, keep_going_flags
+from test_mpi import MPI_ENV, SURVIVE_KILL, _mpiexec, keep_going_flags
 
 sys.path.insert(0, str(Path(__file__).parent / "mpi"))
 from mailbox_stress import (CorruptMessage, check_message, exercise,  # noqa: E402
@@ -30,8 +30,7 @@ def _mpi_run(ranks, scenario, *, survive_kill=False):
     mpiexec = _mpiexec()
     command = [mpiexec, *keep_going_flags(mpiexec), "-n", str(ranks),
                *(SURVIVE_KILL if survive_kill else []), sys.executable, str(STRESS), scenario]
-    env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-           "OMPI_MCA_rmaps_base_oversubscribe": "1"}
+    env = {**os.environ, **MPI_ENV}
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
     return result.stdout + result.stderr
 

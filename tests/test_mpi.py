@@ -17,6 +17,11 @@ COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broa
 SCRIPT = Path(__file__).parent / "mpi" / "run_checks.py"
 
 
+#: Open MPI refuses root and more ranks than cores unless told; MPICH ignores these.
+MPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+           "OMPI_MCA_rmaps_base_oversubscribe": "1"}
+
+
 def _mpiexec():
     found = shutil.which("mpiexec") or shutil.which("mpirun")
     if found is None:
@@ -30,9 +35,7 @@ def _run_checks(ranks, *args):
     """run_checks.py under mpiexec on the host backend; its exit status and output."""
     command = [_mpiexec(), "-n", str(ranks), sys.executable, str(SCRIPT), "--backend", "host",
                *args]
-    # Open MPI refuses root and more ranks than cores unless told; MPICH ignores these.
-    env = {**os.environ, "HOCCL_VERIFY": "1", "OMPI_ALLOW_RUN_AS_ROOT": "1",
-           "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "OMPI_MCA_rmaps_base_oversubscribe": "1"}
+    env = {**os.environ, **MPI_ENV, "HOCCL_VERIFY": "1"}
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
     return result.returncode, result.stdout + result.stderr
 
@@ -91,7 +94,7 @@ def test_failures_across_processes_raise_instead_of_hanging(scenario, survivors)
                *(SURVIVE_KILL if scenario in ("killed", "early") else []), sys.executable,
                str(FAILURES),
                scenario, "--backend", "host"]
-    env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+    env = {**os.environ, **MPI_ENV}
     result = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
     output = result.stdout + result.stderr
     for rank in survivors:
@@ -106,8 +109,7 @@ HOSTILE = Path(__file__).parent / "mpi" / "run_hostile.py"
 @pytest.mark.parametrize("ranks", [2, 3])
 def test_disagreeing_ranks_under_mpiexec_write_nothing_and_all_raise(ranks):
     command = [_mpiexec(), "-n", str(ranks), sys.executable, str(HOSTILE), "--backend", "host"]
-    env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-           "OMPI_MCA_rmaps_base_oversubscribe": "1"}
+    env = {**os.environ, **MPI_ENV}
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-4000:]

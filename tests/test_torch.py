@@ -4,7 +4,6 @@ training benchmark's smoke run.  Skipped when torch is not installed."""
 
 import os
 import re
-import shutil
 import socket
 import subprocess
 import sys
@@ -14,17 +13,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from test_mpi import MPI_ENV, _mpiexec  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 PROGRAMS = Path(__file__).parent / "torch"
-
-
-def _mpiexec():
-    found = shutil.which("mpiexec") or shutil.which("mpirun")
-    if found is None:
-        if os.environ.get("HOCCL_REQUIRE_MPI"):
-            pytest.fail("mpiexec not found, and HOCCL_REQUIRE_MPI is set")
-        pytest.skip("mpiexec not found")
-    return found
 
 
 def _free_port():
@@ -36,9 +28,8 @@ def _free_port():
 def launch(ranks, *args, timeout=600):
     """``mpiexec -n ranks python args...`` with torch's env:// rendezvous set up."""
     # one torch thread per process: the ranks share the machine's cores
-    env = {**os.environ, "HOCCL_VERIFY": "1", "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(_free_port()), "OMPI_ALLOW_RUN_AS_ROOT": "1",
-           "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "OMPI_MCA_rmaps_base_oversubscribe": "1",
+    env = {**os.environ, **MPI_ENV, "HOCCL_VERIFY": "1", "OMP_NUM_THREADS": "1",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
            "PYTHONPATH": os.pathsep.join([str(PROGRAMS), str(ROOT),
                                           os.environ.get("PYTHONPATH", "")])}
     command = [_mpiexec(), "-n", str(ranks), sys.executable, *map(str, args)]
