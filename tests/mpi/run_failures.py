@@ -1,6 +1,6 @@
 """Failure scenarios under mpirun (2 ranks): ``python run_failures.py SCENARIO [--backend B]``.
 
-mismatch   ranks call all_reduce with different counts (check mode): both raise
+mismatch   ranks call all_reduce with different counts: both raise
            MismatchError naming the call, the other rank and both values; the next
            collective still works.
 dead       rank 1 dies with its part of an all_reduce still queued behind a long kernel
