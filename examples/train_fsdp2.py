@@ -18,6 +18,7 @@ through hoccl (``hoccl.torch.use_for_fsdp``).
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import sys
 
 try:
@@ -45,11 +46,16 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--dump-stacks-after", type=float, default=0, metavar="SECONDS",
+                        help="if the run has not ended after SECONDS, print every thread's "
+                             "stack and exit (to see where a stuck run waits)")
     return parser.parse_args()
 
 
 def main() -> None:
     args = arguments()
+    if args.dump_stacks_after:
+        faulthandler.dump_traceback_later(args.dump_stacks_after, exit=True)
     backend = args.backend or ("nccl" if torch.cuda.is_available() else "gloo")
     rank, world_size, device = init_distributed(backend)
     shape = (ModelShape(dim=64, layers=2, heads=4, seq=32, batch=2, vocab=256) if args.tiny
@@ -70,6 +76,7 @@ def main() -> None:
         if rank == 0:
             print(f"step {step} loss {loss.item() / world_size:.6f}", flush=True)
     dist.destroy_process_group()
+    faulthandler.cancel_dump_traceback_later()
 
 
 if __name__ == "__main__":

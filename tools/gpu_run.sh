@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The device machine's session: GPU tests (one process, and mpirun -np 2), then the
-# benchmarks against NCCL.  Usage: bash tools/gpu_run.sh [tests|profile|bench|overlap|compare|torch|all] [pytest args]
+# benchmarks against NCCL.  Usage: bash tools/gpu_run.sh [tests|profile|bench|overlap|compare|torch|fsdp|hier|all] [pytest args]
 # torch: the torch.distributed backend's checks, DDP/FSDP2 training against NCCL, the
 # FSDP2 example on NCCL and on hoccl, and python -m hoccl.bench.train.
 # compare: hoccl at 1 MiB and 1 GiB from this tree and from BASELINE (a checkout of an
@@ -56,7 +56,26 @@ if [ "$what" = torch ]; then
   done
   step train-bench 330 $TRUN python3 -m hoccl.bench.train --out "$OUT/train"
 fi
-if [ "$what" = hier ] || [ "$what" = tests ]; then
+if [ "$what" = fsdp ]; then
+  # FSDP2 with hoccl's hooks on a small model first (a stuck run prints every thread's
+  # stack), then the example on NCCL and on hoccl, then the training benchmark.
+  export MASTER_ADDR=127.0.0.1 MASTER_PORT=${MASTER_PORT:-29517}
+  TRUN="$MPIRUN -x MASTER_ADDR -x MASTER_PORT"
+  step fsdp2-hooks-small 150 $TRUN python3 examples/train_fsdp2.py --backend nccl --hooks \
+    --layers 2 --steps 5 --dump-stacks-after 100
+  if ! grep -q "^step 4 " "$OUT/fsdp2-hooks-small.log"; then
+    step fsdp2-hooks-eager 150 $TRUN -x CUDA_MODULE_LOADING=EAGER python3 examples/train_fsdp2.py \
+      --backend nccl --hooks --layers 2 --steps 5 --dump-stacks-after 100
+  fi
+  for backend in nccl hoccl; do
+    step "fsdp2-$backend" 150 $TRUN python3 examples/train_fsdp2.py --backend $backend --steps 50 \
+      --dump-stacks-after 130
+  done
+  if grep -q "^step 49 " "$OUT/fsdp2-hoccl.log"; then
+    step train-bench 330 $TRUN python3 -m hoccl.bench.train --out "$OUT/train"
+  fi
+fi
+if [ "$what" = hier ] || [ "$what" = tests ] || [ "$what" = fsdp ]; then
   # 2 simulated hosts of 1 GPU, NCCL between them forced onto sockets; then one host of 2
   step hier-2x1-nccl 150 $MPIRUN -x NCCL_P2P_DISABLE=1 -x NCCL_SHM_DISABLE=1 \
     python3 tests/mpi/run_hierarchical.py --backend cuda --inter-host nccl --local-size 1 \

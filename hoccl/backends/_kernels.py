@@ -1,8 +1,9 @@
 """CUDA C++ source of the only kernels hoccl runs: a same-GPU copy and an element-wise reduction.
 
 Pure text: nothing here imports CUDA.  ``hoccl.backends.cuda`` compiles ``source()``
-once with NVRTC for the device's architecture and launches the kernels named by
-``reduce_kernel_name`` and ``copy_kernel_name`` with ``cuLaunchKernel``.
+with NVRTC through cupy's ``RawModule`` (which caches the binary on disk) for the
+device's architecture and launches the kernels named by ``reduce_kernel_name`` and
+``copy_kernel_name`` with ``cuLaunchKernel``.
 
 Both kernels are written for a grid capped at a few SMs (one block per SM): each thread
 runs a grid-stride loop over 16-byte vectors and keeps several of them in flight (the
@@ -67,9 +68,9 @@ def copy_kernel_name(width: int) -> str:
     return f"hoccl_copy_{width}"
 
 
-def compile_options(arch: str) -> list:
-    """NVRTC options for ``arch`` (e.g. ``"sm_90"``): a cubin, no host headers needed."""
-    return ([f"--gpu-architecture={arch}", "-std=c++17", f"-DHOCCL_MAX_INPUTS={MAX_INPUTS}"]
+def compile_options() -> list:
+    """NVRTC options (the compiler picks the GPU's architecture); no host headers needed."""
+    return (["-std=c++17", f"-DHOCCL_MAX_INPUTS={MAX_INPUTS}"]
             + [f"-DHOCCL_{name.upper()}={value}" for name, value in sorted(TUNING.items())])
 
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import collections
 import ctypes
-import hashlib
 import os
 import threading
 import time
@@ -121,78 +120,16 @@ def _init_driver() -> None:
 
 
 # -- kernels -------------------------------------------------------------------------------
-_cubin_lock = threading.Lock()
-_cubins: dict = {}
+def _function(module: Any, name: str) -> Any:
+    """``name`` from a cupy ``RawModule``, loaded onto the GPU now.
 
-
-def _nvrtc_check(nvrtc: Any, result: tuple, call_name: str, program: Any = None) -> Any:
-    if result[0]:
-        _, text = nvrtc.nvrtcGetErrorString(result[0])
-        message = f"{call_name} failed: {text.decode() if isinstance(text, bytes) else result[0]}"
-        if program is not None:
-            _, size = nvrtc.nvrtcGetProgramLogSize(program)
-            log = b" " * size
-            nvrtc.nvrtcGetProgramLog(program, log)
-            message += "\n" + log.decode(errors="replace")
-        raise DriverError(message)
-    return result[1] if len(result) == 2 else result[1:]
-
-
-def _cache_dir() -> str:
-    explicit = os.environ.get("HOCCL_CACHE_DIR")
-    if explicit:
-        return explicit
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "hoccl")
-
-
-def _cubin(arch: str) -> bytes:
-    """The kernels built for ``arch`` (e.g. ``"sm_90"``), compiled once per process and
-    kept on disk, keyed by the source, the options and the NVRTC version."""
-    options = _kernels.compile_options(arch)
-    with _cubin_lock:
-        if tuple(options) in _cubins:
-            return _cubins[tuple(options)]
-        from cuda.bindings import nvrtc
-        version = _nvrtc_check(nvrtc, nvrtc.nvrtcVersion(), "nvrtcVersion")
-        supported = _nvrtc_check(nvrtc, nvrtc.nvrtcGetSupportedArchs(), "nvrtcGetSupportedArchs")
-        if int(arch[3:]) not in supported:
-            raise DriverError(
-                f"nvrtcCompileProgram: NVRTC {version[0]}.{version[1]} cannot build for {arch} "
-                f"(it supports sm_{supported}); install an nvidia-cuda-nvrtc that matches the GPU")
-        text = _kernels.source()
-        key = hashlib.sha256(repr((text, options, tuple(version))).encode()).hexdigest()[:24]
-        path = os.path.join(_cache_dir(), f"kernels-{arch}-{key}.cubin")
-        try:
-            with open(path, "rb") as cached:
-                image = cached.read()
-        except OSError:
-            image = _compile(nvrtc, text, options)
-            try:
-                os.makedirs(os.path.dirname(path), exist_ok=True)
-                partial = f"{path}.{os.getpid()}.tmp"
-                with open(partial, "wb") as out:
-                    out.write(image)
-                os.replace(partial, path)
-            except OSError:
-                pass  # an unwritable cache only costs a compile next time
-        _cubins[tuple(options)] = image
-        return image
-
-
-def _compile(nvrtc: Any, text: str, options: list) -> bytes:
-    program = _nvrtc_check(nvrtc, nvrtc.nvrtcCreateProgram(text.encode(), b"hoccl_kernels.cu",
-                                                           0, [], []), "nvrtcCreateProgram")
-    try:
-        encoded = [option.encode() for option in options]
-        _nvrtc_check(nvrtc, nvrtc.nvrtcCompileProgram(program, len(encoded), encoded),
-                     "nvrtcCompileProgram", program)
-        size = _nvrtc_check(nvrtc, nvrtc.nvrtcGetCUBINSize(program), "nvrtcGetCUBINSize")
-        image = b" " * size
-        _nvrtc_check(nvrtc, nvrtc.nvrtcGetCUBIN(program, image), "nvrtcGetCUBIN")
-        return image
-    finally:
-        nvrtc.nvrtcDestroyProgram(program)
+    Under CUDA's lazy loading a kernel may otherwise be loaded at its first launch, and a
+    load may synchronize the context: inside a collective, with this GPU's copy lanes
+    waiting on a peer that is itself still issuing, that wait would never end."""
+    function = driver.CUfunction(module.get_function(name).kernel.ptr)
+    if hasattr(driver, "cuFuncLoad"):  # CUDA >= 12.4
+        _call(driver.cuFuncLoad, function)
+    return function
 
 
 class _ReduceArgs(ctypes.Structure):
@@ -215,16 +152,33 @@ class _CopyArgs(ctypes.Structure):
 
 
 class _Kernels:
-    """The loaded module and its functions in one context."""
+    """The kernels of ``_kernels.source()`` in one GPU's primary context.
 
-    def __init__(self, arch: str):
-        self.module = _call(driver.cuModuleLoadData, _cubin(arch))
-        self.reduce = {(dtype, op): _call(driver.cuModuleGetFunction, self.module,
-                                          _kernels.reduce_kernel_name(dtype, op).encode())
-                       for dtype in DTYPES for op in OPS}
-        self.copy = {width: _call(driver.cuModuleGetFunction, self.module,
-                                  _kernels.copy_kernel_name(width).encode())
-                     for width in _kernels.COPY_WIDTHS}
+    cupy's ``RawModule`` compiles them with NVRTC for the GPU's architecture and keeps
+    the binary in its on-disk kernel cache (``CUPY_CACHE_DIR``, ``~/.cupy/kernel_cache``
+    by default) keyed by source, options and compiler; the loaded module lives as long
+    as the process, like cupy's own kernels.
+    """
+
+    def __init__(self, ordinal: int):
+        try:
+            import cupy
+        except ImportError as error:
+            raise DriverError(
+                "compile kernels: hoccl's reduction and copy kernels are built with cupy, "
+                "which is not installed: pip install 'hoccl[cuda]'") from error
+        with cupy.cuda.Device(ordinal):
+            module = cupy.RawModule(code=_kernels.source(),
+                                    options=tuple(_kernels.compile_options()))
+            try:
+                self.reduce = {(dtype, op): _function(module, _kernels.reduce_kernel_name(dtype, op))
+                               for dtype in DTYPES for op in OPS}
+                self.copy = {width: _function(module, _kernels.copy_kernel_name(width))
+                             for width in _kernels.COPY_WIDTHS}
+            except cupy.cuda.compiler.CompileException as error:
+                raise DriverError(f"compile kernels: NVRTC failed: {error}") from error
+        self.module = module
+        _ACTIVE.context = None  # cupy restored its own current device: set ours again
 
 
 # -- owned handles -------------------------------------------------------------------------
@@ -267,7 +221,7 @@ class _Owned:
 
 def _release(owned: _Owned) -> None:
     """Release in order: imports, peer access, events, streams, pads, host words,
-    allocations, the kernel module, and last the primary context."""
+    allocations, and last the primary context (the kernel module is cupy's)."""
     if owned.context is None:
         return
     errors = []
@@ -295,8 +249,6 @@ def _release(owned: _Owned) -> None:
         word._host_address = 0
     for address in owned.allocations:
         attempt(driver.cuMemFree, address)
-    if owned.kernels is not None:
-        attempt(driver.cuModuleUnload, owned.kernels.module)
     attempt(driver.cuDevicePrimaryCtxRelease, owned.device)
     for handles in (owned.imports, owned.peers, owned.events, owned.streams, owned.pads,
                     owned.host_words, owned.allocations):
@@ -718,8 +670,7 @@ class CudaDevice(Device):
             with self._kernel_lock:
                 if self._owned.kernels is None:
                     self._make_current()
-                    major, minor = self.compute_capability
-                    self._owned.kernels = _Kernels(f"sm_{major}{minor}")
+                    self._owned.kernels = _Kernels(self.ordinal)
                 kernels = self._owned.kernels
         return kernels
 

@@ -69,7 +69,7 @@ class ModelShape:
 
 #: the sweep, from compute-bound to communication-heavy, and a tiny one for CPUs
 SHAPES = {
-    "compute": ModelShape(dim=4096, layers=16, heads=32, seq=2048, batch=4),
+    "compute": ModelShape(dim=4096, layers=16, heads=32, seq=2048, batch=2),
     "comm": ModelShape(dim=4096, layers=16, heads=32, seq=512, batch=1),
     "large": ModelShape(dim=5120, layers=12, heads=40, seq=1024, batch=1),
     "tiny": ModelShape(dim=64, layers=2, heads=4, seq=32, batch=2, vocab=256),
