@@ -255,6 +255,9 @@ class Engine:
         """Number ``call`` and fence the caller's stream on it.  From here the call must
         end in ``issue`` or ``release``: the caller's stream waits for it.  Without
         ``fence`` only its entry is marked; ``fence_callers`` then fences a group."""
+        # Every lane and event the calls not yet issued will take, made before the fence:
+        # no driver call that may synchronize the context runs while a caller waits.
+        self.executor.reserve([held.plan for held in self.held()] + [call.plan])
         if call.plan.pair:
             self._pair_calls[call.plan.pair] = call.key[-1] + 1
         else:
@@ -273,6 +276,8 @@ class Engine:
         """Make every caller stream of ``calls`` (a group's, enqueued without a fence) wait
         for the last of them."""
         last = max(call.value for call in calls)
+        self.device.activate()
+        self.executor.reserve([held.plan for held in self.held()])  # see ``enqueue``
         callers: Dict[Any, Any] = {}
         for call in calls:
             callers.setdefault(_stream_key(call.caller), call.caller)

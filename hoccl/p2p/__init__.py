@@ -11,7 +11,7 @@ rank's whole collective on two GPUs is then a handful of driver calls.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Sequence, Tuple
 
 from ..backends._base import MemOp
 from ..sched.plan import After, Copy, Mark, Plan, Reduce, Signal, Wait
@@ -33,6 +33,22 @@ def _independent(batch, item) -> bool:
     dst, src, nbytes = item
     return not any(_overlap(src, nbytes, d, n) or _overlap(dst, nbytes, d, n)
                    or _overlap(dst, nbytes, s, n) for d, s, n in batch)
+
+
+def _families(plans: Iterable[Plan]) -> Tuple[Dict[tuple, int], int]:
+    """Each family's first lane, and the lanes all of them take.  Plans that signal the
+    same slots (every collective; send/recv of one pair and direction) run one after
+    another on the same lanes: a slot has one writer and its values only grow.  Plans
+    of different families run side by side."""
+    widths: Dict[tuple, int] = {}
+    for plan in plans:
+        widths[plan.pair] = max(widths.get(plan.pair, 0), plan.lanes)
+    firsts: Dict[tuple, int] = {}
+    total = 0
+    for family, width in widths.items():
+        firsts[family] = total
+        total += width
+    return firsts, max(total, 1)
 
 
 def compile_program(plan: Plan, rank: int) -> Tuple[tuple, ...]:
@@ -102,18 +118,8 @@ class Executor:
         joins every lane used and writes the completion value once.
         """
         device, streams = self.device, self.streams
-        # Plans that signal the same slots (every collective; send/recv of one pair and
-        # direction) must run one after another on the same lanes: a slot has one writer
-        # and its values only grow.  Plans of different families run side by side.
-        firsts: Dict[tuple, int] = {}
-        widths: Dict[tuple, int] = {}
-        for plan, _, _, _ in items:
-            widths[plan.pair] = max(widths.get(plan.pair, 0), plan.lanes)
-        total = 0
-        for family, width in widths.items():
-            firsts[family] = total
-            total += width
-        streams.ensure_lanes(total)
+        firsts, total = _families(plan for plan, _, _, _ in items)
+        streams.ensure_lanes(total)  # made by ``reserve`` already, unless it was skipped
         lanes = streams.lanes
         pending: List[list] = [[] for _ in range(total)]
         marks: Dict[Tuple[int, int], Any] = {}
@@ -143,6 +149,20 @@ class Executor:
         finally:
             for event in marks.values():
                 streams.release(event)
+
+    def reserve(self, plans: Iterable[Plan]) -> None:
+        """Create now every lane and event that issuing ``plans`` together will take.
+
+        Called before a caller's stream is fenced: creating a stream (or an event) may
+        synchronize the context, and once a caller's stream waits for a call that is not
+        yet issued, such a driver call would wait for itself (FSDP2's first backward
+        reduce-scatter, which needs a second lane, hung so)."""
+        plans = list(plans)
+        _, total = _families(plans)
+        marks = sum(1 for plan in plans
+                    for kind, _, _ in compile_program(plan, self.rank) if kind == _MARK)
+        self.streams.ensure_lanes(total)
+        self.streams.reserve_events(marks + total - 1 + len(plans))  # marks, joins, entries
 
     def _steps(self, plan: Plan, addresses: Dict[Tuple[int, str], Any], base: int, first: int,
                pending: List[list], flush: Any, marks: Dict[Tuple[int, int], Any],

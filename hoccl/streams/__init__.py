@@ -43,6 +43,13 @@ class StreamManager:
         while len(self.lanes) < count:
             self.lanes.append(self.device.create_stream())
 
+    def reserve_events(self, count: int) -> None:
+        """Have at least ``count`` events in the pool, created now rather than mid-call."""
+        while len(self._free_events) < count:
+            event = self.device.create_event()
+            self._all_events.append(event)
+            self._free_events.append(event)
+
     def event(self) -> Any:
         if self._free_events:
             return self._free_events.pop()
