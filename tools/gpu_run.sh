@@ -83,6 +83,14 @@ if [ "$what" = hier ] || [ "$what" = tests ] || [ "$what" = fsdp ]; then
   step hier-1x2 120 $MPIRUN python3 tests/mpi/run_hierarchical.py --backend cuda --local-size 2 \
     --counts 0,1,17,100003
 fi
+if [ "$what" = hierdiag ]; then
+  # bfloat16 avg across simulated hosts: launches made blocking, and over MPI instead of NCCL
+  step hier-bf16-blocking 90 $MPIRUN -x CUDA_LAUNCH_BLOCKING=1 -x NCCL_P2P_DISABLE=1 \
+    -x NCCL_SHM_DISABLE=1 python3 tests/mpi/run_hierarchical.py --backend cuda \
+    --inter-host nccl --local-size 1 --dtypes bfloat16,float32 --ops avg --counts 17
+  step hier-bf16-mpi 90 $MPIRUN python3 tests/mpi/run_hierarchical.py --backend cuda \
+    --inter-host mpi --local-size 1 --dtypes bfloat16,float32 --ops avg --counts 17
+fi
 if [ "$what" = compare ]; then
   BASELINE=${BASELINE:-.baseline}
   for round in 1 2; do
