@@ -29,6 +29,7 @@ import collections
 import ctypes
 import hashlib
 import os
+import sys
 import threading
 import time
 import weakref
@@ -40,6 +41,7 @@ from .._dtypes import ITEMSIZE as _ITEMSIZE
 from .._errors import DriverError, HocclTimeoutError, InvalidArgumentError
 from . import _kernels
 from ._base import DTYPES, OPS, Device, HostWord, MemOp
+from ._caller_stream import array_framework, stream_handle
 
 __all__ = ["CudaDevice", "CudaIpcDescriptor", "device_count", "open_device"]
 
@@ -448,33 +450,18 @@ class CudaDevice(Device):
 
     def resolve_stream(self, stream: Any, arrays: Sequence[Any]) -> Any:
         if stream is None:
-            for array in arrays:
-                module = type(array).__module__
-                if module.startswith("torch"):
-                    import torch
-                    return driver.CUstream(torch.cuda.current_stream(self.ordinal).cuda_stream)
-                if module.startswith("cupy"):
-                    import cupy
-                    with cupy.cuda.Device(self.ordinal):
-                        return driver.CUstream(cupy.cuda.get_current_stream().ptr)
+            framework = array_framework(arrays)
+            if framework == "torch":
+                torch = sys.modules["torch"]
+                return driver.CUstream(torch.cuda.current_stream(self.ordinal).cuda_stream)
+            if framework == "cupy":
+                cupy = sys.modules["cupy"]
+                with cupy.cuda.Device(self.ordinal):
+                    return driver.CUstream(cupy.cuda.get_current_stream().ptr)
             return driver.CUstream(driver.CU_STREAM_LEGACY)
         if isinstance(stream, driver.CUstream):
             return stream
-        if isinstance(stream, int) and not isinstance(stream, bool):
-            return driver.CUstream(stream)
-        protocol = getattr(stream, "__cuda_stream__", None)
-        if protocol is not None:
-            _, handle = protocol() if callable(protocol) else protocol
-            return driver.CUstream(int(handle))
-        module = type(stream).__module__
-        if module.startswith("cupy") and hasattr(stream, "ptr"):
-            return driver.CUstream(stream.ptr)
-        if module.startswith("torch") and hasattr(stream, "cuda_stream"):
-            return driver.CUstream(stream.cuda_stream)
-        raise InvalidArgumentError(
-            "resolve_stream: expected None, an int stream handle, a CUstream, a cupy or torch "
-            f"stream, or an object with __cuda_stream__; got {type(stream).__module__}."
-            f"{type(stream).__qualname__}")
+        return driver.CUstream(stream_handle(stream))
 
     def create_event(self) -> Any:
         self._make_current()
