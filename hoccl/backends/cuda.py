@@ -740,6 +740,9 @@ class CudaDevice(Device):
 
         Up to 64 inputs per launch; more are chained (the output joins the next launch
         as its first input; ``avg`` sums until the last launch divides by the total).
+        The first launch overwrites ``output``: when an input equal to it lies beyond the
+        first launch, the inputs equal to ``output`` are moved to the front, so that the
+        first launch reads them (``_kernels.reduce_launches``).
         """
         if dtype not in _ITEMSIZE:
             raise InvalidArgumentError(f"reduce: expected dtype in {DTYPES}, got {dtype!r}")
@@ -757,16 +760,14 @@ class CudaDevice(Device):
             raise InvalidArgumentError(
                 f"reduce: expected addresses aligned to the {itemsize}-byte {dtype} elements, "
                 f"got {', '.join(f'{address:#x}' for address in misaligned)}")
+        launches = _kernels.reduce_launches(output, inputs)
         kernels = self._kernels()
         self._make_current()
-        total, taken = len(inputs), 0
-        while taken < total:
-            room = _kernels.MAX_INPUTS - (1 if taken else 0)
-            chunk = ([output] if taken else []) + inputs[taken:taken + room]
-            taken += room
-            kernel_op = "sum" if op == "avg" and taken < total else op
-            self._launch_reduce(kernels.reduce[dtype, kernel_op], stream, output, chunk, count,
-                                itemsize, total)
+        last = len(launches) - 1
+        for index, launch_inputs in enumerate(launches):
+            kernel_op = "sum" if op == "avg" and index < last else op
+            self._launch_reduce(kernels.reduce[dtype, kernel_op], stream, output, launch_inputs,
+                                count, itemsize, len(inputs))
 
     def _launch_reduce(self, function: Any, stream: Any, output: int, inputs: list, count: int,
                        itemsize: int, divisor: int) -> None:
