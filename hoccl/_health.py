@@ -22,9 +22,8 @@ __all__ = ["Health"]
 
 log = logging.getLogger("hoccl")
 
-#: how long a wait goes on after a peer's process is seen gone, before it gives up: the
-#: peer may have exited after its part of the last call, with this rank's own last steps
-#: still running
+#: how long a wait goes on after a peer's process is seen gone, before it gives up
+#: (``Health._outlasts_grace``)
 _DEAD_PEER_GRACE = 1.0
 
 
@@ -81,8 +80,7 @@ class Health:
 
     def _check_peers(self, call: str, grace: float) -> None:
         """While this rank waits for its calls: abort and raise PeerDeadError if a peer's
-        process has exited and the calls do not finish within ``grace`` seconds after that
-        (a peer may exit once its part is done, with this rank's last steps still running)."""
+        process has exited and the calls do not finish within ``grace`` seconds."""
         gone = self._peers_alive()
         if gone is None:
             return
@@ -91,14 +89,28 @@ class Health:
             if self._peer_death is not None:  # the watchdog saw it first
                 raise PeerDeadError(reason)
             return
-        target, until = self.engine.calls, time.monotonic() + grace
-        while self.engine.completed < target and time.monotonic() < until:
-            time.sleep(0.01)
-        if self.engine.completed < target:
-            self._peer_death = reason
-            self.engine.abort_error = PeerDeadError
-            self.abort(reason)
+        target = self.engine.calls
+        if self._outlasts_grace(lambda: self.engine.completed < target, grace):
+            self._abort_for_dead_peer(reason)
             raise PeerDeadError(reason)
+
+    def _outlasts_grace(self, waiting: Callable[[], bool], grace: float) -> bool:
+        """Whether this rank is still ``waiting()`` for its calls ``grace`` seconds from now,
+        a peer's process being gone: the peer may have exited once its part of the last
+        call was done, with this rank's own last steps still running.  False as soon as
+        the rank is aborted (by whoever saw the death first) or closed."""
+        until = time.monotonic() + grace
+        while waiting() and not self.engine.aborted:
+            if time.monotonic() >= until:
+                return True
+            if self._stop.wait(0.01):
+                return False
+        return False
+
+    def _abort_for_dead_peer(self, reason: str) -> None:
+        self._peer_death = reason
+        self.engine.abort_error = PeerDeadError
+        self.abort(reason)
 
     def check(self, call: str) -> None:
         """Raise AbortedError if the device failed, this rank was aborted, or a peer was."""
@@ -204,7 +216,6 @@ class Health:
         process is gone, without anyone calling synchronize."""
         engine = self.engine
         period = max(0.05, min(0.25, self.timeout / 10))
-        dead_since = 0.0
         while not self._stop.wait(period):
             with engine.lock:
                 if engine.closed or engine.aborted:
@@ -217,12 +228,9 @@ class Health:
                 oldest = pending[0]
                 gone = self._peers_alive()
                 if gone is not None:
-                    dead_since = dead_since or time.monotonic()
-                    if time.monotonic() - dead_since > _DEAD_PEER_GRACE:
-                        self._peer_death = (f"watchdog: rank {self.rank}'s {oldest.name} (call "
-                                            f"{oldest.value}) waits for {gone}")
-                        engine.abort_error = PeerDeadError
-                        self.abort(self._peer_death)
+                    if self._outlasts_grace(lambda: bool(engine.unfinished()), _DEAD_PEER_GRACE):
+                        self._abort_for_dead_peer(f"watchdog: rank {self.rank}'s {oldest.name} "
+                                                  f"(call {oldest.value}) waits for {gone}")
                         return
                     continue
                 failure = engine.device.failure()

@@ -28,7 +28,9 @@ what the backends compute, in the same order and precision:
   ``-0.0`` and NaN payloads never arise.  One launch takes up to
   ``MAX_INPUTS`` (64) inputs; beyond that the kernel chains launches and rounds
   16-bit partial sums to their storage type in between, which ``reduced`` and
-  ``expected`` model when given ``inputs_per_launch``.
+  ``expected`` model when given ``inputs_per_launch``.  (A chained reduce whose output
+  is also one of its inputs past the first launch folds the inputs equal to the output
+  first instead, a case ``reduced`` does not model: ``_kernels.reduce_launches``.)
 
 Poison (``poison``) is a value no input equals, nor any result but the few that
 ``POISON_BITS`` names (the checker then runs twice), so an element still equal to it

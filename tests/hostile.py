@@ -5,9 +5,14 @@ makes ``collective`` with agreed arguments except the ``deviants``, which change
 thing (count, dtype, root, op, or the collective itself).  ``make_call`` builds one
 rank's buffers inside guard regions (random bytes before and after, outputs
 poisoned) so that a test can prove afterwards that nothing was written anywhere.
+``check_disagreement`` runs one scenario on the ranks of one process (host or GPU
+backend) and asserts all of that.
 """
 
 import numpy as np
+
+import hoccl
+from hoccl.testing import check_collective
 
 GUARD = 64  # elements of random data on each side of every buffer
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast", "reduce",
@@ -100,3 +105,34 @@ def make_call(rng, rank, world_size, collective, change, deviants, device=None):
         else:
             getattr(comm, collective)(send.view, recv.view)
     return call, buffers
+
+
+def check_disagreement(comms, rng, name, collective, change, deviants):
+    """Scenario ``name`` on ``comms``, the ranks of one process (``init_local``), each rank's
+    buffers on its ``comm.device``: every rank raises MismatchError once, from its call or
+    from ``synchronize``, naming the call and the ranks; no byte in or around any buffer
+    changes; and the communicators complete a checked all_reduce afterwards."""
+    world_size = len(comms)
+    calls = [make_call(rng, comm.rank, world_size, collective, change, deviants,
+                       device=comm.device) for comm in comms]
+    errors = {}
+    for comm, (call, _) in zip(comms, calls):
+        try:
+            call(comm)
+        except hoccl.MismatchError as error:
+            errors[comm.rank] = str(error)
+    for comm in comms:
+        try:
+            comm.synchronize()
+        except hoccl.MismatchError as error:
+            assert comm.rank not in errors, "a rank got the same mismatch twice"
+            errors[comm.rank] = str(error)
+    assert sorted(errors) == list(range(world_size)), f"ranks without an error: {errors}"
+    for text in errors.values():
+        assert ": " in text and text.split(":")[0] in (collective, "all_reduce",
+                                                        "all_gather"), text
+        assert "rank" in text and "called (" in text, text
+    for rank, (_, buffers) in enumerate(calls):
+        for buffer in buffers:
+            assert buffer.untouched(), f"rank {rank}: bytes changed in or around a buffer"
+    check_collective(comms, "all_reduce", count=1001, dtype="float32", seed=len(name))

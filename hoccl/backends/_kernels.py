@@ -30,10 +30,13 @@ Numerics:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+from .._errors import InvalidArgumentError
 from ._base import DTYPES, OPS
 
 __all__ = ["MAX_INPUTS", "TUNING", "COPY_WIDTHS", "reduce_kernel_name", "copy_kernel_name",
-           "source", "compile_options"]
+           "source", "compile_options", "reduce_launches"]
 
 #: inputs one reduce launch combines; more are chained by the caller.
 MAX_INPUTS = 64
@@ -347,3 +350,26 @@ def source() -> str:
             f"{copy_kernel_name(width)}(const __grid_constant__ CopyArgs args) "
             f"{{ copy_body<{_COPY_VECTOR[width]}>(args); }}\n")
     return _COMMON + "\n" + "".join(kernels)
+
+
+def reduce_launches(output: int, inputs: Sequence[int]) -> list[list[int]]:
+    """The input addresses of each launch that computes ``output = op(*inputs)``, in order.
+
+    A launch takes at most ``MAX_INPUTS`` inputs; each launch after the first takes the
+    output so far as its first input and up to ``MAX_INPUTS - 1`` more.  The first launch
+    overwrites ``output``, so an input that is ``output`` itself must be read by it: when
+    one lies beyond the first launch, every input equal to ``output`` moves to the front
+    (the others keep their order; the fold then runs in that order).
+    """
+    inputs = list(inputs)
+    if output in inputs[MAX_INPUTS:]:
+        in_place = [address for address in inputs if address == output]
+        if len(in_place) > MAX_INPUTS:
+            raise InvalidArgumentError(
+                f"reduce: expected at most {MAX_INPUTS} inputs equal to the output (one launch "
+                f"reads them before it writes the output), got {len(in_place)}")
+        inputs = in_place + [address for address in inputs if address != output]
+    launches = [inputs[:MAX_INPUTS]]
+    for start in range(MAX_INPUTS, len(inputs), MAX_INPUTS - 1):
+        launches.append([output] + inputs[start:start + MAX_INPUTS - 1])
+    return launches

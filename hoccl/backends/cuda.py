@@ -28,6 +28,7 @@ from __future__ import annotations
 import collections
 import ctypes
 import os
+import sys
 import threading
 import time
 import weakref
@@ -39,6 +40,7 @@ from .._dtypes import ITEMSIZE as _ITEMSIZE
 from .._errors import DriverError, HocclTimeoutError, InvalidArgumentError
 from . import _kernels
 from ._base import DTYPES, OPS, Device, HostWord, MemOp
+from ._caller_stream import array_framework, stream_handle
 
 __all__ = ["CudaDevice", "CudaIpcDescriptor", "device_count", "open_device"]
 
@@ -400,33 +402,18 @@ class CudaDevice(Device):
 
     def resolve_stream(self, stream: Any, arrays: Sequence[Any]) -> Any:
         if stream is None:
-            for array in arrays:
-                module = type(array).__module__
-                if module.startswith("torch"):
-                    import torch
-                    return driver.CUstream(torch.cuda.current_stream(self.ordinal).cuda_stream)
-                if module.startswith("cupy"):
-                    import cupy
-                    with cupy.cuda.Device(self.ordinal):
-                        return driver.CUstream(cupy.cuda.get_current_stream().ptr)
+            framework = array_framework(arrays)
+            if framework == "torch":
+                torch = sys.modules["torch"]
+                return driver.CUstream(torch.cuda.current_stream(self.ordinal).cuda_stream)
+            if framework == "cupy":
+                cupy = sys.modules["cupy"]
+                with cupy.cuda.Device(self.ordinal):
+                    return driver.CUstream(cupy.cuda.get_current_stream().ptr)
             return driver.CUstream(driver.CU_STREAM_LEGACY)
         if isinstance(stream, driver.CUstream):
             return stream
-        if isinstance(stream, int) and not isinstance(stream, bool):
-            return driver.CUstream(stream)
-        protocol = getattr(stream, "__cuda_stream__", None)
-        if protocol is not None:
-            _, handle = protocol() if callable(protocol) else protocol
-            return driver.CUstream(int(handle))
-        module = type(stream).__module__
-        if module.startswith("cupy") and hasattr(stream, "ptr"):
-            return driver.CUstream(stream.ptr)
-        if module.startswith("torch") and hasattr(stream, "cuda_stream"):
-            return driver.CUstream(stream.cuda_stream)
-        raise InvalidArgumentError(
-            "resolve_stream: expected None, an int stream handle, a CUstream, a cupy or torch "
-            f"stream, or an object with __cuda_stream__; got {type(stream).__module__}."
-            f"{type(stream).__qualname__}")
+        return driver.CUstream(stream_handle(stream))
 
     def create_event(self) -> Any:
         self._make_current()
@@ -704,6 +691,9 @@ class CudaDevice(Device):
 
         Up to 64 inputs per launch; more are chained (the output joins the next launch
         as its first input; ``avg`` sums until the last launch divides by the total).
+        The first launch overwrites ``output``: when an input equal to it lies beyond the
+        first launch, the inputs equal to ``output`` are moved to the front, so that the
+        first launch reads them (``_kernels.reduce_launches``).
         """
         if dtype not in _ITEMSIZE:
             raise InvalidArgumentError(f"reduce: expected dtype in {DTYPES}, got {dtype!r}")
@@ -721,16 +711,14 @@ class CudaDevice(Device):
             raise InvalidArgumentError(
                 f"reduce: expected addresses aligned to the {itemsize}-byte {dtype} elements, "
                 f"got {', '.join(f'{address:#x}' for address in misaligned)}")
+        launches = _kernels.reduce_launches(output, inputs)
         kernels = self._kernels()
         self._make_current()
-        total, taken = len(inputs), 0
-        while taken < total:
-            room = _kernels.MAX_INPUTS - (1 if taken else 0)
-            chunk = ([output] if taken else []) + inputs[taken:taken + room]
-            taken += room
-            kernel_op = "sum" if op == "avg" and taken < total else op
-            self._launch_reduce(kernels.reduce[dtype, kernel_op], stream, output, chunk, count,
-                                itemsize, total)
+        last = len(launches) - 1
+        for index, launch_inputs in enumerate(launches):
+            kernel_op = "sum" if op == "avg" and index < last else op
+            self._launch_reduce(kernels.reduce[dtype, kernel_op], stream, output, launch_inputs,
+                                count, itemsize, len(inputs))
 
     def _launch_reduce(self, function: Any, stream: Any, output: int, inputs: list, count: int,
                        itemsize: int, divisor: int) -> None:
