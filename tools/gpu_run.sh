@@ -72,7 +72,12 @@ if [ "$what" = fsdp ]; then
       --dump-stacks-after 130
   done
   if grep -q "^step 49 " "$OUT/fsdp2-hoccl.log"; then
-    step train-bench 330 $TRUN python3 -m hoccl.bench.train --out "$OUT/train"
+    # one run per shape: a peer's freed buffers stay mapped by hoccl's IPC cache for the
+    # life of the process, so shapes run back to back in one process run out of memory
+    for shape in ${TRAIN_SHAPES:-compute comm large}; do
+      step "train-$shape" 200 $TRUN python3 -m hoccl.bench.train --shapes $shape \
+        --out "$OUT/train-$shape"
+    done
   fi
 fi
 if [ "$what" = hier ] || [ "$what" = tests ] || [ "$what" = fsdp ]; then
