@@ -46,6 +46,17 @@ def _even_splits(call: str, tensor: torch.Tensor, world_size: int) -> List[int]:
     return [rows // world_size] * world_size
 
 
+def _copy_blocks(flat: torch.Tensor, outputs: Sequence[torch.Tensor]) -> Callable[[], None]:
+    """What copies block r of ``flat`` (the flat temporary of a list form) into
+    ``outputs[r]``, run by the Launcher once the hoccl call is on the stream."""
+    count = flat.numel() // len(outputs)
+
+    def copy_out() -> None:
+        for rank, output in enumerate(outputs):
+            output.copy_(flat[rank * count:(rank + 1) * count].view_as(output))
+    return copy_out
+
+
 class ProcessGroupHoccl(dist.ProcessGroup):
     """A torch.distributed process group whose collectives are hoccl calls.
 
@@ -156,17 +167,12 @@ class ProcessGroupHoccl(dist.ProcessGroup):
         if self._gloo(call, [input, *outputs]):
             return self.cpu_group.allgather(output_tensors, input_tensors, opts)
         self._blocks(call, outputs, input)
-        count = input.numel()
 
         def issue(stream: Any) -> Callable[[], None]:
-            flat = torch.empty(count * self.size(), dtype=input.dtype, device=input.device)
+            flat = input.new_empty(input.numel() * self.size())
             self.communicator.all_gather(movable(input.contiguous()), movable(flat),
                                          stream=stream)
-
-            def copy_out() -> None:
-                for rank, output in enumerate(outputs):
-                    output.copy_(flat[rank * count:(rank + 1) * count].view_as(output))
-            return copy_out
+            return _copy_blocks(flat, outputs)
         return self._run(issue, outputs, [input, *outputs], opts)
 
     def all_gather_single_coalesced(self, outputs: List[torch.Tensor],
@@ -352,19 +358,14 @@ class ProcessGroupHoccl(dist.ProcessGroup):
             return self.cpu_group.gather(output_tensors, input_tensors, opts)
         if is_root:
             self._blocks(call, outputs, input)
-        count = input.numel()
 
         def issue(stream: Any) -> Optional[Callable[[], None]]:
             if not is_root:
                 self.communicator.gather(movable(input), None, root, stream=stream)
                 return None
-            flat = torch.empty(count * self.size(), dtype=input.dtype, device=input.device)
+            flat = input.new_empty(input.numel() * self.size())
             self.communicator.gather(movable(input), movable(flat), root, stream=stream)
-
-            def copy_out() -> None:
-                for rank, output in enumerate(outputs):
-                    output.copy_(flat[rank * count:(rank + 1) * count].view_as(output))
-            return copy_out
+            return _copy_blocks(flat, outputs)
         return self._run(issue, outputs, [input, *outputs], opts)
 
     def scatter(self, output_tensors: List[torch.Tensor], input_tensors: List[List[torch.Tensor]],  # type: ignore[override]
