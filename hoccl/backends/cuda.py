@@ -401,21 +401,16 @@ class CudaDevice(Device):
         _call(driver.cuStreamDestroy, stream)
 
     def resolve_stream(self, stream: Any, arrays: Sequence[Any]) -> Any:
-        """The caller's stream.  A framework's default stream (handle 0) comes back as
-        ``CU_STREAM_LEGACY``, the same stream named unambiguously: a library built with
-        per-thread default streams (one that phases of a call across hosts hand the handle
-        to) reads 0 as its thread's stream, which is not ordered with the legacy one."""
         if stream is None:
             framework = array_framework(arrays)
-            handle = 0
             if framework == "torch":
                 torch = sys.modules["torch"]
-                handle = torch.cuda.current_stream(self.ordinal).cuda_stream
-            elif framework == "cupy":
+                return driver.CUstream(torch.cuda.current_stream(self.ordinal).cuda_stream)
+            if framework == "cupy":
                 cupy = sys.modules["cupy"]
                 with cupy.cuda.Device(self.ordinal):
-                    handle = cupy.cuda.get_current_stream().ptr
-            return driver.CUstream(handle or driver.CU_STREAM_LEGACY)
+                    return driver.CUstream(cupy.cuda.get_current_stream().ptr)
+            return driver.CUstream(driver.CU_STREAM_LEGACY)
         if isinstance(stream, driver.CUstream):
             return stream
         return driver.CUstream(stream_handle(stream))
