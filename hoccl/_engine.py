@@ -37,7 +37,7 @@ from .sched import Options, Shape, build_plan, verify
 from .sched.plan import CHANNEL_NAMES, CHANNELS, Plan
 from .streams import StreamManager
 
-__all__ = ["ABORT_VALUE", "SignalPad", "Call", "Engine", "PeerBuffer"]
+__all__ = ["ABORT_VALUE", "SignalPad", "Call", "CallTemplate", "Engine", "PeerBuffer"]
 
 log = logging.getLogger("hoccl")
 
@@ -128,7 +128,17 @@ class PeerBuffer(NamedTuple):
     nbytes: int
 
 
-@dataclass(eq=False)
+class CallTemplate(NamedTuple):
+    """What every call of one shape has in common on this rank, worked out once per shape
+    and options: a repeated call only fills in its addresses."""
+    plan: Plan
+    options: Options           # the options the plan was built with
+    signature: tuple           # what every participant must agree on
+    buffers: Tuple[Tuple[str, int], ...]  # (name, bytes the plan uses) of each non-empty buffer
+    shared: Tuple[str, ...]    # the names of those that peers' steps touch
+
+
+@dataclass(eq=False, slots=True)  # slots: built on every call, and half the cost to build
 class Call:
     """One call of one rank, from ``prepare`` to the end of its work."""
     name: str                  # the public call: "all_gather", "send", ...
@@ -149,6 +159,7 @@ class Call:
 
 
 _VERIFIED: Dict[int, Plan] = {}
+_CACHED = 1024  # call templates and bound programs an engine keeps (then it starts afresh)
 
 
 def _verified(plan: Plan) -> Plan:
@@ -181,7 +192,8 @@ class Engine:
         self._pair_base: Dict[Tuple[int, ...], int] = {}
         self._scratch: Tuple[Any, int] = (None, 0)
         self._retired: List[Any] = []
-        self._shared_names: Dict[int, Tuple[Plan, Tuple[str, ...]]] = {}
+        self._templates: Dict[Shape, CallTemplate] = {}
+        self._programs: Dict[tuple, Tuple[Plan, tuple]] = {}  # see _program
         self.inflight: Deque[Call] = collections.deque()  # enqueued, in call order
         self.lock = threading.RLock()
         self.closed = False
@@ -219,37 +231,48 @@ class Engine:
         """Everything that can fail before the caller's stream is fenced: the plan, the
         caller's stream, scratch, and (``exported``: peers live in other processes) the
         export descriptors of the buffers peers touch."""
-        plan = self.plan(shape)
+        template = self._templates.get(shape)
+        if template is None or template.options is not self.options:
+            template = self._template(shape)
+        plan = template.plan
         arrays = tuple(buffer.owner for buffer in buffers.values() if buffer is not None)
         self.device.activate()
         caller = self.device.resolve_stream(stream, arrays)
         local: Dict[str, Any] = {}
         sizes: Dict[str, int] = {}
-        for spec in plan.buffers[self.rank]:
-            if spec.nbytes == 0:
-                continue  # a plan never addresses an empty buffer (and it may have no address)
-            if spec.name == "scratch":
-                local["scratch"] = self._scratch_of(spec.nbytes)
-                sizes["scratch"] = spec.nbytes
+        for buffer_name, nbytes in template.buffers:
+            if buffer_name == "scratch":
+                local[buffer_name] = self._scratch_of(nbytes)
+                sizes[buffer_name] = nbytes
             else:
-                buffer = buffers[spec.name]
+                buffer = buffers[buffer_name]
                 assert buffer is not None
-                local[spec.name] = buffer.address
-                sizes[spec.name] = buffer.nbytes
-        shared = {}
-        for buffer_name in self._shared(plan):
-            if buffer_name in local:
-                where = (self.device.export(local[buffer_name]) if exported
-                         else local[buffer_name])
-                shared[buffer_name] = PeerBuffer(where, sizes[buffer_name])
+                local[buffer_name] = buffer.address
+                sizes[buffer_name] = buffer.nbytes
+        # exported on every call: only the device can tell a reallocation at the same address
+        shared = {buffer_name: PeerBuffer(self.device.export(local[buffer_name]) if exported
+                                          else local[buffer_name], sizes[buffer_name])
+                  for buffer_name in template.shared}
         if plan.pair:
             key: tuple = ("pair",) + plan.pair + (self._pair_calls.get(plan.pair, 0),)
         else:
             key = ("coll", self._collectives)
+        return Call(name, plan, key, template.signature, local, shared, arrays, caller, self)
+
+    def _template(self, shape: Shape) -> CallTemplate:
+        plan = self.plan(shape)
+        # a plan never addresses an empty buffer (and it may have no address)
+        used = tuple((spec.name, spec.nbytes) for spec in plan.buffers[self.rank] if spec.nbytes)
+        names = {buffer_name for buffer_name, _ in used}
         signature = (("collective", shape.collective), ("count", shape.count),
                      ("dtype", shape.dtype), ("op", shape.op), ("root", shape.root),
                      ("peer", shape.peer))
-        return Call(name, plan, key, signature, local, shared, arrays, caller, self)
+        template = CallTemplate(plan, self.options, signature, used,
+                                tuple(name for name in plan.shared(self.rank) if name in names))
+        if len(self._templates) >= _CACHED:
+            self._templates.clear()
+        self._templates[shape] = template
+        return template
 
     def enqueue(self, call: Call, fence: bool = True) -> None:
         """Number ``call`` and fence the caller's stream on it.  From here the call must
@@ -292,13 +315,13 @@ class Engine:
         device).  A peer buffer smaller than the plan reaches into raises MismatchError
         before anything is enqueued."""
         try:
-            resolved = [self._addresses(call, imported) for call in calls]
+            programs = [self._program(call, imported) for call in calls]
         except MismatchError:
             for call in calls:
                 self.release(call)
             raise
         items = []
-        for call, addresses in zip(calls, resolved):
+        for call, program in zip(calls, programs):
             plan = call.plan
             if plan.pair:
                 base = self._pair_base.get(plan.pair, 0)
@@ -307,7 +330,7 @@ class Engine:
                 base = self._signal_base
                 self._signal_base += plan.max_value
             call.base = base
-            items.append((plan, addresses, base, call.entry))
+            items.append((plan, program, base, call.entry))
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("rank %d issue %s call %d base %d lanes %d steps %d sms=%s",
                           self.rank, plan.collective, call.value, base, plan.lanes,
@@ -318,10 +341,15 @@ class Engine:
             call.issued_at = now
             call.issued = True
 
-    def _addresses(self, call: Call, imported: bool) -> Dict[Tuple[int, str], Any]:
+    def _program(self, call: Call, imported: bool) -> tuple:
+        """This rank's steps of ``call`` with every address resolved (``Executor.bind``),
+        once every peer buffer is known to hold what the plan touches in it.
+
+        The same plan with the same buffers here and the same buffer descriptors from
+        every peer binds to the same program, so it is looked up by them: a repeated
+        call skips the imports and the address arithmetic.  Descriptors that differ
+        (another buffer, a reallocation, another size) are another key."""
         plan = call.plan
-        addresses: Dict[Tuple[int, str], Any] = {(self.rank, name): address
-                                                 for name, address in call.local.items()}
         for peer, shared in call.peers.items():
             for buffer_name, buffer in shared.items():
                 needed = plan.buffer(peer, buffer_name).nbytes
@@ -330,6 +358,25 @@ class Engine:
                         f"{call.name}: rank {peer}'s {buffer_name} holds {buffer.nbytes} bytes "
                         f"but rank {self.rank}'s plan for this call reaches {needed} bytes into "
                         f"it; the ranks disagree on the call's size")
+        # a plan hashes all its steps: it is known by its id, and kept in the entry so
+        # that the id cannot pass to another plan while the entry lives
+        layout = (id(plan), tuple(call.local.values()),
+                  tuple((peer, tuple(shared.items())) for peer, shared in call.peers.items()))
+        entry = self._programs.get(layout)
+        if entry is None or entry[0] is not plan:
+            entry = (plan, self.executor.bind(plan, self._addresses(call, imported)))
+            if len(self._programs) >= _CACHED:
+                self._programs.clear()
+            self._programs[layout] = entry
+        return entry[1]
+
+    def _addresses(self, call: Call, imported: bool) -> Dict[Tuple[int, str], Any]:
+        """Every buffer of ``call``, this rank's and its peers' (imported when
+        ``imported``), by (rank, name)."""
+        addresses: Dict[Tuple[int, str], Any] = {(self.rank, name): address
+                                                 for name, address in call.local.items()}
+        for peer, shared in call.peers.items():
+            for buffer_name, buffer in shared.items():
                 addresses[(peer, buffer_name)] = (self.device.import_(buffer.where) if imported
                                                   else buffer.where)
         return addresses
@@ -381,15 +428,6 @@ class Engine:
             self._scratch = (address, nbytes)
         return address
 
-    def _shared(self, plan: Plan) -> Tuple[str, ...]:
-        """``plan.shared(rank)``, computed once per plan (plans are cached per shape)."""
-        entry = self._shared_names.get(id(plan))
-        if entry is None or entry[0] is not plan:
-            if len(self._shared_names) > 4096:
-                self._shared_names.clear()
-            entry = self._shared_names[id(plan)] = (plan, plan.shared(self.rank))
-        return entry[1]
-
     # -- teardown -------------------------------------------------------------------------
     def drained(self, timeout: float) -> bool:
         """Whether every unfinished call's caller stream reached it and the lanes are idle
@@ -406,6 +444,8 @@ class Engine:
         self.streams.close()
         with self.lock:
             self.inflight.clear()
+        self._templates.clear()
+        self._programs.clear()  # their peer addresses die with the device's mappings
 
 
 def _stream_key(stream: Any) -> Any:

@@ -24,6 +24,7 @@ mpi4py communicator; ``hoccl.torch`` provides one over a torch.distributed Store
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import time
 from collections import deque
@@ -37,6 +38,8 @@ if TYPE_CHECKING:
     from ._health import Health
 
 __all__ = ["Group", "Bootstrap", "LocalGroup", "ProcessGroup", "MPIBootstrap"]
+
+_DESCRIPTIONS = 256  # call descriptions a process group remembers each way
 
 
 class Bootstrap(Protocol):
@@ -289,7 +292,7 @@ class LocalGroup:
                         break
                     queue.popleft()
                     for call, group in zip(batch, groups):
-                        call.peers = {peer: theirs.shared for peer, theirs in group.items()
+                        call.peers = {peer: group[peer].shared for peer in call.plan.participants
                                       if peer != rank}
                     batch[0].engine.issue(batch, imported=False)
                     for call, group in zip(batch, groups):
@@ -345,6 +348,10 @@ class ProcessGroup:
         self.pid = os.getpid()
         self.mailboxes = Mailboxes(self.rank, self.world_size, bootstrap.allgather,
                                    bootstrap.barrier)
+        # the descriptions of calls lately sent (by signature: the shared buffers and the
+        # bytes) and received (by bytes: the contents)
+        self._sent: Dict[tuple, Tuple[Dict[str, "PeerBuffer"], bytes]] = {}
+        self._received: Dict[bytes, Tuple[tuple, Dict[str, "PeerBuffer"]]] = {}
 
     def local_rank(self) -> int:
         """This rank's index among the ranks on its host."""
@@ -356,10 +363,12 @@ class ProcessGroup:
         self.complete(calls)
 
     def post(self, calls: Sequence["Call"]) -> None:
-        """Send (key, signature, shared buffers) of each call to its participants."""
+        """Send (key, description) of each call to its participants: the description is
+        its signature and shared buffers, pickled once per distinct description
+        (``_description``)."""
         deadline = time.monotonic() + self.timeout
         for call in calls:
-            message = (call.key, call.signature, call.shared)
+            message = (call.key, self._description(call))
             for peer in call.plan.participants:
                 if peer != self.rank:
                     self.mailboxes.send(peer, message, deadline, call.name)
@@ -377,8 +386,34 @@ class ProcessGroup:
             self._discard(calls)
             raise MismatchError(problem)
         for call in calls:
-            call.peers = {peer: shared for peer, (_, shared) in received[call.key].items()}
+            theirs = received[call.key]
+            call.peers = {peer: theirs[peer][1] for peer in call.plan.participants
+                          if peer != self.rank}
         calls[0].engine.issue(calls, imported=True)
+
+    def _description(self, call: "Call") -> bytes:
+        """``(call.signature, call.shared)`` pickled.  A repeated call (the same signature
+        and the same descriptors) sends the bytes of the previous one."""
+        known = self._sent.get(call.signature)
+        if known is None or known[0] != call.shared:
+            known = (call.shared, pickle.dumps((call.signature, call.shared),
+                                               protocol=pickle.HIGHEST_PROTOCOL))
+            if len(self._sent) >= _DESCRIPTIONS:
+                self._sent.clear()
+            self._sent[call.signature] = known
+        return known[1]
+
+    def _described(self, description: bytes) -> Tuple[tuple, Dict[str, "PeerBuffer"]]:
+        """A peer's ``(signature, shared)`` from its description.  Equal bytes are equal
+        contents, so a repeated description is unpickled once and its objects reused
+        (the engine then finds the call's bound program by them)."""
+        found = self._received.get(description)
+        if found is None:
+            found = pickle.loads(description)
+            if len(self._received) >= _DESCRIPTIONS:
+                self._received.clear()
+            self._received[description] = found
+        return found
 
     def _receive(self, calls: Sequence["Call"], deadline: float
                  ) -> Dict[tuple, Dict[int, Tuple[tuple, Dict[str, "PeerBuffer"]]]]:
@@ -395,15 +430,21 @@ class ProcessGroup:
             call.key: {} for call in calls}
         names = {call.key: call.name for call in calls}
         first = calls[0]
+        mailboxes = self.mailboxes
         while expected:
             missing = sorted(expected)
-            wait_until(lambda: any(self.mailboxes.ready(peer) for peer in missing), deadline,
-                       lambda: f"{first.name}: rank {self.rank} waited {self.timeout:g} s for "
-                               f"ranks {missing} to make the matching call {first.key}; they "
-                               f"never did: a mismatched sequence of calls or a dead process",
-                       check=lambda: self.mailboxes.check_alive(missing, first.name))
-            for peer in [peer for peer in missing if self.mailboxes.ready(peer)]:
-                key, signature, shared = self.mailboxes.receive(peer)
+            arrived = [peer for peer in missing if mailboxes.ready(peer)]
+            if not arrived:
+                wait_until(lambda: any(mailboxes.ready(peer) for peer in missing), deadline,
+                           lambda: f"{first.name}: rank {self.rank} waited {self.timeout:g} s "
+                                   f"for ranks {missing} to make the matching call "
+                                   f"{first.key}; they never did: a mismatched sequence of "
+                                   f"calls or a dead process",
+                           check=lambda: mailboxes.check_alive(missing, first.name))
+                continue
+            for peer in arrived:
+                key, description = mailboxes.receive(peer)
+                signature, shared = self._described(description)
                 keys = expected[peer]
                 if (key not in keys) if len(calls) > 1 else (key != keys[0]):
                     self._discard(calls)

@@ -23,7 +23,6 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from . import _validate as check
 from ._buffers import Buffer, as_buffer
-from ._dtypes import ITEMSIZE
 from ._engine import Call, Engine
 from ._errors import (AbortedError, HocclError, HocclTimeoutError, InvalidArgumentError,
                       MismatchError)
@@ -353,14 +352,14 @@ class Communicator:
     def _shape(self, name: str, buffer: Buffer, count: Optional[int] = None, **fields: Any
                ) -> Shape:
         return Shape(name, self.world_size, buffer.count if count is None else count,
-                     buffer.dtype, ITEMSIZE[buffer.dtype], **fields)
+                     buffer.dtype, buffer.itemsize, **fields)
 
     def _pair(self, name: str, buf: Any, peer: int, stream: Any) -> None:
         (buffer,) = self._buffers(name, buf=buf)
         peer = check.rank(name, "peer", peer, self.world_size, other_than=self.rank)
         sender, receiver = (self.rank, peer) if name == "send" else (peer, self.rank)
-        shape = Shape("sendrecv", self.world_size, buffer.count, buffer.dtype,
-                      ITEMSIZE[buffer.dtype], root=sender, peer=receiver)
+        shape = Shape("sendrecv", self.world_size, buffer.count, buffer.dtype, buffer.itemsize,
+                      root=sender, peer=receiver)
         self._enter(name, shape, {name: buffer}, stream)
 
     def _submit(self, name: str, shape: Shape, send: Optional[Buffer], recv: Optional[Buffer],

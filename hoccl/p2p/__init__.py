@@ -1,12 +1,19 @@
 """The P2P executor: issue one rank's plan steps through its device.
 
-The executor holds no algorithm: it interprets the steps a plan gives this rank,
-resolving ``BufRef`` (rank, buffer, offset) to addresses and pad slots to addresses
-through the rank's ``SignalPad`` (own slots for waits, the peers' mapped pads for
-signals), and adding the call's signal base to every value.  Stream memory operations are buffered per lane and flushed as one batched
-call before the lane's next copy, kernel or event (``cuStreamBatchMemOp`` keeps
-their order); consecutive independent copies on one lane become one batch.  A
-rank's whole collective on two GPUs is then a handful of driver calls.
+The executor holds no algorithm: it interprets the steps a plan gives this rank, in
+three stages, the first two cached by their callers::
+
+    compile_program(plan, rank)      steps as tuples, independent copies merged (per plan)
+    executor.bind(plan, addresses)   BufRef (rank, buffer, offset) and pad slots resolved
+                                     to addresses through the rank's SignalPad (own slots
+                                     for waits, the peers' mapped pads for signals)
+    executor.issue(items, value)     the call's signal base added to every value, the
+                                     operations enqueued
+
+Stream memory operations are buffered per lane and flushed as one batched call before
+the lane's next copy, kernel or event (``cuStreamBatchMemOp`` keeps their order);
+consecutive independent copies on one lane become one batch.  A rank's whole
+collective on two GPUs is then a handful of driver calls.
 """
 
 from __future__ import annotations
@@ -105,17 +112,44 @@ class Executor:
         self.streams = streams
         self.pad = pad
 
-    def issue(self, items: Sequence[Tuple[Plan, Dict[Tuple[int, str], Any], int, Any]],
+    def bind(self, plan: Plan, addresses: Dict[Tuple[int, str], Any]) -> Tuple[tuple, ...]:
+        """This rank's compiled steps of ``plan`` with every address resolved:
+        ``addresses[(rank, name)]`` are the buffers' bases, slots become addresses in
+        this rank's pad (waits) or a peer's (signals).  Signal values stay relative to
+        the call; ``issue`` adds its base."""
+        pad = self.pad
+
+        def at(ref):
+            return addresses[(ref[0], ref[1])] + ref[2]
+
+        bound = []
+        for kind, lane_index, arg in compile_program(plan, self.rank):
+            if kind == _SIGNAL:
+                peer, slot, value = arg
+                arg = (pad.remote(peer, slot), value)
+            elif kind == _WAIT:
+                slot, value = arg
+                arg = (pad.local(slot), value)
+            elif kind == _COPY or kind == _LOCAL_COPY:
+                arg = tuple((at(dst), at(src), nbytes) for dst, src, nbytes in arg)
+            elif kind == _REDUCE:
+                inputs, output, count, dtype, op = arg
+                arg = (tuple(at(ref) for ref in inputs), at(output), count, dtype, op)
+            bound.append((kind, lane_index, arg))
+        return tuple(bound)
+
+    def issue(self, items: Sequence[Tuple[Plan, Tuple[tuple, ...], int, Any]],
               value: int) -> None:
-        """Enqueue this rank's part of each ``(plan, addresses, base, entry)`` in ``items``
-        and end with the completion value ``value``.
+        """Enqueue each ``(plan, program, base, entry)`` of ``items`` (``program``: the
+        plan's steps for this rank from ``bind``) and end with the completion value
+        ``value``.
 
         Each plan's lanes wait for its caller's ``entry`` event, then run its steps
-        (signal values offset by ``base``; ``addresses[(rank, name)]`` are buffer bases).
-        Several items (a ``hoccl.group()``) run side by side, each family of them (the
-        collectives; the send/recv of one pair and direction) on lanes of its own, so that
-        calls of one group never wait for each other (a ring of send/recv); lane 0 then
-        joins every lane used and writes the completion value once.
+        (signal values offset by ``base``).  Several items (a ``hoccl.group()``) run
+        side by side, each family of them (the collectives; the send/recv of one pair and
+        direction) on lanes of its own, so that calls of one group never wait for each
+        other (a ring of send/recv); lane 0 then joins every lane used and writes the
+        completion value once.
         """
         device, streams = self.device, self.streams
         firsts, total = _families(plan for plan, _, _, _ in items)
@@ -130,12 +164,12 @@ class Executor:
                 pending[lane_index] = []
 
         try:
-            for item, (plan, addresses, base, entry) in enumerate(items):
+            for item, (plan, program, base, entry) in enumerate(items):
                 first = firsts[plan.pair]
                 for lane_index in range(first, first + plan.lanes):
                     flush(lane_index)
                     device.wait_event(lanes[lane_index], entry)
-                self._steps(plan, addresses, base, first, pending, flush, marks, item)
+                self._steps(program, base, first, pending, flush, marks, item)
             # join: lane 0 continues only after every other lane's last step
             for lane_index in range(1, total):
                 flush(lane_index)
@@ -164,39 +198,31 @@ class Executor:
         self.streams.ensure_lanes(total)
         self.streams.reserve_events(marks + total - 1 + len(plans))  # marks, joins, entries
 
-    def _steps(self, plan: Plan, addresses: Dict[Tuple[int, str], Any], base: int, first: int,
-               pending: List[list], flush: Any, marks: Dict[Tuple[int, int], Any],
-               item: int) -> None:
-        """One plan's steps on lanes ``first, first + 1, ...``."""
-        device, streams, pad, lanes = self.device, self.streams, self.pad, self.streams.lanes
-
-        def at(ref):
-            return addresses[(ref[0], ref[1])] + ref[2]
-
-        for kind, lane_index, arg in compile_program(plan, self.rank):
+    def _steps(self, program: Tuple[tuple, ...], base: int, first: int, pending: List[list],
+               flush: Any, marks: Dict[Tuple[int, int], Any], item: int) -> None:
+        """One bound program's steps on lanes ``first, first + 1, ...``."""
+        device, streams, lanes = self.device, self.streams, self.streams.lanes
+        for kind, lane_index, arg in program:
             lane_index += first
             if kind == _SIGNAL:
-                peer, slot, signal_value = arg
-                pending[lane_index].append((MemOp.WRITE, pad.remote(peer, slot),
-                                            base + signal_value))
+                pending[lane_index].append((MemOp.WRITE, arg[0], base + arg[1]))
                 continue
             if kind == _WAIT:
-                pending[lane_index].append((MemOp.WAIT, pad.local(arg[0]), base + arg[1]))
+                pending[lane_index].append((MemOp.WAIT, arg[0], base + arg[1]))
                 continue
             flush(lane_index)
             lane = lanes[lane_index]
             if kind == _COPY:
                 if len(arg) == 1:
-                    dst, src, nbytes = arg[0]
-                    device.copy(lane, at(dst), at(src), nbytes)
+                    device.copy(lane, *arg[0])
                 else:
-                    device.copy_batch(lane, [(at(dst), at(src), n) for dst, src, n in arg])
+                    device.copy_batch(lane, arg)
             elif kind == _LOCAL_COPY:
                 for dst, src, nbytes in arg:
-                    device.local_copy(lane, at(dst), at(src), nbytes)
+                    device.local_copy(lane, dst, src, nbytes)
             elif kind == _REDUCE:
                 inputs, output, count, dtype, op = arg
-                device.reduce(lane, at(output), [at(ref) for ref in inputs], count, dtype, op)
+                device.reduce(lane, output, inputs, count, dtype, op)
             elif kind == _MARK:
                 event = streams.event()
                 device.record(lane, event)

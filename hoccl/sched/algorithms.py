@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from .._errors import InvalidArgumentError
 from .plan import (CHANNELS, DONE, GATHERED, PAIR_DONE, PAIR_READY, READY, After, BufferSpec,
@@ -28,18 +28,19 @@ COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broa
 SELF_ROUTES = ("peer", "local")
 
 
-@dataclass(frozen=True)
-class Shape:
+class Shape(NamedTuple):
     """What a collective moves, independent of where the buffers are.
 
     ``count`` is NCCL's count: elements sent per rank (all_gather, gather), received
     per rank (reduce_scatter, scatter), in the whole buffer (all_reduce, broadcast,
     reduce, sendrecv), or per peer block (all_to_all).  For ``sendrecv`` ``root`` is
-    the sender and ``peer`` the receiver.
+    the sender and ``peer`` the receiver.  A named tuple: every call builds one and
+    looks its plan up by it, and a tuple is several times cheaper to build than a
+    frozen dataclass.
     """
     collective: str
     world_size: int
-    count: int
+    count: int  # type: ignore[assignment]  # the field hides tuple.count, which no one calls
     dtype: str = "uint8"
     itemsize: int = 1
     op: str = "sum"

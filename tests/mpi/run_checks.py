@@ -71,6 +71,57 @@ def check_reallocated_buffers(comm, seed):
             cupy.get_default_memory_pool().free_all_blocks()  # the next round allocates anew
 
 
+def check_repeated_calls(comm, seed):
+    """Repeated calls of one shape reuse their bound program: each must still move its
+    own fresh data; a peer that alone switches buffers must be written in its new one;
+    and a peer buffer registered too small for the plan is refused even after the shape
+    has run (MismatchError on every rank, nothing written), after which the shape runs
+    again."""
+    arrays = array_module_for(comm.backend, "float32")
+    n, rank, count = comm.world_size, comm.rank, 40
+    rng = np.random.default_rng(seed)
+    fulls = [arrays.asarray(poison(n * count, "float32"), comm.device) for _ in range(2)]
+    for round_ in range(8):
+        data = [random_array(rng, count, "float32") for _ in range(n)]
+        # rank 0 keeps one buffer; the others alternate between two
+        full = fulls[0 if rank == 0 else round_ % 2]
+        full[:] = arrays.asarray(poison(n * count, "float32"), comm.device)
+        full[rank * count:(rank + 1) * count] = arrays.asarray(data[rank], comm.device)
+        comm.all_gather(full[rank * count:(rank + 1) * count], full)
+        comm.synchronize()
+        assert_exact(f"repeated all_gather round {round_}: rank {rank}", np.concatenate(data),
+                     arrays.to_numpy(full, "float32"))
+    if n == 1:
+        return
+    engine = comm._engine
+    prepare = engine.prepare
+
+    def too_small(*args, **kwargs):
+        call = prepare(*args, **kwargs)
+        call.shared = {name: buffer._replace(nbytes=buffer.nbytes - 4)
+                       for name, buffer in call.shared.items()}
+        return call
+    full = fulls[0]
+    full[:] = arrays.asarray(poison(n * count, "float32"), comm.device)
+    engine.prepare = too_small
+    try:
+        comm.all_gather(full[rank * count:(rank + 1) * count], full)
+        raise AssertionError(f"rank {rank}: a peer buffer too small for the plan was accepted")
+    except hoccl.MismatchError as error:
+        assert "bytes into it" in str(error), str(error)
+    finally:
+        del engine.prepare
+    comm.synchronize()
+    assert_exact(f"refused all_gather: rank {rank} (written?)", poison(n * count, "float32"),
+                 arrays.to_numpy(full, "float32"))
+    data = [random_array(rng, count, "float32") for _ in range(n)]
+    full[rank * count:(rank + 1) * count] = arrays.asarray(data[rank], comm.device)
+    comm.all_gather(full[rank * count:(rank + 1) * count], full)
+    comm.synchronize()
+    assert_exact(f"all_gather after the refusal: rank {rank}", np.concatenate(data),
+                 arrays.to_numpy(full, "float32"))
+
+
 def run(world, comm, name, action, fault):
     """Run one case on this rank; its outcome over all ranks."""
     try:
@@ -113,6 +164,8 @@ def main():
                                    lambda: (comm.barrier(), comm.synchronize()), None)]
         outcomes["reallocated buffers"] = [run(world, comm, "reallocated buffers",
                                                lambda: check_reallocated_buffers(comm, 11), None)]
+        outcomes["repeated calls"] = [run(world, comm, "repeated calls",
+                                          lambda: check_repeated_calls(comm, 12), None)]
     comm.close()
     every = [outcome for results in outcomes.values() for outcome in results]
     passed, failed, errors = (every.count(outcome) for outcome in (PASSED, FAILED, ERROR))

@@ -1,0 +1,159 @@
+"""Host time per call of small collectives on the host backend, under mpiexec.
+
+Run: ``mpiexec -n 2 python tools/host_overhead.py [--size 4K] [--iters 1000] [--profile]
+[--no-stream-work]``
+
+Each rank makes ``--iters`` calls of one collective (in place, float32, ``--size`` bytes
+in the large buffer) with no synchronisation between them, then synchronises; the time
+per call is that span over ``--iters``.  At a few KiB the copies cost little, so the
+figure is the shared call path: argument checks, buffer resolution, planning, the
+per-call agreement with the peers through the mailboxes, the bounds checks and the
+executor issuing the steps (on the host backend, onto worker threads that run in the
+same process and share its interpreter).  Rank 0 prints the slowest rank's figure of
+each of ``--repeats`` rounds, their median and their minimum (the round least disturbed
+by other work on the machine); ``--profile`` adds a cProfile of rank 0's
+calls of one more round, sorted by own time.
+
+On the host backend the worker threads that run the streams share the interpreter (and,
+on a small machine, the cores) with the calling thread, so the figure also holds their
+work and varies from run to run.  ``--no-stream-work`` gives every rank a host device
+whose stream operations do nothing but write the completion words at once (no worker
+threads, no copies, no waits): the figure is then the shared call path alone, mailbox
+exchange included, which is what a GPU call adds to its driver calls.
+"""
+
+import argparse
+import cProfile
+import ctypes
+import io
+import pstats
+import statistics
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+import hoccl
+from hoccl.backends.host import HostDevice, RemotePtr
+from hoccl.bench._harness import parse_size
+
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
+
+
+class CallPathDevice(HostDevice):
+    """The host device with the work of its streams left out: a stream is a name, events
+    are reached when recorded, copies, reductions and waits do nothing, and writes into
+    this process's memory (the completion and host words, own pad slots) happen at once,
+    so calls complete as soon as they are issued."""
+
+    def create_stream(self):
+        return "stream"
+
+    def destroy_stream(self, stream):
+        pass
+
+    def record(self, stream, event):
+        event.latest = [True]
+
+    def wait_event(self, stream, event):
+        pass
+
+    def synchronize_stream(self, stream, timeout):
+        pass
+
+    def copy(self, stream, dst, src, nbytes):
+        pass
+
+    def local_copy(self, stream, dst, src, nbytes):
+        pass
+
+    def write_value(self, stream, address, value):
+        if not isinstance(address, RemotePtr):
+            ctypes.c_uint64.from_address(address).value = value
+
+    def wait_value(self, stream, address, value):
+        pass
+
+    def reduce(self, stream, output, inputs, count, dtype, op):
+        pass
+
+
+def in_place_call(comm, collective, nbytes):
+    """A function making one in-place call of ``collective`` (float32, ``nbytes`` in the
+    large buffer), on buffers made once."""
+    n, rank = comm.world_size, comm.rank
+    block = max(1, nbytes // 4 // n)
+    if collective == "all_reduce":
+        buffer = np.ones(block * n, dtype=np.float32)
+        return lambda: comm.all_reduce(buffer, buffer, "sum")
+    full = np.ones(block * n, dtype=np.float32)
+    own = full[rank * block:(rank + 1) * block]
+    if collective == "all_gather":
+        return lambda: comm.all_gather(own, full)
+    return lambda: comm.reduce_scatter(full, own, "sum")
+
+
+def timed(comm, call, iters):
+    """Seconds per call of ``iters`` calls, with one synchronize at the end."""
+    MPI.COMM_WORLD.Barrier()
+    start = time.perf_counter()
+    for _ in range(iters):
+        call()
+    comm.synchronize()
+    return (time.perf_counter() - start) / iters
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", default="4K", help="bytes in the large buffer (4K, 1M, ...)")
+    parser.add_argument("--iters", type=int, default=1000, help="calls per round")
+    parser.add_argument("--repeats", type=int, default=10, help="rounds per collective")
+    parser.add_argument("--collectives", default=",".join(COLLECTIVES))
+    parser.add_argument("--profile", action="store_true",
+                        help="print a cProfile of rank 0's calls of one more round")
+    parser.add_argument("--no-stream-work", action="store_true",
+                        help="a host device whose streams do no work: the call path alone")
+    args = parser.parse_args()
+    nbytes = parse_size(args.size)
+    if args.no_stream_work:
+        # hoccl.init opens its device through this name
+        hoccl.open_device = lambda backend, ordinal, **settings: CallPathDevice(**settings)
+    comm = hoccl.init(backend="host")
+    world = MPI.COMM_WORLD
+    if comm.rank == 0:
+        work = "no stream work" if args.no_stream_work else "streams on worker threads"
+        print(f"host backend ({work}), {comm.world_size} ranks, {args.size} in place, float32, "
+              f"{args.iters} calls per round, {args.repeats} rounds", flush=True)
+        print(f"{'collective':16s} {'median':>8s} {'min':>8s}   rounds (µs/call, slowest rank)")
+    for collective in args.collectives.split(","):
+        call = in_place_call(comm, collective, nbytes)
+        for _ in range(100):  # warm up: plans, lanes, events, imports
+            call()
+        comm.synchronize()
+        rounds = []
+        for _ in range(args.repeats):
+            rounds.append(max(world.allgather(timed(comm, call, args.iters))) * 1e6)
+        if comm.rank == 0:
+            print(f"{collective:16s} {statistics.median(rounds):8.1f} {min(rounds):8.1f}   "
+                  + " ".join(f"{value:.1f}" for value in rounds), flush=True)
+        if args.profile:
+            profile = cProfile.Profile()
+            world.Barrier()
+            profile.enable()
+            for _ in range(args.iters):
+                call()
+            comm.synchronize()
+            profile.disable()
+            calls = sum(stat[1] for stat in profile.getstats())
+            if comm.rank == 0:
+                text = io.StringIO()
+                pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(25)
+                print(f"rank 0, {collective}: {calls / args.iters:.0f} Python function calls "
+                      f"per call (of the calling thread)")
+                print(text.getvalue(), flush=True)
+    comm.close()
+
+
+if __name__ == "__main__":
+    main()
