@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 from test_mpi import MPI_ENV, _mpiexec  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-PROGRAMS = Path(__file__).parent / "torch"
+PROGRAMS = Path(__file__).parent / "torch_programs"
 
 
 def _free_port():

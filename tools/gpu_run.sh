@@ -49,8 +49,8 @@ fi
 if [ "$what" = torch ]; then
   export MASTER_ADDR=127.0.0.1 MASTER_PORT=${MASTER_PORT:-29517}
   TRUN="$MPIRUN -x MASTER_ADDR -x MASTER_PORT"
-  step torch-backend 150 $TRUN python3 tests/torch/run_backend.py --device cuda
-  step torch-training 150 $TRUN python3 tests/torch/run_training.py --device cuda
+  step torch-backend 150 $TRUN python3 tests/torch_programs/run_backend.py --device cuda
+  step torch-training 150 $TRUN python3 tests/torch_programs/run_training.py --device cuda
   for backend in nccl hoccl; do
     step "fsdp2-$backend" 120 $TRUN python3 examples/train_fsdp2.py --backend $backend --steps 50
   done

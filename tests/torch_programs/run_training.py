@@ -1,5 +1,5 @@
 """DDP and FSDP2 training on hoccl against gloo, one rank per process: run with
-``mpiexec -n N python tests/torch/run_training.py [--device cuda]`` (MASTER_ADDR and
+``mpiexec -n N python tests/torch_programs/run_training.py [--device cuda]`` (MASTER_ADDR and
 MASTER_PORT set).
 
 The default process group is hoccl; a group of the same ranks on gloo (NCCL with

@@ -1,5 +1,5 @@
 """torch.distributed on the hoccl backend, one rank per process: run with
-``mpiexec -n N python tests/torch/run_backend.py [--device cuda]`` (MASTER_ADDR and
+``mpiexec -n N python tests/torch_programs/run_backend.py [--device cuda]`` (MASTER_ADDR and
 MASTER_PORT set; ``--device cuda``: one GPU per rank, NCCL standing in for gloo).
 
 Every op torch.distributed has, synchronous and asynchronous, in every dtype torch
