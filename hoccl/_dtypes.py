@@ -101,9 +101,11 @@ def from_torch(dtype: Any) -> Optional[DType]:
     return _BY_TORCH.get(dtype)
 
 
-def reduce_arrays(inputs, op: str, out_dtype: np.dtype) -> np.ndarray:
+def reduce_arrays(inputs, op: str, out_dtype: np.dtype, divisor: Optional[int] = None
+                  ) -> np.ndarray:
     """``op`` over ``inputs`` in the order given, accumulating as the GPU kernels do:
-    16-bit floats in float32, other types in their own precision (integers wrap)."""
+    16-bit floats in float32, other types in their own precision (integers wrap).
+    ``avg`` divides by ``divisor`` (default: the number of inputs)."""
     accumulate = np.float32 if out_dtype.itemsize == 2 and out_dtype.kind in "fV" else out_dtype
     acc = np.array(inputs[0], dtype=accumulate, copy=True)
     with np.errstate(over="ignore", invalid="ignore"):
@@ -120,7 +122,7 @@ def reduce_arrays(inputs, op: str, out_dtype: np.dtype) -> np.ndarray:
             else:
                 raise ValueError(f"reduce_arrays: unknown op {op!r}")
         if op == "avg":
-            k = len(inputs)
+            k = len(inputs) if divisor is None else divisor
             if acc.dtype.kind in "iu":
                 # in 64 bits and toward zero, as C divides: floor division rounded up
                 # where a negative sum leaves a remainder

@@ -33,7 +33,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ._buffers import Buffer
+from ._buffers import Buffer, as_buffer
+from .backends._caller_stream import array_framework
 from ._dtypes import numpy_dtype, reduce_arrays
 from ._errors import AbortedError, HocclError, InvalidArgumentError
 from .bootstrap import Bootstrap, MPIBootstrap
@@ -122,8 +123,7 @@ class _Arrays:
 
     @staticmethod
     def of(array: Any) -> "_Arrays":
-        module = type(array).__module__.split(".")[0]
-        return _Arrays(module if module in ("torch", "cupy") else "numpy")
+        return _Arrays(array_framework([array]) or "numpy")
 
     def flat(self, array: Any) -> Any:
         return array.reshape(-1)
@@ -180,36 +180,11 @@ class _Arrays:
         view.set(host, stream=stream_object)
         stream_object.synchronize()
 
-    def divide(self, view: Any, divisor: int, stream: Optional[int]) -> None:
-        """``view /= divisor`` as avg divides (integers toward zero), on ``stream``; a small
-        elementwise kernel on the cuda backend (the one place SMs touch the data outside
-        the reductions)."""
-        if self.kind == "numpy":
-            divide_in_place(view, divisor)
-            return
-        if self.kind == "torch":
-            import torch
-            with self._stream(stream, view):
-                if view.dtype.is_floating_point:
-                    view.div_(divisor)
-                else:
-                    wide = view.to(torch.int64)
-                    view.copy_(torch.sign(wide) * (torch.abs(wide) // divisor))
-            return
-        import cupy
-        with cupy.cuda.Device(view.device.id), self._stream(stream, view):
-            if view.dtype.kind in "iu":
-                wide = view.astype(cupy.int64)
-                view[...] = (cupy.sign(wide) * (cupy.abs(wide) // divisor)).astype(view.dtype)
-            else:
-                view /= divisor
-
 
 def _framework_array(array: Any) -> Any:
     """``array``, or a cupy view of a device array of another kind (any object with
     ``__cuda_array_interface__``), so that phases can slice it."""
-    module = type(array).__module__.split(".")[0]
-    if module in ("numpy", "torch", "cupy"):
+    if isinstance(array, np.ndarray) or array_framework([array]) is not None:
         return array
     import cupy
     return cupy.asarray(array)
@@ -219,7 +194,7 @@ def _address(array: Any) -> Tuple[int, int]:
     """(address, nbytes) of a flat array of any framework."""
     if isinstance(array, np.ndarray):
         return array.ctypes.data, array.nbytes
-    if type(array).__module__.startswith("torch"):
+    if array_framework([array]) == "torch":
         return array.data_ptr(), array.numel() * array.element_size()
     return array.data.ptr, array.nbytes
 
@@ -452,7 +427,7 @@ class _TorchNcclEngine:
         self._token: Any = None
 
     def _tensor(self, array: Any) -> Any:
-        if array is None or type(array).__module__.startswith("torch"):
+        if array is None or isinstance(array, self.torch.Tensor):
             return array
         return self.torch.as_tensor(array, device="cuda")
 
@@ -847,7 +822,7 @@ class HierarchicalCommunicator(Communicator):
             if level == "local":
                 for step in steps:
                     assert isinstance(step, Divide)
-                    kit.divide(region(step.region), step.divisor, handle)
+                    self._divide(name, region(step.region), step.divisor, handle)
                 continue
             engine = self._levels[level]
             for step in steps:
@@ -855,6 +830,22 @@ class HierarchicalCommunicator(Communicator):
                 _issue(engine, step, region(step.send), region(step.recv), handle)
             if self._blocking:
                 engine.synchronize()
+
+    def _divide(self, name: str, view: Any, divisor: int,
+                stream: Optional[int]) -> None:
+        """``view /= divisor`` as avg divides.  On GPUs hoccl's own reduction kernel does it
+        (one input, ``divisor``), on the caller's stream through the same driver handle
+        the phases before it were given, on at most ``max_sms`` SMs; the host backend's
+        phases run on the host, and so does its division."""
+        if stream is None:
+            divide_in_place(view, divisor)
+            return
+        buffer = as_buffer(name, "recvbuf", view)
+        if buffer.count:
+            device = self._host.device_handle
+            device.activate()
+            device.reduce(device.resolve_stream(stream, [view]), buffer.address,
+                          [buffer.address], buffer.count, buffer.dtype, "avg", divisor=divisor)
 
     def _stream(self, name: str, stream: Any, arrays: List[Any]) -> Optional[int]:
         """The caller's stream as a raw handle (None on the host backend, which runs each

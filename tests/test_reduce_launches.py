@@ -102,3 +102,31 @@ def test_host_reduce_in_place_reads_every_input_before_writing():
         assert np.array_equal(buffers[MAX_INPUTS + 5], np.sum(data, axis=0))
     finally:
         device.close()
+
+
+@pytest.mark.parametrize("dtype", ["int32", "float16", "bfloat16", "float32"])
+def test_host_reduce_divides_in_place_by_a_given_divisor(dtype):
+    """One input and ``divisor``: the in-place division an average across hosts ends
+    with.  Integers truncate toward zero like C; 16-bit floats divide in float32."""
+    from hoccl._dtypes import numpy_dtype
+    from hoccl.testing import assert_exact, random_array
+    rng = np.random.default_rng()
+    values = random_array(rng, COUNT, dtype) * (5 if dtype == "int32" else 1)
+    buffer = values.copy()
+    if dtype == "int32":
+        want = (np.sign(values) * (np.abs(values) // 3)).astype(np.int32)
+    else:
+        wide = values.astype(np.float32) / np.float32(3)
+        want = wide.astype(numpy_dtype(dtype))
+    device = host.open_device(0, max_sms=8, copy_sms=8)
+    try:
+        stream = device.create_stream()
+        device.reduce(stream, buffer.ctypes.data, [buffer.ctypes.data], COUNT, dtype, "avg",
+                      divisor=3)
+        device.synchronize_stream(stream, 10)
+        assert_exact(f"{dtype} / 3", want, buffer)
+        with pytest.raises(InvalidArgumentError, match="divisor"):
+            device.reduce(stream, buffer.ctypes.data, [buffer.ctypes.data], COUNT, dtype,
+                          "sum", divisor=3)
+    finally:
+        device.close()

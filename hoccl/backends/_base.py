@@ -165,8 +165,10 @@ class Device(abc.ABC):
 
     @abc.abstractmethod
     def reduce(self, stream: Any, output: Any, inputs: Sequence[Any], count: int,
-               dtype: str, op: str) -> None:
-        """``output = op(*inputs)`` element-wise over ``count`` elements, on at most ``max_sms`` SMs."""
+               dtype: str, op: str, divisor: Optional[int] = None) -> None:
+        """``output = op(*inputs)`` element-wise over ``count`` elements, on at most ``max_sms`` SMs.
+        ``avg`` divides by ``divisor``, by default the number of inputs (one input and a
+        divisor: a division in place, as an average across hosts finishes)."""
 
     # -- out of band (diagnosis and abort) --------------------------------------------------
     @abc.abstractmethod

@@ -32,7 +32,7 @@ import sys
 import threading
 import time
 import weakref
-from typing import Any, List, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 from cuda.bindings import driver
 
@@ -686,8 +686,9 @@ class CudaDevice(Device):
                      _CopyArgs(dst, src, nbytes, head))
 
     def reduce(self, stream: Any, output: Any, inputs: Sequence[Any], count: int,
-               dtype: str, op: str) -> None:
+               dtype: str, op: str, divisor: Optional[int] = None) -> None:
         """``output = op(*inputs)`` on at most ``max_sms`` SMs; ``output`` may be an input.
+        ``avg`` divides by ``divisor`` (default: the number of inputs).
 
         Up to 64 inputs per launch; more are chained (the output joins the next launch
         as its first input; ``avg`` sums until the last launch divides by the total).
@@ -701,6 +702,12 @@ class CudaDevice(Device):
             raise InvalidArgumentError(f"reduce: expected op in {OPS}, got {op!r}")
         if not inputs:
             raise InvalidArgumentError("reduce: expected at least one input, got none")
+        if divisor is None:
+            divisor = len(inputs)
+        elif op != "avg" or not isinstance(divisor, int) or not 0 < divisor < 2 ** 32:
+            raise InvalidArgumentError(
+                f"reduce: expected a divisor in [1, 2**32) for avg only, got {divisor!r} "
+                f"for {op!r}")
         if not count:
             return
         itemsize = _ITEMSIZE[dtype]
@@ -718,7 +725,7 @@ class CudaDevice(Device):
         for index, launch_inputs in enumerate(launches):
             kernel_op = "sum" if op == "avg" and index < last else op
             self._launch_reduce(kernels.reduce[dtype, kernel_op], stream, output, launch_inputs,
-                                count, itemsize, len(inputs))
+                                count, itemsize, divisor)
 
     def _launch_reduce(self, function: Any, stream: Any, output: int, inputs: list, count: int,
                        itemsize: int, divisor: int) -> None:

@@ -289,14 +289,19 @@ class HostDevice(Device):
         stream.enqueue(lambda: self._poll(lambda: _read_u64(address) >= value))
 
     def reduce(self, stream: HostStream, output: Any, inputs: Sequence[Any], count: int,
-               dtype: str, op: str) -> None:
+               dtype: str, op: str, divisor: Optional[int] = None) -> None:
+        if divisor is not None and (op != "avg" or not isinstance(divisor, int)
+                                    or not 0 < divisor < 2 ** 32):
+            raise InvalidArgumentError(
+                f"reduce: expected a divisor in [1, 2**32) for avg only, got {divisor!r} "
+                f"for {op!r}")
         np_dtype = numpy_dtype(dtype)
         nbytes = count * np_dtype.itemsize
 
         def run():
             views = [np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(address))
                      .view(np_dtype) for address in inputs]
-            result = reduce_arrays(views, op, np_dtype)
+            result = reduce_arrays(views, op, np_dtype, divisor)
             out = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(output))
             out[...] = result.view(np.uint8)
         if count:
