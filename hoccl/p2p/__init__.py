@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, Iterable, List, Sequence, Tuple
 
-from ..backends._base import MemOp
+from ..backends._base import MemOp, SmCaps
 from ..sched.plan import After, Copy, Mark, Plan, Reduce, Signal, Wait
 
 __all__ = ["Executor", "compile_program"]
@@ -99,11 +99,12 @@ class Executor:
     ``pad.remote(peer, slot)`` where they signal ``peer``.
     """
 
-    def __init__(self, rank: int, device: Any, streams: Any, pad: Any):
+    def __init__(self, rank: int, device: Any, streams: Any, pad: Any, sms: SmCaps):
         self.rank = rank
         self.device = device
         self.streams = streams
         self.pad = pad
+        self.sms = sms  # the communicator's caps (its device may serve other communicators)
 
     def issue(self, items: Sequence[Tuple[Plan, Dict[Tuple[int, str], Any], int, Any]],
               value: int) -> None:
@@ -193,10 +194,11 @@ class Executor:
                     device.copy_batch(lane, [(at(dst), at(src), n) for dst, src, n in arg])
             elif kind == _LOCAL_COPY:
                 for dst, src, nbytes in arg:
-                    device.local_copy(lane, at(dst), at(src), nbytes)
+                    device.local_copy(lane, at(dst), at(src), nbytes, self.sms.copy_sms)
             elif kind == _REDUCE:
                 inputs, output, count, dtype, op = arg
-                device.reduce(lane, at(output), [at(ref) for ref in inputs], count, dtype, op)
+                device.reduce(lane, at(output), [at(ref) for ref in inputs], count, dtype, op,
+                              self.sms.max_sms)
             elif kind == _MARK:
                 event = streams.event()
                 device.record(lane, event)
