@@ -14,28 +14,24 @@ import logging
 import os
 from typing import Any, List, Optional, Sequence, Union
 
+from . import _build
 from . import _validate as check
-from ._engine import Engine
+from ._build import DEFAULT_TIMEOUT, Settings, default_copy_sms
 from ._errors import (AbortedError, DriverError, HocclError, HocclTimeoutError,
                       InvalidArgumentError, MismatchError, PeerDeadError, PlanError)
-from ._health import Health
 from ._validate import ReduceOp
-from .backends import cuda_device_count, open_device, pick_backend
+from .backends import cuda_device_count, pick_backend
 from ._hierarchy import INTER_HOST_ENGINES, HierarchicalCommunicator, host_topology
-from .bootstrap import Bootstrap, LocalGroup, MPIBootstrap, ProcessGroup
+from .bootstrap import Bootstrap, MPIBootstrap
 from .comm import Communicator, group, group_end, group_start
-from .sched import Options
 
-__all__ = ["init", "init_local", "Communicator", "HierarchicalCommunicator", "ReduceOp", "group",
-           "group_start", "group_end", "Bootstrap", "HocclError", "InvalidArgumentError",
-           "PlanError", "HocclTimeoutError", "AbortedError", "DriverError", "MismatchError",
+__all__ = ["init", "init_local", "split_local", "Communicator", "HierarchicalCommunicator",
+           "ReduceOp", "group", "group_start", "group_end", "Bootstrap", "HocclError",
+           "InvalidArgumentError", "PlanError", "HocclTimeoutError", "AbortedError", "DriverError", "MismatchError",
            "PeerDeadError",
            "DEFAULT_TIMEOUT", "default_copy_sms"]
 
 __version__ = "0.1.0"
-
-#: seconds a host wait may take before it raises (``HOCCL_TIMEOUT`` overrides)
-DEFAULT_TIMEOUT = 300.0
 
 log = logging.getLogger("hoccl")
 _level = os.environ.get("HOCCL_DEBUG", "").upper()
@@ -46,34 +42,6 @@ if _level in ("INFO", "DEBUG", "WARNING"):
     log.addHandler(_handler)
     log.setLevel(_level)
     log.propagate = False
-
-
-def default_copy_sms(world_size: int) -> int:
-    """SMs for a rank's own block in out-of-place forms (the one same-GPU copy, which
-    runs beside the peers' copy-engine transfers): enough to finish within them.  On 2 ×
-    H200 a 1 GiB all_gather's 512 MiB own block took 1.49 ms on 8 SMs, longer than the
-    1.36 ms NVLink copy beside it (busbw 372 GB/s); on 16 it fit (380).  The copy-engine
-    time grows with the number of peers while the own block does not: 16 / (n - 1)."""
-    return max(2, -(-16 // max(1, world_size - 1)))
-
-
-class _Settings:
-    """What ``init`` and ``init_local`` take besides the ranks, checked once."""
-
-    def __init__(self, call: str, world_size: int, timeout: Optional[float],
-                 check_plans: Optional[bool], max_sms: int, copy_sms: Optional[int],
-                 options: dict):
-        self.timeout = check.timeout_setting(call, timeout, DEFAULT_TIMEOUT)
-        check.positive_int(call, "max_sms", max_sms)
-        check.positive_int(call, "copy_sms", copy_sms, optional=True)
-        self.max_sms = max_sms
-        self.copy_sms = copy_sms or default_copy_sms(world_size)
-        self.verify_plans = check.flag_setting(check_plans, "HOCCL_VERIFY")
-        self.options = check.plan_options(call, Options(), options)
-
-    def engine(self, rank: int, world_size: int, device: Any) -> Engine:
-        return Engine(rank=rank, world_size=world_size, device=device, options=self.options,
-                      verify_plans=self.verify_plans)
 
 
 def init_local(n_or_devices: Union[int, Sequence[int]], *, backend: Optional[str] = None,
@@ -106,24 +74,32 @@ def init_local(n_or_devices: Union[int, Sequence[int]], *, backend: Optional[str
         if not all(0 <= d < visible for d in devices):
             raise InvalidArgumentError(f"{call}: devices must be CUDA ordinals in "
                                        f"[0, {visible}); got {devices}")
-    settings = _Settings(call, len(devices), timeout, verify_plans, max_sms, copy_sms, options)
-    group = LocalGroup(len(devices))
-    handles = [open_device(backend, ordinal, max_sms=settings.max_sms,
-                           copy_sms=settings.copy_sms) for ordinal in devices]
-    for handle in handles:
-        for peer in handles:
-            if peer is not handle:
-                handle.enable_peer_access(peer)
-    engines = [settings.engine(rank, len(devices), handle) for rank, handle in enumerate(handles)]
-    for engine in engines:
-        engine.pad.connect([other.pad.address for other in engines])
-    monitors = [Health(engine, settings.timeout, group.siblings, group.forget_calls)
-                for engine in engines]
-    group.monitors = monitors
-    comms = [Communicator(engine=engine, group=group, health=health)
-             for engine, health in zip(engines, monitors)]
+    settings = Settings.fresh(call, len(devices), timeout, verify_plans, max_sms, copy_sms,
+                              options)
+    comms = _build.open_local(backend, devices, settings)
     log.info("init_local: %d ranks, backend %s, devices %s", len(comms), backend, devices)
     return comms
+
+
+def split_local(comms: Sequence[Communicator], colors: Sequence[Optional[int]],
+                keys: Optional[Sequence[Optional[int]]] = None, *,
+                timeout: Optional[float] = None, verify_plans: Optional[bool] = None,
+                max_sms: Optional[int] = None, copy_sms: Optional[int] = None,
+                **options: Any) -> List[Optional[Communicator]]:
+    """``Communicator.split`` for the ranks of one ``init_local``, all at once.
+
+    ``comms`` is every communicator ``init_local`` returned, in rank order; rank r goes
+    into the communicator of ``colors[r]`` (None: no communicator, ncclCommSplit's
+    NCCL_SPLIT_NOCOLOR), ordered by (``keys[r]``, r) (``keys=None`` or a key of None:
+    by r).  Returns each rank's new communicator (None for a color of None), on the
+    rank's own device (shared with its parent), with the parent's timeout, SM caps,
+    plan verification and options unless given here.  One thread drives every rank of
+    ``init_local``, so the ranks cannot each call ``split`` in turn (the first could not
+    know its new rank before the last had called): they split in one call.
+    """
+    return _build.split_local(comms, colors, keys, dict(
+        timeout=timeout, verify_plans=verify_plans, max_sms=max_sms, copy_sms=copy_sms,
+        options=options))
 
 
 def init(*, backend: Optional[str] = None, mpi_comm: Any = None,
@@ -159,43 +135,15 @@ def init(*, backend: Optional[str] = None, mpi_comm: Any = None,
     topology, hostnames, grouping = host_topology(call, bootstrap, local_size)
     if topology.hosts > 1:
         def connect_host(members: Bootstrap, ordinal: Optional[int]) -> Communicator:
-            return _connect(call, backend, members, ordinal, timeout, verify_plans, max_sms,
-                            copy_sms, options)
+            return _build.connect_process(
+                call, backend, members, ordinal,
+                Settings.fresh(call, members.world_size, timeout, verify_plans, max_sms,
+                               copy_sms, options))
         return HierarchicalCommunicator.connect(
             call=call, backend=backend, bootstrap=bootstrap, topology=topology,
             hostnames=hostnames, grouping=grouping, device=device, inter_host=inter_host,
             mpi_comm=mpi_comm, verify_plans=check.flag_setting(verify_plans, "HOCCL_VERIFY"),
             connect_host=connect_host)
-    return _connect(call, backend, bootstrap, device, timeout, verify_plans, max_sms, copy_sms,
-                    options)
-
-
-def _connect(call: str, backend: str, bootstrap: Bootstrap, device: Optional[int],
-             timeout: Optional[float], verify_plans: Optional[bool], max_sms: int,
-             copy_sms: Optional[int], options: dict) -> Communicator:
-    """The communicator of ``bootstrap``'s ranks, all on one host."""
-    group = ProcessGroup(bootstrap, check.timeout_setting(call, timeout, DEFAULT_TIMEOUT))
-    world_size = group.world_size
-    settings = _Settings(call, world_size, timeout, verify_plans, max_sms, copy_sms, options)
-    local_rank = group.local_rank()  # an exchange every rank makes, device given or not
-    if backend == "cuda" and device is None:
-        device = local_rank % cuda_device_count()
-    handle = open_device(backend, device, max_sms=settings.max_sms, copy_sms=settings.copy_sms)
-    engine = settings.engine(group.rank, world_size, handle)
-    identity = (group.host, group.pid, handle.ordinal, handle.export(engine.pad.address))
-    everyone = bootstrap.allgather(identity)
-    pads = []
-    for rank, (host, _, _, pad) in enumerate(everyone):
-        if host != group.host:
-            raise InvalidArgumentError(f"{call}: rank {rank} runs on host {host}, rank "
-                                       f"{group.rank} on {group.host}; hoccl connects the GPUs "
-                                       f"of one host (one NVLink domain)")
-        pads.append(engine.pad.address if rank == group.rank else handle.import_(pad))
-    engine.pad.connect(pads)
-    health = Health(engine, settings.timeout, group.siblings, group.forget_calls,
-                    peers_alive=group.dead_peer)
-    comm = Communicator(engine=engine, group=group, health=health)
-    bootstrap.barrier()
-    log.info("init: rank %d/%d backend %s device %s", group.rank, world_size, backend,
-             handle.ordinal)
-    return comm
+    settings = Settings.fresh(call, bootstrap.world_size, timeout, verify_plans, max_sms, copy_sms,
+                              options)
+    return _build.connect_process(call, backend, bootstrap, device, settings)

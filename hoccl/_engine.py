@@ -30,14 +30,15 @@ from dataclasses import dataclass, field
 from typing import Any, Deque, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from ._buffers import Buffer
-from ._errors import AbortedError, HocclError, MismatchError
-from .backends._base import Device
+from ._errors import AbortedError, HocclError, InvalidArgumentError, MismatchError
+from .backends._base import Device, SmCaps
 from .p2p import Executor
 from .sched import Options, Shape, build_plan, verify
 from .sched.plan import CHANNEL_NAMES, CHANNELS, Plan
 from .streams import StreamManager
 
-__all__ = ["ABORT_VALUE", "SignalPad", "Call", "CallTemplate", "Engine", "PeerBuffer"]
+__all__ = ["ABORT_VALUE", "SignalPad", "Call", "CallTemplate", "Engine", "PeerBuffer",
+           "DeviceShare"]
 
 log = logging.getLogger("hoccl")
 
@@ -119,6 +120,39 @@ class SignalPad:
                                 peer, error)
 
 
+class DeviceShare:
+    """The communicators of this process that use one device: the one that opened it
+    (``init``, ``init_local``) and those split from it, which borrow it (and with it the
+    CUDA context, peer access and the cache of imported IPC mappings, which must be one
+    per process and context).  The device is closed when the last of them leaves, kept
+    (``leak``) if any of them left work stuck behind a caller's stream."""
+
+    def __init__(self, device: Device):
+        self.device = device
+        self._users = 1
+        self._leak = False
+        self._lock = threading.Lock()
+
+    def borrow(self, call: str) -> "DeviceShare":
+        """One more communicator uses the device."""
+        with self._lock:
+            if not self._users:
+                raise InvalidArgumentError(f"{call}: the device is closed")
+            self._users += 1
+        return self
+
+    def leave(self, leak: bool) -> bool:
+        """One communicator is done with the device; True if it was the last, and the
+        device is now closed."""
+        with self._lock:
+            self._users -= 1
+            self._leak = self._leak or leak
+            last = self._users == 0
+        if last:
+            self.device.close(leak=self._leak)
+        return last
+
+
 class PeerBuffer(NamedTuple):
     """What a rank tells its peers about one of its buffers for one call: ``where`` (an
     address in one process, an exported descriptor across processes) and ``nbytes``, the
@@ -174,17 +208,23 @@ class Engine:
     Communicator (calls), the group (matched calls come back through the API) and the
     health monitor (state, abort)."""
 
-    def __init__(self, *, rank: int, world_size: int, device: Device, options: Options,
-                 verify_plans: bool):
+    def __init__(self, *, rank: int, world_size: int, share: DeviceShare, options: Options,
+                 verify_plans: bool, sms: SmCaps, owns_device: bool):
         self.rank = rank
         self.world_size = world_size
-        self.device = device
+        self.share = share
+        self.device = device = share.device
+        #: whether this rank opened its device (``init``) rather than borrowing its parent's
+        #: (``split``): an abort of the owner drops every stream's work on the device, a
+        #: borrower's only its own lanes'
+        self.owns_device = owns_device
         self.options = options
         self.verify_plans = verify_plans
+        self.sms = sms
         self.pad = SignalPad(device, rank, world_size)
         self.host_word = device.alloc_host_word()
         self.streams = StreamManager(device, self.pad.completion, self.host_word.address)
-        self.executor = Executor(rank, device, self.streams, self.pad)
+        self.executor = Executor(rank, device, self.streams, self.pad, sms)
         self.calls = 0                  # completion value of the latest enqueued call
         self._collectives = 0           # collectives enqueued (the matching key)
         self._pair_calls: Dict[Tuple[int, ...], int] = {}
@@ -446,6 +486,18 @@ class Engine:
             self.inflight.clear()
         self._templates.clear()
         self._programs.clear()  # their peer addresses die with the device's mappings
+
+    def leave_device(self, leak: bool) -> None:
+        """Once no peer's lane can write into this rank's memory any more: free this rank's
+        pad and scratch, and close the device if no other communicator uses it (with
+        ``leak``, keep everything; the 8-byte host word stays until the device closes)."""
+        if not leak:
+            self.device.activate()
+            for address in self._retired + [self._scratch[0], self.pad.address]:
+                if address is not None:
+                    self.device.free(address)
+            self._retired, self._scratch = [], (None, 0)
+        self.share.leave(leak)
 
 
 def _stream_key(stream: Any) -> Any:

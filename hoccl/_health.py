@@ -29,7 +29,10 @@ _DEAD_PEER_GRACE = 1.0
 
 class Health:
     """One rank's monitor.  ``siblings()`` gives the monitors of the other ranks of this
-    process (``init_local``): an abort of one rank is an abort of all of them."""
+    process (``init_local``): an abort of one rank is an abort of all of them.
+    ``children`` are the monitors of communicators split from this one: they share its
+    device, and an abort of this rank is an abort of them (and of theirs) too; an abort
+    of a child leaves its parent alone."""
 
     def __init__(self, engine: Engine, timeout: float,
                  siblings: Callable[["Health"], List["Health"]],
@@ -44,6 +47,13 @@ class Health:
         self._pump: Optional[threading.Thread] = None  # re-poisons after an abort
         self._stop = threading.Event()
         self._peer_death: Optional[str] = None  # why, when a dead peer's process aborted it
+        self.children: List["Health"] = []
+        self._parent: Optional["Health"] = None
+
+    def adopt(self, child: "Health") -> None:
+        """``child`` monitors a communicator split from this one (until it stops)."""
+        self.children.append(child)
+        child._parent = self
 
     @property
     def rank(self) -> int:
@@ -135,19 +145,33 @@ class Health:
     def abort(self, reason: str) -> None:
         """Mark this rank and its siblings aborted (siblings first, so a thread that sees
         this rank aborted finds them aborted too), then release every wait."""
-        marked = [health for health in self._siblings(self) + [self]
+        marked = [health for health in self._sharing_abort()
                   if health.engine.mark_aborted(reason)]
         for health in marked:
             health._release_waits()
-        if marked:
-            self._forget_calls()
+        for health in marked:
+            health._forget_calls()
+
+    def _sharing_abort(self) -> List["Health"]:
+        """Siblings first, then this rank, then every child of any of them (and the
+        children's siblings), transitively."""
+        found: List["Health"] = []
+        waiting = [self]
+        while waiting:
+            health = waiting.pop(0)
+            for member in health._siblings(health) + [health]:
+                if not any(member is seen for seen in found):
+                    found.append(member)
+                    waiting.extend(member.children)
+        return found
 
     def _release_waits(self) -> None:
         engine = self.engine
         log.warning("rank %d aborting: %s", self.rank, engine.abort_reason)
         try:
             engine.device.activate()
-            engine.device.abort()
+            # a device shared with a parent: only this rank's lanes, the parent goes on
+            engine.device.abort(None if engine.owns_device else engine.streams.lanes)
         except HocclError as error:
             log.warning("rank %d abort: %s", self.rank, error)
         engine.pad.poison(engine.host_word, warn=True)
@@ -253,8 +277,12 @@ class Health:
                 return
 
     def stop(self) -> None:
-        """Stop the watchdog and the abort pump (close)."""
+        """Stop the watchdog and the abort pump (close); a split communicator leaves its
+        parent's children."""
         self._stop.set()
+        parent, self._parent = self._parent, None
+        if parent is not None:
+            parent.children = [child for child in parent.children if child is not self]
         if self._pump is not None:
             self._pump.join(timeout=5)
 

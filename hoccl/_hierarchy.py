@@ -710,6 +710,14 @@ class HierarchicalCommunicator(Communicator):
         return self._host.timeout
 
     @property
+    def max_sms(self) -> int:
+        return self._host.max_sms
+
+    @property
+    def copy_sms(self) -> int:
+        return self._host.copy_sms
+
+    @property
     def aborted(self) -> bool:
         return bool(self._aborted_reason) or self._host.aborted
 
@@ -755,6 +763,17 @@ class HierarchicalCommunicator(Communicator):
                 engine.abort(self._aborted_reason)
             except HocclError as error:
                 log.warning("rank %d abort: %s", self.rank, error)
+
+    def split(self, color: Optional[int], key: Optional[int] = None, *,
+              timeout: Optional[float] = None, verify_plans: Optional[bool] = None,
+              max_sms: Optional[int] = None, copy_sms: Optional[int] = None,
+              **options: Any) -> Optional[Communicator]:
+        """Not offered yet: a world across hosts would need its rails and inter-host
+        engines split too.  Raises ``InvalidArgumentError``."""
+        self._usable("split")
+        raise InvalidArgumentError("split: not supported across hosts yet (a "
+                                   "HierarchicalCommunicator); split the MPI communicator "
+                                   "and call hoccl.init(mpi_comm=...) on each part instead")
 
     def set_options(self, **changes: Any) -> None:
         """Options of the hoccl communicators (the host's, and the rails' with hoccl)."""

@@ -43,7 +43,12 @@ _DESCRIPTIONS = 256  # call descriptions a process group remembers each way
 
 
 class Bootstrap(Protocol):
-    """The out-of-band channel of a process group."""
+    """The out-of-band channel of a process group.
+
+    A bootstrap may also offer ``split(color, key)``: a bootstrap over the ranks of
+    ``color`` ordered by (``key``, rank), or None for ``color=None``, made collectively by
+    every rank (``MPIBootstrap`` does, with MPI_Comm_split); ``Communicator.split`` needs
+    it."""
     rank: int
     world_size: int
 
@@ -302,13 +307,14 @@ class LocalGroup:
 
     def leave(self, engine: "Engine", leak: bool) -> None:
         """A rank closed its streams.  Its pad and scratch stay mapped by the other ranks'
-        lanes until they have closed theirs too: free every device only then (or none, if
-        any rank's work was left stuck: its lanes may still write into every peer)."""
+        lanes until they have closed theirs too: free them (and every device no other
+        communicator uses) only then, or none, if any rank's work was left stuck: its
+        lanes may still write into every peer."""
         self._closed.add(engine.rank)
         self._leak = self._leak or leak
         if len(self._closed) == len(self.monitors):
             for monitor in self.monitors:
-                monitor.engine.device.close(leak=self._leak)
+                monitor.engine.leave_device(self._leak)
             self.forget_calls()
 
 
@@ -325,6 +331,18 @@ class MPIBootstrap:
 
     def barrier(self) -> None:
         self.mpi.Barrier()
+
+    def split(self, color: Optional[int], key: int) -> Optional["MPIBootstrap"]:
+        """MPI_Comm_split: the ranks of ``color`` ordered by (``key``, rank), or None for
+        ``color=None`` (MPI_UNDEFINED).  Every rank must call it."""
+        from mpi4py import MPI
+        part = self.mpi.Split(MPI.UNDEFINED if color is None else color, key)
+        if part == MPI.COMM_NULL:
+            return None
+        try:
+            return MPIBootstrap(part)
+        finally:
+            part.Free()
 
     def close(self) -> None:
         if self.mpi is not None:
@@ -482,7 +500,9 @@ class ProcessGroup:
         self.bootstrap.barrier()
 
     def leave(self, engine: "Engine", leak: bool) -> None:
-        """Free the device (keep it, with ``leak``), the mailboxes and the bootstrap."""
-        engine.device.close(leak=leak)
+        """Free this rank's memory and the device unless a communicator split from this one
+        (or its parent) still uses it (keep them, with ``leak``), then the mailboxes and
+        the bootstrap."""
+        engine.leave_device(leak)
         self.mailboxes.close()
         self.bootstrap.close()

@@ -71,6 +71,16 @@ class Communicator:
         return self._health.timeout
 
     @property
+    def max_sms(self) -> int:
+        """The most SMs this communicator's reduction kernels take."""
+        return self._engine.sms.max_sms
+
+    @property
+    def copy_sms(self) -> int:
+        """The most SMs the same-GPU copy of out-of-place own blocks takes."""
+        return self._engine.sms.copy_sms
+
+    @property
     def aborted(self) -> bool:
         return self._engine.aborted
 
@@ -262,6 +272,42 @@ class Communicator:
         """
         self._health.abort(reason or f"rank {self.rank}: abort() was called")
 
+    def split(self, color: Optional[int], key: Optional[int] = None, *,
+              timeout: Optional[float] = None, verify_plans: Optional[bool] = None,
+              max_sms: Optional[int] = None, copy_sms: Optional[int] = None,
+              **options: Any) -> Optional["Communicator"]:
+        """A new communicator of the ranks that pass the same ``color`` (ncclCommSplit,
+        MPI_Comm_split).  Every rank of this communicator must call it.
+
+        Ranks are ordered by (``key``, rank here); ``key=None`` is this rank.  A ``color``
+        of None (NCCL_SPLIT_NOCOLOR) makes no communicator: this rank gets None.  The new
+        communicator is on the same device (this one's device object, shared: its
+        context, peer access and cache of imported buffers), with this one's backend,
+        timeout, SM caps (``max_sms``, ``copy_sms``), ``verify_plans`` and plan options
+        unless given here.  It has a signal pad, counters and lanes of its own, so calls
+        on the two never share a slot or a lane, and its own mailboxes.
+
+        The ranks find each other through this communicator's bootstrap, which must
+        offer ``split``: under MPI that is MPI_Comm_split of its communicator (simpler
+        than a sub-bootstrap over this one's, which every rank of this one, colored or
+        not, would have to serve in lockstep for the new one's whole life).  Arguments
+        are checked on every rank before that, and a bad one on any rank raises
+        ``InvalidArgumentError`` on all.  ``init_local`` ranks split together with
+        ``hoccl.split_local``; a ``HierarchicalCommunicator`` cannot split yet.
+
+        Close the new communicator and this one in any order: the device is closed when
+        the last communicator using it is.  Aborting this communicator aborts the ones
+        split from it (they share its device); aborting one of those leaves this one
+        usable.  Not inside ``hoccl.group()``.
+        """
+        self._usable("split")
+        if _held_calls() is not None:
+            raise InvalidArgumentError("split: not inside hoccl.group(); split before or after")
+        from . import _build  # the builder makes Communicators: it imports this module
+        return _build.split(self, color, key, dict(
+            timeout=timeout, verify_plans=verify_plans, max_sms=max_sms, copy_sms=copy_sms,
+            options=options))
+
     def set_options(self, **changes: Any) -> None:
         """Change options for later calls: ``self_route``, ``chunk_bytes``, ``copy_lanes``
         (planning), ``max_sms`` (the SM cap of reductions) and ``copy_sms`` (the SM cap
@@ -272,7 +318,7 @@ class Communicator:
             check.positive_int("set_options", name, value)
         options = check.plan_options("set_options", self._engine.options, changes)
         for name, value in caps.items():
-            setattr(self._engine.device, name, value)
+            setattr(self._engine.sms, name, value)
         self._engine.options = options
 
     def close(self) -> None:

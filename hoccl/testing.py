@@ -39,7 +39,7 @@ was never written, and the checker says so.
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence
+from typing import Any, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -47,7 +47,7 @@ from ._dtypes import from_numpy, numpy_dtype, reduce_arrays
 from .backends._kernels import MAX_INPUTS
 
 __all__ = ["expected", "reduced", "random_array", "poison", "is_poison", "assert_exact",
-           "check_collective", "PlantedFault", "FAULTS", "ArrayModule", "array_module_for",
+           "check_collective", "check_interleaved", "PlantedFault", "FAULTS", "ArrayModule", "array_module_for",
            "IN_PLACE_FORMS", "POISON_BITS"]
 
 #: collectives that have an in-place form
@@ -366,6 +366,48 @@ def check_collective(comms: Sequence[Any], collective: str, *, count: int, dtype
             else:
                 _assert_rounded(f"{collective}: rank {comm.rank}", want[comm.rank], got, bits,
                                 rounding)
+
+
+def check_interleaved(steps: Sequence[Tuple[Sequence[Any], str, str]], *, count: int,
+                      dtype: str, seed: int = 0) -> None:
+    """Issue every step, ``(comms, collective, op)`` with ``comms`` as ``check_collective``
+    takes them, one after another before anything waits; then synchronize and check
+    every output exactly.
+
+    Steps on different communicators of the same ranks (a communicator and those
+    ``split`` made from it) are then in flight together: a signal slot, lane or scratch
+    buffer they shared would show as a wrong or unwritten element.  Step i draws its
+    inputs from ``(seed, i)``, so processes that take no part in some steps (an empty
+    ``comms``: not a member of that communicator) still agree on the others' inputs.
+    Collectives without a root only (and ``send_recv``)."""
+    issued = []
+    for index, (comms, collective, op) in enumerate(steps):
+        if not comms:
+            continue
+        if collective not in _COUNTS or collective in ("broadcast", "reduce", "gather",
+                                                       "scatter"):
+            raise ValueError(f"check_interleaved: expected a collective without a root; got "
+                             f"{collective!r}")
+        n = comms[0].world_size
+        arrays = array_module_for(comms[0].backend, dtype)
+        rng = np.random.default_rng([seed, index])
+        send_count, recv_count = (count * n if times == "n" else count
+                                  for times in _COUNTS[collective])
+        inputs = [random_array(rng, send_count, dtype) for _ in range(n)]
+        want = expected(collective, inputs, op=op,
+                        inputs_per_launch=MAX_INPUTS if comms[0].backend == "cuda" else None)
+        buffers = [(comm, arrays.asarray(inputs[comm.rank], comm.device),
+                    arrays.asarray(poison(recv_count, dtype), comm.device)) for comm in comms]
+        _issue(collective, buffers, op, 0, None)
+        issued.append((f"step {index} {collective} {op}", arrays, want, buffers))
+    for _, _, _, buffers in issued:
+        for comm, _, _ in buffers:
+            comm.synchronize()
+    for what, arrays, want, buffers in issued:
+        for comm, _, recv in buffers:
+            if want[comm.rank] is not None:
+                assert_exact(f"{what}: rank {comm.rank} of {comm.world_size}", want[comm.rank],
+                             arrays.to_numpy(recv, dtype))
 
 
 def _assert_rounded(what: str, want: np.ndarray, got: np.ndarray, bits: int,

@@ -203,16 +203,17 @@ def test_init_local_rejects_bad_arguments():
 
 def test_sm_caps_default_per_world_size_and_change_with_set_options(init_local):
     comms = init_local(2, backend="host")
-    assert [c.device_handle.copy_sms for c in comms] == [16, 16]  # the own-block copy
-    assert [c.device_handle.max_sms for c in comms] == [8, 8]     # the sums
-    assert init_local(3, backend="host", copy_sms=5)[0].device_handle.copy_sms == 5
+    assert [c.copy_sms for c in comms] == [16, 16]  # the own-block copy
+    assert [c.max_sms for c in comms] == [8, 8]     # the sums
+    assert init_local(3, backend="host", copy_sms=5)[0].copy_sms == 5
     assert [hoccl.default_copy_sms(n) for n in (1, 2, 3, 4, 8)] == [16, 16, 8, 6, 3]
     comms[0].set_options(copy_sms=4, max_sms=2)
-    assert (comms[0].device_handle.copy_sms, comms[0].device_handle.max_sms) == (4, 2)
+    assert (comms[0].copy_sms, comms[0].max_sms) == (4, 2)
+    assert comms[1].max_sms == 8  # caps are the communicator's own
     with pytest.raises(hoccl.InvalidArgumentError, match="set_options: copy_sms must be a "
                                                          "positive int; got -1"):
         comms[0].set_options(copy_sms=-1, max_sms=3)
-    assert comms[0].device_handle.max_sms == 2  # a rejected call changes nothing
+    assert comms[0].max_sms == 2  # a rejected call changes nothing
 
 
 def test_each_call_waits_for_its_own_stream_even_when_a_later_call_uses_an_idle_one(

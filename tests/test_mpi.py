@@ -116,3 +116,20 @@ def test_disagreeing_ranks_under_mpiexec_write_nothing_and_all_raise(ranks):
     for rank in range(ranks):
         assert f"rank {rank}: hostile {ranks} ranks:" in output and " 0 failed" in output, \
             output[-4000:]
+
+
+SPLIT = Path(__file__).parent / "mpi" / "run_split.py"
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("ranks", [3, 4])
+def test_split_children_under_mpiexec_run_collectives_beside_their_parent(ranks):
+    """Even/odd and NOCOLOR splits, key order, interleaved parent and child calls,
+    overridden settings, closing in either order, a bad color on one rank raising on all,
+    and a world across (simulated) hosts refusing to split."""
+    command = [_mpiexec(), "-n", str(ranks), sys.executable, str(SPLIT), "--backend", "host"]
+    env = {**os.environ, **MPI_ENV, "HOCCL_VERIFY": "1"}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:]
+    assert f"split ranks={ranks} backend=host: 7 passed, 0 failed" in output, output[-4000:]

@@ -21,17 +21,28 @@ from __future__ import annotations
 
 import abc
 import enum
+from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence, Tuple
 
 from .._dtypes import NAMES
 from ..sched.plan import OPS as _PLAN_OPS
 
-__all__ = ["Device", "HostWord", "MemOp", "DTYPES", "OPS"]
+__all__ = ["Device", "HostWord", "MemOp", "SmCaps", "DTYPES", "OPS"]
 
 #: dtype names every backend accepts in ``reduce``.
 DTYPES = NAMES
 #: reduction operators; "avg" is the sum divided by the number of inputs.
 OPS = _PLAN_OPS
+
+
+@dataclass
+class SmCaps:
+    """How many SMs (thread blocks) one communicator's kernels on its device may take:
+    ``max_sms`` for reductions, ``copy_sms`` for the same-GPU copy of out-of-place own
+    blocks.  Per communicator, not per device: communicators split from one another
+    share a device but not their caps (``set_options`` changes one communicator's)."""
+    max_sms: int
+    copy_sms: int
 
 
 class MemOp(enum.Enum):
@@ -139,8 +150,10 @@ class Device(abc.ABC):
             self.copy(stream, dst, src, nbytes)
 
     @abc.abstractmethod
-    def local_copy(self, stream: Any, dst: Any, src: Any, nbytes: int) -> None:
-        """A copy within this device, on at most ``copy_sms`` SMs (on GPUs this needs SMs)."""
+    def local_copy(self, stream: Any, dst: Any, src: Any, nbytes: int,
+                   sms: Optional[int] = None) -> None:
+        """A copy within this device, on at most ``sms`` SMs (on GPUs this needs SMs);
+        ``None``: the device's ``copy_sms``."""
 
     @abc.abstractmethod
     def write_value(self, stream: Any, address: Any, value: int) -> None:
@@ -165,10 +178,12 @@ class Device(abc.ABC):
 
     @abc.abstractmethod
     def reduce(self, stream: Any, output: Any, inputs: Sequence[Any], count: int,
-               dtype: str, op: str, divisor: Optional[int] = None) -> None:
-        """``output = op(*inputs)`` element-wise over ``count`` elements, on at most ``max_sms`` SMs.
-        ``avg`` divides by ``divisor``, by default the number of inputs (one input and a
-        divisor: a division in place, as an average across hosts finishes)."""
+               dtype: str, op: str, divisor: Optional[int] = None,
+               sms: Optional[int] = None) -> None:
+        """``output = op(*inputs)`` element-wise over ``count`` elements, on at most ``sms``
+        SMs (``None``: the device's ``max_sms``).  ``avg`` divides by ``divisor``, by default
+        the number of inputs (one input and a divisor: a division in place, as an average
+        across hosts finishes)."""
 
     # -- out of band (diagnosis and abort) --------------------------------------------------
     @abc.abstractmethod
@@ -185,8 +200,10 @@ class Device(abc.ABC):
         """A description of work that failed on this device's streams, if any."""
         return None
 
-    def abort(self) -> None:
-        """Drop work still queued where the backend can (the host backend's queues)."""
+    def abort(self, streams: Optional[Sequence[Any]] = None) -> None:
+        """Drop work still queued on ``streams`` (default: every stream of this device)
+        where the backend can (the host backend's queues).  A communicator that shares
+        its device with others (``Communicator.split``) names its own lanes."""
 
     # -- lifetime ----------------------------------------------------------------------
     @abc.abstractmethod

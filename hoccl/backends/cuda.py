@@ -671,8 +671,10 @@ class CudaDevice(Device):
         _call(driver.cuLaunchKernel, function, blocks, 1, 1, threads, 1, 1, 0, stream,
               ctypes.addressof(parameters), 0)
 
-    def local_copy(self, stream: Any, dst: Any, src: Any, nbytes: int) -> None:
-        """A same-GPU copy on at most ``copy_sms`` SMs (``cuMemcpyAsync`` would take them all)."""
+    def local_copy(self, stream: Any, dst: Any, src: Any, nbytes: int,
+                   sms: Optional[int] = None) -> None:
+        """A same-GPU copy on at most ``sms`` (default ``copy_sms``) SMs (``cuMemcpyAsync``
+        would take them all)."""
         if not nbytes:
             return
         dst, src = int(dst), int(src)
@@ -681,14 +683,16 @@ class CudaDevice(Device):
         kernels = self._kernels()
         self._make_current()
         threads = _kernels.TUNING["copy_threads"]
-        blocks = self._blocks((nbytes - head) // width, threads, self.copy_sms)
+        blocks = self._blocks((nbytes - head) // width, threads,
+                             self.copy_sms if sms is None else sms)
         self._launch(kernels.copy[width], blocks, threads, stream,
                      _CopyArgs(dst, src, nbytes, head))
 
     def reduce(self, stream: Any, output: Any, inputs: Sequence[Any], count: int,
-               dtype: str, op: str, divisor: Optional[int] = None) -> None:
-        """``output = op(*inputs)`` on at most ``max_sms`` SMs; ``output`` may be an input.
-        ``avg`` divides by ``divisor`` (default: the number of inputs).
+               dtype: str, op: str, divisor: Optional[int] = None,
+               sms: Optional[int] = None) -> None:
+        """``output = op(*inputs)`` on at most ``sms`` (default ``max_sms``) SMs; ``output``
+        may be an input.  ``avg`` divides by ``divisor`` (default: the number of inputs).
 
         Up to 64 inputs per launch; more are chained (the output joins the next launch
         as its first input; ``avg`` sums until the last launch divides by the total).
@@ -725,10 +729,10 @@ class CudaDevice(Device):
         for index, launch_inputs in enumerate(launches):
             kernel_op = "sum" if op == "avg" and index < last else op
             self._launch_reduce(kernels.reduce[dtype, kernel_op], stream, output, launch_inputs,
-                                count, itemsize, divisor)
+                                count, itemsize, divisor, self.max_sms if sms is None else sms)
 
     def _launch_reduce(self, function: Any, stream: Any, output: int, inputs: list, count: int,
-                       itemsize: int, divisor: int) -> None:
+                       itemsize: int, divisor: int, sms: int) -> None:
         threads = _kernels.TUNING["reduce_threads"]
         offset = output % 16
         if all(address % 16 == offset for address in inputs):
@@ -739,7 +743,7 @@ class CudaDevice(Device):
         scalars = count - vectors * 16 // itemsize
         args = _ReduceArgs(output, (ctypes.c_void_p * _kernels.MAX_INPUTS)(*inputs), count,
                            head, vectors, len(inputs), divisor)
-        blocks = self._blocks(max(vectors, scalars), threads, self.max_sms)
+        blocks = self._blocks(max(vectors, scalars), threads, sms)
         self._launch(function, blocks, threads, stream, args)
 
     # -- lifetime ----------------------------------------------------------------------------

@@ -102,6 +102,8 @@ class HostStream:
         self._idle = threading.Condition()
         self._pending = 0
         self.error: BaseException | None = None
+        #: set by ``HostDevice.abort``: queued waits of this stream give up, writes are dropped
+        self.aborted = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -220,7 +222,7 @@ class HostDevice(Device):
 
     def wait_event(self, stream: HostStream, event: _Event) -> None:
         reached = event.latest
-        stream.enqueue(lambda: self._poll(lambda: reached[0]))
+        stream.enqueue(lambda: self._poll(stream, lambda: reached[0]))
 
     def done(self, event: _Event) -> bool:
         return event.latest[0]
@@ -228,11 +230,12 @@ class HostDevice(Device):
     def synchronize_stream(self, stream: HostStream, timeout: float) -> None:
         stream.synchronize(timeout)
 
-    def _poll(self, ready) -> None:
-        """Spin, then sleep with back-off, until ``ready()``; abort releases it."""
+    def _poll(self, stream: HostStream, ready) -> None:
+        """Spin, then sleep with back-off, until ``ready()``; an abort of ``stream`` (or of
+        the whole device) releases it."""
         delay = 0.0
         while not ready():
-            if self._aborted.is_set():
+            if self._aborted.is_set() or stream.aborted.is_set():
                 raise _Aborted()
             time.sleep(delay)
             delay = min(delay * 2 + 20e-6, 1e-3)
@@ -272,24 +275,27 @@ class HostDevice(Device):
     def copy(self, stream: HostStream, dst: Any, src: Any, nbytes: int) -> None:
         stream.enqueue(lambda: _move(dst, src, nbytes))
 
-    def local_copy(self, stream: HostStream, dst: Any, src: Any, nbytes: int) -> None:
+    def local_copy(self, stream: HostStream, dst: Any, src: Any, nbytes: int,
+                   sms: Optional[int] = None) -> None:
         self.copy(stream, dst, src, nbytes)
 
     def write_value(self, stream: HostStream, address: Any, value: int) -> None:
         word = np.array([value], dtype=np.uint64)
 
         def write():
-            if not self._aborted.is_set():  # after an abort nothing is signalled any more:
-                _move(address, word.ctypes.data, 8)  # a late write would undo the poison
+            # after an abort nothing is signalled any more: a late write would undo the poison
+            if not (self._aborted.is_set() or stream.aborted.is_set()):
+                _move(address, word.ctypes.data, 8)
         stream.enqueue(write)
 
     def wait_value(self, stream: HostStream, address: Any, value: int) -> None:
         if isinstance(address, RemotePtr):
             raise InvalidArgumentError("wait_value: waits are on this rank's own pad")
-        stream.enqueue(lambda: self._poll(lambda: _read_u64(address) >= value))
+        stream.enqueue(lambda: self._poll(stream, lambda: _read_u64(address) >= value))
 
     def reduce(self, stream: HostStream, output: Any, inputs: Sequence[Any], count: int,
-               dtype: str, op: str, divisor: Optional[int] = None) -> None:
+               dtype: str, op: str, divisor: Optional[int] = None,
+               sms: Optional[int] = None) -> None:
         if divisor is not None and (op != "avg" or not isinstance(divisor, int)
                                     or not 0 < divisor < 2 ** 32):
             raise InvalidArgumentError(
@@ -325,9 +331,14 @@ class HostDevice(Device):
         return None
 
     # -- lifetime ----------------------------------------------------------------------
-    def abort(self) -> None:
-        """Release every blocked wait of this device's streams; pending items are dropped."""
-        self._aborted.set()
+    def abort(self, streams: Optional[Sequence[Any]] = None) -> None:
+        """Release every blocked wait of ``streams`` (default: all of this device's);
+        their pending items are dropped."""
+        if streams is None:
+            self._aborted.set()
+            return
+        for stream in streams:
+            stream.aborted.set()
 
     def close(self, leak: bool = False) -> None:
         """With ``leak`` the worker threads of stuck streams are not waited for (they are

@@ -173,8 +173,7 @@ class Hoccl(Library):
         comm = ranks.comms[0]
         self.ranks, self.name, self.settings = ranks, name, settings
         self.route = route or comm.options.self_route
-        self.defaults = {"max_sms": comm.device_handle.max_sms,
-                         "copy_sms": comm.device_handle.copy_sms,
+        self.defaults = {"max_sms": comm.max_sms, "copy_sms": comm.copy_sms,
                          "chunk_bytes": comm.options.chunk_bytes}
         sums = settings.get("max_sms", self.defaults["max_sms"])
         copies = settings.get("copy_sms", self.defaults["copy_sms"])

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, Iterable, List, Sequence, Tuple
 
-from ..backends._base import MemOp
+from ..backends._base import MemOp, SmCaps
 from ..sched.plan import After, Copy, Mark, Plan, Reduce, Signal, Wait
 
 __all__ = ["Executor", "compile_program"]
@@ -106,11 +106,12 @@ class Executor:
     ``pad.remote(peer, slot)`` where they signal ``peer``.
     """
 
-    def __init__(self, rank: int, device: Any, streams: Any, pad: Any):
+    def __init__(self, rank: int, device: Any, streams: Any, pad: Any, sms: SmCaps):
         self.rank = rank
         self.device = device
         self.streams = streams
         self.pad = pad
+        self.sms = sms  # the communicator's caps (its device may serve other communicators)
 
     def bind(self, plan: Plan, addresses: Dict[Tuple[int, str], Any]) -> Tuple[tuple, ...]:
         """This rank's compiled steps of ``plan`` with every address resolved:
@@ -219,10 +220,10 @@ class Executor:
                     device.copy_batch(lane, arg)
             elif kind == _LOCAL_COPY:
                 for dst, src, nbytes in arg:
-                    device.local_copy(lane, dst, src, nbytes)
+                    device.local_copy(lane, dst, src, nbytes, self.sms.copy_sms)
             elif kind == _REDUCE:
                 inputs, output, count, dtype, op = arg
-                device.reduce(lane, output, inputs, count, dtype, op)
+                device.reduce(lane, output, inputs, count, dtype, op, sms=self.sms.max_sms)
             elif kind == _MARK:
                 event = streams.event()
                 device.record(lane, event)

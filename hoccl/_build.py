@@ -1,0 +1,257 @@
+"""How communicators are put together: ``init``, ``init_local`` and ``split`` end here.
+
+A rank's communicator is an ``Engine`` (on a device it opened, or borrowed from the
+communicator it was split from: a ``DeviceShare``), a ``Group`` that matches its calls
+with its peers', a ``Health`` monitor and the ``Communicator`` in front of them::
+
+    init        bootstrap ─► ProcessGroup ─► open device ─► Engine ─► swap pads ─► Communicator
+    init_local  LocalGroup ─► open devices ─► Engines ─► pads ─► Communicators
+    split       parent's bootstrap.split ─► ProcessGroup ─► parent's device ─► Engine ─► ...
+    split_local parents' LocalGroup: one new LocalGroup per color, parents' devices ─► ...
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from . import _validate as check
+from ._engine import DeviceShare, Engine
+from ._errors import InvalidArgumentError
+from ._health import Health
+from .backends import cuda_device_count, open_device
+from .backends._base import SmCaps
+from .bootstrap import Bootstrap, LocalGroup, ProcessGroup
+from .comm import Communicator
+from .sched import Options
+
+__all__ = ["DEFAULT_TIMEOUT", "default_copy_sms", "Settings", "connect_local", "open_local",
+           "connect_process", "check_color_key", "members", "split", "split_local"]
+
+log = logging.getLogger("hoccl")
+
+#: seconds a host wait may take before it raises (``HOCCL_TIMEOUT`` overrides)
+DEFAULT_TIMEOUT = 300.0
+
+#: largest color and key MPI_Comm_split takes (a C int)
+_INT_MAX = (1 << 31) - 1
+
+
+def default_copy_sms(world_size: int) -> int:
+    """SMs for a rank's own block in out-of-place forms (the one same-GPU copy, which
+    runs beside the peers' copy-engine transfers): enough to finish within them.  On 2 ×
+    H200 a 1 GiB all_gather's 512 MiB own block took 1.49 ms on 8 SMs, longer than the
+    1.36 ms NVLink copy beside it (busbw 372 GB/s); on 16 it fit (380).  The copy-engine
+    time grows with the number of peers while the own block does not: 16 / (n - 1)."""
+    return max(2, -(-16 // max(1, world_size - 1)))
+
+
+class Settings:
+    """What a communicator is built with besides its ranks, checked once: by ``fresh`` for
+    ``init`` and ``init_local``, by ``inherited`` (the parent's, where not overridden)
+    for ``split``."""
+
+    def __init__(self, *, timeout: float, verify_plans: bool, max_sms: int, copy_sms: int,
+                 options: Options):
+        self.timeout = timeout
+        self.verify_plans = verify_plans
+        self.max_sms = max_sms
+        self.copy_sms = copy_sms
+        self.options = options
+
+    @classmethod
+    def fresh(cls, call: str, world_size: int, timeout: Optional[float],
+              verify_plans: Optional[bool], max_sms: int, copy_sms: Optional[int],
+              options: dict) -> "Settings":
+        check.positive_int(call, "max_sms", max_sms)
+        check.positive_int(call, "copy_sms", copy_sms, optional=True)
+        return cls(timeout=check.timeout_setting(call, timeout, DEFAULT_TIMEOUT),
+                   verify_plans=check.flag_setting(verify_plans, "HOCCL_VERIFY"),
+                   max_sms=max_sms, copy_sms=copy_sms or default_copy_sms(world_size),
+                   options=check.plan_options(call, Options(), options))
+
+    @classmethod
+    def inherited(cls, call: str, parent: Engine, parent_timeout: float,
+                  timeout: Optional[float], verify_plans: Optional[bool],
+                  max_sms: Optional[int], copy_sms: Optional[int], options: dict) -> "Settings":
+        check.positive_int(call, "max_sms", max_sms, optional=True)
+        check.positive_int(call, "copy_sms", copy_sms, optional=True)
+        return cls(timeout=(parent_timeout if timeout is None
+                            else check.timeout_setting(call, timeout, DEFAULT_TIMEOUT)),
+                   verify_plans=parent.verify_plans if verify_plans is None else bool(verify_plans),
+                   max_sms=parent.sms.max_sms if max_sms is None else max_sms,
+                   copy_sms=parent.sms.copy_sms if copy_sms is None else copy_sms,
+                   options=check.plan_options(call, parent.options, options))
+
+    def engine(self, rank: int, world_size: int, share: DeviceShare, owns_device: bool) -> Engine:
+        return Engine(rank=rank, world_size=world_size, share=share, options=self.options,
+                      verify_plans=self.verify_plans, owns_device=owns_device,
+                      sms=SmCaps(self.max_sms, self.copy_sms))
+
+
+def connect_local(shares: Sequence[DeviceShare], settings: Settings, owns_devices: bool
+                  ) -> List[Communicator]:
+    """One communicator per device of ``shares`` (rank i on ``shares[i]``), all driven
+    from this process through one ``LocalGroup``."""
+    group = LocalGroup(len(shares))
+    engines = [settings.engine(rank, len(shares), share, owns_devices)
+               for rank, share in enumerate(shares)]
+    for engine in engines:
+        engine.pad.connect([other.pad.address for other in engines])
+    monitors = [Health(engine, settings.timeout, group.siblings, group.forget_calls)
+                for engine in engines]
+    group.monitors = monitors
+    return [Communicator(engine=engine, group=group, health=health)
+            for engine, health in zip(engines, monitors)]
+
+
+def open_local(backend: str, devices: List[int], settings: Settings
+               ) -> List[Communicator]:
+    """``init_local``'s ranks: device ``devices[i]`` opened for rank i."""
+    handles = [open_device(backend, ordinal, max_sms=settings.max_sms,
+                           copy_sms=settings.copy_sms) for ordinal in devices]
+    for handle in handles:
+        for peer in handles:
+            if peer is not handle:
+                handle.enable_peer_access(peer)
+    return connect_local([DeviceShare(handle) for handle in handles], settings,
+                         owns_devices=True)
+
+
+def connect_process(call: str, backend: str, bootstrap: Bootstrap, device: Optional[int],
+                    settings: Settings, share: Optional[DeviceShare] = None) -> Communicator:
+    """The communicator of ``bootstrap``'s ranks, all on one host: on ``share``'s device
+    (borrowed, ``split``) or else on ``device`` (opened; None: the local rank's GPU)."""
+    group = ProcessGroup(bootstrap, settings.timeout)
+    world_size = group.world_size
+    local_rank = group.local_rank()  # an exchange every rank makes, device given or not
+    if share is None:
+        if backend == "cuda" and device is None:
+            device = local_rank % cuda_device_count()
+        share = DeviceShare(open_device(backend, device, max_sms=settings.max_sms,
+                                        copy_sms=settings.copy_sms))
+        owns_device = True
+    else:
+        owns_device = False
+    handle = share.device
+    engine = settings.engine(group.rank, world_size, share, owns_device)
+    identity = (group.host, group.pid, handle.ordinal, handle.export(engine.pad.address))
+    everyone = bootstrap.allgather(identity)
+    pads = []
+    for rank, (host, _, _, pad) in enumerate(everyone):
+        if host != group.host:
+            raise InvalidArgumentError(f"{call}: rank {rank} runs on host {host}, rank "
+                                       f"{group.rank} on {group.host}; hoccl connects the GPUs "
+                                       f"of one host (one NVLink domain)")
+        pads.append(engine.pad.address if rank == group.rank else handle.import_(pad))
+    engine.pad.connect(pads)
+    health = Health(engine, settings.timeout, group.siblings, group.forget_calls,
+                    peers_alive=group.dead_peer)
+    comm = Communicator(engine=engine, group=group, health=health)
+    bootstrap.barrier()
+    log.info("%s: rank %d/%d backend %s device %s", call, group.rank, world_size, backend,
+             handle.ordinal)
+    return comm
+
+
+# -- split ----------------------------------------------------------------------------------
+def check_color_key(call: str, color: Any, key: Any) -> None:
+    """``color``: an int in [0, 2**31) or None (no communicator); ``key``: an int in
+    [-2**31, 2**31) or None (the parent rank)."""
+    if color is not None and (isinstance(color, bool) or not isinstance(color, int)
+                              or not 0 <= color <= _INT_MAX):
+        raise InvalidArgumentError(f"{call}: color must be an int in [0, 2**31) or None (no "
+                                   f"communicator for this rank); got {color!r}")
+    if key is not None and (isinstance(key, bool) or not isinstance(key, int)
+                            or not -_INT_MAX - 1 <= key <= _INT_MAX):
+        raise InvalidArgumentError(f"{call}: key must be an int in [-2**31, 2**31) or None "
+                                   f"(order by parent rank); got {key!r}")
+
+
+def members(colors: Sequence[Optional[int]], keys: Sequence[Optional[int]]
+            ) -> Dict[int, List[int]]:
+    """color -> the parent ranks of that color in child rank order: by (key, parent rank),
+    a key of None being the parent rank (MPI_Comm_split's order)."""
+    order: Dict[int, List[Tuple[int, int]]] = {}
+    for rank, (color, key) in enumerate(zip(colors, keys)):
+        if color is not None:
+            order.setdefault(color, []).append((rank if key is None else key, rank))
+    return {color: [rank for _, rank in sorted(ranked)] for color, ranked in order.items()}
+
+
+def split(parent: Communicator, color: Any, key: Any, overrides: Dict[str, Any]
+          ) -> Optional[Communicator]:
+    """``Communicator.split`` of a rank of a process group (see its docstring).
+
+    The arguments are checked on every rank and the verdicts swapped over the parent's
+    bootstrap first, so that a bad argument on one rank raises on all of them instead of
+    leaving the others waiting in MPI_Comm_split."""
+    call = "split"
+    engine, group, health = parent._engine, parent._group, parent._health
+    if not isinstance(group, ProcessGroup):
+        raise InvalidArgumentError(
+            f"{call}: the ranks of init_local live in one process and split together: "
+            f"hoccl.split_local(comms, colors, keys)")
+    split_bootstrap = getattr(group.bootstrap, "split", None)
+    if split_bootstrap is None:
+        raise InvalidArgumentError(
+            f"{call}: this communicator's bootstrap ({type(group.bootstrap).__name__}) cannot "
+            f"split; split needs an MPI bootstrap (hoccl.init under mpirun or with mpi_comm=)")
+    problem: Optional[str] = None
+    try:
+        check_color_key(call, color, key)
+        settings = Settings.inherited(call, engine, health.timeout, **overrides)
+    except InvalidArgumentError as error:
+        problem = str(error)
+    verdicts = group.bootstrap.allgather(problem)
+    wrong = [(rank, verdict) for rank, verdict in enumerate(verdicts) if verdict is not None]
+    if wrong:
+        rank, verdict = wrong[0]
+        raise InvalidArgumentError(verdict if rank == engine.rank
+                                   else f"{call}: rank {rank} was refused: {verdict}")
+    bootstrap = split_bootstrap(color, engine.rank if key is None else key)
+    if bootstrap is None:
+        return None
+    try:
+        child = connect_process(call, engine.device.backend, bootstrap, None, settings,
+                                share=engine.share.borrow(call))
+    except BaseException:
+        bootstrap.close()
+        raise
+    health.adopt(child._health)
+    return child
+
+
+def split_local(parents: Sequence[Communicator], colors: Sequence[Any],
+                keys: Optional[Sequence[Any]], overrides: Dict[str, Any]
+                ) -> List[Optional[Communicator]]:
+    """``hoccl.split_local`` (see its docstring): the children of ``init_local`` ranks."""
+    call = "split_local"
+    parents = list(parents)
+    group = parents[0]._group if parents else None
+    if (not isinstance(group, LocalGroup) or len(parents) != group.world_size
+            or any(comm._group is not group or comm.rank != rank
+                   for rank, comm in enumerate(parents))):
+        raise InvalidArgumentError(
+            f"{call}: comms must be every communicator of one hoccl.init_local, in rank "
+            f"order; got {parents!r}")
+    keys = [None] * len(parents) if keys is None else list(keys)
+    colors = list(colors)
+    if len(colors) != len(parents) or len(keys) != len(parents):
+        raise InvalidArgumentError(f"{call}: expected one color and one key per rank "
+                                   f"({len(parents)}); got {len(colors)} colors and "
+                                   f"{len(keys)} keys")
+    for color, key in zip(colors, keys):
+        check_color_key(call, color, key)
+    for comm in parents:
+        comm._usable(call)
+    settings = Settings.inherited(call, parents[0]._engine, parents[0].timeout, **overrides)
+    children: List[Optional[Communicator]] = [None] * len(parents)
+    for color, ranks in sorted(members(colors, keys).items()):
+        shares = [parents[rank]._engine.share.borrow(call) for rank in ranks]
+        built = connect_local(shares, settings, owns_devices=False)
+        for rank, child in zip(ranks, built):
+            parents[rank]._health.adopt(child._health)
+            children[rank] = child
+        log.info("%s: color %d: parent ranks %s", call, color, ranks)
+    return children
