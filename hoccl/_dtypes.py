@@ -101,11 +101,12 @@ def from_torch(dtype: Any) -> Optional[DType]:
     return _BY_TORCH.get(dtype)
 
 
-def reduce_arrays(inputs, op: str, out_dtype: np.dtype, divisor: Optional[int] = None
-                  ) -> np.ndarray:
+def reduce_arrays(inputs, op: str, out_dtype: np.dtype, divisor: Optional[int] = None,
+                  scale: Optional[float] = None) -> np.ndarray:
     """``op`` over ``inputs`` in the order given, accumulating as the GPU kernels do:
     16-bit floats in float32, other types in their own precision (integers wrap).
-    ``avg`` divides by ``divisor`` (default: the number of inputs)."""
+    ``avg`` divides by ``divisor`` (default: the number of inputs); a sum with ``scale``
+    is multiplied by it in the accumulator's precision before the one rounding."""
     accumulate = np.float32 if out_dtype.itemsize == 2 and out_dtype.kind in "fV" else out_dtype
     acc = np.array(inputs[0], dtype=accumulate, copy=True)
     with np.errstate(over="ignore", invalid="ignore"):
@@ -130,4 +131,6 @@ def reduce_arrays(inputs, op: str, out_dtype: np.dtype, divisor: Optional[int] =
                 acc = (wide // k + ((wide < 0) & (wide % k != 0))).astype(acc.dtype)
             else:
                 acc = acc / np.asarray(k, dtype=acc.dtype)
+        if scale is not None and op == "sum":
+            acc = acc * np.asarray(scale, dtype=acc.dtype)
     return acc.astype(out_dtype)

@@ -306,7 +306,7 @@ class Engine:
         names = {buffer_name for buffer_name, _ in used}
         signature = (("collective", shape.collective), ("count", shape.count),
                      ("dtype", shape.dtype), ("op", shape.op), ("root", shape.root),
-                     ("peer", shape.peer))
+                     ("peer", shape.peer), ("scale", shape.scale))
         template = CallTemplate(plan, self.options, signature, used,
                                 tuple(name for name in plan.shared(self.rank) if name in names))
         if len(self._templates) >= _CACHED:

@@ -818,6 +818,10 @@ class HierarchicalCommunicator(Communicator):
                stream: Any) -> None:
         """Run ``shape``'s hierarchical plan on this rank's arrays (every argument has been
         checked by ``Communicator``)."""
+        if shape.scale is not None:
+            raise InvalidArgumentError(
+                f"{name}: scale is not supported across hosts yet; scale the result, or use a "
+                f"communicator within one host")
         if _held_calls() is not None:
             raise InvalidArgumentError(
                 f"{name}: a communicator across hosts does not take calls inside hoccl.group() "

@@ -56,6 +56,23 @@ def reduce_op(call: str, op: Any) -> str:
                                f"member; got {op!r}")
 
 
+def scale(call: str, value: Any, op: str, dtype: str) -> Optional[float]:
+    """A sum's ``scale`` (torch's PREMUL_SUM): None, or a finite real number, for a sum
+    of a floating dtype; as a Python float."""
+    if value is None:
+        return None
+    if op != "sum" or dtype not in ("float16", "bfloat16", "float32", "float64"):
+        raise InvalidArgumentError(f"{call}: scale applies to a sum of a floating dtype; got "
+                                   f"op {op!r} on {dtype}")
+    try:
+        number = float(value) if not isinstance(value, bool) else None
+    except (TypeError, ValueError):
+        number = None
+    if number is None or number != number or number in (float("inf"), float("-inf")):
+        raise InvalidArgumentError(f"{call}: scale must be a finite real number; got {value!r}")
+    return number
+
+
 def rank(call: str, name: str, value: Any, world_size: int,
          other_than: Optional[int] = None) -> int:
     """A rank of the communicator (``root``, ``peer``), optionally not ``other_than``."""

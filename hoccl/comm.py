@@ -109,30 +109,36 @@ class Communicator:
         self._submit(name, self._shape(name, send, in_place=in_place), send, recv, stream)
 
     def reduce_scatter(self, sendbuf: Any, recvbuf: Any, op: Any = "sum", *,
-                       stream: Any = None) -> None:
+                       scale: Optional[float] = None, stream: Any = None) -> None:
         """``recvbuf = op over ranks r of sendbuf_r[rank*count:(rank+1)*count]``.
 
         In place when ``recvbuf`` is this rank's own block of ``sendbuf``.  Reductions
-        run on at most ``max_sms`` SMs, overlapped with the copies.
+        run on at most ``max_sms`` SMs, overlapped with the copies.  ``scale`` (a sum of
+        floats only; every rank passes the same): the sum times ``scale``, multiplied by
+        the reduction kernel before it rounds (torch's PREMUL_SUM, with no pass of its own).
         """
         name = "reduce_scatter"
         send, recv = self._buffers(name, sendbuf=sendbuf, recvbuf=recvbuf)
         op = check.reduce_op(name, op)
+        factor = check.scale(name, scale, op, recv.dtype)
         check.blocks(name, send, recv, self.world_size, recv_is_large=False)
         in_place = check.in_place(name, self.rank, send, recv,
                                   send.block(self.rank, recv.count), recv)
-        self._submit(name, self._shape(name, recv, op=op, in_place=in_place), send, recv, stream)
+        self._submit(name, self._shape(name, recv, op=op, in_place=in_place, scale=factor),
+                     send, recv, stream)
 
     def all_reduce(self, sendbuf: Any, recvbuf: Any, op: Any = "sum", *,
-                   stream: Any = None) -> None:
+                   scale: Optional[float] = None, stream: Any = None) -> None:
         """``recvbuf = op over ranks of sendbuf`` on every rank.  In place when they are one
-        buffer."""
+        buffer.  ``scale``: as for ``reduce_scatter``."""
         name = "all_reduce"
         send, recv = self._buffers(name, sendbuf=sendbuf, recvbuf=recvbuf)
         op = check.reduce_op(name, op)
+        factor = check.scale(name, scale, op, send.dtype)
         check.same_shape(name, send, recv)
         in_place = check.in_place(name, self.rank, send, recv, recv, send)
-        self._submit(name, self._shape(name, send, op=op, in_place=in_place), send, recv, stream)
+        self._submit(name, self._shape(name, send, op=op, in_place=in_place, scale=factor),
+                     send, recv, stream)
 
     def all_to_all(self, sendbuf: Any, recvbuf: Any, *, stream: Any = None) -> None:
         """Block j of rank i's ``sendbuf`` goes to block i of rank j's ``recvbuf``."""
@@ -162,8 +168,9 @@ class Communicator:
                      stream)
 
     def reduce(self, sendbuf: Any, recvbuf: Any, root: int, op: Any = "sum", *,
-               stream: Any = None) -> None:
-        """Root's ``recvbuf`` = op over ranks of ``sendbuf`` (``recvbuf`` may be None elsewhere)."""
+               scale: Optional[float] = None, stream: Any = None) -> None:
+        """Root's ``recvbuf`` = op over ranks of ``sendbuf`` (``recvbuf`` may be None
+        elsewhere).  ``scale``: as for ``reduce_scatter``."""
         name = "reduce"
         root = check.rank(name, "root", root, self.world_size)
         op = check.reduce_op(name, op)
@@ -174,8 +181,9 @@ class Communicator:
         if is_root:
             check.same_shape(name, send, recv)
             in_place = check.in_place(name, self.rank, send, recv, recv, send)
-        self._submit(name, self._shape(name, send, op=op, root=root, in_place=in_place),
-                     send, recv, stream)
+        factor = check.scale(name, scale, op, send.dtype)
+        self._submit(name, self._shape(name, send, op=op, root=root, in_place=in_place,
+                                       scale=factor), send, recv, stream)
 
     def gather(self, sendbuf: Any, recvbuf: Any, root: int, *, stream: Any = None) -> None:
         """Root's ``recvbuf[r*count:(r+1)*count]`` = rank r's ``sendbuf`` (``recvbuf`` may be

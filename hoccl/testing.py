@@ -134,20 +134,21 @@ def assert_exact(what: str, want: np.ndarray, got: np.ndarray,
 
 
 def reduced(inputs: Sequence[np.ndarray], op: str, *,
-            inputs_per_launch: Optional[int] = None) -> np.ndarray:
+            inputs_per_launch: Optional[int] = None, scale: Optional[float] = None
+            ) -> np.ndarray:
     """``op`` over ``inputs`` in order as the backends compute it (see the module docstring).
 
     With ``inputs_per_launch`` (the CUDA kernel's ``MAX_INPUTS``) more inputs than that
     are reduced in launches: the first takes ``inputs_per_launch``, each later one the
     partial result and ``inputs_per_launch - 1`` more; every launch but the last rounds
     the partial result to the inputs' dtype (and sums, for ``avg``); the last divides by
-    the number of all the inputs.
+    the number of all the inputs.  A sum's ``scale`` multiplies the last launch's result.
     Only 16-bit floats notice: every other type accumulates in its own precision.
     """
     dtype = inputs[0].dtype
     if (inputs_per_launch is None or len(inputs) <= inputs_per_launch
             or dtype.kind in "iu" or dtype.itemsize != 2):
-        return reduce_arrays(list(inputs), op, dtype)
+        return reduce_arrays(list(inputs), op, dtype, scale=scale)
     partial_op = "sum" if op == "avg" else op
     partial = reduce_arrays(list(inputs[:inputs_per_launch]), partial_op, dtype)
     rest = list(inputs[inputs_per_launch:])
@@ -155,14 +156,14 @@ def reduced(inputs: Sequence[np.ndarray], op: str, *,
         partial = reduce_arrays([partial] + rest[:inputs_per_launch - 1], partial_op, dtype)
         rest = rest[inputs_per_launch - 1:]
     if op != "avg":
-        return reduce_arrays([partial] + rest, op, dtype)
+        return reduce_arrays([partial] + rest, op, dtype, scale=scale)
     total = reduce_arrays([partial] + rest, "sum", np.dtype(np.float32))
     return (total / np.float32(len(inputs))).astype(dtype)
 
 
 def expected(collective: str, inputs: Sequence[Any], *, op: str = "sum",
-             root: int = 0, inputs_per_launch: Optional[int] = None
-             ) -> List[Optional[np.ndarray]]:
+             root: int = 0, inputs_per_launch: Optional[int] = None,
+             scale: Optional[float] = None) -> List[Optional[np.ndarray]]:
     """What each rank's receive buffer must hold; ``inputs[r]`` is rank r's send data
     (None where a rank sends nothing).  None where a rank receives nothing.
 
@@ -173,7 +174,7 @@ def expected(collective: str, inputs: Sequence[Any], *, op: str = "sum",
     n = len(inputs)
 
     def reduce(blocks):
-        return reduced(blocks, op, inputs_per_launch=inputs_per_launch)
+        return reduced(blocks, op, inputs_per_launch=inputs_per_launch, scale=scale)
     if collective == "all_gather":
         return [np.concatenate(inputs) for _ in range(n)]
     if collective == "all_reduce":
@@ -312,8 +313,11 @@ _COUNTS = {"all_gather": (1, "n"), "reduce_scatter": ("n", 1), "all_reduce": (1,
 def check_collective(comms: Sequence[Any], collective: str, *, count: int, dtype: str,
                      op: str = "sum", root: int = 0, in_place: bool = False, seed: int = 0,
                      arrays: Optional[ArrayModule] = None, streams: Optional[Sequence[Any]] = None,
-                     synchronize: bool = True, rounding: Optional[float] = None) -> None:
+                     synchronize: bool = True, rounding: Optional[float] = None,
+                     scale: Optional[float] = None) -> None:
     """Run ``collective`` on every communicator in ``comms`` and assert each output exactly.
+
+    ``scale``: a sum's factor (reduce_scatter, all_reduce, reduce), in the reference too.
 
     ``rounding``: for a backend whose float reductions add in another order than the
     reference (the hierarchical path adds per host first), compare float outputs to a
@@ -336,7 +340,7 @@ def check_collective(comms: Sequence[Any], collective: str, *, count: int, dtype
     inputs: List[Any] = [random_array(rng, send_count, dtype) for _ in range(n)]
     if collective in ("broadcast", "scatter"):
         inputs = [x if r == root else None for r, x in enumerate(inputs)]
-    want = expected(collective, inputs, op=op, root=root,
+    want = expected(collective, inputs, op=op, root=root, scale=scale,
                     inputs_per_launch=MAX_INPUTS if comms[0].backend == "cuda" else None)
     poisons = [POISON_BITS[dtype]]
     if any(w is not None and is_poison(w).any() for w in want):
@@ -352,7 +356,7 @@ def check_collective(comms: Sequence[Any], collective: str, *, count: int, dtype
                 send, recv = _in_place_buffers(collective, r, root, n, count, inputs[r], send,
                                                recv, arrays, device, dtype, bits)
             buffers.append((comm, send, recv))
-        _issue(collective, buffers, op, root, streams)
+        _issue(collective, buffers, op, root, streams, scale)
         if not synchronize:
             return
         for comm, _, _ in buffers:
@@ -424,7 +428,7 @@ def _assert_rounded(what: str, want: np.ndarray, got: np.ndarray, bits: int,
 
 
 def _issue(collective: str, buffers: list, op: str, root: int,
-           streams: Optional[Sequence[Any]]) -> None:
+           streams: Optional[Sequence[Any]], scale: Optional[float] = None) -> None:
     """Call ``collective`` with each ``(comm, send, recv)`` of ``buffers``, in that order."""
     for index, (comm, send, recv) in enumerate(buffers):
         stream = streams[index] if streams is not None else None
@@ -437,9 +441,11 @@ def _issue(collective: str, buffers: list, op: str, root: int,
         elif collective in ("broadcast", "gather", "scatter"):
             getattr(comm, collective)(send, recv, root, stream=stream)
         elif collective == "reduce":
-            comm.reduce(send, recv, root, op, stream=stream)
+            extra = {} if scale is None else {"scale": scale}
+            comm.reduce(send, recv, root, op, stream=stream, **extra)
         elif collective in ("reduce_scatter", "all_reduce"):
-            getattr(comm, collective)(send, recv, op, stream=stream)
+            extra = {} if scale is None else {"scale": scale}
+            getattr(comm, collective)(send, recv, op, stream=stream, **extra)
         else:
             getattr(comm, collective)(send, recv, stream=stream)
 

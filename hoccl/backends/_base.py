@@ -27,12 +27,31 @@ from typing import Any, List, Optional, Sequence, Tuple
 from .._dtypes import NAMES
 from ..sched.plan import OPS as _PLAN_OPS
 
-__all__ = ["Device", "HostWord", "MemOp", "SmCaps", "DTYPES", "OPS"]
+__all__ = ["Device", "HostWord", "MemOp", "SmCaps", "DTYPES", "OPS", "check_reduce_extras"]
 
 #: dtype names every backend accepts in ``reduce``.
 DTYPES = NAMES
 #: reduction operators; "avg" is the sum divided by the number of inputs.
 OPS = _PLAN_OPS
+
+
+def check_reduce_extras(op: str, dtype: str, divisor: Optional[int],
+                        scale: Optional[float]) -> None:
+    """Raise unless ``Device.reduce``'s ``divisor`` (avg only, in [1, 2**32)) and ``scale``
+    (sum of a floating dtype only, a finite float) fit ``op`` and ``dtype``."""
+    from .._errors import InvalidArgumentError
+    if divisor is not None and (op != "avg" or not isinstance(divisor, int)
+                                or isinstance(divisor, bool) or not 0 < divisor < 2 ** 32):
+        raise InvalidArgumentError(f"reduce: expected a divisor in [1, 2**32) for avg only, "
+                                   f"got {divisor!r} for {op!r}")
+    if scale is not None and (op != "sum" or dtype not in _FLOATING
+                              or not isinstance(scale, float) or scale != scale
+                              or scale in (float("inf"), float("-inf"))):
+        raise InvalidArgumentError(f"reduce: expected a finite float scale for a sum of a "
+                                   f"floating dtype, got {scale!r} for {op!r} of {dtype}")
+
+
+_FLOATING = ("float16", "bfloat16", "float32", "float64")
 
 
 @dataclass
@@ -179,11 +198,12 @@ class Device(abc.ABC):
     @abc.abstractmethod
     def reduce(self, stream: Any, output: Any, inputs: Sequence[Any], count: int,
                dtype: str, op: str, divisor: Optional[int] = None,
-               sms: Optional[int] = None) -> None:
+               sms: Optional[int] = None, scale: Optional[float] = None) -> None:
         """``output = op(*inputs)`` element-wise over ``count`` elements, on at most ``sms``
         SMs (``None``: the device's ``max_sms``).  ``avg`` divides by ``divisor``, by default
         the number of inputs (one input and a divisor: a division in place, as an average
-        across hosts finishes)."""
+        across hosts finishes).  A ``sum`` with ``scale`` is multiplied by it before the
+        result is rounded to ``dtype`` (floating dtypes)."""
 
     # -- out of band (diagnosis and abort) --------------------------------------------------
     @abc.abstractmethod

@@ -23,6 +23,8 @@ Numerics:
   float64; the result is rounded once (round to nearest even).
 - integers are combined in their own type and wrap like C unsigned arithmetic
   (sum and prod modulo 2**bits).
+- a sum with ``scaled`` set is multiplied by ``scale`` (converted to the accumulator's
+  type) before the one rounding: torch's PREMUL_SUM without a pass of its own.
 - ``avg`` is the sum divided by ``divisor`` (the number of inputs); for integers the
   wrapped sum is divided with C's truncation toward zero (what NCCL does).
 - ``max``/``min`` propagate NaN, like numpy's ``maximum``/``minimum``.
@@ -86,6 +88,8 @@ struct ReduceArgs {
     unsigned long long vectors;  // whole 16-byte vectors after the head
     unsigned int num_inputs;
     unsigned int divisor;        // avg divides by this (the total number of inputs)
+    unsigned int scaled;         // sum: multiply by ``scale`` before rounding (PREMUL_SUM)
+    double scale;
 };
 
 struct CopyArgs {
@@ -190,8 +194,9 @@ static __device__ __forceinline__ typename D::A combine(typename D::A a, typenam
 }
 
 template <class D, int OP>
-static __device__ __forceinline__ typename D::A finish(typename D::A a, unsigned int divisor) {
-    if constexpr (OP == OP_AVG) return D::divide(a, divisor);
+static __device__ __forceinline__ typename D::A finish(typename D::A a, const ReduceArgs& args) {
+    if constexpr (OP == OP_AVG) return D::divide(a, args.divisor);
+    else if constexpr (OP == OP_SUM) return args.scaled ? D::mul(a, (typename D::A)args.scale) : a;
     else return a;
 }
 
@@ -283,7 +288,7 @@ static __device__ __forceinline__ void reduce_body(const ReduceArgs& args) {
         for (int u = 0; u < U; ++u) {
             if (v + u * threads < vectors) {
 #pragma unroll
-                for (int k = 0; k < N; ++k) acc[u][k] = finish<D, OP>(acc[u][k], args.divisor);
+                for (int k = 0; k < N; ++k) acc[u][k] = finish<D, OP>(acc[u][k], args);
                 out[v + u * threads] = L::pack(acc[u]);
             }
         }
@@ -298,7 +303,7 @@ static __device__ __forceinline__ void reduce_body(const ReduceArgs& args) {
         A acc = D::load(static_cast<const T*>(args.inputs[0])[e]);
         for (unsigned int i = 1; i < n; ++i)
             acc = combine<D, OP>(acc, D::load(static_cast<const T*>(args.inputs[i])[e]));
-        out_elements[e] = D::store(finish<D, OP>(acc, args.divisor));
+        out_elements[e] = D::store(finish<D, OP>(acc, args));
     }
 }
 

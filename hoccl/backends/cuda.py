@@ -39,7 +39,7 @@ from cuda.bindings import driver
 from .._dtypes import ITEMSIZE as _ITEMSIZE
 from .._errors import DriverError, HocclTimeoutError, InvalidArgumentError
 from . import _kernels
-from ._base import DTYPES, OPS, Device, HostWord, MemOp
+from ._base import DTYPES, OPS, Device, HostWord, MemOp, check_reduce_extras
 from ._caller_stream import array_framework, stream_handle
 
 __all__ = ["CudaDevice", "CudaIpcDescriptor", "device_count", "open_device"]
@@ -142,7 +142,9 @@ class _ReduceArgs(ctypes.Structure):
                 ("head", ctypes.c_uint64),
                 ("vectors", ctypes.c_uint64),
                 ("num_inputs", ctypes.c_uint32),
-                ("divisor", ctypes.c_uint32)]
+                ("divisor", ctypes.c_uint32),
+                ("scaled", ctypes.c_uint32),
+                ("scale", ctypes.c_double)]
 
 
 class _CopyArgs(ctypes.Structure):
@@ -690,12 +692,14 @@ class CudaDevice(Device):
 
     def reduce(self, stream: Any, output: Any, inputs: Sequence[Any], count: int,
                dtype: str, op: str, divisor: Optional[int] = None,
-               sms: Optional[int] = None) -> None:
+               sms: Optional[int] = None, scale: Optional[float] = None) -> None:
         """``output = op(*inputs)`` on at most ``sms`` (default ``max_sms``) SMs; ``output``
-        may be an input.  ``avg`` divides by ``divisor`` (default: the number of inputs).
+        may be an input.  ``avg`` divides by ``divisor`` (default: the number of inputs);
+        a ``sum`` with ``scale`` is multiplied by it before rounding.
 
         Up to 64 inputs per launch; more are chained (the output joins the next launch
-        as its first input; ``avg`` sums until the last launch divides by the total).
+        as its first input; ``avg`` sums until the last launch divides by the total, and
+        only the last launch scales).
         The first launch overwrites ``output``: when an input equal to it lies beyond the
         first launch, the inputs equal to ``output`` are moved to the front, so that the
         first launch reads them (``_kernels.reduce_launches``).
@@ -706,12 +710,9 @@ class CudaDevice(Device):
             raise InvalidArgumentError(f"reduce: expected op in {OPS}, got {op!r}")
         if not inputs:
             raise InvalidArgumentError("reduce: expected at least one input, got none")
+        check_reduce_extras(op, dtype, divisor, scale)
         if divisor is None:
             divisor = len(inputs)
-        elif op != "avg" or not isinstance(divisor, int) or not 0 < divisor < 2 ** 32:
-            raise InvalidArgumentError(
-                f"reduce: expected a divisor in [1, 2**32) for avg only, got {divisor!r} "
-                f"for {op!r}")
         if not count:
             return
         itemsize = _ITEMSIZE[dtype]
@@ -729,10 +730,12 @@ class CudaDevice(Device):
         for index, launch_inputs in enumerate(launches):
             kernel_op = "sum" if op == "avg" and index < last else op
             self._launch_reduce(kernels.reduce[dtype, kernel_op], stream, output, launch_inputs,
-                                count, itemsize, divisor, self.max_sms if sms is None else sms)
+                                count, itemsize, divisor, self.max_sms if sms is None else sms,
+                                scale if index == last else None)
 
     def _launch_reduce(self, function: Any, stream: Any, output: int, inputs: list, count: int,
-                       itemsize: int, divisor: int, sms: int) -> None:
+                       itemsize: int, divisor: int, sms: int,
+                       scale: Optional[float] = None) -> None:
         threads = _kernels.TUNING["reduce_threads"]
         offset = output % 16
         if all(address % 16 == offset for address in inputs):
@@ -742,7 +745,8 @@ class CudaDevice(Device):
             head, vectors = count, 0
         scalars = count - vectors * 16 // itemsize
         args = _ReduceArgs(output, (ctypes.c_void_p * _kernels.MAX_INPUTS)(*inputs), count,
-                           head, vectors, len(inputs), divisor)
+                           head, vectors, len(inputs), divisor, scale is not None,
+                           1.0 if scale is None else scale)
         blocks = self._blocks(max(vectors, scalars), threads, sms)
         self._launch(function, blocks, threads, stream, args)
 

@@ -26,7 +26,7 @@ import numpy as np
 
 from .._dtypes import numpy_dtype, reduce_arrays
 from .._errors import HocclError, HocclTimeoutError, InvalidArgumentError
-from ._base import Device, HostWord
+from ._base import Device, HostWord, check_reduce_extras
 
 __all__ = ["HostDevice", "HostStream", "RemotePtr", "open_device"]
 
@@ -295,19 +295,15 @@ class HostDevice(Device):
 
     def reduce(self, stream: HostStream, output: Any, inputs: Sequence[Any], count: int,
                dtype: str, op: str, divisor: Optional[int] = None,
-               sms: Optional[int] = None) -> None:
-        if divisor is not None and (op != "avg" or not isinstance(divisor, int)
-                                    or not 0 < divisor < 2 ** 32):
-            raise InvalidArgumentError(
-                f"reduce: expected a divisor in [1, 2**32) for avg only, got {divisor!r} "
-                f"for {op!r}")
+               sms: Optional[int] = None, scale: Optional[float] = None) -> None:
+        check_reduce_extras(op, dtype, divisor, scale)
         np_dtype = numpy_dtype(dtype)
         nbytes = count * np_dtype.itemsize
 
         def run():
             views = [np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(address))
                      .view(np_dtype) for address in inputs]
-            result = reduce_arrays(views, op, np_dtype, divisor)
+            result = reduce_arrays(views, op, np_dtype, divisor, scale)
             out = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(output))
             out[...] = result.view(np.uint8)
         if count:

@@ -86,7 +86,7 @@ def compile_program(plan: Plan, rank: int) -> Tuple[tuple, ...]:
             ops.append([_REDUCE, step.lane, (
                 tuple((ref.rank, ref.buffer, ref.offset) for ref in step.inputs),
                 (step.output.rank, step.output.buffer, step.output.offset),
-                step.count, step.dtype, step.op)])
+                step.count, step.dtype, step.op, step.scale)])
         elif isinstance(step, Mark):
             ops.append([_MARK, step.lane, step.mark])
         elif isinstance(step, After):
@@ -134,8 +134,8 @@ class Executor:
             elif kind == _COPY or kind == _LOCAL_COPY:
                 arg = tuple((at(dst), at(src), nbytes) for dst, src, nbytes in arg)
             elif kind == _REDUCE:
-                inputs, output, count, dtype, op = arg
-                arg = (tuple(at(ref) for ref in inputs), at(output), count, dtype, op)
+                inputs, output, count, dtype, op, scale = arg
+                arg = (tuple(at(ref) for ref in inputs), at(output), count, dtype, op, scale)
             bound.append((kind, lane_index, arg))
         return tuple(bound)
 
@@ -222,8 +222,9 @@ class Executor:
                 for dst, src, nbytes in arg:
                     device.local_copy(lane, dst, src, nbytes, self.sms.copy_sms)
             elif kind == _REDUCE:
-                inputs, output, count, dtype, op = arg
-                device.reduce(lane, output, inputs, count, dtype, op, sms=self.sms.max_sms)
+                inputs, output, count, dtype, op, scale = arg
+                device.reduce(lane, output, inputs, count, dtype, op, sms=self.sms.max_sms,
+                              scale=scale)
             elif kind == _MARK:
                 event = streams.event()
                 device.record(lane, event)

@@ -47,6 +47,9 @@ class Shape(NamedTuple):
     root: int = 0
     peer: int = -1
     in_place: bool = False
+    #: sums only: the result times ``scale``, applied once by the reduction kernel as it
+    #: rounds (torch's PREMUL_SUM); None: a plain sum
+    scale: Optional[float] = None
 
 
 @dataclass(frozen=True)
@@ -152,7 +155,8 @@ class _Builder:
     def reduce(self, rank: int, lane: int, inputs, output: BufRef, count: int) -> None:
         if count:
             s = self.shape
-            self.programs[rank].append(Reduce(lane, tuple(inputs), output, count, s.dtype, s.op))
+            self.programs[rank].append(Reduce(lane, tuple(inputs), output, count, s.dtype, s.op,
+                                              s.scale))
 
     def mark(self, rank: int, lane: int) -> int:
         self.marks[rank] += 1

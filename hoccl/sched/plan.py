@@ -24,7 +24,7 @@ caller's stream continues after all its lanes end).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Tuple, Union
+from typing import Optional, Tuple, Union
 
 __all__ = ["BufRef", "Copy", "Signal", "Wait", "Reduce", "Mark", "After", "Step",
            "BufferSpec", "Plan", "READY", "DONE", "GATHERED", "PAIR_READY", "PAIR_DONE",
@@ -81,7 +81,8 @@ class Wait:
 
 @dataclass(frozen=True)
 class Reduce:
-    """``output[i] = op(inputs[0][i], inputs[1][i], ...)`` for ``count`` elements of ``dtype``.
+    """``output[i] = op(inputs[0][i], inputs[1][i], ...)`` for ``count`` elements of ``dtype``
+    (with ``scale``, a sum: ``scale * sum(...)``, multiplied before the one rounding).
 
     The only step that uses SMs.  Inputs and output live on the running rank; the
     output may be exactly one of the inputs (element-wise in place), never a partial
@@ -93,6 +94,7 @@ class Reduce:
     count: int
     dtype: str
     op: str
+    scale: Optional[float] = None
 
 
 @dataclass(frozen=True)

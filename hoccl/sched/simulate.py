@@ -88,7 +88,7 @@ def simulate(plan: Plan, arrays: Sequence[Dict[str, np.ndarray]], *,
             dtype = numpy_dtype(step.dtype)
             nbytes = step.count * dtype.itemsize
             inputs = [region(ref, nbytes).view(dtype) for ref in step.inputs]
-            result = reduce_arrays(inputs, step.op, dtype)
+            result = reduce_arrays(inputs, step.op, dtype, scale=step.scale)
             region(step.output, nbytes)[...] = result.view(np.uint8)
 
     live = [key for key in queues if queues[key]]

@@ -65,9 +65,9 @@ class AllGather(_Hooked, _AllGather):
 
 
 class ReduceScatter(_Hooked, _ReduceScatter):
-    """FSDP2's reduce-scatter through ``comm``.  PREMUL_SUM(f) scales a temporary copy of
-    the input by f before the sum: one extra pass over the input and an input-sized
-    temporary, until hoccl's sums take a factor."""
+    """FSDP2's reduce-scatter through ``comm``.  PREMUL_SUM(f) with a number f is a sum
+    the reduction kernel multiplies by f as it rounds (no pass of its own); with a tensor
+    f, a temporary copy of the input is scaled first."""
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: Optional[dist.ProcessGroup] = None, op: Any = dist.ReduceOp.SUM,

@@ -64,8 +64,19 @@ def one_tensor(call: str, tensors: Sequence[T]) -> T:
     return tensors[0]
 
 
+def kernel_scale(comm: Any, factor: Any) -> Optional[float]:
+    """PREMUL_SUM's factor as the ``scale`` hoccl's sum kernel multiplies by, or None when
+    it must be applied by a pass of its own: a tensor factor (reading its value would
+    block the host), or a communicator across hosts (whose sums take no scale yet)."""
+    from .._hierarchy import HierarchicalCommunicator
+    if (isinstance(factor, (int, float)) and not isinstance(factor, bool)
+            and not isinstance(comm, HierarchicalCommunicator)):
+        return float(factor)
+    return None
+
+
 def scaled(tensor: torch.Tensor, factor: Any) -> torch.Tensor:
-    """A new tensor ``tensor * factor`` in ``tensor``'s dtype: PREMUL_SUM's premultiply,
-    one extra pass over the input (hoccl's sum kernels take no factor)."""
+    """A new tensor ``tensor * factor`` in ``tensor``'s dtype: PREMUL_SUM's premultiply as
+    a pass of its own, for factors ``kernel_scale`` cannot hand to the kernel."""
     return torch.mul(tensor, factor).to(tensor.dtype)
 

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from .. import InvalidArgumentError
 from ._collectives import all_gather_into, reduce_scatter_into
-from ._ops import movable, one_tensor, reducible, reduction, scaled
+from ._ops import kernel_scale, movable, one_tensor, reducible, reduction, scaled
 from ._p2p import HeldP2P, issue_held
 from ._work import Launcher, WorkList
 
@@ -211,8 +211,13 @@ class ProcessGroupHoccl(dist.ProcessGroup):
         op, factor = reduction(call, opts.reduceOp)
         reducible(call, output, factor)
 
+        scale = kernel_scale(self.communicator, factor)
+
         def issue(stream: Any) -> None:
             flat = torch.cat([tensor.reshape(-1) for tensor in inputs])
+            if scale is not None:
+                self.communicator.reduce_scatter(flat, output, op, scale=scale, stream=stream)
+                return
             if factor is not None:
                 flat.mul_(factor)
             self.communicator.reduce_scatter(flat, output, op, stream=stream)
@@ -237,7 +242,12 @@ class ProcessGroupHoccl(dist.ProcessGroup):
         op, factor = reduction(call, opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
         reducible(call, tensor, factor)
 
+        scale = kernel_scale(self.communicator, factor)
+
         def issue(stream: Any) -> None:
+            if scale is not None:
+                self.communicator.all_reduce(tensor, tensor, op, scale=scale, stream=stream)
+                return
             if factor is not None:
                 tensor.mul_(factor)  # the output overwrites it: no temporary needed
             self.communicator.all_reduce(tensor, tensor, op, stream=stream)
@@ -339,11 +349,15 @@ class ProcessGroupHoccl(dist.ProcessGroup):
         root = self._root(call, opts)
         op, factor = reduction(call, opts.reduceOp)
         reducible(call, tensor, factor)
+        scale = kernel_scale(self.communicator, factor)
 
         def issue(stream: Any) -> None:
+            output = tensor if self.rank() == root else None
+            if scale is not None:
+                self.communicator.reduce(tensor, output, root, op, scale=scale, stream=stream)
+                return
             source = tensor if factor is None else scaled(tensor, factor)
-            self.communicator.reduce(source, tensor if self.rank() == root else None, root, op,
-                                     stream=stream)
+            self.communicator.reduce(source, output, root, op, stream=stream)
         return self._run(issue, [tensor], [tensor], opts)
 
     def gather(self, output_tensors: List[List[torch.Tensor]], input_tensors: List[torch.Tensor],  # type: ignore[override]

@@ -54,6 +54,22 @@ def test_megabyte_sums_and_own_blocks_every_dtype_and_op(gpu_comms, collective):
                                  in_place=in_place, seed=seed)
 
 
+@pytest.mark.parametrize("collective", REDUCING)
+def test_scaled_sums_every_float_dtype(gpu_comms, gpu_options, collective):
+    """A sum's ``scale`` (torch's PREMUL_SUM) multiplied by the reduction kernel before it
+    rounds, bit for bit against the reference: small and odd sizes through several chunks
+    (``chunk_bytes=4096``), then ~10 MiB with the default chunks."""
+    n, seed = gpu_comms[0].world_size, 5000
+    for chunk_bytes, counts in ((4096, (1, 1001, 65537)), (32 << 20, ((5 << 20) // n,))):
+        gpu_options(chunk_bytes=chunk_bytes)
+        for dtype in ("float16", "bfloat16", "float32", "float64"):
+            for count in counts:
+                for in_place, scale in ((False, 0.125), (True, 1 / 3)):
+                    seed += 1
+                    check_collective(gpu_comms, collective, count=count, dtype=dtype,
+                                     root=n - 1, in_place=in_place, scale=scale, seed=seed)
+
+
 @pytest.mark.parametrize("collective,dtype,total_bytes", [
     ("all_gather", "uint8", 1 << 30), ("all_to_all", "uint8", 256 << 20),
     ("all_reduce", "int32", 256 << 20), ("reduce_scatter", "bfloat16", 64 << 20),

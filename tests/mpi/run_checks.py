@@ -48,6 +48,11 @@ def cases(world_size, dtypes, counts):
                             seed += 1
                             yield dict(collective=collective, dtype=dtype, count=count,
                                        in_place=in_place, root=root, op=op, seed=seed)
+                    if collective in REDUCING and "float" in dtype:
+                        seed += 1  # a scaled sum (torch's PREMUL_SUM)
+                        yield dict(collective=collective, dtype=dtype, count=count,
+                                   in_place=in_place, root=roots[-1], op="sum", seed=seed,
+                                   scale=0.375)
 
 
 def check_reallocated_buffers(comm, seed):
