@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The device machine's session: GPU tests (one process, and mpirun -np 2), then the
-# benchmarks against NCCL.  Usage: bash tools/gpu_run.sh [tests|profile|bench|overlap|compare|torch|fsdp|hier|all] [pytest args]
+# benchmarks against NCCL.  Usage: bash tools/gpu_run.sh [tests|profile|bench|overlap|compare|torch|fsdp|hier|hierdiag|final|all] [pytest args]
 # torch: the torch.distributed backend's checks, DDP/FSDP2 training against NCCL, the
 # FSDP2 example on NCCL and on hoccl, and python -m hoccl.bench.train.
 # compare: hoccl at 1 MiB and 1 GiB from this tree and from BASELINE (a checkout of an
@@ -80,7 +80,28 @@ if [ "$what" = fsdp ]; then
     done
   fi
 fi
-if [ "$what" = hier ] || [ "$what" = tests ] || [ "$what" = fsdp ]; then
+if [ "$what" = final ]; then
+  # one short session over what changed last: the GPU tier, the MPI checks (scaled sums),
+  # split children, abort and dead peers, the hierarchy (averages by hoccl's kernel),
+  # torch training against NCCL, the FSDP2 example and the comm-heavy training shape
+  export MASTER_ADDR=127.0.0.1 MASTER_PORT=${MASTER_PORT:-29517}
+  TRUN="$MPIRUN -x MASTER_ADDR -x MASTER_PORT"
+  step gpu-local 200 python3 -m pytest -q -x -p no:cacheprovider --timeout=120 tests/gpu "$@"
+  step gpu-mpirun 90 $MPIRUN python3 tests/mpi/run_checks.py --backend cuda --counts 0,1,17,100003
+  step plant-fault 90 $MPIRUN python3 tests/mpi/run_checks.py --backend cuda --plant-fault flip --counts 17
+  step hostile-mpirun 120 $MPIRUN python3 tests/mpi/run_hostile.py --backend cuda
+  step split-mpirun 90 $MPIRUN python3 tests/mpi/run_split.py --backend cuda
+  for scenario in dead abort; do
+    step "fail-$scenario" 60 $MPIRUN --mca orte_abort_on_non_zero_status 0 \
+      python3 tests/mpi/run_failures.py $scenario --backend cuda
+  done
+  step smoke 60 python3 tests/gpu/cuda_device_smoke.py
+  step torch-training 150 $TRUN python3 tests/torch_programs/run_training.py --device cuda
+  step fsdp2-hoccl 150 $TRUN python3 examples/train_fsdp2.py --backend hoccl --steps 50 \
+    --dump-stacks-after 130
+  step train-comm 200 $TRUN python3 -m hoccl.bench.train --shapes comm --out "$OUT/train-comm"
+fi
+if [ "$what" = hier ] || [ "$what" = tests ] || [ "$what" = fsdp ] || [ "$what" = final ]; then
   # 2 simulated hosts of 1 GPU, NCCL between them forced onto sockets; then one host of 2
   step hier-2x1-nccl 150 $MPIRUN -x NCCL_P2P_DISABLE=1 -x NCCL_SHM_DISABLE=1 \
     python3 tests/mpi/run_hierarchical.py --backend cuda --inter-host nccl --local-size 1 \
