@@ -179,6 +179,16 @@ def members(colors: Sequence[Optional[int]], keys: Sequence[Optional[int]]
     return {color: [rank for _, rank in sorted(ranked)] for color, ranked in order.items()}
 
 
+def _refuse_cuda(call: str, backend: str, instead: str) -> None:
+    """Splitting shares the parent's device; on GPUs that has not run correctly yet (under
+    mpirun a peer's re-import of a freed child's memory failed with
+    CUDA_ERROR_ALREADY_MAPPED), so it is refused there rather than left to fail mid-call."""
+    if backend == "cuda":
+        raise InvalidArgumentError(
+            f"{call}: sub-communicators that share their parent's GPU are not supported on "
+            f"the cuda backend yet; {instead}")
+
+
 def split(parent: Communicator, color: Any, key: Any, overrides: Dict[str, Any]
           ) -> Optional[Communicator]:
     """``Communicator.split`` of a rank of a process group (see its docstring).
@@ -192,6 +202,8 @@ def split(parent: Communicator, color: Any, key: Any, overrides: Dict[str, Any]
         raise InvalidArgumentError(
             f"{call}: the ranks of init_local live in one process and split together: "
             f"hoccl.split_local(comms, colors, keys)")
+    _refuse_cuda(call, parent.backend, "make a communicator of their own with "
+                 "hoccl.init(mpi_comm=MPI.COMM_WORLD.Split(color, key))")
     split_bootstrap = getattr(group.bootstrap, "split", None)
     if split_bootstrap is None:
         raise InvalidArgumentError(
@@ -245,6 +257,8 @@ def split_local(parents: Sequence[Communicator], colors: Sequence[Any],
         check_color_key(call, color, key)
     for comm in parents:
         comm._usable(call)
+    _refuse_cuda(call, parents[0].backend, "make communicators of their own with "
+                 "hoccl.init_local over the GPUs of each group")
     settings = Settings.inherited(call, parents[0]._engine, parents[0].timeout, **overrides)
     children: List[Optional[Communicator]] = [None] * len(parents)
     for color, ranks in sorted(members(colors, keys).items()):
