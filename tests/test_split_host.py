@@ -137,9 +137,10 @@ def test_each_communicator_passes_its_own_sm_cap_to_the_shared_device(init_local
     device = parents[0].device_handle
     reduce = device.reduce
 
-    def recording(stream, output, inputs, count, dtype, op, divisor=None, sms=None):
+    def recording(stream, output, inputs, count, dtype, op, divisor=None, sms=None,
+                  scale=None):
         seen.append(sms)
-        reduce(stream, output, inputs, count, dtype, op, divisor, sms=sms)
+        reduce(stream, output, inputs, count, dtype, op, divisor, sms=sms, scale=scale)
     monkeypatch.setattr(device, "reduce", recording)
     check_collective(parents, "all_reduce", count=16, dtype="float32", seed=1)
     parent_caps, seen[:] = set(seen), []
