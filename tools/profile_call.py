@@ -95,9 +95,12 @@ def main() -> None:
         mailboxes = comm._group.mailboxes
         peer = 1 - comm.rank if n == 2 else None
         if peer is not None:
-            def round_trip():
-                mailboxes.send(peer, (("probe",), None, {"recv": device.export(
-                    recv.data_ptr())}), time.monotonic() + 30, "probe")
+            import pickle
+            description = pickle.dumps((("probe",), {"recv": device.export(recv.data_ptr())}))
+
+            def round_trip():  # a message of a call's form: (key, pickled description)
+                mailboxes.send(peer, (("probe",), description), time.monotonic() + 30,
+                               "probe")
                 while not mailboxes.ready(peer):
                     pass
                 mailboxes.receive(peer)
