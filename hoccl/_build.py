@@ -193,9 +193,10 @@ def split(parent: Communicator, color: Any, key: Any, overrides: Dict[str, Any]
           ) -> Optional[Communicator]:
     """``Communicator.split`` of a rank of a process group (see its docstring).
 
-    The arguments are checked on every rank and the verdicts swapped over the parent's
-    bootstrap first, so that a bad argument on one rank raises on all of them instead of
-    leaving the others waiting in MPI_Comm_split."""
+    The arguments are checked on every rank and the verdicts swapped through the parent's
+    mailboxes first (``ProcessGroup.agree``: bounded by the timeout and the peers'
+    liveness), so that a bad argument, or a rank that never calls ``split``, raises on
+    all of them instead of leaving the others waiting in MPI_Comm_split."""
     call = "split"
     engine, group, health = parent._engine, parent._group, parent._health
     if not isinstance(group, ProcessGroup):
@@ -215,7 +216,7 @@ def split(parent: Communicator, color: Any, key: Any, overrides: Dict[str, Any]
         settings = Settings.inherited(call, engine, health.timeout, **overrides)
     except InvalidArgumentError as error:
         problem = str(error)
-    verdicts = group.bootstrap.allgather(problem)
+    verdicts = group.agree(call, problem)
     wrong = [(rank, verdict) for rank, verdict in enumerate(verdicts) if verdict is not None]
     if wrong:
         rank, verdict = wrong[0]

@@ -391,6 +391,34 @@ class ProcessGroup:
                 if peer != self.rank:
                     self.mailboxes.send(peer, message, deadline, call.name)
 
+    def agree(self, name: str, value: Any) -> List[Any]:
+        """Every rank's ``value`` for a collective step that is not a call (``split``'s
+        verdicts on its arguments), through the mailboxes: bounded by the timeout and by
+        the peers' liveness, where an MPI allgather would wait for ever on a rank that
+        never comes.  A peer whose next message is a call raises MismatchError."""
+        deadline = time.monotonic() + self.timeout
+        key = ("agree", name)
+        for peer in range(self.world_size):
+            if peer != self.rank:
+                self.mailboxes.send(peer, (key, value), deadline, name)
+        values: List[Any] = [None] * self.world_size
+        values[self.rank] = value
+        missing = [peer for peer in range(self.world_size) if peer != self.rank]
+        while missing:
+            wait_until(lambda: any(self.mailboxes.ready(peer) for peer in missing), deadline,
+                       lambda: f"{name}: rank {self.rank} waited {self.timeout:g} s for ranks "
+                               f"{missing} to call {name}; they never did",
+                       check=lambda: self.mailboxes.check_alive(missing, name))
+            for peer in [peer for peer in missing if self.mailboxes.ready(peer)]:
+                got_key, got = self.mailboxes.receive(peer)
+                missing.remove(peer)
+                if got_key != key:
+                    raise MismatchError(f"{name}: rank {self.rank} called {name} but rank "
+                                        f"{peer}'s next call was {got_key}: every rank must "
+                                        f"call {name} at the same point")
+                values[peer] = got
+        return values
+
     def complete(self, calls: Sequence["Call"]) -> None:
         """Receive every participant's message, check they agree, then issue — or release
         every call and raise if any participant disagrees."""
@@ -462,7 +490,6 @@ class ProcessGroup:
                 continue
             for peer in arrived:
                 key, description = mailboxes.receive(peer)
-                signature, shared = self._described(description)
                 keys = expected[peer]
                 if (key not in keys) if len(calls) > 1 else (key != keys[0]):
                     self._discard(calls)
@@ -471,6 +498,7 @@ class ProcessGroup:
                         f"{keys[0] if len(calls) == 1 else keys} but rank {peer}'s next call "
                         f"with it was {key}: the ranks' sequences of calls differ (a cycle of "
                         f"send/recv must be made inside hoccl.group())")
+                signature, shared = self._described(description)
                 keys.remove(key)
                 if not keys:
                     del expected[peer]

@@ -101,6 +101,23 @@ def bad_argument_raises_everywhere(parent):
     child.close()
 
 
+def a_rank_that_makes_another_call_raises_everywhere(parent):
+    """Rank 0 calls split while the others call all_reduce: every rank raises
+    MismatchError, none waits for the others for ever.  (The ranks' call counts then
+    differ: the parent is not used again; the checks after this one make their own.)"""
+    data = np.ones(4, np.float32)
+    try:
+        if parent.rank == 0:
+            parent.split(0)
+        else:
+            parent.all_reduce(data, np.zeros(4, np.float32))
+            parent.synchronize()
+    except hoccl.MismatchError as error:
+        assert "split" in str(error), error
+    else:
+        raise AssertionError(f"rank {parent.rank}: a split beside an all_reduce did not raise")
+
+
 def across_hosts_refused(parent):
     """Two simulated hosts (local_size): a HierarchicalCommunicator, which cannot split."""
     if parent.world_size % 2:
@@ -118,7 +135,8 @@ def across_hosts_refused(parent):
 
 
 CHECKS = [even_and_odd, nocolor, interleaved, keys_reorder, settings_and_closing,
-          bad_argument_raises_everywhere, across_hosts_refused]
+          bad_argument_raises_everywhere, a_rank_that_makes_another_call_raises_everywhere,
+          across_hosts_refused]
 
 
 def main():
