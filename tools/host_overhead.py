@@ -145,12 +145,11 @@ def main() -> None:
                 call()
             comm.synchronize()
             profile.disable()
-            calls = sum(stat[1] for stat in profile.getstats())
             if comm.rank == 0:
                 text = io.StringIO()
                 pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(25)
-                print(f"rank 0, {collective}: {calls / args.iters:.0f} Python function calls "
-                      f"per call (of the calling thread)")
+                # the mailbox polls (ready, take) count the waits for the peer, not the path
+                print(f"rank 0, {collective}, {args.iters} calls:")
                 print(text.getvalue(), flush=True)
     comm.close()
 
