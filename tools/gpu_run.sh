@@ -2,7 +2,7 @@
 # The device machine's session: GPU tests (one process, and mpirun -np 2), then the
 # benchmarks against NCCL.  Usage: bash tools/gpu_run.sh [tests|profile|bench|overlap|compare|torch|fsdp|hier|hierdiag|final|all] [pytest args]
 # torch: the torch.distributed backend's checks, DDP/FSDP2 training against NCCL, the
-# FSDP2 example on NCCL and on hoccl, and python -m hoccl.bench.train.
+# FSDP2 example on NCCL and on hoccl, and python -m hoccl.bench.train (one process per shape).
 # compare: hoccl at 1 MiB and 1 GiB from this tree and from BASELINE (a checkout of an
 # earlier commit, e.g. made with `git archive COMMIT | tar -x -C .baseline`), with NCCL,
 # in one run.
@@ -27,16 +27,29 @@ step() {  # step NAME TIMEOUT COMMAND...
   local rc=$?
   summary+=("$(printf '%-14s rc=%-3s %4ss  %s' "$name" "$rc" "$((SECONDS - start))" "$(tail -n 1 "$OUT/$name.log")")")
 }
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,power.draw --format=csv > "$OUT/gpus.txt" 2>&1
-if [ "$what" = tests ] || [ "$what" = all ]; then
-  step gpu-local 200 python3 -m pytest -q -x -p no:cacheprovider --timeout=90 tests/gpu "$@"
+export MASTER_ADDR=127.0.0.1 MASTER_PORT=${MASTER_PORT:-29517}  # torch's rendezvous
+TRUN="$MPIRUN -x MASTER_ADDR -x MASTER_PORT"
+gpu_tier() {  # gpu_tier PER_TEST_TIMEOUT "FAILURE SCENARIOS" [pytest args]
+  local per_test=$1 scenarios=$2; shift 2
+  step gpu-local 200 python3 -m pytest -q -x -p no:cacheprovider --timeout="$per_test" tests/gpu "$@"
   step gpu-mpirun 90 $MPIRUN python3 tests/mpi/run_checks.py --backend cuda --counts 0,1,17,100003
   step plant-fault 90 $MPIRUN python3 tests/mpi/run_checks.py --backend cuda --plant-fault flip --counts 17
   step hostile-mpirun 120 $MPIRUN python3 tests/mpi/run_hostile.py --backend cuda
-  for scenario in mismatch dead absent killed early abort; do
+  for scenario in $scenarios; do
     step "fail-$scenario" 60 $MPIRUN --mca orte_abort_on_non_zero_status 0 \
       python3 tests/mpi/run_failures.py $scenario --backend cuda
   done
+}
+train_shapes() {  # train_shapes SHAPE...: one mpirun per shape (a peer's freed buffers stay
+  # mapped by hoccl's IPC cache for the life of the process: shapes run back to back in
+  # one process run out of memory)
+  for shape in "$@"; do
+    step "train-$shape" 200 $TRUN python3 -m hoccl.bench.train --shapes $shape --out "$OUT/train-$shape"
+  done
+}
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,power.draw --format=csv > "$OUT/gpus.txt" 2>&1
+if [ "$what" = tests ] || [ "$what" = all ]; then
+  gpu_tier 90 "mismatch dead absent killed early abort" "$@"
 fi
 if [ "$what" = profile ] || [ "$what" = tests ] || [ "$what" = all ]; then
   step profile 60 $MPIRUN python3 tools/profile_call.py --size 1M
@@ -47,20 +60,16 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
   step bench 330 $MPIRUN python3 -m hoccl.bench --sizes ${BENCH_SIZES:-64K,1M,16M,256M,1G} --out "$OUT/bench"
 fi
 if [ "$what" = torch ]; then
-  export MASTER_ADDR=127.0.0.1 MASTER_PORT=${MASTER_PORT:-29517}
-  TRUN="$MPIRUN -x MASTER_ADDR -x MASTER_PORT"
   step torch-backend 150 $TRUN python3 tests/torch_programs/run_backend.py --device cuda
   step torch-training 150 $TRUN python3 tests/torch_programs/run_training.py --device cuda
   for backend in nccl hoccl; do
     step "fsdp2-$backend" 120 $TRUN python3 examples/train_fsdp2.py --backend $backend --steps 50
   done
-  step train-bench 330 $TRUN python3 -m hoccl.bench.train --out "$OUT/train"
+  train_shapes ${TRAIN_SHAPES:-compute comm large}
 fi
 if [ "$what" = fsdp ]; then
   # FSDP2 with hoccl's hooks on a small model first (a stuck run prints every thread's
   # stack), then the example on NCCL and on hoccl, then the training benchmark.
-  export MASTER_ADDR=127.0.0.1 MASTER_PORT=${MASTER_PORT:-29517}
-  TRUN="$MPIRUN -x MASTER_ADDR -x MASTER_PORT"
   step fsdp2-hooks-small 150 $TRUN python3 examples/train_fsdp2.py --backend nccl --hooks \
     --layers 2 --steps 5 --dump-stacks-after 100
   if ! grep -q "^step 4 " "$OUT/fsdp2-hooks-small.log"; then
@@ -72,34 +81,20 @@ if [ "$what" = fsdp ]; then
       --dump-stacks-after 130
   done
   if grep -q "^step 49 " "$OUT/fsdp2-hoccl.log"; then
-    # one run per shape: a peer's freed buffers stay mapped by hoccl's IPC cache for the
-    # life of the process, so shapes run back to back in one process run out of memory
-    for shape in ${TRAIN_SHAPES:-compute comm large}; do
-      step "train-$shape" 200 $TRUN python3 -m hoccl.bench.train --shapes $shape \
-        --out "$OUT/train-$shape"
-    done
+    train_shapes ${TRAIN_SHAPES:-compute comm large}
   fi
 fi
 if [ "$what" = final ]; then
   # one short session over what changed last: the GPU tier, the MPI checks (scaled sums),
   # split children, abort and dead peers, the hierarchy (averages by hoccl's kernel),
   # torch training against NCCL, the FSDP2 example and the comm-heavy training shape
-  export MASTER_ADDR=127.0.0.1 MASTER_PORT=${MASTER_PORT:-29517}
-  TRUN="$MPIRUN -x MASTER_ADDR -x MASTER_PORT"
-  step gpu-local 200 python3 -m pytest -q -x -p no:cacheprovider --timeout=120 tests/gpu "$@"
-  step gpu-mpirun 90 $MPIRUN python3 tests/mpi/run_checks.py --backend cuda --counts 0,1,17,100003
-  step plant-fault 90 $MPIRUN python3 tests/mpi/run_checks.py --backend cuda --plant-fault flip --counts 17
-  step hostile-mpirun 120 $MPIRUN python3 tests/mpi/run_hostile.py --backend cuda
+  gpu_tier 120 "dead abort" "$@"
   step split-mpirun 90 $MPIRUN python3 tests/mpi/run_split.py --backend cuda
-  for scenario in dead abort; do
-    step "fail-$scenario" 60 $MPIRUN --mca orte_abort_on_non_zero_status 0 \
-      python3 tests/mpi/run_failures.py $scenario --backend cuda
-  done
   step smoke 60 python3 tests/gpu/cuda_device_smoke.py
   step torch-training 150 $TRUN python3 tests/torch_programs/run_training.py --device cuda
   step fsdp2-hoccl 150 $TRUN python3 examples/train_fsdp2.py --backend hoccl --steps 50 \
     --dump-stacks-after 130
-  step train-comm 200 $TRUN python3 -m hoccl.bench.train --shapes comm --out "$OUT/train-comm"
+  train_shapes comm
 fi
 if [ "$what" = hier ] || [ "$what" = tests ] || [ "$what" = fsdp ] || [ "$what" = final ]; then
   # 2 simulated hosts of 1 GPU, NCCL between them forced onto sockets; then one host of 2
