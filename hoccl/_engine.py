@@ -31,6 +31,7 @@ from typing import Any, Deque, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from ._buffers import Buffer
 from ._errors import AbortedError, HocclError, InvalidArgumentError, MismatchError
+from ._windows import WINDOW, Windows
 from .backends._base import Device, SmCaps
 from .p2p import Executor
 from .sched import Options, Shape, build_plan, verify
@@ -190,7 +191,16 @@ class Call:
     entry: Any = None          # event marking the caller's position at call time
     issued_at: float = 0.0     # when its steps were enqueued (the watchdog's clock)
     peers: Dict[int, Dict[str, PeerBuffer]] = field(default_factory=dict)
+    #: the peers' buffers as this rank can tell them without asking (registered windows,
+    #: see ``hoccl._windows``): the call may be issued at once; None if it cannot
+    fast: Optional[Dict[int, Dict[str, PeerBuffer]]] = None
 
+
+#: the collectives whose every rank plays the same part, so that a peer's buffer of a name
+#: can be taken to sit where this rank's does (``Engine._fast_peers``); a rooted
+#: collective's buffers differ by role (an in-place root's buffer is not where the
+#: others' are), and send/recv name different buffers on the two sides
+SYMMETRIC = frozenset({"all_gather", "reduce_scatter", "all_reduce", "all_to_all", "barrier"})
 
 _VERIFIED: Dict[int, Plan] = {}
 _CACHED = 1024  # call templates and bound programs an engine keeps (then it starts afresh)
@@ -234,6 +244,15 @@ class Engine:
         self._retired: List[Any] = []
         self._templates: Dict[Shape, CallTemplate] = {}
         self._programs: Dict[tuple, Tuple[Plan, tuple]] = {}  # see _program
+        #: registered buffers (``Communicator.register``)
+        self.windows = Windows()
+        #: each peer's reduction scratch as last described by the peer (``learn``), and a
+        #: count of changes to what ``_fast_peers`` depends on (windows, that knowledge)
+        self._peer_scratch: Dict[int, PeerBuffer] = {}
+        self.layout_epoch = 0
+        #: calls issued without asking the peers (``ProcessGroup.complete``)
+        self.issued_fast = 0
+        self._fast: Dict[tuple, Tuple[Plan, Optional[Dict[int, Dict[str, PeerBuffer]]]]] = {}
         self.inflight: Deque[Call] = collections.deque()  # enqueued, in call order
         self.lock = threading.RLock()
         self.closed = False
@@ -289,15 +308,99 @@ class Engine:
                 assert buffer is not None
                 local[buffer_name] = buffer.address
                 sizes[buffer_name] = buffer.nbytes
-        # exported on every call: only the device can tell a reallocation at the same address
-        shared = {buffer_name: PeerBuffer(self.device.export(local[buffer_name]) if exported
-                                          else local[buffer_name], sizes[buffer_name])
-                  for buffer_name in template.shared}
+        if exported:
+            shared, fast = self._describe(template, local, sizes)
+        else:
+            shared, fast = {name: PeerBuffer(local[name], sizes[name])
+                            for name in template.shared}, None
         if plan.pair:
             key: tuple = ("pair",) + plan.pair + (self._pair_calls.get(plan.pair, 0),)
         else:
             key = ("coll", self._collectives)
-        return Call(name, plan, key, template.signature, local, shared, arrays, caller, self)
+        call = Call(name, plan, key, template.signature, local, shared, arrays, caller, self)
+        call.fast = fast
+        return call
+
+    def _describe(self, template: CallTemplate, local: Dict[str, Any], sizes: Dict[str, int]
+                  ) -> Tuple[Dict[str, PeerBuffer], Optional[Dict[int, Dict[str, PeerBuffer]]]]:
+        """What the peers need of this rank's buffers (a window reference for a registered
+        one, else an export descriptor), and the peers' buffers if this rank can tell them
+        without asking (``_fast_peers``).
+
+        Unregistered buffers are exported on every call: only the device can tell a
+        reallocation at the same address.  A window's array is held until deregistered."""
+        windows = self.windows
+        shared: Dict[str, PeerBuffer] = {}
+        for buffer_name in template.shared:
+            found = (windows.find(local[buffer_name], sizes[buffer_name])
+                     if windows and buffer_name != "scratch" else None)
+            where = ((WINDOW, found[0].index, found[1]) if found is not None
+                     else self.device.export(local[buffer_name]))
+            shared[buffer_name] = PeerBuffer(where, sizes[buffer_name])
+        if not windows:
+            return shared, None
+        layout = (id(template.plan), tuple(local.values()), self.layout_epoch)
+        entry = self._fast.get(layout)
+        if entry is None or entry[0] is not template.plan:
+            entry = (template.plan, self._fast_peers(template.plan, local, sizes))
+            if len(self._fast) >= _CACHED:
+                self._fast.clear()
+            self._fast[layout] = entry
+        return shared, entry[1]
+
+    def _fast_peers(self, plan: Plan, local: Dict[str, Any], sizes: Dict[str, int]
+                    ) -> Optional[Dict[int, Dict[str, PeerBuffer]]]:
+        """Every peer buffer the plan touches, told without asking the peers, or None.
+
+        A peer's buffer of a name that this rank holds in a window is taken to be at the
+        same offset of the peer's window of the same index (the registered call is
+        symmetric), bounded by what the peer registered; a peer's scratch is the one it
+        last described, if that is large enough for this plan.  The peers' descriptions,
+        which still come, are checked against this later (``ProcessGroup``)."""
+        if plan.collective not in SYMMETRIC:
+            return None
+        peers: Dict[int, Dict[str, PeerBuffer]] = {}
+        for peer in plan.participants:
+            if peer == self.rank:
+                continue
+            theirs: Dict[str, PeerBuffer] = {}
+            for buffer_name in plan.shared(peer):
+                needed = plan.buffer(peer, buffer_name).nbytes
+                if not needed:
+                    continue
+                if buffer_name == "scratch":
+                    known = self._peer_scratch.get(peer)
+                    if known is None or known.nbytes < needed:
+                        return None
+                    theirs[buffer_name] = known
+                    continue
+                if buffer_name not in local:
+                    return None
+                found = self.windows.find(local[buffer_name], sizes[buffer_name])
+                if found is None or found[0].sizes is None:
+                    return None
+                window, offset = found
+                sizes_of = window.sizes
+                assert sizes_of is not None
+                theirs[buffer_name] = PeerBuffer((WINDOW, window.index, offset),
+                                                 max(0, sizes_of[peer] - offset))
+            peers[peer] = theirs
+        return peers
+
+    def learn(self, calls: Sequence[Call]) -> None:
+        """After a description exchange: remember each peer's reduction scratch, for later
+        calls that may be issued without asking (``_fast_peers``)."""
+        for call in calls:
+            for peer, shared in call.peers.items():
+                scratch = shared.get("scratch")
+                if scratch is None:
+                    continue
+                known = self._peer_scratch.get(peer)
+                if known is not None and known.where == scratch.where:
+                    if scratch.nbytes <= known.nbytes:
+                        continue
+                self._peer_scratch[peer] = scratch
+                self.layout_epoch += 1
 
     def _template(self, shape: Shape) -> CallTemplate:
         plan = self.plan(shape)
@@ -393,7 +496,7 @@ class Engine:
         for peer, shared in call.peers.items():
             for buffer_name, buffer in shared.items():
                 needed = plan.buffer(peer, buffer_name).nbytes
-                if buffer.nbytes < needed:
+                if buffer.nbytes < needed or not self._in_window(call, peer, buffer, needed):
                     raise MismatchError(
                         f"{call.name}: rank {peer}'s {buffer_name} holds {buffer.nbytes} bytes "
                         f"but rank {self.rank}'s plan for this call reaches {needed} bytes into "
@@ -417,9 +520,29 @@ class Engine:
                                                  for name, address in call.local.items()}
         for peer, shared in call.peers.items():
             for buffer_name, buffer in shared.items():
-                addresses[(peer, buffer_name)] = (self.device.import_(buffer.where) if imported
-                                                  else buffer.where)
+                where = buffer.where
+                if type(where) is tuple and where[0] == WINDOW:
+                    window = self.windows.get(where[1])
+                    assert window is not None and window.bases is not None  # _in_window
+                    addresses[(peer, buffer_name)] = window.bases[peer] + where[2]
+                else:
+                    addresses[(peer, buffer_name)] = (self.device.import_(where) if imported
+                                                      else where)
         return addresses
+
+    def _in_window(self, call: Call, peer: int, buffer: PeerBuffer, needed: int) -> bool:
+        """Whether ``needed`` bytes from a window reference lie in the peer's window (true
+        for any other buffer); a reference to a window this rank does not have raises."""
+        where = buffer.where
+        if not (type(where) is tuple and where[0] == WINDOW):
+            return True
+        window = self.windows.get(where[1])
+        if window is None or window.sizes is None:
+            raise MismatchError(
+                f"{call.name}: rank {peer} passed a buffer in its registered window #{where[1]} "
+                f"but rank {self.rank} has no window #{where[1]}: the ranks' registrations "
+                f"differ")
+        return where[2] + needed <= window.sizes[peer]
 
     def release(self, call: Call) -> None:
         """Complete ``call`` without running it: the caller's stream goes on; its output is
@@ -486,6 +609,8 @@ class Engine:
             self.inflight.clear()
         self._templates.clear()
         self._programs.clear()  # their peer addresses die with the device's mappings
+        self._fast.clear()
+        self.windows.clear()
 
     def leave_device(self, leak: bool) -> None:
         """Once no peer's lane can write into this rank's memory any more: free this rank's

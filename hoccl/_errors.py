@@ -5,7 +5,7 @@ expected and what was given (or seen), so that a log line alone is enough to act
 """
 
 __all__ = ["HocclError", "InvalidArgumentError", "PlanError", "HocclTimeoutError",
-           "AbortedError", "DriverError", "MismatchError", "PeerDeadError"]
+           "AbortedError", "DriverError", "MismatchError", "DivergedError", "PeerDeadError"]
 
 
 class HocclError(RuntimeError):
@@ -34,6 +34,12 @@ class DriverError(HocclError):
 
 class MismatchError(HocclError):
     """Ranks called different collectives, or the same collective with different arguments."""
+
+
+class DivergedError(MismatchError):
+    """A call on registered buffers ran before its peers' descriptions were checked, and
+    a peer's call differed: the ranks' calls diverged, so the communicator was aborted.
+    Nothing was written outside the registered windows; the outputs are undefined."""
 
 
 class PeerDeadError(AbortedError):

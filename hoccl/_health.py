@@ -60,9 +60,12 @@ class Health:
         return self.engine.rank
 
     # -- waits ------------------------------------------------------------------------------
-    def synchronize(self, call: str = "synchronize") -> None:
+    def synchronize(self, call: str = "synchronize",
+                    poll: Callable[[], None] = lambda: None) -> None:
         """Block until every call the engine enqueued has finished; abort after the timeout
-        (or at once when a peer's process is gone) and raise naming what never came."""
+        (or at once when a peer's process is gone) and raise naming what never came.
+        ``poll`` runs every 0.1 s meanwhile (it may raise: the group's check of calls
+        issued on registered buffers)."""
         engine = self.engine
         target = engine.calls
         deadline = time.monotonic() + self.timeout
@@ -79,6 +82,7 @@ class Health:
                 raise HocclTimeoutError(reason)
             if now > next_liveness:
                 next_liveness = now + 0.1
+                poll()
                 self._check_peers(call, grace=_DEAD_PEER_GRACE)
             time.sleep(delay)
             delay = min(delay * 2 + 2e-6, 1e-3)

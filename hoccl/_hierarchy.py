@@ -775,6 +775,18 @@ class HierarchicalCommunicator(Communicator):
                                    "HierarchicalCommunicator); split the MPI communicator "
                                    "and call hoccl.init(mpi_comm=...) on each part instead")
 
+    def register(self, array: Any) -> Any:
+        """Not offered yet across hosts (the inter-host engines have registrations of
+        their own).  Raises ``InvalidArgumentError``."""
+        self._usable("register")
+        raise InvalidArgumentError("register: not supported across hosts yet (a "
+                                   "HierarchicalCommunicator); calls on unregistered buffers "
+                                   "work as ever")
+
+    def deregister(self, window: Any) -> None:
+        self._usable("deregister")
+        raise InvalidArgumentError("deregister: nothing is registered across hosts")
+
     def set_options(self, **changes: Any) -> None:
         """Options of the hoccl communicators (the host's, and the rails' with hoccl)."""
         self._usable("set_options")

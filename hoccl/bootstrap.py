@@ -30,7 +30,7 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Protocol, Sequence, Tuple
 
-from ._errors import MismatchError
+from ._errors import DivergedError, InvalidArgumentError, MismatchError
 from ._mailbox import Mailboxes, wait_until
 
 if TYPE_CHECKING:
@@ -93,6 +93,19 @@ class Group(Protocol):
     def leave(self, engine: "Engine", leak: bool) -> None:
         """``engine``'s rank has closed its streams: free what can be freed."""
 
+    def register(self, engine: "Engine", buffer: Any, verdict: Optional[str]) -> Any:
+        """Register ``buffer`` as ``engine``'s next window (``Communicator.register``)."""
+
+    def deregister(self, engine: "Engine", window: Any, verdict: Optional[str]) -> None:
+        """Drop ``window`` (``Communicator.deregister``)."""
+
+    def check(self) -> None:
+        """Check what has come of the peers' descriptions of calls issued without them
+        (registered buffers); raise DivergedError on a difference.  Never waits."""
+
+    def settle(self, call: str) -> None:
+        """Wait for, and check, every description still due for such calls."""
+
 
 def _disagreement(call: "Call", rank: int, peer: int, theirs: Tuple) -> str:
     return (f"{call.name}: rank {rank} called {_describe(call.signature)} but rank {peer} "
@@ -101,6 +114,41 @@ def _disagreement(call: "Call", rank: int, peer: int, theirs: Tuple) -> str:
 
 def _describe(signature: Tuple) -> str:
     return "(" + ", ".join(f"{key}={value!r}" for key, value in signature) + ")"
+
+
+def _where(where: Any) -> str:
+    if type(where) is tuple and where and where[0] == "window":
+        return f"offset {where[2]} of registered window #{where[1]}"
+    return "an unregistered buffer"
+
+
+def _check_used(call: "Call", rank: int, peer: int, used: tuple) -> Optional[str]:
+    """What ``peer``, which issued its call without asking, took this rank's buffers to
+    be (``used``), against what this rank passes: a description of the difference, if
+    any."""
+    for buffer_name, where in used:
+        mine = call.shared.get(buffer_name)
+        if mine is None or mine.where != where:
+            return (f"{call.name}: rank {peer} ran its call on registered buffers taking rank "
+                    f"{rank}'s {buffer_name} to be {_where(where)} (where its own is), but rank "
+                    f"{rank} passed {_where(mine.where) if mine else 'none'}; a call on "
+                    f"registered buffers needs every rank's buffer at the same offset of the "
+                    f"same registered window; the communicator is aborted (outputs undefined, "
+                    f"nothing written outside the registered windows)")
+    return None
+
+
+def _raise_verdicts(call: str, values: List[Any]) -> None:
+    """Every rank's (index, verdict, ...) of a registration step: raise on every rank if
+    any rank could not take part, or if their window indices differ."""
+    problems = [f"rank {rank}: {value[1]}" for rank, value in enumerate(values) if value[1]]
+    if problems:
+        raise InvalidArgumentError(f"{call}: " + "; ".join(problems))
+    indices = {value[0] for value in values}
+    if len(indices) > 1:
+        raise MismatchError(f"{call}: the ranks name different windows "
+                            f"({[value[0] for value in values]}): every rank must register "
+                            f"and deregister its buffers in the same order")
 
 
 class LocalGroup:
@@ -282,6 +330,20 @@ class LocalGroup:
     def dead_peer(self) -> Optional[str]:
         return None  # every rank lives in this process
 
+    def register(self, engine: "Engine", buffer: Any, verdict: Optional[str]) -> Any:
+        return _local_register(engine, buffer, verdict)
+
+    def deregister(self, engine: "Engine", window: Any, verdict: Optional[str]) -> None:
+        if verdict is not None:
+            raise InvalidArgumentError(f"deregister: rank {engine.rank}: {verdict}")
+        engine.windows.remove(window)
+
+    def check(self) -> None:
+        """Every call is matched before it is issued."""
+
+    def settle(self, call: str) -> None:
+        """Every call is matched before it is issued."""
+
     def _progress(self) -> None:
         """Issue, for every rank, the batches at the head of its queue whose calls every
         participant has made."""
@@ -316,6 +378,15 @@ class LocalGroup:
             for monitor in self.monitors:
                 monitor.engine.leave_device(self._leak)
             self.forget_calls()
+
+
+def _local_register(engine: "Engine", buffer: Any, verdict: Optional[str]) -> Any:
+    """A window of a rank whose peers live in this process: buffers travel by address, so
+    nothing is exchanged and calls are matched as ever; the window is kept for ``windows``
+    and for the torch integration's bookkeeping."""
+    if verdict is not None:
+        raise InvalidArgumentError(f"register: rank {engine.rank}: {verdict}")
+    return engine.windows.add(buffer.address, buffer.nbytes, buffer.owner, None, None)
 
 
 class MPIBootstrap:
@@ -370,6 +441,9 @@ class ProcessGroup:
         # bytes) and received (by bytes: the contents)
         self._sent: Dict[tuple, Tuple[Dict[str, "PeerBuffer"], bytes]] = {}
         self._received: Dict[bytes, Tuple[tuple, Dict[str, "PeerBuffer"]]] = {}
+        # per peer, in call order: the calls issued without the peer's description (on
+        # registered buffers), whose description is checked when it comes (``_check``)
+        self._unchecked: List[deque] = [deque() for _ in range(self.world_size)]
 
     def local_rank(self) -> int:
         """This rank's index among the ranks on its host."""
@@ -384,12 +458,20 @@ class ProcessGroup:
         """Send (key, description) of each call to its participants: the description is
         its signature and shared buffers, pickled once per distinct description
         (``_description``)."""
+        self.check()
         deadline = time.monotonic() + self.timeout
+        fast = all(call.fast is not None for call in calls)  # as ``complete`` decides
         for call in calls:
-            message = (call.key, self._description(call))
+            description = self._description(call)
             for peer in call.plan.participants:
                 if peer != self.rank:
-                    self.mailboxes.send(peer, message, deadline, call.name)
+                    # issued without asking: what this rank took the peer's buffers to be,
+                    # for the peer to check before it issues its own (``_check_used``)
+                    used = (tuple((name, buffer.where) for name, buffer in
+                                  call.fast[peer].items())  # type: ignore[index]
+                            if fast else None)
+                    self.mailboxes.send(peer, (call.key, description, used), deadline,
+                                        call.name)
 
     def agree(self, name: str, value: Any) -> List[Any]:
         """Every rank's ``value`` for a collective step that is not a call (``split``'s
@@ -400,17 +482,17 @@ class ProcessGroup:
         key = ("agree", name)
         for peer in range(self.world_size):
             if peer != self.rank:
-                self.mailboxes.send(peer, (key, value), deadline, name)
+                self.mailboxes.send(peer, (key, value, None), deadline, name)
         values: List[Any] = [None] * self.world_size
         values[self.rank] = value
         missing = [peer for peer in range(self.world_size) if peer != self.rank]
         while missing:
-            wait_until(lambda: any(self.mailboxes.ready(peer) for peer in missing), deadline,
+            wait_until(lambda: any(self._ready(peer) for peer in missing), deadline,
                        lambda: f"{name}: rank {self.rank} waited {self.timeout:g} s for ranks "
                                f"{missing} to call {name}; they never did",
                        check=lambda: self.mailboxes.check_alive(missing, name))
-            for peer in [peer for peer in missing if self.mailboxes.ready(peer)]:
-                got_key, got = self.mailboxes.receive(peer)
+            for peer in [peer for peer in missing if self._ready(peer)]:
+                got_key, got, _ = self.mailboxes.receive(peer)
                 missing.remove(peer)
                 if got_key != key:
                     raise MismatchError(f"{name}: rank {self.rank} called {name} but rank "
@@ -421,13 +503,38 @@ class ProcessGroup:
 
     def complete(self, calls: Sequence["Call"]) -> None:
         """Receive every participant's message, check they agree, then issue — or release
-        every call and raise if any participant disagrees."""
+        every call and raise if any participant disagrees.
+
+        Calls that can tell their peers' buffers without asking (registered buffers,
+        ``Call.fast``) are issued at once; the peers' messages for them are checked when
+        they come (``check``)."""
+        engine = calls[0].engine
+        if all(call.fast is not None for call in calls):
+            for call in calls:
+                assert call.fast is not None
+                call.peers = call.fast
+            try:
+                engine.issue(calls, imported=True)
+            except MismatchError as error:  # the peers may have issued theirs: diverged
+                raise DivergedError(f"{error}; the peers may have run the call, so the "
+                                    f"communicator is aborted") from None
+            for call in calls:
+                for peer, used in call.peers.items():
+                    self._unchecked[peer].append((call.key, call.name, call.signature, used))
+            engine.issued_fast += len(calls)
+            return
         received = self._receive(calls, time.monotonic() + self.timeout)
         problem: Optional[str] = None
+        diverged: Optional[str] = None
         for call in calls:
-            for peer, (signature, _) in received[call.key].items():
+            for peer, (signature, _, used) in received[call.key].items():
                 if signature != call.signature and problem is None:
                     problem = _disagreement(call, self.rank, peer, signature)
+                if used is not None and diverged is None:
+                    diverged = _check_used(call, self.rank, peer, used)
+        if diverged is not None:  # the peer ran its call already
+            self._discard(calls)
+            raise DivergedError(diverged)
         if problem is not None:
             self._discard(calls)
             raise MismatchError(problem)
@@ -435,7 +542,97 @@ class ProcessGroup:
             theirs = received[call.key]
             call.peers = {peer: theirs[peer][1] for peer in call.plan.participants
                           if peer != self.rank}
-        calls[0].engine.issue(calls, imported=True)
+        engine.learn(calls)
+        engine.issue(calls, imported=True)
+
+    # -- calls issued without the peers' descriptions ---------------------------------
+    def _ready(self, peer: int) -> bool:
+        """Whether ``peer``'s next message for a call still to be matched has come (the
+        checks of calls issued without it are taken first)."""
+        self._check_peer(peer)
+        return not self._unchecked[peer] and self.mailboxes.ready(peer)
+
+    def check(self) -> None:
+        """Check every peer's description that has come for a call issued without it;
+        raise DivergedError if one differs from what this rank took it to be.  Never
+        waits."""
+        for peer in range(self.world_size):
+            if self._unchecked[peer]:
+                self._check_peer(peer)
+
+    def _check_peer(self, peer: int) -> None:
+        pending = self._unchecked[peer]
+        while pending and self.mailboxes.ready(peer):
+            key, name, signature, used = pending.popleft()
+            got_key, description, _ = self.mailboxes.receive(peer)
+            if got_key != key:
+                raise DivergedError(
+                    f"{name}: rank {self.rank} ran call {key} on registered buffers, but rank "
+                    f"{peer}'s call was {got_key}: the ranks' sequences of calls differ; the "
+                    f"communicator is aborted (outputs undefined, nothing written outside the "
+                    f"registered windows)")
+            theirs, shared = self._described(description)
+            if theirs != signature:
+                raise DivergedError(
+                    f"{name}: rank {self.rank} ran {_describe(signature)} on registered "
+                    f"buffers, but rank {peer} called {_describe(theirs)}; the communicator "
+                    f"is aborted (outputs undefined, nothing written outside the registered "
+                    f"windows)")
+            for buffer_name, buffer in used.items():
+                declared = shared.get(buffer_name)
+                if declared is None or declared.where != buffer.where:
+                    raise DivergedError(
+                        f"{name}: rank {self.rank} took rank {peer}'s {buffer_name} to be "
+                        f"{_where(buffer.where)} (the same place as its own, registered), but "
+                        f"rank {peer} passed {_where(declared.where) if declared else 'none'}; "
+                        f"a call on registered buffers needs every rank's buffer at the same "
+                        f"offset of the same registered window; the communicator is aborted "
+                        f"(outputs undefined, nothing written outside the registered windows)")
+
+    def settle(self, call: str) -> None:
+        """Wait (bounded by the timeout and the peers' liveness) for the descriptions of
+        every call issued without them, and check them (``check``)."""
+        deadline = time.monotonic() + self.timeout
+        waiting = [peer for peer in range(self.world_size) if self._unchecked[peer]]
+        while waiting:
+            wait_until(lambda: any(self.mailboxes.ready(peer) for peer in waiting), deadline,
+                       lambda: f"{call}: rank {self.rank} waited {self.timeout:g} s for ranks "
+                               f"{waiting} to make the calls it ran on registered buffers; they "
+                               f"never did",
+                       check=lambda: self.mailboxes.check_alive(waiting, call))
+            self.check()
+            waiting = [peer for peer in waiting if self._unchecked[peer]]
+
+    # -- registration -----------------------------------------------------------------
+    def register(self, engine: "Engine", buffer: Any, verdict: Optional[str]) -> Any:
+        """Every rank's window of the next index: exchange (export descriptor, size) with
+        the peers, map theirs, and add the window.  ``verdict``: why this rank cannot
+        register (then every rank raises)."""
+        where = None
+        if verdict is None:
+            try:
+                where = engine.device.export(buffer.address)
+            except InvalidArgumentError as error:
+                verdict = str(error)
+        index = engine.windows.next_index
+        values = self.agree("register", (index, verdict, where, buffer.nbytes))
+        _raise_verdicts("register", values)
+        bases: List[Any] = []
+        for peer, (_, _, peer_where, _) in enumerate(values):
+            bases.append(buffer.address if peer == self.rank
+                         else engine.device.import_(peer_where))
+        engine.layout_epoch += 1
+        return engine.windows.add(buffer.address, buffer.nbytes, buffer.owner, bases,
+                                  [size for _, _, _, size in values])
+
+    def deregister(self, engine: "Engine", window: Any, verdict: Optional[str]) -> None:
+        """Every rank drops its window of one index (once this rank's calls have finished,
+        ``Communicator.deregister``)."""
+        self.settle("deregister")
+        values = self.agree("deregister", (window.index if window else None, verdict, None, 0))
+        _raise_verdicts("deregister", values)
+        engine.layout_epoch += 1
+        engine.windows.remove(window)
 
     def _description(self, call: "Call") -> bytes:
         """``(call.signature, call.shared)`` pickled.  A repeated call (the same signature
@@ -462,7 +659,7 @@ class ProcessGroup:
         return found
 
     def _receive(self, calls: Sequence["Call"], deadline: float
-                 ) -> Dict[tuple, Dict[int, Tuple[tuple, Dict[str, "PeerBuffer"]]]]:
+                 ) -> Dict[tuple, Dict[int, Tuple[tuple, Dict[str, "PeerBuffer"], Any]]]:
         """Every participant's message for each of ``calls``.  One call alone: each peer's
         next message must be for it (the ranks' sequences of calls must agree).  Several
         (a group): each peer's messages may come in any order, but must be exactly the
@@ -472,16 +669,16 @@ class ProcessGroup:
             for peer in call.plan.participants:
                 if peer != self.rank:
                     expected.setdefault(peer, []).append(call.key)
-        received: Dict[tuple, Dict[int, Tuple[tuple, Dict[str, "PeerBuffer"]]]] = {
+        received: Dict[tuple, Dict[int, Tuple[tuple, Dict[str, "PeerBuffer"], Any]]] = {
             call.key: {} for call in calls}
         names = {call.key: call.name for call in calls}
         first = calls[0]
         mailboxes = self.mailboxes
         while expected:
             missing = sorted(expected)
-            arrived = [peer for peer in missing if mailboxes.ready(peer)]
+            arrived = [peer for peer in missing if self._ready(peer)]
             if not arrived:
-                wait_until(lambda: any(mailboxes.ready(peer) for peer in missing), deadline,
+                wait_until(lambda: any(self._ready(peer) for peer in missing), deadline,
                            lambda: f"{first.name}: rank {self.rank} waited {self.timeout:g} s "
                                    f"for ranks {missing} to make the matching call "
                                    f"{first.key}; they never did: a mismatched sequence of "
@@ -489,7 +686,7 @@ class ProcessGroup:
                            check=lambda: mailboxes.check_alive(missing, first.name))
                 continue
             for peer in arrived:
-                key, description = mailboxes.receive(peer)
+                key, description, used = mailboxes.receive(peer)
                 keys = expected[peer]
                 if (key not in keys) if len(calls) > 1 else (key != keys[0]):
                     self._discard(calls)
@@ -502,7 +699,7 @@ class ProcessGroup:
                 keys.remove(key)
                 if not keys:
                     del expected[peer]
-                received[key][peer] = (signature, shared)
+                received[key][peer] = (signature, shared, used)
         return received
 
     def _discard(self, calls: Sequence["Call"]) -> None:
@@ -531,6 +728,7 @@ class ProcessGroup:
         """Free this rank's memory and the device unless a communicator split from this one
         (or its parent) still uses it (keep them, with ``leak``), then the mailboxes and
         the bootstrap."""
+        self._unchecked = [deque() for _ in range(self.world_size)]
         engine.leave_device(leak)
         self.mailboxes.close()
         self.bootstrap.close()

@@ -24,8 +24,8 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 from . import _validate as check
 from ._buffers import Buffer, as_buffer
 from ._engine import Call, Engine
-from ._errors import (AbortedError, HocclError, HocclTimeoutError, InvalidArgumentError,
-                      MismatchError)
+from ._errors import (AbortedError, DivergedError, HocclError, HocclTimeoutError,
+                      InvalidArgumentError, MismatchError)
 from ._health import Health
 from .bootstrap import Group
 from .sched import Shape
@@ -235,6 +235,91 @@ class Communicator:
         self._usable("barrier")
         self._enter("barrier", Shape("barrier", self.world_size, 0), {}, stream)
 
+    # -- registered buffers ------------------------------------------------------------
+    def register(self, array: Any) -> Any:
+        """Register ``array`` (any array hoccl accepts, on this rank's device) with every
+        rank: a collective call, made by every rank in the same order, that exchanges
+        the buffer with the peers once (NCCL's window registration).  Returns a
+        ``hoccl.Window``; the array is held until ``deregister``.
+
+        A later all_gather, reduce_scatter, all_reduce, all_to_all (or barrier) whose
+        buffers lie inside registered arrays, at the same offsets of the same windows on
+        every rank (symmetric buffers, as NCCL's symmetric memory wants), needs no
+        descriptor exchange and no waiting for the peers on the host:
+        it is issued at once, and the peers' descriptions of it are checked after the
+        fact.  If a rank's call differed, every rank raises ``DivergedError`` (at its next
+        call, ``synchronize``, ``deregister`` or ``close``) and the communicator is
+        aborted; no call writes outside the windows the peers registered.  Rooted
+        collectives and send/recv, whose buffers differ by role, and calls on
+        unregistered buffers exchange descriptors as before.  Ranks of ``init_local`` (one process) always
+        pass buffers by address: for them this only records the window.
+
+        The memory must not overlap a window already registered; with the cuda backend
+        it must be IPC-capable (``cudaMalloc``: cupy's default pool, torch's caching
+        allocator without expandable segments, ``hoccl.empty``).  Not inside
+        ``hoccl.group()``."""
+        name = "register"
+        self._usable(name)
+        if _held_calls() is not None:
+            raise InvalidArgumentError("register: not inside hoccl.group()")
+        buffer = as_buffer(name, "array", array, writable=False, reduction=False)
+        check.on_device(name, "array", buffer, self.backend, self.device)
+        verdict = None
+        if not buffer.nbytes:
+            verdict = "the array is empty; register at least one byte"
+        else:
+            clash = self._engine.windows.overlapping(buffer.address, buffer.nbytes)
+            if clash is not None:
+                verdict = (f"the array at {buffer.address:#x} ({buffer.nbytes} bytes) overlaps "
+                           f"registered window #{clash.index} ({clash.address:#x}, "
+                           f"{clash.nbytes} bytes)")
+        try:
+            return self._group.register(self._engine, buffer, verdict)
+        except DivergedError as error:
+            self._health.abort(str(error))
+            raise
+
+    def deregister(self, window: Any) -> None:
+        """Drop a registration (``window``: what ``register`` returned, or the registered
+        array itself).  Collective, in the same order on every rank: it waits for this
+        rank's calls to finish and for every rank to reach it, so no call of any rank
+        touches the memory afterwards; then the array is released."""
+        name = "deregister"
+        self._usable(name)
+        if _held_calls() is not None:
+            raise InvalidArgumentError("deregister: not inside hoccl.group()")
+        engine = self._engine
+        found, verdict = self._window_of(window), None
+        if found is None:
+            verdict = (f"expected a Window from register or a registered array itself, got a "
+                       f"{type(window).__name__} that is not a window registered with this "
+                       f"communicator")
+        self.synchronize()
+        try:
+            self._group.deregister(engine, found, verdict)
+        except DivergedError as error:
+            self._health.abort(str(error))
+            raise
+
+    @property
+    def windows(self) -> List[Any]:
+        """This rank's registered windows, by address."""
+        return list(self._engine.windows)
+
+    def _window_of(self, window: Any) -> Any:
+        from ._windows import Window
+        windows = self._engine.windows
+        if isinstance(window, Window):
+            return window if windows.get(window.index) is window else None
+        try:
+            buffer = as_buffer("deregister", "window", window, writable=False, reduction=False)
+        except InvalidArgumentError:
+            return None
+        found = windows.find(buffer.address, max(buffer.nbytes, 1))
+        if found is None or found[1] or found[0].nbytes != buffer.nbytes:
+            return None
+        return found[0]
+
     # -- host side ---------------------------------------------------------------------
     def synchronize(self) -> None:
         """Block until all work this communicator enqueued has finished.
@@ -252,7 +337,16 @@ class Communicator:
                 f"synchronize: rank {self.rank}'s {call.name} (call {call.key}) cannot run: "
                 f"ranks {self._group.waiting_for(call)} have not made the matching call yet; "
                 f"with init_local make every rank's call before synchronizing")
-        self._health.synchronize()
+        try:
+            try:
+                self._health.synchronize(poll=self._group.check)
+            except AbortedError:
+                self._group.check()  # a peer that aborted on a divergence: say so
+                raise
+            self._group.settle("synchronize")
+        except DivergedError as error:
+            self._health.abort(str(error))
+            raise
 
     @property
     def calls(self) -> int:
@@ -347,7 +441,18 @@ class Communicator:
                 engine.release(call)
         if not engine.aborted and engine.unfinished():
             try:
-                self._health.synchronize("close")
+                self._health.synchronize("close", poll=self._group.check)
+            except DivergedError as error:
+                self._health.abort(str(error))
+                log.warning("rank %d close: %s", self.rank, error)
+            except HocclError as error:
+                log.warning("rank %d close: %s", self.rank, error)
+        if not engine.aborted:
+            try:  # the peers' descriptions of calls run on registered buffers
+                self._group.settle("close")
+            except DivergedError as error:
+                self._health.abort(str(error))
+                log.warning("rank %d close: %s", self.rank, error)
             except HocclError as error:
                 log.warning("rank %d close: %s", self.rank, error)
         with engine.lock:
@@ -448,6 +553,9 @@ class Communicator:
             try:
                 comm._group.post(calls)
                 posted.append((comm, calls))
+            except DivergedError as error:  # an earlier registered call diverged
+                comm._fail(calls, error)
+                failure = failure or error
             except MismatchError as error:
                 failure = failure or error
             except BaseException as error:
@@ -456,6 +564,9 @@ class Communicator:
         for comm, calls in posted:
             try:
                 comm._group.complete(calls)
+            except DivergedError as error:
+                comm._fail(calls, error)
+                failure = failure or error
             except MismatchError as error:
                 failure = failure or error
             except BaseException as error:

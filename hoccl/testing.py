@@ -39,7 +39,7 @@ was never written, and the checker says so.
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -47,7 +47,8 @@ from ._dtypes import from_numpy, numpy_dtype, reduce_arrays
 from .backends._kernels import MAX_INPUTS
 
 __all__ = ["expected", "reduced", "random_array", "poison", "is_poison", "assert_exact",
-           "check_collective", "check_interleaved", "PlantedFault", "FAULTS", "ArrayModule", "array_module_for",
+           "check_collective", "check_interleaved", "PlantedFault", "FAULTS", "ArrayModule", "RegisteredArrays",
+           "array_module_for",
            "IN_PLACE_FORMS", "POISON_BITS"]
 
 #: collectives that have an in-place form
@@ -298,6 +299,55 @@ class PlantedFault(ArrayModule):
                                       device)
 
 
+class RegisteredArrays(ArrayModule):
+    """An ``ArrayModule`` whose buffers are carved from one registered array per
+    communicator (``hoccl.empty``, made on first use: a collective call, so every rank
+    must reach it at the same point), at the same offsets on every rank: the symmetric
+    buffers that calls on registered memory want.  ``check_collective`` places each
+    buffer in a fixed slot (the receive buffer in slot 0, the send buffer in slot 1, an
+    in-place form's whole buffer in slot 2) of ``slot_bytes`` each, whether or not a rank
+    passes it, so that every rank's slot k is at the same offset."""
+
+    SLOTS = 3
+
+    def __init__(self, arrays: ArrayModule, slot_bytes: int):
+        super().__init__(arrays.kind)
+        self.slot_bytes = slot_bytes
+        self.slabs: Dict[int, Tuple[Any, Any]] = {}  # id(comm) -> (comm, registered array)
+
+    def place(self, comm: Any, slot: int, data: np.ndarray) -> Any:
+        """``data`` copied into ``comm``'s slot ``slot``; the view is returned."""
+        nbytes = data.nbytes
+        if nbytes > self.slot_bytes:
+            raise ValueError(f"RegisteredArrays: {nbytes} bytes do not fit a slot of "
+                             f"{self.slot_bytes}")
+        entry = self.slabs.get(id(comm))
+        if entry is None:
+            import hoccl
+            slab = hoccl.empty(self.SLOTS * self.slot_bytes, "uint8", comm,
+                               framework=self.kind)
+            entry = self.slabs[id(comm)] = (comm, slab)
+        start = slot * self.slot_bytes
+        raw = entry[1][start:start + nbytes]
+        if self.kind == "torch":
+            import torch
+            view = raw.view(getattr(torch, str(data.dtype)))
+            view.copy_(super().asarray(data, comm.device))
+        elif self.kind == "cupy":
+            view = raw.view(data.dtype)
+            view[...] = super().asarray(data, comm.device)
+        else:
+            view = raw.view(data.dtype)
+            view[...] = data
+        return view
+
+    def release(self) -> None:
+        """Deregister every slab (collective: every rank at the same point)."""
+        for comm, slab in self.slabs.values():
+            comm.deregister(slab)
+        self.slabs.clear()
+
+
 def array_module_for(backend: str, dtype: str = "float32") -> ArrayModule:
     if backend == "host":
         return ArrayModule("numpy")
@@ -348,13 +398,17 @@ def check_collective(comms: Sequence[Any], collective: str, *, count: int, dtype
     for bits in poisons:
         buffers = []
         for comm in comms:
-            r, device = comm.rank, comm.device
-            recv = (arrays.asarray(poison(recv_count, dtype, bits), device)
-                    if want[r] is not None else None)
-            send = arrays.asarray(inputs[r], device) if inputs[r] is not None else None
+            r = comm.rank
+
+            def make(slot: int, data: np.ndarray, comm: Any = comm) -> Any:
+                if isinstance(arrays, RegisteredArrays):
+                    return arrays.place(comm, slot, data)
+                return arrays.asarray(data, comm.device)
+            recv = make(0, poison(recv_count, dtype, bits)) if want[r] is not None else None
+            send = make(1, inputs[r]) if inputs[r] is not None else None
             if in_place:
                 send, recv = _in_place_buffers(collective, r, root, n, count, inputs[r], send,
-                                               recv, arrays, device, dtype, bits)
+                                               recv, make, dtype, bits)
             buffers.append((comm, send, recv))
         _issue(collective, buffers, op, root, streams, scale)
         if not synchronize:
@@ -450,14 +504,13 @@ def _issue(collective: str, buffers: list, op: str, root: int,
             getattr(comm, collective)(send, recv, stream=stream)
 
 
-def _in_place_buffers(collective, r, root, n, count, data, send, recv, arrays, device, dtype,
-                      bits):
+def _in_place_buffers(collective, r, root, n, count, data, send, recv, make, dtype, bits):
     """The in-place form of rank r's buffers: one array, the send data at its place in it;
-    ``recv`` is the part that receives the result."""
+    ``recv`` is the part that receives the result.  ``make(slot, data)`` makes an array."""
     if collective == "all_gather":
         full = poison(count * n, dtype, bits)
         full[r * count:(r + 1) * count] = data
-        recv = arrays.asarray(full, device)
+        recv = make(2, full)
         return recv[r * count:(r + 1) * count], recv
     if collective == "reduce_scatter":
         return send, send[r * count:(r + 1) * count]
@@ -474,7 +527,7 @@ def _in_place_buffers(collective, r, root, n, count, data, send, recv, arrays, d
             return send, None
         full = poison(count * n, dtype, bits)
         full[r * count:(r + 1) * count] = data
-        recv = arrays.asarray(full, device)
+        recv = make(2, full)
         return recv[r * count:(r + 1) * count], recv
     if collective == "scatter":
         if r != root:

@@ -99,7 +99,7 @@ def main() -> None:
             description = pickle.dumps((("probe",), {"recv": device.export(recv.data_ptr())}))
 
             def round_trip():  # a message of a call's form: (key, pickled description)
-                mailboxes.send(peer, (("probe",), description), time.monotonic() + 30,
+                mailboxes.send(peer, (("probe",), description, None), time.monotonic() + 30,
                                "probe")
                 while not mailboxes.ready(peer):
                     pass

@@ -23,8 +23,8 @@ import numpy as np
 from mpi4py import MPI
 
 import hoccl
-from hoccl.testing import (FAULTS, IN_PLACE_FORMS, PlantedFault, array_module_for, assert_exact,
-                           check_collective, poison, random_array)
+from hoccl.testing import (FAULTS, IN_PLACE_FORMS, PlantedFault, RegisteredArrays,
+                           array_module_for, assert_exact, check_collective, poison, random_array)
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast", "reduce",
                "gather", "scatter", "send_recv")
@@ -150,6 +150,9 @@ def main():
     parser.add_argument("--dtypes", default="float32,bfloat16,int32,uint8")
     parser.add_argument("--counts", default="0,1,17,1000")
     parser.add_argument("--plant-fault", choices=FAULTS, default=None)
+    parser.add_argument("--registered", action="store_true",
+                        help="every buffer in a registered array (hoccl.empty), at the same "
+                             "offsets on every rank: calls issued without a descriptor exchange")
     args = parser.parse_args()
     world = MPI.COMM_WORLD
     comm = hoccl.init(backend=args.backend, timeout=120)
@@ -157,8 +160,13 @@ def main():
     dtypes = args.dtypes.split(",")
     counts = [int(c) for c in args.counts.split(",") if fault is None or int(c) >= 2]
     outcomes = {collective: [] for collective in COLLECTIVES}
+    registered = {}  # kind -> RegisteredArrays (one registered array per kind)
+    largest = max(counts) * comm.world_size * 8
     for case in cases(comm.world_size, dtypes, counts):
         arrays = array_module_for(comm.backend, case["dtype"])
+        if args.registered:
+            arrays = registered.setdefault(arrays.kind, RegisteredArrays(
+                arrays, slot_bytes=max(1 << 20, -(-largest // 4096) * 4096)))
         if fault is not None:
             arrays = PlantedFault(arrays, fault, block=case["count"])
         outcomes[case["collective"]].append(
@@ -171,11 +179,16 @@ def main():
                                                lambda: check_reallocated_buffers(comm, 11), None)]
         outcomes["repeated calls"] = [run(world, comm, "repeated calls",
                                           lambda: check_repeated_calls(comm, 12), None)]
+    for arrays in registered.values():
+        arrays.release()
+    fast = world.allreduce(comm._engine.issued_fast, op=MPI.MIN)
     comm.close()
     every = [outcome for results in outcomes.values() for outcome in results]
     passed, failed, errors = (every.count(outcome) for outcome in (PASSED, FAILED, ERROR))
     if world.rank == 0:
         label = f"mpi ranks={world.size} backend={comm.backend}"
+        if args.registered:
+            label += f" registered ({fast} calls or more on each rank without an exchange)"
         if fault is not None:
             label += f" fault={fault}"
             for collective, results in outcomes.items():

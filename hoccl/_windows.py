@@ -1,0 +1,158 @@
+"""Registered buffers (``Communicator.register``, ``hoccl.empty``): windows.
+
+A window is a range of one rank's memory that every rank of the communicator registered
+at the same point (``register`` is collective, like ``ncclCommWindowRegister``), so each
+rank knows every peer's window of the same index: where it is (mapped once, at
+registration) and how large.  A call whose buffers lie inside windows is then
+*symmetric*: each peer's buffer is taken to be at the same offset of the peer's window
+of the same index, so the call needs no descriptor exchange and no waiting on the host
+for the peers' calls (``ProcessGroup.complete`` issues it at once).
+
+What keeps that safe:
+
+* every byte a plan touches in a peer's window is checked against the size that peer
+  registered before anything is enqueued: a call on registered buffers never writes
+  outside a peer's window, whatever the peers pass;
+* each rank still posts its call's description; the peers check it after the fact (at
+  their next call, ``synchronize``, ``deregister`` or ``close``), and a rank whose call
+  differed (another size, another offset, an unregistered buffer) makes every rank raise
+  ``DivergedError`` and aborts the communicator: its output is undefined, nothing beyond
+  the windows was written;
+* the device-side protocol is unchanged: a peer's copies into this rank's buffer wait
+  for this rank's READY signal, sent when its caller's stream reached the call.
+
+The window's array is kept alive by the registry until ``deregister``.
+"""
+
+from __future__ import annotations
+
+import bisect
+from typing import Any, Dict, List, Optional, Tuple
+
+__all__ = ["Window", "Windows", "WINDOW"]
+
+#: the first element of a window reference ``(WINDOW, index, offset)``, the form a
+#: registered buffer takes in a call's description (peers resolve it in their own table)
+WINDOW = "window"
+
+
+class Window:
+    """One registered range: this rank's ``address`` and ``nbytes``, and every rank's
+    window of the same index as this process addresses it (``bases``) and its size
+    (``sizes``); ``bases`` is None where the peers live in this process (``init_local``:
+    buffers travel by address anyway)."""
+
+    __slots__ = ("index", "address", "nbytes", "owner", "bases", "sizes")
+
+    def __init__(self, index: int, address: int, nbytes: int, owner: Any,
+                 bases: Optional[List[Any]], sizes: Optional[List[int]]):
+        self.index = index
+        self.address = address
+        self.nbytes = nbytes
+        self.owner = owner
+        self.bases = bases
+        self.sizes = sizes
+
+    def __repr__(self) -> str:
+        return (f"<hoccl.Window #{self.index} at {self.address:#x}, {self.nbytes} bytes>")
+
+
+class Windows:
+    """A rank's windows, found by address.  Windows never overlap (``register`` refuses
+    it), so the one that may hold an address is the last that starts at or below it."""
+
+    def __init__(self) -> None:
+        self._by_index: Dict[int, Window] = {}
+        self._starts: List[int] = []
+        self._sorted: List[Window] = []
+        self.next_index = 0
+
+    def __len__(self) -> int:
+        return len(self._by_index)
+
+    def __iter__(self):
+        return iter(list(self._sorted))
+
+    def get(self, index: int) -> Optional[Window]:
+        return self._by_index.get(index)
+
+    def overlapping(self, address: int, nbytes: int) -> Optional[Window]:
+        """A window sharing a byte with ``[address, address + nbytes)``, if one does."""
+        at = bisect.bisect_right(self._starts, address + nbytes - 1)
+        if at and self._sorted[at - 1].address + self._sorted[at - 1].nbytes > address:
+            return self._sorted[at - 1]
+        return None
+
+    def find(self, address: int, nbytes: int) -> Optional[Tuple[Window, int]]:
+        """(window, offset) of the window holding all of ``[address, address + nbytes)``."""
+        at = bisect.bisect_right(self._starts, address)
+        if not at:
+            return None
+        window = self._sorted[at - 1]
+        offset = address - window.address
+        if offset + nbytes > window.nbytes:
+            return None
+        return window, offset
+
+    def add(self, address: int, nbytes: int, owner: Any, bases: Optional[List[Any]],
+            sizes: Optional[List[int]]) -> Window:
+        window = Window(self.next_index, address, nbytes, owner, bases, sizes)
+        self.next_index += 1
+        self._by_index[window.index] = window
+        at = bisect.bisect_right(self._starts, address)
+        self._starts.insert(at, address)
+        self._sorted.insert(at, window)
+        return window
+
+    def remove(self, window: Window) -> None:
+        del self._by_index[window.index]
+        at = self._sorted.index(window)
+        del self._starts[at]
+        del self._sorted[at]
+
+    def clear(self) -> None:
+        self._by_index.clear()
+        self._starts.clear()
+        self._sorted.clear()
+
+
+def empty(shape: Any, dtype: Any, comm: Any, *, framework: Optional[str] = None) -> Any:
+    """A new array of ``shape`` and ``dtype`` on ``comm``'s device, registered with
+    ``comm`` (``Communicator.register``: collective, every rank in the same order).
+
+    ``framework``: ``"numpy"`` (the host backend's default), ``"cupy"`` (the cuda
+    backend's default) or ``"torch"`` (the default for bfloat16 on GPUs, which cupy
+    lacks).  ``dtype`` is a hoccl dtype name (``"bfloat16"``) or a numpy / torch dtype.
+    The array is held until ``comm.deregister(array)``; its contents are undefined."""
+    from . import _dtypes
+    from ._errors import InvalidArgumentError
+    name = _dtype_name(dtype)
+    if name not in _dtypes.NAMES:
+        raise InvalidArgumentError(f"empty: expected a dtype of {_dtypes.NAMES}, got {dtype!r}")
+    on_gpu = comm.backend == "cuda"
+    if framework is None:
+        framework = ("torch" if name == "bfloat16" else "cupy") if on_gpu else "numpy"
+    choices = ("cupy", "torch") if on_gpu else ("numpy", "torch")
+    if framework not in choices:
+        raise InvalidArgumentError(f"empty: framework must be one of {choices} on the "
+                                   f"{comm.backend} backend, got {framework!r}")
+    if framework == "torch":
+        import torch
+        array = torch.empty(shape, dtype=getattr(torch, name),
+                            device=f"cuda:{comm.device}" if on_gpu else "cpu")
+    elif framework == "cupy":
+        import cupy
+        if name == "bfloat16":
+            raise InvalidArgumentError("empty: cupy has no bfloat16; pass framework='torch'")
+        with cupy.cuda.Device(comm.device):
+            array = cupy.empty(shape, dtype=name)
+    else:
+        import numpy as np
+        array = np.empty(shape, dtype=_dtypes.numpy_dtype(name))
+    comm.register(array)
+    return array
+
+
+def _dtype_name(dtype: Any) -> str:
+    text = str(dtype)
+    return text[len("torch."):] if text.startswith("torch.") else text
