@@ -387,6 +387,17 @@ class Engine:
             peers[peer] = theirs
         return peers
 
+    def forget_window(self, window: Any) -> None:
+        """Drop ``window`` (deregistered by every rank, its calls finished): the programs
+        bound to its peers' mappings go, then the mappings no call made."""
+        self.windows.remove(window)
+        self.layout_epoch += 1
+        self._programs.clear()
+        self._fast.clear()
+        self.device.activate()
+        for descriptor in window.imports:
+            self.device.drop_import(descriptor)
+
     def learn(self, calls: Sequence[Call]) -> None:
         """After a description exchange: remember each peer's reduction scratch, for later
         calls that may be issued without asking (``_fast_peers``)."""

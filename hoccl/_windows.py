@@ -42,10 +42,12 @@ class Window:
     (``sizes``); ``bases`` is None where the peers live in this process (``init_local``:
     buffers travel by address anyway)."""
 
-    __slots__ = ("index", "address", "nbytes", "owner", "bases", "sizes")
+    __slots__ = ("index", "address", "nbytes", "owner", "bases", "sizes", "imports")
 
     def __init__(self, index: int, address: int, nbytes: int, owner: Any,
                  bases: Optional[List[Any]], sizes: Optional[List[int]]):
+        #: the peers' export descriptors this rank mapped (released by deregister)
+        self.imports: List[Any] = []
         self.index = index
         self.address = address
         self.nbytes = nbytes

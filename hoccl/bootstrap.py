@@ -618,12 +618,23 @@ class ProcessGroup:
         values = self.agree("register", (index, verdict, where, buffer.nbytes))
         _raise_verdicts("register", values)
         bases: List[Any] = []
-        for peer, (_, _, peer_where, _) in enumerate(values):
-            bases.append(buffer.address if peer == self.rank
-                         else engine.device.import_(peer_where))
+        held: List[Any] = []
+        try:
+            for peer, (_, _, peer_where, _) in enumerate(values):
+                if peer == self.rank:
+                    bases.append(buffer.address)
+                else:
+                    bases.append(engine.device.hold_import(peer_where))
+                    held.append(peer_where)
+        except BaseException:
+            for descriptor in held:
+                engine.device.drop_import(descriptor)
+            raise
         engine.layout_epoch += 1
-        return engine.windows.add(buffer.address, buffer.nbytes, buffer.owner, bases,
-                                  [size for _, _, _, size in values])
+        window = engine.windows.add(buffer.address, buffer.nbytes, buffer.owner, bases,
+                                    [size for _, _, _, size in values])
+        window.imports = held
+        return window
 
     def deregister(self, engine: "Engine", window: Any, verdict: Optional[str]) -> None:
         """Every rank drops its window of one index (once this rank's calls have finished,
@@ -631,8 +642,7 @@ class ProcessGroup:
         self.settle("deregister")
         values = self.agree("deregister", (window.index if window else None, verdict, None, 0))
         _raise_verdicts("deregister", values)
-        engine.layout_epoch += 1
-        engine.windows.remove(window)
+        engine.forget_window(window)
 
     def _description(self, call: "Call") -> bytes:
         """``(call.signature, call.shared)`` pickled.  A repeated call (the same signature

@@ -154,6 +154,14 @@ class Device(abc.ABC):
         again costs no driver call.  Released by ``close``.
         """
 
+    def hold_import(self, descriptor: Any) -> Any:
+        """``import_`` for a registered window: the mapping is counted, and released by
+        ``drop_import`` when no window holds it and no call has used it."""
+        return self.import_(descriptor)
+
+    def drop_import(self, descriptor: Any) -> None:
+        """A window's hold on a mapping ends (``hold_import``)."""
+
     @abc.abstractmethod
     def enable_peer_access(self, peer: "Device") -> None:
         """Let this device read and write ``peer``'s memory directly (one process)."""

@@ -338,6 +338,8 @@ class CudaDevice(Device):
         self._kernel_lock = threading.Lock()
         self._exports: dict = {}       # (allocation base, buffer id) -> (handle, size)
         self._descriptors: dict = {}   # (address, buffer id) -> descriptor
+        self._called: set = set()      # import keys a call mapped (kept until close)
+        self._holds: dict = {}         # import key -> windows holding it (hold_import)
         self._memop_params: dict = {}  # (kind, address) -> CUstreamBatchMemOpParams
 
         def attribute(name: str) -> int:
@@ -564,22 +566,50 @@ class CudaDevice(Device):
         return descriptor
 
     def import_(self, descriptor: Any) -> int:
+        key, address = self._map(descriptor)
+        self._called.add(key)
+        return address
+
+    def hold_import(self, descriptor: Any) -> int:
+        key, address = self._map(descriptor)
+        self._holds[key] = self._holds.get(key, 0) + 1
+        return address
+
+    def drop_import(self, descriptor: Any) -> None:
+        """Unmapped once no window holds it, unless a call mapped it too: calls' bound
+        programs may still address it, so it stays until ``close``."""
+        key, _ = self._key(descriptor)
+        holds = self._holds.pop(key, 0) - 1
+        if holds > 0:
+            self._holds[key] = holds
+        elif key not in self._called:
+            mapped = self._owned.imports.pop(key, None)
+            if mapped is not None:
+                self._make_current()
+                _call(driver.cuIpcCloseMemHandle, mapped)
+
+    @staticmethod
+    def _key(descriptor: Any) -> Tuple[tuple, int]:
         if not (isinstance(descriptor, tuple) and len(descriptor) == 6
                 and descriptor[0] == "cuda-ipc"):
             raise InvalidArgumentError(
                 "import_: expected a ('cuda-ipc', handle, base, size, buffer_id, offset) "
                 f"descriptor from CudaDevice.export, got {type(descriptor).__name__}")
         _, handle, base, _, buffer_id, offset = descriptor
-        key = (handle, base, buffer_id)
+        return (handle, base, buffer_id), offset
+
+    def _map(self, descriptor: Any) -> Tuple[tuple, int]:
+        """(cache key, local address) of a peer's exported buffer, mapped on first use."""
+        key, offset = self._key(descriptor)
         mapped = self._owned.imports.get(key)
         if mapped is None:
             self._make_current()
             ipc_handle = driver.CUipcMemHandle()
-            ipc_handle.reserved = handle
+            ipc_handle.reserved = key[0]
             mapped = int(_call(driver.cuIpcOpenMemHandle, ipc_handle,
                                driver.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS))
             self._owned.imports[key] = mapped
-        return mapped + offset
+        return key, mapped + offset
 
     def enable_peer_access(self, peer: Device) -> None:
         if not isinstance(peer, CudaDevice):

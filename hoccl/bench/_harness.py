@@ -8,7 +8,7 @@ import platform
 import sys
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
 #: forms each collective is measured in
@@ -166,12 +166,16 @@ class Library:
 
 class Hoccl(Library):
     """hoccl with its default options (``hoccl``), or a variant: ``hoccl-peer`` (own block
-    through the peer: zero SMs), ``hoccl-local``, and options appended like
-    ``hoccl+max_sms=32+copy_sms=32+chunk_bytes=128M``."""
+    through the peer: zero SMs), ``hoccl-local``, ``hoccl-reg`` (every buffer registered
+    with ``hoccl.empty``: calls go without a descriptor exchange), and options appended
+    like ``hoccl+max_sms=32+copy_sms=32+chunk_bytes=128M``."""
 
-    def __init__(self, ranks: Ranks, route: Optional[str], name: str, settings: Dict[str, Any]):
+    def __init__(self, ranks: Ranks, route: Optional[str], name: str, settings: Dict[str, Any],
+                 registered: bool = False):
         comm = ranks.comms[0]
         self.ranks, self.name, self.settings = ranks, name, settings
+        self.registered = registered
+        self.windows: List[Tuple[Any, Any]] = []
         self.route = route or comm.options.self_route
         self.defaults = {"max_sms": comm.max_sms, "copy_sms": comm.copy_sms,
                          "chunk_bytes": comm.options.chunk_bytes}
@@ -193,6 +197,20 @@ class Hoccl(Library):
     def prepare(self) -> None:
         for comm in self.ranks.comms:
             comm.set_options(self_route=self.route, **{**self.defaults, **self.settings})
+
+    def empty(self, rank_index, count, dtype):
+        if not self.registered:
+            return super().empty(rank_index, count, dtype)
+        import hoccl
+        comm = self.ranks.comms[rank_index]
+        tensor = hoccl.empty(count, str(dtype), comm, framework="torch")
+        self.windows.append((comm, tensor))
+        return tensor
+
+    def release(self) -> None:
+        for comm, tensor in self.windows:
+            comm.deregister(tensor)
+        self.windows.clear()
 
     def run(self, rank_index, collective, send, recv, stream):
         comm = self.ranks.comms[rank_index]
@@ -287,9 +305,9 @@ def libraries(ranks: Ranks, wanted: List[str]) -> List[Library]:
         settings = {key: parse_size(value) for key, value in
                     (assignment.split("=") for assignment in assignments)}
         try:
-            if base in ("hoccl", "hoccl-local", "hoccl-peer"):
-                route = None if base == "hoccl" else base.split("-")[1]
-                found.append(Hoccl(ranks, route, name, settings))
+            if base in ("hoccl", "hoccl-local", "hoccl-peer", "hoccl-reg"):
+                route = base.split("-")[1] if base in ("hoccl-local", "hoccl-peer") else None
+                found.append(Hoccl(ranks, route, name, settings, registered=base == "hoccl-reg"))
             elif ranks.mpi is None:
                 ranks.say(f"# {name}: skipped (NCCL baselines need mpirun, one rank per process)")
             elif name == "nccl":
