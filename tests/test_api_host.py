@@ -242,3 +242,16 @@ def test_each_call_waits_for_its_own_stream_even_when_a_later_call_uses_an_idle_
     for r in range(2):
         assert_exact(f"first all_gather: rank {r}", np.concatenate(want), firsts[r])
         assert_exact(f"second all_gather: rank {r}", np.concatenate(want), seconds[r])
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_one_shot_all_reduce_matches_numpy_below_and_above_its_threshold(init_local, in_place):
+    """``one_shot_bytes``: all_reduce in one phase up to the threshold (every rank sums
+    every input), two phases above it; both exact, every op, odd counts."""
+    comms = init_local(3, backend="host")
+    for comm in comms:
+        comm.set_options(one_shot_bytes=400)
+    for seed, count in enumerate((1, 17, 100, 101, 1000)):  # 400 bytes = 100 float32
+        for op in ("sum", "max", "avg"):
+            check_collective(comms, "all_reduce", count=count, dtype="float32", op=op,
+                             in_place=in_place, seed=seed)

@@ -50,6 +50,7 @@ class Case(NamedTuple):
     self_route: str
     chunk_bytes: int
     copy_lanes: Optional[int]
+    one_shot_bytes: int = 0
 
     def shape(self) -> Shape:
         return Shape(self.collective, self.world_size, self.count, self.dtype,
@@ -57,12 +58,13 @@ class Case(NamedTuple):
 
     def options(self) -> Options:
         return Options(copy_lanes=self.copy_lanes, chunk_bytes=self.chunk_bytes,
-                       self_route=self.self_route)
+                       self_route=self.self_route, one_shot_bytes=self.one_shot_bytes)
 
     def label(self) -> str:
         return (f"{self.collective}-n{self.world_size}-c{self.count}-{self.dtype}-{self.op}"
                 f"-root{self.root}-peer{self.peer}-{'inplace' if self.in_place else 'oop'}"
-                f"-{self.self_route}-chunk{self.chunk_bytes}-lanes{self.copy_lanes}")
+                f"-{self.self_route}-chunk{self.chunk_bytes}-lanes{self.copy_lanes}"
+                f"{f'-oneshot{self.one_shot_bytes}' if self.one_shot_bytes else ''}")
 
 
 # -- the reference: what each collective computes, from its definition ---------------------
@@ -234,6 +236,16 @@ def _cases() -> List[Case]:
                 root, peer = roots[(n // 2 + index) % len(roots)]
                 count = (3 * n + 2, 11, 2 * n - 1, 5)[(n + index) % 4]
                 add(kind, n, count, root, peer, in_place, route)
+    # one-shot all_reduce (one phase: every rank sums every input itself)
+    for n in (2, 3, 4, 5, 8, 16):
+        for count in (1, 7, 13, 3 * n + 2):
+            for in_place in (False, True):
+                dtype = DTYPES[turn % len(DTYPES)]
+                op = OPS[(turn // 3) % len(OPS)]
+                chunk = (1, 2 * ITEMSIZE[dtype] + 1, 1 << 20)[turn % 3]
+                cases.append(Case("all_reduce", n, count, dtype, op, 0, -1, in_place, "local",
+                                  chunk, (None, 1, 2)[turn % 3], one_shot_bytes=1 << 20))
+                turn += 1
     return cases
 
 
@@ -257,6 +269,25 @@ def test_grid_covers_every_collective_dtype_op_and_option():
     for kind in ROOTED:
         assert any(c.root == c.world_size - 1 > 0 for c in CASES if c.collective == kind), kind
     assert {c.self_route for c in CASES} == {"peer", "local"}
+    one_shot = [c for c in CASES if c.one_shot_bytes]
+    assert {c.in_place for c in one_shot} == {False, True} and len(one_shot) >= 40
+
+
+def test_one_shot_all_reduce_is_one_phase_below_its_threshold_only():
+    """Under ``one_shot_bytes`` every rank sums every element itself and nothing is
+    gathered; above it the two-phase plan (each rank sums its share, then gathers)."""
+    from hoccl.sched.plan import GATHERED, Reduce, Signal
+    options = Options(one_shot_bytes=4096)
+    for count, one_shot in ((1024, True), (1025, False)):
+        plan = build_plan(Shape("all_reduce", 4, count, "float32", 4), options)
+        summed = [sum(step.count for step in program if isinstance(step, Reduce))
+                  for program in plan.programs]
+        gathered = any(isinstance(step, Signal) and step.slot % CHANNELS == GATHERED
+                       for program in plan.programs for step in program)
+        assert summed == ([count] * 4 if one_shot else [257, 256, 256, 256]), summed
+        assert gathered is not one_shot
+    with pytest.raises(Exception, match="one_shot_bytes"):
+        Options(one_shot_bytes=-1)
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 7, 16])

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The device machine's session: GPU tests (one process, and mpirun -np 2), then the
-# benchmarks against NCCL.  Usage: bash tools/gpu_run.sh [tests|profile|bench|overlap|compare|torch|fsdp|hier|hierdiag|final|all] [pytest args]
+# benchmarks against NCCL.  Usage: bash tools/gpu_run.sh [tests|profile|bench|overlap|compare|torch|fsdp|hier|hierdiag|final|registered|all] [pytest args]
 # torch: the torch.distributed backend's checks, DDP/FSDP2 training against NCCL, the
 # FSDP2 example on NCCL and on hoccl, and python -m hoccl.bench.train (one process per shape).
 # compare: hoccl at 1 MiB and 1 GiB from this tree and from BASELINE (a checkout of an
@@ -95,6 +95,22 @@ if [ "$what" = final ]; then
   step fsdp2-hoccl 150 $TRUN python3 examples/train_fsdp2.py --backend hoccl --steps 50 \
     --dump-stacks-after 130
   train_shapes comm
+fi
+if [ "$what" = registered ]; then
+  # registered buffers: every collective on registered memory against numpy, the
+  # divergence checks, the GPU tier for the changed call path, split on GPUs (the stale
+  # IPC mapping fix), then small sizes and 1 GiB in place beside NCCL
+  step registered-checks 120 $MPIRUN python3 tests/mpi/run_checks.py --backend cuda --registered \
+    --counts 0,1,17,100003
+  step registered-mpirun 120 $MPIRUN python3 tests/mpi/run_registered.py --backend cuda
+  gpu_tier 120 "mismatch dead abort" "$@"
+  step split-mpirun 90 $MPIRUN -x HOCCL_SPLIT_CUDA=1 python3 tests/mpi/run_split.py --backend cuda
+  step profile-reg 60 $MPIRUN python3 tools/profile_call.py --size 1M --registered
+  step bench-small 300 $MPIRUN python3 -m hoccl.bench --sizes ${BENCH_SIZES:-8K,64K,256K,1M,4M,16M} \
+    --libraries hoccl,hoccl-reg,hoccl-reg+one_shot_bytes=4M,nccl,nccl4py,nccl-zero \
+    --out "$OUT/bench-small"
+  step bench-1g 200 $MPIRUN python3 -m hoccl.bench --sizes 1G --collectives all_gather \
+    --libraries hoccl,hoccl-reg,nccl4py,nccl-zero --out "$OUT/bench-1g"
 fi
 if [ "$what" = hier ] || [ "$what" = tests ] || [ "$what" = fsdp ] || [ "$what" = final ]; then
   # 2 simulated hosts of 1 GPU, NCCL between them forced onto sockets; then one host of 2

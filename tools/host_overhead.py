@@ -1,7 +1,7 @@
 """Host time per call of small collectives on the host backend, under mpiexec.
 
 Run: ``mpiexec -n 2 python tools/host_overhead.py [--size 4K] [--iters 1000] [--profile]
-[--no-stream-work]``
+[--no-stream-work] [--registered]``
 
 Each rank makes ``--iters`` calls of one collective (in place, float32, ``--size`` bytes
 in the large buffer) with no synchronisation between them, then synchronises; the time
@@ -78,15 +78,22 @@ class CallPathDevice(HostDevice):
         pass
 
 
-def in_place_call(comm, collective, nbytes):
+def in_place_call(comm, collective, nbytes, registered=False):
     """A function making one in-place call of ``collective`` (float32, ``nbytes`` in the
-    large buffer), on buffers made once."""
+    large buffer), on buffers made once (``registered``: with ``hoccl.empty``)."""
     n, rank = comm.world_size, comm.rank
     block = max(1, nbytes // 4 // n)
+
+    def ones(count):
+        if not registered:
+            return np.ones(count, dtype=np.float32)
+        array = hoccl.empty(count, "float32", comm)
+        array[:] = 1
+        return array
     if collective == "all_reduce":
-        buffer = np.ones(block * n, dtype=np.float32)
+        buffer = ones(block * n)
         return lambda: comm.all_reduce(buffer, buffer, "sum")
-    full = np.ones(block * n, dtype=np.float32)
+    full = ones(block * n)
     own = full[rank * block:(rank + 1) * block]
     if collective == "all_gather":
         return lambda: comm.all_gather(own, full)
@@ -114,6 +121,8 @@ def main() -> None:
                         help="print a cProfile of rank 0's calls of one more round")
     parser.add_argument("--no-stream-work", action="store_true",
                         help="a host device whose streams do no work: the call path alone")
+    parser.add_argument("--registered", action="store_true",
+                        help="buffers registered with hoccl.empty: no descriptor exchange")
     args = parser.parse_args()
     nbytes = parse_size(args.size)
     if args.no_stream_work:
@@ -123,11 +132,13 @@ def main() -> None:
     world = MPI.COMM_WORLD
     if comm.rank == 0:
         work = "no stream work" if args.no_stream_work else "streams on worker threads"
+        if args.registered:
+            work += ", registered buffers"
         print(f"host backend ({work}), {comm.world_size} ranks, {args.size} in place, float32, "
               f"{args.iters} calls per round, {args.repeats} rounds", flush=True)
         print(f"{'collective':16s} {'median':>8s} {'min':>8s}   rounds (µs/call, slowest rank)")
     for collective in args.collectives.split(","):
-        call = in_place_call(comm, collective, nbytes)
+        call = in_place_call(comm, collective, nbytes, args.registered)
         for _ in range(100):  # warm up: plans, lanes, events, imports
             call()
         comm.synchronize()

@@ -32,6 +32,8 @@ def main() -> None:
     parser.add_argument("--size", default="1M")
     parser.add_argument("--iters", type=int, default=2000)
     parser.add_argument("--local", action="store_true")
+    parser.add_argument("--registered", action="store_true",
+                        help="the buffer registered with hoccl.empty (no descriptor exchange)")
     args = parser.parse_args()
     nbytes = parse_size(args.size)
     if args.local:
@@ -42,7 +44,11 @@ def main() -> None:
     n = comms[0].world_size
     calls = []
     for comm in comms:
-        recv = torch.zeros(nbytes // 2, dtype=torch.bfloat16, device=f"cuda:{comm.device}")
+        if args.registered:
+            recv = hoccl.empty(nbytes // 2, "bfloat16", comm, framework="torch")
+            recv.zero_()
+        else:
+            recv = torch.zeros(nbytes // 2, dtype=torch.bfloat16, device=f"cuda:{comm.device}")
         block = recv.numel() // n
         send = recv[comm.rank * block:(comm.rank + 1) * block]
         with torch.cuda.device(comm.device):
@@ -62,7 +68,8 @@ def main() -> None:
     for comm in comms:
         comm.synchronize()
     where = "one process" if args.local else f"rank {comms[0].rank}"
-    print(f"{where}: all_gather {args.size} in place: {host:.1f} µs of host time per rank-call",
+    kind = "in place, registered" if args.registered else "in place"
+    print(f"{where}: all_gather {args.size} {kind}: {host:.1f} µs of host time per rank-call",
           flush=True)
 
     comm, send, recv, stream = calls[0]

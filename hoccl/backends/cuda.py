@@ -583,10 +583,7 @@ class CudaDevice(Device):
         if holds > 0:
             self._holds[key] = holds
         elif key not in self._called:
-            mapped = self._owned.imports.pop(key, None)
-            if mapped is not None:
-                self._make_current()
-                _call(driver.cuIpcCloseMemHandle, mapped)
+            self._close_import(key)
 
     @staticmethod
     def _key(descriptor: Any) -> Tuple[tuple, int]:
@@ -599,17 +596,35 @@ class CudaDevice(Device):
         return (handle, base, buffer_id), offset
 
     def _map(self, descriptor: Any) -> Tuple[tuple, int]:
-        """(cache key, local address) of a peer's exported buffer, mapped on first use."""
+        """(cache key, local address) of a peer's exported buffer, mapped on first use.
+
+        A key is (handle, allocation base, buffer id).  When the exporter frees an
+        allocation and makes a new one at the same address, the driver may hand out the
+        same handle bytes again, and opening a handle that is still open in this context
+        fails with CUDA_ERROR_ALREADY_MAPPED: a cached mapping of the same handle under
+        another buffer id is of freed memory (the exporter's calls on it, and so this
+        rank's, have finished), so it is closed first."""
         key, offset = self._key(descriptor)
-        mapped = self._owned.imports.get(key)
+        imports = self._owned.imports
+        mapped = imports.get(key)
         if mapped is None:
             self._make_current()
+            for stale in [other for other in imports if other[0] == key[0] and other != key]:
+                self._close_import(stale)
             ipc_handle = driver.CUipcMemHandle()
             ipc_handle.reserved = key[0]
             mapped = int(_call(driver.cuIpcOpenMemHandle, ipc_handle,
                                driver.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS))
-            self._owned.imports[key] = mapped
+            imports[key] = mapped
         return key, mapped + offset
+
+    def _close_import(self, key: tuple) -> None:
+        mapped = self._owned.imports.pop(key, None)
+        self._called.discard(key)
+        self._holds.pop(key, None)
+        if mapped is not None:
+            self._make_current()
+            _call(driver.cuIpcCloseMemHandle, mapped)
 
     def enable_peer_access(self, peer: Device) -> None:
         if not isinstance(peer, CudaDevice):

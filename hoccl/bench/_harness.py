@@ -178,7 +178,8 @@ class Hoccl(Library):
         self.windows: List[Tuple[Any, Any]] = []
         self.route = route or comm.options.self_route
         self.defaults = {"max_sms": comm.max_sms, "copy_sms": comm.copy_sms,
-                         "chunk_bytes": comm.options.chunk_bytes}
+                         "chunk_bytes": comm.options.chunk_bytes,
+                         "one_shot_bytes": comm.options.one_shot_bytes}
         sums = settings.get("max_sms", self.defaults["max_sms"])
         copies = settings.get("copy_sms", self.defaults["copy_sms"])
         moves = "0" if self.route == "peer" else f"≤ {copies} for the own block out of place"
@@ -186,12 +187,15 @@ class Hoccl(Library):
         # variants are measured only where what they change matters
         self.moves_only = route is not None or set(settings) == {"copy_sms"}
         self.sums_only = set(settings) == {"max_sms"}
+        self.all_reduce_only = set(settings) == {"one_shot_bytes"}
 
     def supports(self, collective: str, form: str) -> bool:
         if self.moves_only:
             return form == "out" and collective in ("all_gather", "all_to_all")
         if self.sums_only:
             return collective in ("reduce_scatter", "all_reduce")
+        if self.all_reduce_only:
+            return collective == "all_reduce"
         return True
 
     def prepare(self) -> None:

@@ -63,11 +63,15 @@ class Options:
     the default: on 2 x H200 it doubles out-of-place all_gather's bandwidth, 380 vs
     188 GB/s, and triples all_to_all's, 379 vs 127 GB/s) or ``"peer"`` (through a
     peer's copy engine and back: zero SMs, costs NVLink bandwidth).  In-place forms
-    have no own block to move and use no SM.
+    have no own block to move and use no SM.  ``one_shot_bytes``: an all_reduce of at
+    most this many bytes runs in one phase (every rank pushes its whole input into every
+    peer's scratch and sums all of them itself: one round of signals instead of two,
+    n - 1 times the copy traffic); 0 turns it off.
     """
     copy_lanes: Optional[int] = None
     chunk_bytes: int = 32 << 20
     self_route: str = "local"
+    one_shot_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.self_route not in SELF_ROUTES:
@@ -79,6 +83,10 @@ class Options:
         if self.copy_lanes is not None and not _positive_int(self.copy_lanes):
             raise InvalidArgumentError(f"copy_lanes must be None or a positive int; "
                                        f"got {self.copy_lanes!r}")
+        if not (_positive_int(self.one_shot_bytes) or self.one_shot_bytes == 0) or \
+                isinstance(self.one_shot_bytes, bool):
+            raise InvalidArgumentError(f"one_shot_bytes must be an int >= 0; "
+                                       f"got {self.one_shot_bytes!r}")
 
 
 def _positive_int(value: object) -> bool:
@@ -349,9 +357,14 @@ def _reducing(b: _Builder) -> Plan:
     all_reduce then pushes each reduced chunk to every peer (the gather phase)."""
     s, n = b.shape, b.n
     kind, item = s.collective, s.itemsize
+    # one phase: every rank reduces the whole of it (all_reduce up to one_shot_bytes)
+    one_shot = kind == "all_reduce" and n > 1 and s.count * item <= b.options.one_shot_bytes
     if kind == "reduce_scatter":
         owned = [(r * s.count, s.count) for r in range(n)]  # element range each rank reduces
         total = n * s.count
+    elif one_shot:
+        owned = [(0, s.count)] * n
+        total = s.count
     elif kind == "all_reduce":
         owned = split(s.count, n)
         total = s.count
@@ -402,18 +415,19 @@ def _reducing(b: _Builder) -> Plan:
 
     chunks = [_chunks(size * item, b.options.chunk_bytes, item) for _, size in owned]
     reduce_lane = b.side_lane(0)
-    gather_lane = b.side_lane(1) if kind == "all_reduce" else None
+    gather_lane = b.side_lane(1) if kind == "all_reduce" and not one_shot else None
 
     for r in range(n):
         # owners this rank must feed, and its own readiness to be fed
         owners = [p for p in _peers(r, n) if owned[p][1]]
         feeders = _peers(r, n) if owned[r][1] else []
-        if kind == "all_reduce":
+        if kind == "all_reduce" and not one_shot:
             # every peer writes its reduced block into our output in the gather phase
             b.ready_all(r, sorted(set(feeders) | {p for p in _peers(r, n) if owned[p][1]},
                                   key=lambda p: (p - r) % n))
         else:
             b.ready_all(r, feeders)
+        pushed = []  # (lane, mark) after this rank's pushes of its input
         for p in owners:
             lane = b.lane_of((p - r) % n)
             slot_at_p = (r - p - 1) % n  # our block's place in p's scratch
@@ -423,8 +437,12 @@ def _reducing(b: _Builder) -> Plan:
                 b.copy(r, lane, input_ref(r, start * item + offset),
                        BufRef(p, "scratch", slot_at_p * size * item + offset), nbytes)
                 b.signal(r, lane, p, DONE, index + 1)
+            if one_shot and s.in_place:
+                pushed.append(b.mark(r, lane))
         if not owned[r][1]:
             continue
+        for mark in pushed:  # in place, one shot: the sum overwrites what was pushed
+            b.after(r, reduce_lane, mark)
         start, size = owned[r]
         for index, (offset, nbytes) in enumerate(chunks[r]):
             for p in feeders:
