@@ -96,6 +96,18 @@ if [ "$what" = final ]; then
     --dump-stacks-after 130
   train_shapes comm
 fi
+if [ "$what" = onegpu ]; then
+  # one GPU: two ranks under mpirun share it (IPC within one device), which runs every
+  # protocol path of the cuda backend (exports, imports, memops, kernels) but no NVLink;
+  # no NCCL (it refuses two ranks on one GPU), so no figures
+  step registered-checks 150 $MPIRUN python3 tests/mpi/run_checks.py --backend cuda --registered \
+    --counts 0,1,17,100003
+  step registered-mpirun 120 $MPIRUN python3 tests/mpi/run_registered.py --backend cuda
+  step gpu-mpirun 150 $MPIRUN python3 tests/mpi/run_checks.py --backend cuda --counts 0,1,17,100003
+  step split-mpirun 120 $MPIRUN -x HOCCL_SPLIT_CUDA=1 python3 tests/mpi/run_split.py --backend cuda
+  step hostile-mpirun 120 $MPIRUN python3 tests/mpi/run_hostile.py --backend cuda
+  step gpu-local-1 200 python3 -m pytest -q -p no:cacheprovider --timeout=90 tests/gpu "$@"
+fi
 if [ "$what" = registered ]; then
   # registered buffers: every collective on registered memory against numpy, the
   # divergence checks, the GPU tier for the changed call path, split on GPUs (the stale

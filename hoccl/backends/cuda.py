@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import logging
 import os
 import sys
 import threading
@@ -44,8 +45,11 @@ from ._caller_stream import array_framework, stream_handle
 
 __all__ = ["CudaDevice", "CudaIpcDescriptor", "device_count", "open_device"]
 
+log = logging.getLogger("hoccl")
+
 _NOT_READY = driver.CUresult.CUDA_ERROR_NOT_READY
 _PEER_ALREADY_ENABLED = driver.CUresult.CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED
+_ALREADY_MAPPED = driver.CUresult.CUDA_ERROR_ALREADY_MAPPED
 #: statuses a teardown tolerates: the peer's context (or access to it) is already gone.
 _GONE = (driver.CUresult.CUDA_ERROR_PEER_ACCESS_NOT_ENABLED,
          driver.CUresult.CUDA_ERROR_INVALID_CONTEXT,
@@ -263,6 +267,28 @@ def _release(owned: _Owned) -> None:
         raise DriverError("close: " + "; ".join(str(error) for error in errors))
 
 
+_IPC_HANDLE_BYTES = 64  # CU_IPC_HANDLE_SIZE
+
+
+def _handle_bytes(handle: Any) -> bytes:
+    """The 64 bytes of a ``CUipcMemHandle`` (cuda-bindings 13.3 has a ``reserved``
+    field; 13.5 only ``getPtr``)."""
+    reserved = getattr(handle, "reserved", None)
+    if reserved is not None:
+        return bytes(reserved)
+    return ctypes.string_at(handle.getPtr(), _IPC_HANDLE_BYTES)
+
+
+def _handle_from(data: bytes) -> Any:
+    """A ``CUipcMemHandle`` holding ``data`` (see ``_handle_bytes``)."""
+    handle = driver.CUipcMemHandle()
+    if hasattr(handle, "reserved"):
+        handle.reserved = data
+    else:
+        ctypes.memmove(handle.getPtr(), data, _IPC_HANDLE_BYTES)
+    return handle
+
+
 def _memop(kind: MemOp, address: int) -> Tuple[Any, Any]:
     """A batch entry writing or waiting (``>=``) on the 64-bit word at ``address``, and
     its part whose ``value64`` each use sets (building one costs microseconds, setting
@@ -340,6 +366,7 @@ class CudaDevice(Device):
         self._descriptors: dict = {}   # (address, buffer id) -> descriptor
         self._called: set = set()      # import keys a call mapped (kept until close)
         self._holds: dict = {}         # import key -> windows holding it (hold_import)
+        self._sizes: dict = {}         # import key -> the exporter's allocation size
         self._memop_params: dict = {}  # (kind, address) -> CUstreamBatchMemOpParams
 
         def attribute(name: str) -> int:
@@ -556,7 +583,7 @@ class CudaDevice(Device):
                     "expandable_segments, or hoccl's alloc), not from cuMemCreate/VMM or "
                     "expandable segments")
             handle = _call(driver.cuIpcGetMemHandle, base)
-            entry = (bytes(handle.reserved), int(size))
+            entry = (_handle_bytes(handle), int(size))
             self._exports[(base, buffer_id)] = entry
         descriptor = CudaIpcDescriptor("cuda-ipc", entry[0], base, entry[1], buffer_id,
                                        address - base)
@@ -599,27 +626,37 @@ class CudaDevice(Device):
         """(cache key, local address) of a peer's exported buffer, mapped on first use.
 
         A key is (handle, allocation base, buffer id).  When the exporter frees an
-        allocation and makes a new one at the same address, the driver may hand out the
-        same handle bytes again, and opening a handle that is still open in this context
-        fails with CUDA_ERROR_ALREADY_MAPPED: a cached mapping of the same handle under
-        another buffer id is of freed memory (the exporter's calls on it, and so this
-        rank's, have finished), so it is closed first."""
+        allocation and makes a new one over the same addresses, opening the new one's
+        handle fails with CUDA_ERROR_ALREADY_MAPPED while this process still maps the
+        old one (seen with two ranks on one GPU, and under split): a cached mapping of an
+        exporter range that overlaps the new one, under another buffer id, is of freed
+        memory (the exporter's calls on it, and so this rank's, have finished), so it is
+        closed and the handle opened again."""
         key, offset = self._key(descriptor)
         imports = self._owned.imports
         mapped = imports.get(key)
         if mapped is None:
             self._make_current()
-            for stale in [other for other in imports if other[0] == key[0] and other != key]:
-                self._close_import(stale)
-            ipc_handle = driver.CUipcMemHandle()
-            ipc_handle.reserved = key[0]
-            mapped = int(_call(driver.cuIpcOpenMemHandle, ipc_handle,
-                               driver.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS))
+            ipc_handle = _handle_from(key[0])
+            flags = driver.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
+            result = driver.cuIpcOpenMemHandle(ipc_handle, flags)
+            if result[0] == _ALREADY_MAPPED:
+                base, size = key[1], int(descriptor[3])
+                stale = [other for other in imports if other != key
+                         and other[1] < base + size and base < other[1] + self._sizes[other]]
+                for other in stale:
+                    self._close_import(other)
+                log.debug("import: closed %d stale mapping(s) over %#x (+%d) and retried",
+                          len(stale), base, size)
+                result = driver.cuIpcOpenMemHandle(ipc_handle, flags)
+            mapped = int(_check(result, "cuIpcOpenMemHandle"))
             imports[key] = mapped
+            self._sizes[key] = int(descriptor[3])
         return key, mapped + offset
 
     def _close_import(self, key: tuple) -> None:
         mapped = self._owned.imports.pop(key, None)
+        self._sizes.pop(key, None)
         self._called.discard(key)
         self._holds.pop(key, None)
         if mapped is not None:
