@@ -514,7 +514,7 @@ class _Study:
         self.device.activate()
         least, greatest = self.call(driver.cuCtxGetStreamPriorityRange)
         self.priorities = {"least": int(least), "greatest": int(greatest)}
-        self.streams: Dict[Tuple[str, str], Tuple[Any, Any]] = {}
+        self.streams: Dict[Tuple[str, str, str], Tuple[Any, Any]] = {}
         self.greens: Dict[int, _Green] = {}
         self.green_errors: Dict[int, str] = {}
         self.modules: Dict[Tuple[int, int, int], Dict[str, Any]] = {}
@@ -533,10 +533,13 @@ class _Study:
         self.trace = torch.zeros(3 * _TRACE_SLOTS, dtype=torch.int64, device=cuda)
 
     # -- resources --------------------------------------------------------------------
-    def stream(self, priority: str, green: str = "", green_sms: int = 0) -> Tuple[Any, Any]:
-        """``(CUstream, torch stream)``: a non-blocking stream of ``priority``; in the green
-        context ``green`` ("reduce" or "rest") of the ``green_sms`` split when given."""
-        key = (priority, f"{green}:{green_sms}" if green else "")
+    def stream(self, role: str, priority: str, green: str = "",
+               green_sms: int = 0) -> Tuple[Any, Any]:
+        """``(CUstream, torch stream)``: the non-blocking stream of ``role`` ("gemm" or
+        "reduce": never one stream for both, whatever their priorities) and ``priority``;
+        in the green context ``green`` ("reduce" or "rest") of the ``green_sms`` split
+        when given."""
+        key = (role, priority, f"{green}:{green_sms}" if green else "")
         if key not in self.streams:
             driver = self.driver
             self.device.activate()
@@ -636,7 +639,8 @@ class _Study:
     def launcher(self, variant: Variant) -> Tuple[Callable[[int, int], None], Any, str]:
         """``(launch(byte offset, elements), CUstream, kernel)``: one launch of the sum as
         ``variant`` runs it; each way of launching is checked once on a small sum."""
-        handle, _ = self.stream(variant.reduce_priority, "reduce" if variant.green else "",
+        handle, _ = self.stream("reduce", variant.reduce_priority,
+                                "reduce" if variant.green else "",
                                 variant.sms)
         out, x, y = self.out.data_ptr(), self.x.data_ptr(), self.y.data_ptr()
         device = self.device
@@ -752,9 +756,9 @@ class _Study:
         def call() -> None:
             for offset, count in plan:
                 launch(offset, count)
-        _, gemm_stream = self.stream(variant.gemm_priority,
+        _, gemm_stream = self.stream("gemm", variant.gemm_priority,
                                      "rest" if variant.green == "both" else "", variant.sms)
-        _, reduce_stream = self.stream(variant.reduce_priority,
+        _, reduce_stream = self.stream("reduce", variant.reduce_priority,
                                        "reduce" if variant.green else "", variant.sms)
         flops = 2.0 * args.gemm ** 3
         self.gemms(gemm_stream, 3)  # warm-up: cuBLAS picks its kernel, clocks ramp up
@@ -798,7 +802,7 @@ class _Study:
     def dated_gemms(self, count: int, traced: Any) -> List[Tuple[int, int]]:
         """Enqueue ``count`` GEMMs on the least-priority GEMM stream with a one-block traced
         marker before each and after the last; returns the markers' launches."""
-        handle, stream = self.stream("least")
+        handle, stream = self.stream("gemm", "least")
         markers = []
         for index in range(count + 1):
             self.device.activate()
@@ -813,14 +817,14 @@ class _Study:
         hoccl's lane priority ("waits")."""
         torch = self.torch
         traced = self.module(1024, 2)["traced"]
-        handle, reduce_stream = self.stream("greatest")
+        handle, reduce_stream = self.stream("reduce", "greatest")
         gemm_count = 12
         if kind == "waits":  # enough launches to cover the GEMM loop 1.5 times
             chunk = parse_size(self.args.chunk_bytes)
             plan = pieces(self.nbytes, chunk, 2)
             launch, _, _ = self.launcher(Variant("sms", sms, chunk))
             seconds, _ = self.time_calls(lambda: launch(*plan[0]), reduce_stream, 4)
-            _, gemm_stream = self.stream("least")
+            _, gemm_stream = self.stream("gemm", "least")
             gemm_seconds = self.time_gemms(gemm_stream, 2) / 2
             wanted = math.ceil(1.5 * gemm_count * gemm_seconds / seconds)
             plan = (plan * (wanted // len(plan) + 1))[:min(wanted, (_TRACE_SLOTS - 64) // sms)]
@@ -865,7 +869,8 @@ class _Study:
         seen = {}
         for name, context, blocks in (("reduce", part.reduce_context, 4 * part.reduce_sms),
                                       ("rest", part.rest_context, 2 * self.sm_count)):
-            handle, _ = self.stream("greatest", name, part.requested)
+            role = "reduce" if name == "reduce" else "gemm"
+            handle, _ = self.stream(role, "greatest", name, part.requested)
             green_module = part.mode == "green module"
             traced = self.module(1024, 2, context if green_module else None)["traced"]
             if green_module:
@@ -888,17 +893,25 @@ class _Study:
         torch = self.torch
         launch, handle, _ = self.launcher(variant)
         plan = pieces(self.nbytes, variant.chunk_bytes, 2)
-        _, gemm_stream = self.stream(variant.gemm_priority)
+
+        def call() -> None:
+            for offset, count in plan:
+                launch(offset, count)
+        _, gemm_stream = self.stream("gemm", variant.gemm_priority)
+        _, reduce_stream = self.stream("reduce", variant.reduce_priority)
         gemm_count = min(self.args.gemms, 20)
+        # sums enough to cover the GEMM loop (1.2 times its time alone)
+        call_seconds, _ = self.time_calls(call, reduce_stream, 1)
+        gemm_seconds = self.time_gemms(gemm_stream, gemm_count)
+        calls = max(2, min(200, math.ceil(1.2 * gemm_seconds / call_seconds)))
         phases: Dict[str, List[Dict[str, Any]]] = {}
         for phase in ("alone", "beside"):
             torch.cuda.synchronize(self.ordinal)
             with profile(activities=[ProfilerActivity.CUDA]) as profiler:
                 self.gemms(gemm_stream, gemm_count)
                 if phase == "beside":
-                    for _ in range(max(2, gemm_count // 4)):
-                        for offset, count in plan:
-                            launch(offset, count)
+                    for _ in range(calls):
+                        call()
                 torch.cuda.synchronize(self.ordinal)
                 self.device.synchronize_stream(handle, 30.0)
             with tempfile.TemporaryDirectory() as scratch:
@@ -926,7 +939,7 @@ class _Study:
             kernel["error"] = str(error)
         print(f"# levers: {torch.cuda.get_device_name(self.ordinal)}, {self.sm_count} SMs, "
               f"stream priorities {self.priorities}, reduction kernel {kernel}", flush=True)
-        _, gemm_stream = self.stream("least")
+        _, gemm_stream = self.stream("gemm", "least")
         self.gemms(gemm_stream, 5)
         gemm_alone = self.time_gemms(gemm_stream, args.gemms)
         probes = self.probes()
