@@ -31,7 +31,8 @@ def test_sharded_training_matches_one_device():
     assert "losses match the single-device run" in result.stdout
 
 
-@pytest.mark.parametrize("module", ["hoccl.bench", "hoccl.bench.overlap"])
+@pytest.mark.parametrize("module", ["hoccl.bench", "hoccl.bench.overlap", "hoccl.bench.levers",
+                                    "hoccl.bench.tp"])
 def test_benchmarks_say_in_one_line_what_they_miss(module):
     """Without a GPU or the bench extra a benchmark exits with one line naming what is
     missing and how to install it, not a traceback."""

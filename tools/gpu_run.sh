@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # The device machine's session: GPU tests (one process, and mpirun -np 2), then the
-# benchmarks against NCCL.  Usage: bash tools/gpu_run.sh [tests|profile|bench|overlap|compare|torch|fsdp|hier|hierdiag|final|registered|all] [pytest args]
+# benchmarks against NCCL.  Usage: bash tools/gpu_run.sh [tests|profile|bench|overlap|compare|torch|fsdp|hier|hierdiag|final|registered|onegpu|levers|tp|all] [pytest args]
 # torch: the torch.distributed backend's checks, DDP/FSDP2 training against NCCL, the
 # FSDP2 example on NCCL and on hoccl, and python -m hoccl.bench.train (one process per shape).
+# levers: python -m hoccl.bench.levers on one GPU (LEVERS_ARGS, e.g. --quick, go to it).
+# tp: python -m hoccl.bench.tp under mpirun -np 2, then its --quick run with a planted fault
+# (every check must report exactly one wrong element per rank).
 # compare: hoccl at 1 MiB and 1 GiB from this tree and from BASELINE (a checkout of an
 # earlier commit, e.g. made with `git archive COMMIT | tar -x -C .baseline`), with NCCL,
 # in one run.
@@ -154,6 +157,14 @@ if [ "$what" = compare ]; then
 fi
 if [ "$what" = overlap ] || [ "$what" = all ]; then
   step overlap 200 $MPIRUN python3 -m hoccl.bench.overlap --out "$OUT/overlap"
+fi
+if [ "$what" = levers ] || [ "$what" = all ]; then
+  step levers 420 python3 -m hoccl.bench.levers ${LEVERS_ARGS:-} --out "$OUT/levers"
+fi
+if [ "$what" = tp ] || [ "$what" = all ]; then
+  step tp 300 $TRUN python3 -m hoccl.bench.tp ${TP_ARGS:-} --out "$OUT/tp"
+  step tp-plant-fault 150 $TRUN python3 -m hoccl.bench.tp --quick --plant-fault \
+    --out "$OUT/tp-plant-fault"
 fi
 tar czf /tmp/gpu-run.tgz -C "$OUT" . && mv /tmp/gpu-run.tgz "$OUT/gpu-run.tgz"
 cat "$OUT/gpus.txt"

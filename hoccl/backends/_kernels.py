@@ -38,7 +38,7 @@ from .._errors import InvalidArgumentError
 from ._base import DTYPES, OPS
 
 __all__ = ["MAX_INPUTS", "TUNING", "COPY_WIDTHS", "reduce_kernel_name", "copy_kernel_name",
-           "source", "compile_options", "reduce_launches"]
+           "source", "templates", "compile_options", "reduce_launches"]
 
 #: inputs one reduce launch combines; more are chained by the caller.
 MAX_INPUTS = 64
@@ -340,6 +340,13 @@ static __device__ __forceinline__ void copy_body(const CopyArgs& args) {
 _OP_ENUM = {"sum": "OP_SUM", "prod": "OP_PROD", "max": "OP_MAX", "min": "OP_MIN", "avg": "OP_AVG"}
 
 
+def templates() -> str:
+    """The shared part of ``source()`` without its kernels: the argument structs, the
+    element types and ``reduce_body`` / ``copy_body``, for programs that wrap the same
+    bodies in kernels of their own (``hoccl.bench.levers`` adds per-block timestamps)."""
+    return _COMMON
+
+
 def source() -> str:
     """The whole translation unit: shared templates plus one extern "C" kernel per variant."""
     kernels = []
@@ -354,7 +361,7 @@ def source() -> str:
             f'extern "C" __global__ void __launch_bounds__(HOCCL_COPY_THREADS)\n'
             f"{copy_kernel_name(width)}(const __grid_constant__ CopyArgs args) "
             f"{{ copy_body<{_COPY_VECTOR[width]}>(args); }}\n")
-    return _COMMON + "\n" + "".join(kernels)
+    return templates() + "\n" + "".join(kernels)
 
 
 def reduce_launches(output: int, inputs: Sequence[int]) -> list[list[int]]:

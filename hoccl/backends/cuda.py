@@ -815,10 +815,15 @@ class CudaDevice(Device):
                                 count, itemsize, divisor, self.max_sms if sms is None else sms,
                                 scale if index == last else None)
 
-    def _launch_reduce(self, function: Any, stream: Any, output: int, inputs: list, count: int,
-                       itemsize: int, divisor: int, sms: int,
-                       scale: Optional[float] = None) -> None:
-        threads = _kernels.TUNING["reduce_threads"]
+    def _reduce_arguments(self, output: int, inputs: list, count: int, itemsize: int,
+                          divisor: int, sms: int, scale: Optional[float] = None,
+                          threads: Optional[int] = None) -> Tuple[_ReduceArgs, int, int]:
+        """``(argument struct, blocks, threads)`` of one reduce launch: the struct the
+        kernel receives by value and its grid, capped at ``sms`` blocks of ``threads``
+        (default ``TUNING["reduce_threads"]``).  Apart from the launch so that programs
+        that build kernels on ``reduce_body`` (``hoccl.bench.levers``) size them alike."""
+        if threads is None:
+            threads = _kernels.TUNING["reduce_threads"]
         offset = output % 16
         if all(address % 16 == offset for address in inputs):
             head = min(count, (-output % 16) // itemsize)
@@ -829,7 +834,13 @@ class CudaDevice(Device):
         args = _ReduceArgs(output, (ctypes.c_void_p * _kernels.MAX_INPUTS)(*inputs), count,
                            head, vectors, len(inputs), divisor, scale is not None,
                            1.0 if scale is None else scale)
-        blocks = self._blocks(max(vectors, scalars), threads, sms)
+        return args, self._blocks(max(vectors, scalars), threads, sms), threads
+
+    def _launch_reduce(self, function: Any, stream: Any, output: int, inputs: list, count: int,
+                       itemsize: int, divisor: int, sms: int,
+                       scale: Optional[float] = None, threads: Optional[int] = None) -> None:
+        args, blocks, threads = self._reduce_arguments(output, inputs, count, itemsize, divisor,
+                                                       sms, scale, threads)
         self._launch(function, blocks, threads, stream, args)
 
     # -- lifetime ----------------------------------------------------------------------------
