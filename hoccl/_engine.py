@@ -10,8 +10,11 @@ manager and the executor.  A call goes through three stages:
 
 * ``prepare``: plan it, resolve the caller's stream and the buffers' addresses, export
   what peers must map.  Everything that can fail happens here; nothing is enqueued.
-* ``enqueue``: number it and fence the caller's stream on it (``StreamManager.fence_in``):
-  from here on, the caller's later work waits for the call's completion value.
+* ``enqueue``: number it and mark the caller's position (``StreamManager.fence_in``); in
+  one process (the call is held until every rank made it) also fence the caller's
+  stream: from then on, its later work waits for the call's completion value.  Across
+  processes the fence comes in ``issue``, once the peers' buffers are mapped (mapping may
+  synchronize the context, which must not happen while a caller waits for the call).
 * ``issue``: with the peers' buffers known (from the group), check every byte the plan
   touches in a peer's buffer lies inside what that peer registered, then hand the plan
   to the executor.  ``release`` completes a call unrun instead (a mismatch, a close).
@@ -187,6 +190,8 @@ class Call:
     engine: "Engine"
     value: int = 0             # this rank's call number: its entry and completion value
     issued: bool = False
+    #: whether the caller's stream waits for the call yet (``enqueue``, ``fence_callers``)
+    fenced: bool = False
     base: int = 0              # the signal base it was issued with
     entry: Any = None          # event marking the caller's position at call time
     issued_at: float = 0.0     # when its steps were enqueued (the watchdog's clock)
@@ -442,6 +447,7 @@ class Engine:
         self.calls += 1
         call.value = self.calls
         call.entry = self.streams.fence_in(call.caller, call.value, wait=fence)
+        call.fenced = fence
         done = self.completed
         with self.lock:  # the watchdog reads the deque
             inflight = self.inflight
@@ -458,6 +464,7 @@ class Engine:
         callers: Dict[Any, Any] = {}
         for call in calls:
             callers.setdefault(_stream_key(call.caller), call.caller)
+            call.fenced = True
         self.device.activate()
         for caller in callers.values():
             self.streams.fence_out(caller, last)
@@ -467,13 +474,21 @@ class Engine:
         which then run side by side), their peers' buffers now in ``call.peers``.
         ``imported``: the peers' ``where`` are export descriptors to map (cached by the
         device).  A peer buffer smaller than the plan reaches into raises MismatchError
-        before anything is enqueued."""
+        before anything is enqueued.
+
+        Calls enqueued without a fence (a process group's: the call returns only once it
+        is issued) are fenced here, after their peers' buffers are mapped: mapping (and
+        unmapping a stale mapping) may synchronize the context, which must never happen
+        while a caller's stream waits for a call not yet issued."""
         try:
             programs = [self._program(call, imported) for call in calls]
         except MismatchError:
             for call in calls:
                 self.release(call)
             raise
+        unfenced = [call for call in calls if not call.fenced]
+        if unfenced:
+            self.fence_callers(unfenced)
         items = []
         for call, program in zip(calls, programs):
             plan = call.plan

@@ -4,8 +4,9 @@ A collective checks its arguments (``hoccl._validate``), resolves the buffers, a
 hands the call to the rank's engine and group::
 
     call = engine.prepare(...)   # plan, caller's stream, exports: may raise, enqueues nothing
-    engine.enqueue(call)         # fence the caller's stream on it
-    group.submit([call])         # match with the peers' calls, then engine.issue
+    engine.enqueue(call)         # number it; in one process, fence the caller's stream now
+    group.submit([call])         # match with the peers' calls, then engine.issue (which
+                                 # maps the peers' buffers, then fences across processes)
 
 Inside ``hoccl.group()`` the submission waits for the outermost ``group_end``, where
 every held call is offered to its peers first and matched after, so cycles of calls
@@ -533,7 +534,10 @@ class Communicator:
         call = engine.prepare(name, shape, buffers, stream, exported=self._group.exported)
         self._usable(name)  # the watchdog may have aborted meanwhile
         held = _held_calls()
-        engine.enqueue(call, fence=held is None)
+        # across processes the call returns only once issued: its caller is fenced then,
+        # after the peers' buffers are mapped (``Engine.issue``); in one process the call
+        # is held until every rank made it, so its caller is fenced now
+        engine.enqueue(call, fence=held is None and not self._group.exported)
         self._health.start_watchdog()
         log.debug("rank %d %s %s key=%s", self.rank, name, shape, call.key)
         if held is not None:
@@ -618,7 +622,8 @@ def group_end() -> None:
     for comm, call in held:
         batches.setdefault(id(comm), (comm, []))[1].append(call)
     for comm, calls in batches.values():
-        comm._engine.fence_callers(calls)
+        if not comm._group.exported:  # a process group fences them as it issues them
+            comm._engine.fence_callers(calls)
     if batches:
         Communicator._hand_over_phased(list(batches.values()))
 

@@ -167,3 +167,13 @@ def test_registered_buffers_divergence_and_registration(ranks):
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-4000:]
     assert f"registered ranks={ranks}: 7 passed, 0 failed" in output, output[-4000:]
+
+
+@pytest.mark.mpi
+def test_callers_are_fenced_only_after_the_peers_buffers_are_mapped():
+    script = Path(__file__).parent / "mpi" / "run_fence_order.py"
+    command = [_mpiexec(), "-n", "2", sys.executable, str(script)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, **MPI_ENV})
+    output = result.stdout + result.stderr
+    assert result.returncode == 0 and "fence order: ok (2 ranks)" in output, output[-4000:]

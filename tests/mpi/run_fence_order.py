@@ -1,0 +1,85 @@
+"""Under mpiexec (host backend): a caller's stream is fenced only after the peers' buffers
+are mapped.  Mapping an IPC handle (and closing a stale one) may synchronize a CUDA
+context; done while the caller's stream waits for the call, it waits for itself (two
+ranks on one GPU hung so).  The host device's calls are logged in order and checked:
+no ``import_`` between a fence of the caller's stream and the end of the issue; every
+call still fenced before it returns; results exact.  Prints ``fence order: ok``."""
+
+import sys
+
+import numpy as np
+from mpi4py import MPI
+
+import hoccl
+from hoccl.testing import assert_exact, random_array
+
+
+def main():
+    comm = hoccl.init(backend="host", timeout=60)
+    engine, device = comm._engine, comm._engine.device
+    lanes = engine.streams.lanes
+    log = []
+    for name in ("import_", "hold_import"):
+        original = getattr(device, name)
+
+        def wrapper(*args, _original=original, _name=name, **kwargs):
+            log.append(_name)
+            return _original(*args, **kwargs)
+        setattr(device, name, wrapper)
+    original_wait = device.wait_value
+
+    def wait_value(stream, address, value):
+        if not any(stream is lane for lane in lanes):
+            log.append("fence")
+        return original_wait(stream, address, value)
+    device.wait_value = wait_value
+    original_issue = engine.executor.issue
+
+    def issue(*args, **kwargs):
+        original_issue(*args, **kwargs)
+        log.append("issued")
+    engine.executor.issue = issue
+
+    n, r = comm.world_size, comm.rank
+    rng = np.random.default_rng(3)
+    for round_ in range(3):
+        data = [random_array(rng, 100, "float32") for _ in range(n)]
+        # fresh buffers each round: their descriptors are new, so they are imported
+        full = np.zeros(100 * n, np.float32)
+        full[r * 100:(r + 1) * 100] = data[r]
+        total = np.array(data[r])
+        with_group = round_ == 2
+        if with_group:
+            hoccl.group_start()
+        comm.all_gather(full[r * 100:(r + 1) * 100], full)
+        comm.all_reduce(total, total, "max")
+        if with_group:
+            hoccl.group_end()
+        comm.synchronize()
+        assert_exact(f"round {round_} all_gather", np.concatenate(data), full)
+        assert_exact(f"round {round_} all_reduce", np.maximum.reduce(data), total)
+    fenced, imports, fences, issues = False, 0, 0, 0
+    for what in log:
+        if what == "fence":
+            fenced, fences = True, fences + 1
+        elif what == "issued":
+            fenced, issues = False, issues + 1
+        elif fenced:
+            raise AssertionError(f"rank {r}: {what} while a caller's stream was fenced: {log}")
+        else:
+            imports += 1
+    assert imports >= 3 and fences >= issues >= 5, (imports, fences, issues, log)
+    comm.close()
+    ok = MPI.COMM_WORLD.allreduce(1)
+    if r == 0:
+        print(f"fence order: ok ({ok} ranks)", flush=True)
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except Exception:
+        import traceback
+        traceback.print_exc()
+        sys.stdout.flush()
+        MPI.COMM_WORLD.Abort(1)
