@@ -109,7 +109,9 @@ if [ "$what" = onegpu ]; then
   step gpu-mpirun 150 $MPIRUN python3 tests/mpi/run_checks.py --backend cuda --counts 0,1,17,100003
   step split-mpirun 120 $MPIRUN -x HOCCL_SPLIT_CUDA=1 python3 tests/mpi/run_split.py --backend cuda
   step hostile-mpirun 120 $MPIRUN python3 tests/mpi/run_hostile.py --backend cuda
-  step gpu-local-1 200 python3 -m pytest -q -p no:cacheprovider --timeout=90 tests/gpu "$@"
+  if [ "${ONEGPU_LOCAL:-1}" = 1 ]; then
+    step gpu-local-1 200 python3 -m pytest -q -p no:cacheprovider --timeout=90 tests/gpu "$@"
+  fi
 fi
 if [ "$what" = registered ]; then
   # registered buffers: every collective on registered memory against numpy, the
