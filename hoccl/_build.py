@@ -181,13 +181,13 @@ def members(colors: Sequence[Optional[int]], keys: Sequence[Optional[int]]
 
 
 def _refuse_cuda(call: str, backend: str, instead: str) -> None:
-    """Splitting shares the parent's device; on GPUs that has not run correctly yet (under
-    mpirun a peer's re-import of a freed child's memory failed with
-    CUDA_ERROR_ALREADY_MAPPED), so it is refused there rather than left to fail mid-call."""
+    """``split_local`` on GPUs has not run on GPUs yet (``split`` under mpirun has, since
+    stale IPC mappings are closed and callers fenced after imports), so it is refused
+    there rather than offered untried; ``HOCCL_SPLIT_CUDA=1`` lifts the refusal."""
     if backend == "cuda" and os.environ.get("HOCCL_SPLIT_CUDA") != "1":
         raise InvalidArgumentError(
-            f"{call}: sub-communicators that share their parent's GPU are not supported on "
-            f"the cuda backend yet; {instead}")
+            f"{call}: split_local of GPU communicators has not been validated on GPUs yet; "
+            f"{instead} (HOCCL_SPLIT_CUDA=1 allows it)")
 
 
 def split(parent: Communicator, color: Any, key: Any, overrides: Dict[str, Any]
@@ -204,8 +204,6 @@ def split(parent: Communicator, color: Any, key: Any, overrides: Dict[str, Any]
         raise InvalidArgumentError(
             f"{call}: the ranks of init_local live in one process and split together: "
             f"hoccl.split_local(comms, colors, keys)")
-    _refuse_cuda(call, parent.backend, "make a communicator of their own with "
-                 "hoccl.init(mpi_comm=MPI.COMM_WORLD.Split(color, key))")
     split_bootstrap = getattr(group.bootstrap, "split", None)
     if split_bootstrap is None:
         raise InvalidArgumentError(

@@ -107,7 +107,7 @@ if [ "$what" = onegpu ]; then
     --counts 0,1,17,100003
   step registered-mpirun 120 $MPIRUN python3 tests/mpi/run_registered.py --backend cuda
   step gpu-mpirun 150 $MPIRUN python3 tests/mpi/run_checks.py --backend cuda --counts 0,1,17,100003
-  step split-mpirun 120 $MPIRUN -x HOCCL_SPLIT_CUDA=1 python3 tests/mpi/run_split.py --backend cuda
+  step split-mpirun 120 $MPIRUN python3 tests/mpi/run_split.py --backend cuda
   step hostile-mpirun 120 $MPIRUN python3 tests/mpi/run_hostile.py --backend cuda
   if [ "${ONEGPU_LOCAL:-1}" = 1 ]; then
     step gpu-local-1 200 python3 -m pytest -q -p no:cacheprovider --timeout=90 tests/gpu "$@"
@@ -121,7 +121,7 @@ if [ "$what" = registered ]; then
     --counts 0,1,17,100003
   step registered-mpirun 120 $MPIRUN python3 tests/mpi/run_registered.py --backend cuda
   gpu_tier 120 "mismatch dead abort" "$@"
-  step split-mpirun 90 $MPIRUN -x HOCCL_SPLIT_CUDA=1 python3 tests/mpi/run_split.py --backend cuda
+  step split-mpirun 90 $MPIRUN python3 tests/mpi/run_split.py --backend cuda
   step profile-reg 60 $MPIRUN python3 tools/profile_call.py --size 1M --registered
   step bench-small 300 $MPIRUN python3 -m hoccl.bench --sizes ${BENCH_SIZES:-8K,64K,256K,1M,4M,16M} \
     --libraries hoccl,hoccl-reg,hoccl-reg+one_shot_bytes=4M,nccl,nccl4py,nccl-zero \

@@ -15,7 +15,7 @@ import numpy as np
 from mpi4py import MPI
 
 import hoccl
-from hoccl.testing import check_collective, check_interleaved
+from hoccl.testing import array_module_for, check_collective, check_interleaved
 
 CHILD_CALLS = [("all_gather", "sum"), ("reduce_scatter", "sum"), ("all_reduce", "sum"),
                ("all_reduce", "avg"), ("send_recv", "sum")]
@@ -65,10 +65,13 @@ def keys_reorder(parent):
     n = parent.world_size
     child = parent.split(0, key=-parent.rank)
     assert child.rank == n - 1 - parent.rank, child
-    recv = np.zeros(2 * n, dtype=np.int32)
-    child.all_gather(np.full(2, parent.rank, dtype=np.int32), recv)
+    arrays = array_module_for(parent.backend, "int32")
+    recv = arrays.asarray(np.zeros(2 * n, dtype=np.int32), parent.device)
+    child.all_gather(arrays.asarray(np.full(2, parent.rank, dtype=np.int32), parent.device),
+                     recv)
     child.synchronize()
-    assert recv.tolist() == [rank for rank in reversed(range(n)) for _ in range(2)], recv
+    got = arrays.to_numpy(recv, "int32")
+    assert got.tolist() == [rank for rank in reversed(range(n)) for _ in range(2)], got
     collectives_on(child, seed=300)
     child.close()
 
@@ -105,12 +108,13 @@ def a_rank_that_makes_another_call_raises_everywhere(parent):
     """Rank 0 calls split while the others call all_reduce: every rank raises
     MismatchError, none waits for the others for ever.  (The ranks' call counts then
     differ: the parent is not used again; the checks after this one make their own.)"""
-    data = np.ones(4, np.float32)
+    arrays = array_module_for(parent.backend, "float32")
+    data = arrays.asarray(np.ones(4, np.float32), parent.device)
     try:
         if parent.rank == 0:
             parent.split(0)
         else:
-            parent.all_reduce(data, np.zeros(4, np.float32))
+            parent.all_reduce(data, arrays.asarray(np.zeros(4, np.float32), parent.device))
             parent.synchronize()
     except hoccl.MismatchError as error:
         assert "split" in str(error), error
@@ -144,7 +148,7 @@ def main():
     parser.add_argument("--backend", default="host")
     args = parser.parse_args()
     world = MPI.COMM_WORLD
-    parent = hoccl.init(backend=args.backend)
+    parent = hoccl.init(backend=args.backend, timeout=60)
     passed = failed = 0
     for check in CHECKS:
         outcome = 0
