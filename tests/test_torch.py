@@ -1,6 +1,7 @@
 """PyTorch on hoccl, on the host backend: the torch.distributed backend under mpiexec
-(-n 2 and -n 3), FSDP2 and DDP training against gloo, the training example and the
-training benchmark's smoke run.  Skipped when torch is not installed."""
+(-n 2 and -n 3), DDP, FSDP2 and HSDP training against gloo (HSDP also under -n 4), the
+training example and the training benchmark's smoke run.  Skipped when torch is not
+installed."""
 
 import os
 import re
@@ -47,12 +48,20 @@ def test_every_torch_distributed_op_on_the_hoccl_backend(ranks):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("ranks", [2, 3])
-def test_ddp_and_fsdp2_on_hoccl_train_to_gloos_losses(ranks):
-    code, output = launch(ranks, PROGRAMS / "run_training.py")
+@pytest.mark.parametrize("ranks, default, flags", [
+    (2, "hoccl", []), (3, "hoccl", []),
+    # HSDP only (DDP and FSDP2 at 4 ranks would add a minute); the default process group
+    # gloo, the hoccl groups beside it, as in a program that keeps NCCL
+    (4, "gloo", ["--default-backend", "reference", "--only", "HSDP"])])
+def test_ddp_fsdp2_and_hsdp_on_hoccl_train_to_gloos_losses_and_parameters(ranks, default, flags):
+    code, output = launch(ranks, PROGRAMS / "run_training.py", *flags)
     assert code == 0, output[-6000:]
-    assert re.search(rf"torch training ranks={ranks}: \d+ passed, 0 failed", output), \
-        output[-6000:]
+    assert re.search(rf"torch training ranks={ranks} default={default}: \d+ passed, 0 failed",
+                     output), output[-6000:]
+    # an HSDP run for every mesh shape of the world: (1, n), (n, 1) and between
+    shapes = {(int(replicas), int(shards))
+              for replicas, shards in re.findall(r"^HSDP (\d+)x(\d+),", output, re.M)}
+    assert shapes == {(r, ranks // r) for r in range(1, ranks + 1) if ranks % r == 0}, output
 
 
 def _losses(output):
