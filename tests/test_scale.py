@@ -4,7 +4,6 @@ every rank that reduces, in every reducing collective; refused where it has no m
 import numpy as np
 import pytest
 
-import hoccl
 from hoccl import InvalidArgumentError, MismatchError
 from hoccl.sched import Options, Shape, build_plan, simulate
 from hoccl.testing import check_collective, poison, random_array
