@@ -173,6 +173,24 @@ def test_reduction_ops_translate_and_premul_sum_carries_its_factor():
         reduction("reduce", dist.ReduceOp.BXOR)
 
 
+def test_torch_reduces_hoccls_dtypes_and_premultiplies_only_the_floating_ones():
+    import hoccl
+    from hoccl.torch._ops import REDUCIBLE, reducible
+    assert REDUCIBLE == (torch.float16, torch.bfloat16, torch.float32, torch.float64,
+                         torch.int8, torch.uint8, torch.int32, torch.int64)
+    for dtype in REDUCIBLE:
+        reducible("all_reduce", torch.ones(2, dtype=dtype))
+        if dtype.is_floating_point:
+            reducible("all_reduce", torch.ones(2, dtype=dtype), 0.5)
+            continue
+        with pytest.raises(hoccl.InvalidArgumentError, match="PREMUL_SUM needs a floating"):
+            reducible("all_reduce", torch.ones(2, dtype=dtype), 0.5)
+    with pytest.raises(hoccl.InvalidArgumentError,
+                       match="cannot reduce torch.int16; it reduces float16, bfloat16, float32, "
+                             "float64, int8, uint8, int32, int64"):
+        reducible("all_reduce", torch.ones(2, dtype=torch.int16))
+
+
 def test_copies_of_dtypes_hoccl_cannot_reduce_move_their_bytes():
     from hoccl.torch._ops import movable
     flags = torch.tensor([[True, False], [False, True]])

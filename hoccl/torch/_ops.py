@@ -7,14 +7,14 @@ from typing import Any, Optional, Sequence, Tuple, TypeVar
 import torch
 
 from .. import InvalidArgumentError
+from .._dtypes import FLOATING, NAMES
 
 __all__ = ["REDUCIBLE", "reduction", "reducible", "movable", "one_tensor", "scaled"]
 
-#: the dtypes hoccl's reduction kernels take
-REDUCIBLE = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.uint8,
-             torch.int32, torch.int64)
+#: the dtypes hoccl's reduction kernels take (hoccl's dtype names are torch's)
+REDUCIBLE = tuple(getattr(torch, name) for name in NAMES)
 _NATIVE = frozenset(REDUCIBLE)
-_FLOATING = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.float64))
+_FLOATING = frozenset(getattr(torch, name) for name in FLOATING)
 T = TypeVar("T")
 _OPS = {"SUM": "sum", "AVG": "avg", "PRODUCT": "prod", "MIN": "min", "MAX": "max"}
 _SUPPORTED = "SUM, AVG, PRODUCT, MIN, MAX and PREMUL_SUM"
