@@ -191,6 +191,64 @@ def test_torch_reduces_hoccls_dtypes_and_premultiplies_only_the_floating_ones():
         reducible("all_reduce", torch.ones(2, dtype=torch.int16))
 
 
+def test_premultiply_hands_a_number_to_the_kernel_and_multiplies_by_anything_else():
+    from hoccl._hierarchy import HierarchicalCommunicator
+    from hoccl.torch._ops import premultiply
+    one_host = object()  # any communicator but a HierarchicalCommunicator
+    across_hosts = HierarchicalCommunicator.__new__(HierarchicalCommunicator)
+    values = [1.0, -2.0, 3.0, 0.5]
+    tensor = torch.tensor(values, dtype=torch.bfloat16)
+    for factor, scale in ((None, None), (0.375, 0.375), (2, 2.0)):
+        source, got = premultiply(one_host, tensor, factor, in_place=True)
+        assert source is tensor and got == scale and type(got) is type(scale), (factor, got)
+    assert tensor.tolist() == values  # the kernel multiplies; nothing did here
+    for comm, factor in ((one_host, torch.tensor([0.375])), (across_hosts, 0.375)):
+        source, got = premultiply(comm, tensor, factor, in_place=False)
+        assert got is None and source is not tensor and source.dtype == torch.bfloat16
+        assert source.tolist() == [value * 0.375 for value in values]
+        assert tensor.tolist() == values
+        copy = tensor.clone()
+        source, got = premultiply(comm, copy, factor, in_place=True)
+        assert got is None and source is copy
+        assert copy.tolist() == [value * 0.375 for value in values]
+
+
+@pytest.mark.parametrize("factor", [0.375, "one-element tensor"])
+def test_premul_sum_scales_every_reduction_of_the_process_group(init_local, factor):
+    """On a one-rank group each reduction is its input times the factor; an input that
+    is not the output is left as it was (reduce_scatter_tensor, reduce_scatter)."""
+    import torch.distributed as dist
+    from hoccl.torch import ProcessGroupHoccl
+    group = ProcessGroupHoccl(init_local(1, backend="host")[0])
+    op = dist._make_nccl_premul_sum(torch.tensor([0.375]) if factor != 0.375 else 0.375)
+    values = torch.randint(-8, 8, (8,), generator=torch.Generator().manual_seed(15)).float()
+    want = values * 0.375  # exact: small integers times 3/8
+
+    def options(kind, **fields):
+        made = kind()
+        made.reduceOp = op
+        for name, value in fields.items():
+            setattr(made, name, value)
+        return made
+
+    def poisoned():
+        return torch.full((8,), float("nan"))
+    tensor = values.clone()
+    group.allreduce([tensor], options(dist.AllreduceOptions)).wait()
+    assert torch.equal(tensor, want), ("all_reduce", tensor)
+    tensor = values.clone()
+    group.reduce([tensor], options(dist.ReduceOptions, rootRank=0)).wait()
+    assert torch.equal(tensor, want), ("reduce", tensor)
+    for name, call in (
+            ("reduce_scatter_tensor", lambda out, inp, opts: group.reduce_scatter_single(
+                out, inp, opts)),
+            ("reduce_scatter", lambda out, inp, opts: group.reduce_scatter([out], [[inp]], opts))):
+        source, output = values.clone(), poisoned()
+        call(output, source, options(dist.ReduceScatterOptions)).wait()
+        assert torch.equal(output, want), (name, output)
+        assert torch.equal(source, values), (name, "changed its input", source)
+
+
 def test_copies_of_dtypes_hoccl_cannot_reduce_move_their_bytes():
     from hoccl.torch._ops import movable
     flags = torch.tensor([[True, False], [False, True]])
