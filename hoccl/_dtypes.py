@@ -1,8 +1,9 @@
 """Element types: hoccl's dtype names and how each array interface spells them.
 
 The one table of dtypes.  The scheduler and the backends use the names and item sizes
-(``NAMES``, ``ITEMSIZE``); buffer resolution finds a type from a numpy dtype, a
-``__cuda_array_interface__`` typestr, a DLPack type code or a torch dtype.
+(``NAMES``, ``ITEMSIZE``) and the floating ones (``FLOATING``: what a sum may scale);
+buffer resolution finds a type from a numpy dtype, a ``__cuda_array_interface__``
+typestr, a DLPack type code or a torch dtype.
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ from typing import Any, Dict, Optional, Tuple
 
 import numpy as np
 
-__all__ = ["DType", "DTYPES", "BOOL", "NAMES", "ITEMSIZE", "numpy_dtype", "from_numpy",
-           "from_typestr", "from_dlpack", "from_torch", "reduce_arrays"]
+__all__ = ["DType", "DTYPES", "BOOL", "NAMES", "ITEMSIZE", "FLOATING", "numpy_dtype",
+           "from_numpy", "from_typestr", "from_dlpack", "from_torch", "reduce_arrays"]
 
 # DLPack type codes (dlpack.h, DLDataTypeCode)
 _DLPACK_INT, _DLPACK_UINT, _DLPACK_FLOAT, _DLPACK_BFLOAT, _DLPACK_BOOL = 0, 1, 2, 4, 6
@@ -28,6 +29,11 @@ class DType:
     itemsize: int
     typestr: str  # __cuda_array_interface__ typestr; numpy's dtype.str on a little-endian host
     dlpack: Tuple[int, int]  # DLPack (type code, bits); hoccl takes lanes == 1 only
+
+    @property
+    def floating(self) -> bool:
+        """A floating-point type (bfloat16 included)."""
+        return self.dlpack[0] in (_DLPACK_FLOAT, _DLPACK_BFLOAT)
 
     @property
     def numpy(self) -> np.dtype:
@@ -55,6 +61,9 @@ BOOL = DType("bool", 1, "|b1", (_DLPACK_BOOL, 8))
 #: hoccl's dtype names, the ones every backend reduces.
 NAMES = tuple(d.name for d in DTYPES)
 ITEMSIZE = {d.name: d.itemsize for d in DTYPES}
+#: the floating ones, in the table's order: the dtypes whose sums take a ``scale``
+#: (torch's PREMUL_SUM).
+FLOATING = tuple(d.name for d in DTYPES if d.floating)
 
 _BY_NAME = {d.name: d for d in DTYPES}
 _BY_TYPESTR = {d.typestr: d for d in DTYPES + (BOOL,)}

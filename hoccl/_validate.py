@@ -14,6 +14,7 @@ import os
 from typing import Any, Optional
 
 from ._buffers import Buffer
+from ._dtypes import FLOATING
 from ._errors import InvalidArgumentError
 from .sched import Options
 from .sched.plan import OPS
@@ -61,7 +62,7 @@ def scale(call: str, value: Any, op: str, dtype: str) -> Optional[float]:
     of a floating dtype; as a Python float."""
     if value is None:
         return None
-    if op != "sum" or dtype not in ("float16", "bfloat16", "float32", "float64"):
+    if op != "sum" or dtype not in FLOATING:
         raise InvalidArgumentError(f"{call}: scale applies to a sum of a floating dtype; got "
                                    f"op {op!r} on {dtype}")
     try:

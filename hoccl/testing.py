@@ -495,11 +495,9 @@ def _issue(collective: str, buffers: list, op: str, root: int,
         elif collective in ("broadcast", "gather", "scatter"):
             getattr(comm, collective)(send, recv, root, stream=stream)
         elif collective == "reduce":
-            extra = {} if scale is None else {"scale": scale}
-            comm.reduce(send, recv, root, op, stream=stream, **extra)
+            comm.reduce(send, recv, root, op, scale=scale, stream=stream)
         elif collective in ("reduce_scatter", "all_reduce"):
-            extra = {} if scale is None else {"scale": scale}
-            getattr(comm, collective)(send, recv, op, stream=stream, **extra)
+            getattr(comm, collective)(send, recv, op, scale=scale, stream=stream)
         else:
             getattr(comm, collective)(send, recv, stream=stream)
 

@@ -131,9 +131,9 @@ def test_a_reduction_whose_result_can_equal_the_poison_is_checked_against_a_seco
     runs = []
     original = comms[0].all_reduce
 
-    def first_run_only(send, recv, op, *, stream=None):
+    def first_run_only(send, recv, op, *, scale=None, stream=None):  # all_reduce's signature
         runs.append(recv)
-        original(send, recv if len(runs) == 1 else send.copy(), op, stream=stream)
+        original(send, recv if len(runs) == 1 else send.copy(), op, scale=scale, stream=stream)
     comms[0].all_reduce = first_run_only
     with pytest.raises(AssertionError, match="all_reduce: rank 0: .* unwritten"):
         check_collective(comms, "all_reduce", count=64, dtype="int8", op="prod", seed=seed)

@@ -4,7 +4,6 @@ every rank that reduces, in every reducing collective; refused where it has no m
 import numpy as np
 import pytest
 
-import hoccl
 from hoccl import InvalidArgumentError, MismatchError
 from hoccl.sched import Options, Shape, build_plan, simulate
 from hoccl.testing import check_collective, poison, random_array
@@ -85,3 +84,21 @@ def test_ranks_that_disagree_on_the_scale_get_a_mismatch(init_local):
     check_collective(comms, "all_reduce", count=8, dtype="float32", scale=0.5)
     for out in outputs:
         assert np.array_equal(out.view(np.uint32), poison(4, "float32").view(np.uint32))
+
+
+def test_a_scale_is_taken_for_exactly_the_floating_dtypes_of_the_dtype_table():
+    """The API's check and the backends' check agree with the one dtype table: a scale
+    for each floating dtype, refused for every other."""
+    from hoccl import _validate as check
+    from hoccl._dtypes import FLOATING, NAMES
+    from hoccl.backends._base import check_reduce_extras
+    assert FLOATING == tuple(FLOATS)
+    for dtype in NAMES:
+        if dtype in FLOATING:
+            assert check.scale("all_reduce", 0.5, "sum", dtype) == 0.5
+            check_reduce_extras("sum", dtype, None, 0.5)
+            continue
+        with pytest.raises(InvalidArgumentError, match="floating dtype"):
+            check.scale("all_reduce", 0.5, "sum", dtype)
+        with pytest.raises(InvalidArgumentError, match="floating dtype"):
+            check_reduce_extras("sum", dtype, None, 0.5)

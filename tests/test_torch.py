@@ -1,6 +1,7 @@
 """PyTorch on hoccl, on the host backend: the torch.distributed backend under mpiexec
-(-n 2 and -n 3), FSDP2 and DDP training against gloo, the training example and the
-training benchmark's smoke run.  Skipped when torch is not installed."""
+(-n 2 and -n 3), DDP, FSDP2 and HSDP training against gloo (HSDP also under -n 4), the
+training example and the training benchmark's smoke run.  Skipped when torch is not
+installed."""
 
 import os
 import re
@@ -47,12 +48,20 @@ def test_every_torch_distributed_op_on_the_hoccl_backend(ranks):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("ranks", [2, 3])
-def test_ddp_and_fsdp2_on_hoccl_train_to_gloos_losses(ranks):
-    code, output = launch(ranks, PROGRAMS / "run_training.py")
+@pytest.mark.parametrize("ranks, default, flags", [
+    (2, "hoccl", []), (3, "hoccl", []),
+    # HSDP only (DDP and FSDP2 at 4 ranks would add a minute); the default process group
+    # gloo, the hoccl groups beside it, as in a program that keeps NCCL
+    (4, "gloo", ["--default-backend", "reference", "--only", "HSDP"])])
+def test_ddp_fsdp2_and_hsdp_on_hoccl_train_to_gloos_losses_and_parameters(ranks, default, flags):
+    code, output = launch(ranks, PROGRAMS / "run_training.py", *flags)
     assert code == 0, output[-6000:]
-    assert re.search(rf"torch training ranks={ranks}: \d+ passed, 0 failed", output), \
-        output[-6000:]
+    assert re.search(rf"torch training ranks={ranks} default={default}: \d+ passed, 0 failed",
+                     output), output[-6000:]
+    # an HSDP run for every mesh shape of the world: (1, n), (n, 1) and between
+    shapes = {(int(replicas), int(shards))
+              for replicas, shards in re.findall(r"^HSDP (\d+)x(\d+),", output, re.M)}
+    assert shapes == {(r, ranks // r) for r in range(1, ranks + 1) if ranks % r == 0}, output
 
 
 def _losses(output):
@@ -162,6 +171,82 @@ def test_reduction_ops_translate_and_premul_sum_carries_its_factor():
     assert reduction("all_reduce", dist.ReduceOp.PREMUL_SUM(0.25)) == ("sum", 0.25)
     with pytest.raises(hoccl.InvalidArgumentError, match="reduce: hoccl has no reduction BXOR"):
         reduction("reduce", dist.ReduceOp.BXOR)
+
+
+def test_torch_reduces_hoccls_dtypes_and_premultiplies_only_the_floating_ones():
+    import hoccl
+    from hoccl.torch._ops import REDUCIBLE, reducible
+    assert REDUCIBLE == (torch.float16, torch.bfloat16, torch.float32, torch.float64,
+                         torch.int8, torch.uint8, torch.int32, torch.int64)
+    for dtype in REDUCIBLE:
+        reducible("all_reduce", torch.ones(2, dtype=dtype))
+        if dtype.is_floating_point:
+            reducible("all_reduce", torch.ones(2, dtype=dtype), 0.5)
+            continue
+        with pytest.raises(hoccl.InvalidArgumentError, match="PREMUL_SUM needs a floating"):
+            reducible("all_reduce", torch.ones(2, dtype=dtype), 0.5)
+    with pytest.raises(hoccl.InvalidArgumentError,
+                       match="cannot reduce torch.int16; it reduces float16, bfloat16, float32, "
+                             "float64, int8, uint8, int32, int64"):
+        reducible("all_reduce", torch.ones(2, dtype=torch.int16))
+
+
+def test_premultiply_hands_a_number_to_the_kernel_and_multiplies_by_anything_else():
+    from hoccl._hierarchy import HierarchicalCommunicator
+    from hoccl.torch._ops import premultiply
+    one_host = object()  # any communicator but a HierarchicalCommunicator
+    across_hosts = HierarchicalCommunicator.__new__(HierarchicalCommunicator)
+    values = [1.0, -2.0, 3.0, 0.5]
+    tensor = torch.tensor(values, dtype=torch.bfloat16)
+    for factor, scale in ((None, None), (0.375, 0.375), (2, 2.0)):
+        source, got = premultiply(one_host, tensor, factor, in_place=True)
+        assert source is tensor and got == scale and type(got) is type(scale), (factor, got)
+    assert tensor.tolist() == values  # the kernel multiplies; nothing did here
+    for comm, factor in ((one_host, torch.tensor([0.375])), (across_hosts, 0.375)):
+        source, got = premultiply(comm, tensor, factor, in_place=False)
+        assert got is None and source is not tensor and source.dtype == torch.bfloat16
+        assert source.tolist() == [value * 0.375 for value in values]
+        assert tensor.tolist() == values
+        copy = tensor.clone()
+        source, got = premultiply(comm, copy, factor, in_place=True)
+        assert got is None and source is copy
+        assert copy.tolist() == [value * 0.375 for value in values]
+
+
+@pytest.mark.parametrize("factor", [0.375, "one-element tensor"])
+def test_premul_sum_scales_every_reduction_of_the_process_group(init_local, factor):
+    """On a one-rank group each reduction is its input times the factor; an input that
+    is not the output is left as it was (reduce_scatter_tensor, reduce_scatter)."""
+    import torch.distributed as dist
+    from hoccl.torch import ProcessGroupHoccl
+    group = ProcessGroupHoccl(init_local(1, backend="host")[0])
+    op = dist._make_nccl_premul_sum(torch.tensor([0.375]) if factor != 0.375 else 0.375)
+    values = torch.randint(-8, 8, (8,), generator=torch.Generator().manual_seed(15)).float()
+    want = values * 0.375  # exact: small integers times 3/8
+
+    def options(kind, **fields):
+        made = kind()
+        made.reduceOp = op
+        for name, value in fields.items():
+            setattr(made, name, value)
+        return made
+
+    def poisoned():
+        return torch.full((8,), float("nan"))
+    tensor = values.clone()
+    group.allreduce([tensor], options(dist.AllreduceOptions)).wait()
+    assert torch.equal(tensor, want), ("all_reduce", tensor)
+    tensor = values.clone()
+    group.reduce([tensor], options(dist.ReduceOptions, rootRank=0)).wait()
+    assert torch.equal(tensor, want), ("reduce", tensor)
+    for name, call in (
+            ("reduce_scatter_tensor", lambda out, inp, opts: group.reduce_scatter_single(
+                out, inp, opts)),
+            ("reduce_scatter", lambda out, inp, opts: group.reduce_scatter([out], [[inp]], opts))):
+        source, output = values.clone(), poisoned()
+        call(output, source, options(dist.ReduceScatterOptions)).wait()
+        assert torch.equal(output, want), (name, output)
+        assert torch.equal(source, values), (name, "changed its input", source)
 
 
 def test_copies_of_dtypes_hoccl_cannot_reduce_move_their_bytes():

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The device machine's session: GPU tests (one process, and mpirun -np 2), then the
 # benchmarks against NCCL.  Usage: bash tools/gpu_run.sh [tests|profile|bench|overlap|compare|torch|fsdp|hier|hierdiag|final|registered|onegpu|levers|tp|all] [pytest args]
-# torch: the torch.distributed backend's checks, DDP/FSDP2 training against NCCL, the
-# FSDP2 example on NCCL and on hoccl, and python -m hoccl.bench.train (one process per shape).
+# torch: the torch.distributed backend's checks, DDP/FSDP2/HSDP training against NCCL (hoccl
+# the default process group, then NCCL), the FSDP2 example on NCCL and on hoccl, and
+# python -m hoccl.bench.train (one process per shape).
 # levers: python -m hoccl.bench.levers on one GPU (LEVERS_ARGS, e.g. --quick, go to it).
 # tp: python -m hoccl.bench.tp under mpirun -np 2, then its --quick run with a planted fault
 # (every check must report exactly one wrong element per rank).
@@ -65,6 +66,9 @@ fi
 if [ "$what" = torch ]; then
   step torch-backend 150 $TRUN python3 tests/torch_programs/run_backend.py --device cuda
   step torch-training 150 $TRUN python3 tests/torch_programs/run_training.py --device cuda
+  # NCCL the default process group, hoccl groups (and HSDP's shard dimension) beside it
+  step torch-training-nccl-default 150 $TRUN python3 tests/torch_programs/run_training.py \
+    --device cuda --default-backend reference
   for backend in nccl hoccl; do
     step "fsdp2-$backend" 120 $TRUN python3 examples/train_fsdp2.py --backend $backend --steps 50
   done

@@ -24,7 +24,7 @@ import enum
 from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence, Tuple
 
-from .._dtypes import NAMES
+from .._dtypes import FLOATING, NAMES
 from ..sched.plan import OPS as _PLAN_OPS
 
 __all__ = ["Device", "HostWord", "MemOp", "SmCaps", "DTYPES", "OPS", "check_reduce_extras"]
@@ -44,14 +44,11 @@ def check_reduce_extras(op: str, dtype: str, divisor: Optional[int],
                                 or isinstance(divisor, bool) or not 0 < divisor < 2 ** 32):
         raise InvalidArgumentError(f"reduce: expected a divisor in [1, 2**32) for avg only, "
                                    f"got {divisor!r} for {op!r}")
-    if scale is not None and (op != "sum" or dtype not in _FLOATING
+    if scale is not None and (op != "sum" or dtype not in FLOATING
                               or not isinstance(scale, float) or scale != scale
                               or scale in (float("inf"), float("-inf"))):
         raise InvalidArgumentError(f"reduce: expected a finite float scale for a sum of a "
                                    f"floating dtype, got {scale!r} for {op!r} of {dtype}")
-
-
-_FLOATING = ("float16", "bfloat16", "float32", "float64")
 
 
 @dataclass

@@ -6,7 +6,7 @@ from typing import Any, Optional
 
 import torch
 
-from ._ops import kernel_scale, movable, reducible, scaled
+from ._ops import movable, premultiply, reducible
 from ._work import Launcher, Work
 
 __all__ = ["all_gather_into", "reduce_scatter_into"]
@@ -25,17 +25,12 @@ def reduce_scatter_into(call: str, launcher: Launcher, output: torch.Tensor,
                         input: torch.Tensor, op: str, factor: Optional[Any],
                         async_op: bool) -> Work:
     """``output`` = ``op`` over ranks of their block ``rank`` of ``input``; with a
-    ``factor`` (PREMUL_SUM) the sum times ``factor``: a number goes to the reduction
-    kernel (``scale``, no pass of its own); a tensor factor scales a temporary copy of
-    the input first (one extra pass; the call is then out of place)."""
+    ``factor`` (PREMUL_SUM) the sum times ``factor`` (``premultiply``: a number goes to
+    the reduction kernel; a tensor factor scales a temporary copy of the input first,
+    and the call is then out of place)."""
     reducible(call, output, factor)
-    scale = kernel_scale(launcher.comm, factor)
 
     def issue(stream: Any) -> None:
-        if factor is not None and scale is None:
-            launcher.comm.reduce_scatter(scaled(input, factor), output, op, stream=stream)
-        elif scale is not None:
-            launcher.comm.reduce_scatter(input, output, op, scale=scale, stream=stream)
-        else:
-            launcher.comm.reduce_scatter(input, output, op, stream=stream)
+        source, scale = premultiply(launcher.comm, input, factor, in_place=False)
+        launcher.comm.reduce_scatter(source, output, op, scale=scale, stream=stream)
     return launcher.run(issue, [output], [input, output], async_op)

@@ -7,14 +7,14 @@ from typing import Any, Optional, Sequence, Tuple, TypeVar
 import torch
 
 from .. import InvalidArgumentError
+from .._dtypes import FLOATING, NAMES
 
-__all__ = ["REDUCIBLE", "reduction", "reducible", "movable", "one_tensor", "scaled"]
+__all__ = ["REDUCIBLE", "reduction", "reducible", "movable", "one_tensor", "premultiply"]
 
-#: the dtypes hoccl's reduction kernels take
-REDUCIBLE = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.uint8,
-             torch.int32, torch.int64)
+#: the dtypes hoccl's reduction kernels take (hoccl's dtype names are torch's)
+REDUCIBLE = tuple(getattr(torch, name) for name in NAMES)
 _NATIVE = frozenset(REDUCIBLE)
-_FLOATING = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.float64))
+_FLOATING = frozenset(getattr(torch, name) for name in FLOATING)
 T = TypeVar("T")
 _OPS = {"SUM": "sum", "AVG": "avg", "PRODUCT": "prod", "MIN": "min", "MAX": "max"}
 _SUPPORTED = "SUM, AVG, PRODUCT, MIN, MAX and PREMUL_SUM"
@@ -64,19 +64,25 @@ def one_tensor(call: str, tensors: Sequence[T]) -> T:
     return tensors[0]
 
 
-def kernel_scale(comm: Any, factor: Any) -> Optional[float]:
-    """PREMUL_SUM's factor as the ``scale`` hoccl's sum kernel multiplies by, or None when
-    it must be applied by a pass of its own: a tensor factor (reading its value would
-    block the host), or a communicator across hosts (whose sums take no scale yet)."""
+def premultiply(comm: Any, tensor: torch.Tensor, factor: Any, *,
+                in_place: bool) -> Tuple[torch.Tensor, Optional[float]]:
+    """PREMUL_SUM(``factor``) of ``tensor`` as hoccl's sum takes it: (the tensor to reduce,
+    the ``scale=`` of the call), for ``comm``'s reduce_scatter, all_reduce or reduce.
+
+    No factor: ``(tensor, None)``.  A number, on a communicator of one host:
+    ``(tensor, float(factor))``, multiplied by the reduction kernel before it rounds (no
+    pass of its own).  Otherwise, a one-element tensor factor (reading its value would
+    block the host) or a communicator across hosts (whose sums take no scale yet): one
+    pass of its own, ``tensor * factor`` in ``tensor``'s dtype, written into ``tensor``
+    when ``in_place`` (a temporary, or a tensor the output overwrites) else into a new
+    tensor, and no scale.  Call it where the call is issued: the pass runs on the current
+    stream."""
+    if factor is None:
+        return tensor, None
     from .._hierarchy import HierarchicalCommunicator
     if (isinstance(factor, (int, float)) and not isinstance(factor, bool)
             and not isinstance(comm, HierarchicalCommunicator)):
-        return float(factor)
-    return None
-
-
-def scaled(tensor: torch.Tensor, factor: Any) -> torch.Tensor:
-    """A new tensor ``tensor * factor`` in ``tensor``'s dtype: PREMUL_SUM's premultiply as
-    a pass of its own, for factors ``kernel_scale`` cannot hand to the kernel."""
-    return torch.mul(tensor, factor).to(tensor.dtype)
-
+        return tensor, float(factor)
+    if in_place:
+        return tensor.mul_(factor), None
+    return torch.mul(tensor, factor).to(tensor.dtype), None

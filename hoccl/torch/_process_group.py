@@ -8,8 +8,9 @@ stream and makes the Work).  What hoccl has no form for is built from what it ha
   temporary, copied out or in by torch on the call's stream;
 * all_to_all with uneven splits, and the list all_to_all, are a batch of send/recv
   pairs (every rank's chunk for every peer) plus a local copy of the own chunk;
-* PREMUL_SUM(f) is SUM of ``input * f``, the scaled input a temporary (out of place) or
-  the tensor itself (all_reduce, whose output overwrites it);
+* PREMUL_SUM(f) is SUM times f (``_ops.premultiply``): a number f multiplied by hoccl's
+  reduction kernel, else SUM of ``input * f``, the scaled input a temporary (out of
+  place) or the tensor itself (all_reduce, whose output overwrites it);
 * copies move any dtype as its bytes; reductions take hoccl's dtypes only.
 
 CPU tensors in a group whose communicator is on a GPU go to a gloo group made from the
@@ -25,7 +26,7 @@ import torch.distributed as dist
 
 from .. import InvalidArgumentError
 from ._collectives import all_gather_into, reduce_scatter_into
-from ._ops import kernel_scale, movable, one_tensor, reducible, reduction, scaled
+from ._ops import movable, one_tensor, premultiply, reducible, reduction
 from ._p2p import HeldP2P, issue_held
 from ._work import Launcher, WorkList
 
@@ -211,16 +212,10 @@ class ProcessGroupHoccl(dist.ProcessGroup):
         op, factor = reduction(call, opts.reduceOp)
         reducible(call, output, factor)
 
-        scale = kernel_scale(self.communicator, factor)
-
         def issue(stream: Any) -> None:
             flat = torch.cat([tensor.reshape(-1) for tensor in inputs])
-            if scale is not None:
-                self.communicator.reduce_scatter(flat, output, op, scale=scale, stream=stream)
-                return
-            if factor is not None:
-                flat.mul_(factor)
-            self.communicator.reduce_scatter(flat, output, op, stream=stream)
+            source, scale = premultiply(self.communicator, flat, factor, in_place=True)
+            self.communicator.reduce_scatter(source, output, op, scale=scale, stream=stream)
         return self._run(issue, [output], [output, *inputs], opts)
 
     def reduce_scatter_single_coalesced(self, outputs: List[torch.Tensor],
@@ -242,15 +237,10 @@ class ProcessGroupHoccl(dist.ProcessGroup):
         op, factor = reduction(call, opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
         reducible(call, tensor, factor)
 
-        scale = kernel_scale(self.communicator, factor)
-
         def issue(stream: Any) -> None:
-            if scale is not None:
-                self.communicator.all_reduce(tensor, tensor, op, scale=scale, stream=stream)
-                return
-            if factor is not None:
-                tensor.mul_(factor)  # the output overwrites it: no temporary needed
-            self.communicator.all_reduce(tensor, tensor, op, stream=stream)
+            # the output overwrites the tensor: a premultiply needs no temporary
+            source, scale = premultiply(self.communicator, tensor, factor, in_place=True)
+            self.communicator.all_reduce(source, tensor, op, scale=scale, stream=stream)
         return self._run(issue, [tensor], [tensor], opts)
 
     def allreduce_coalesced(self, tensors: List[torch.Tensor], opts: Any = None) -> dist.Work:
@@ -349,15 +339,12 @@ class ProcessGroupHoccl(dist.ProcessGroup):
         root = self._root(call, opts)
         op, factor = reduction(call, opts.reduceOp)
         reducible(call, tensor, factor)
-        scale = kernel_scale(self.communicator, factor)
 
         def issue(stream: Any) -> None:
             output = tensor if self.rank() == root else None
-            if scale is not None:
-                self.communicator.reduce(tensor, output, root, op, scale=scale, stream=stream)
-                return
-            source = tensor if factor is None else scaled(tensor, factor)
-            self.communicator.reduce(source, output, root, op, stream=stream)
+            # off the root the tensor must stay as it was: a premultiply goes to a temporary
+            source, scale = premultiply(self.communicator, tensor, factor, in_place=False)
+            self.communicator.reduce(source, output, root, op, scale=scale, stream=stream)
         return self._run(issue, [tensor], [tensor], opts)
 
     def gather(self, output_tensors: List[List[torch.Tensor]], input_tensors: List[torch.Tensor],  # type: ignore[override]

@@ -1,21 +1,30 @@
-"""DDP and FSDP2 training on hoccl against gloo, one rank per process: run with
-``mpiexec -n N python tests/torch_programs/run_training.py [--device cuda]`` (MASTER_ADDR and
+"""DDP, FSDP2 and HSDP training on hoccl against gloo, one rank per process: run with
+``mpiexec -n N python tests/torch_programs/run_training.py [--device cuda]
+[--default-backend hoccl|reference] [--meshes 1x2,2x1] [--only HSDP]`` (MASTER_ADDR and
 MASTER_PORT set).
 
-The default process group is hoccl; a group of the same ranks on gloo (NCCL with
-``--device cuda``) is the reference.  Each configuration trains the same model from the same weights on the same
-data with SGD (whose update is proportional to the gradient, so a wrong reduction
-shows in the loss) and its losses are compared with gloo's, step by step:
+A hoccl group and a group of the same ranks on gloo (NCCL with ``--device cuda``), the
+reference; either is the default process group (``--default-backend``: hoccl, as in a
+program moved to hoccl, or the reference, as in a program that keeps NCCL and makes
+hoccl groups beside it).  Each configuration trains the same model from the same weights
+on the same data with SGD (whose update is proportional to the gradient, so a wrong
+reduction shows in the loss), and its losses, step by step, and final parameters are
+compared with the reference's:
 
 * DDP on hoccl (several buckets);
 * FSDP2 on a hoccl mesh, and FSDP2 on the gloo mesh with its all-gathers and
   reduce-scatters through ``hoccl.torch.use_for_fsdp``, in fp32 and with bf16 compute;
 * both with explicit asynchronous prefetch (``unshard(async_op=True)``);
 * a gradient divide factor (reduce-scatter with PREMUL_SUM), against gloo given the
-  same gradients by a loss scaled instead (gloo has no PREMUL_SUM).
+  same gradients by a loss scaled instead (gloo has no PREMUL_SUM);
+* HSDP: FSDP2 on a 2-D DeviceMesh (replicate, shard) made by ``init_device_mesh`` with
+  ``backend_override={"shard": "hoccl", "replicate": <the reference>}``, against the same
+  mesh with both dimensions on the reference; every mesh shape R x S with R * S = N
+  (``--meshes`` picks some).
 
-Prints one line per configuration with the largest loss difference, failures, and
-``torch training ranks=N: P passed, F failed`` (rank 0).
+Prints one line per configuration with the largest differences, failures, and
+``torch training ranks=N default=B: P passed, F failed`` (rank 0; P and F count every
+rank's configurations).
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ import sys
 import traceback
 import warnings
 from datetime import timedelta
+from typing import List, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -38,7 +48,16 @@ warnings.filterwarnings("ignore")
 RANK, WORLD = rank_and_world()
 STEPS = 6
 DEVICE = torch.device("cpu")
-REFERENCE = None  # the group the losses are compared with
+REFERENCE = None  # the group the runs are compared with: gloo, or NCCL on GPUs
+HOCCL = None  # the hoccl group of the same ranks
+MESHES: List[tuple] = []  # the (replicas, shards) of the HSDP runs
+
+
+class Run(NamedTuple):
+    """What a training run ends with: the mean loss over ranks at each step, and every
+    parameter in full, on the CPU."""
+    losses: List[float]
+    parameters: List[torch.Tensor]
 
 
 def make_model() -> nn.Module:
@@ -58,7 +77,7 @@ def data():
     return inputs.to(DEVICE), targets.to(DEVICE)
 
 
-def train(model: nn.Module, scale: float = 1.0, prefetch=None, dtype=torch.float32) -> list:
+def train(model: nn.Module, scale: float = 1.0, prefetch=None, dtype=torch.float32) -> Run:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.2)
     losses = []
     inputs, targets = data()
@@ -72,17 +91,21 @@ def train(model: nn.Module, scale: float = 1.0, prefetch=None, dtype=torch.float
         total = loss.detach().clone()
         dist.all_reduce(total, group=REFERENCE)  # the mean over ranks, through the reference
         losses.append(total.item() / WORLD)
-    return losses
+    from torch.distributed.tensor import DTensor
+    # a sharded parameter is gathered over its mesh (every rank takes part)
+    parameters = [(parameter.full_tensor() if isinstance(parameter, DTensor) else parameter)
+                  .detach().cpu() for parameter in model.parameters()]
+    return Run(losses, parameters)
 
 
-def ddp(group) -> list:
+def ddp(group) -> Run:
     from torch.nn.parallel import DistributedDataParallel
     model = DistributedDataParallel(make_model(), process_group=group, bucket_cap_mb=0.005,
                                     device_ids=[DEVICE] if DEVICE.type == "cuda" else None)
     return train(model)
 
 
-def fsdp(group, hooks=None, bf16=False, prefetch=False, divide=None, scale=1.0) -> list:
+def fsdp(group, hooks=None, bf16=False, prefetch=False, divide=None, scale=1.0) -> Run:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     model = make_model()
@@ -106,21 +129,64 @@ def fsdp(group, hooks=None, bf16=False, prefetch=False, divide=None, scale=1.0) 
                  dtype=torch.bfloat16 if bf16 else torch.float32)
 
 
-def compare(name, got, want, tolerance):
-    worst = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(got, want))
+def hsdp(shape: tuple, shard_backend: str) -> Run:
+    """FSDP2 on a 2-D mesh of ``shape`` (replicas, shards): each parameter sharded over
+    the "shard" dimension's group, on ``shard_backend``, and replicated over the
+    "replicate" dimension's, on the reference backend (HSDP: FSDP2 reduce-scatters the
+    gradients in the shard group, then all-reduces each shard across the replicas)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate, Shard
+    reference = dist.get_backend(REFERENCE)
+    # torch takes the entries out of the dict it is given: a new one for every mesh
+    mesh = init_device_mesh(DEVICE.type, shape, mesh_dim_names=("replicate", "shard"),
+                            backend_override={"shard": shard_backend, "replicate": reference})
+    shard, replicate = mesh.get_group("shard"), mesh.get_group("replicate")
+    assert (dist.get_backend(shard), dist.get_backend(replicate)) == (shard_backend, reference), \
+        (dist.get_backend(shard), dist.get_backend(replicate))
+    assert (replicate.size(), shard.size()) == shape, (replicate.size(), shard.size())
+    model = make_model()
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    placements = {parameter.placements for parameter in model.parameters()}
+    assert placements == {(Replicate(), Shard(0))}, placements
+    calls = hoccl.torch.communicator(shard).calls if shard_backend == "hoccl" else 0
+    run = train(model)
+    if shard_backend == "hoccl" and shard.size() > 1:
+        # FSDP2 calls no collective on a one-rank shard group; on a larger one it must
+        # have all-gathered and reduce-scattered through hoccl
+        assert hoccl.torch.communicator(shard).calls > calls, "no call went through hoccl"
+    return run
+
+
+def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).abs().max()) / max(float(want.abs().max()), 1e-12)
+
+
+def compare(name: str, got: Run, want: Run, tolerance: float) -> None:
+    """``got`` agrees with ``want`` within ``tolerance`` (relative; 0: bit for bit)."""
+    assert len(got.losses) == len(want.losses) == STEPS
+    assert len(got.parameters) == len(want.parameters)
+    losses = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(got.losses, want.losses))
+    parameters = max(_relative(a, b) for a, b in zip(got.parameters, want.parameters))
+    identical = got.losses == want.losses and all(
+        torch.equal(a, b) for a, b in zip(got.parameters, want.parameters))
+    within = "within" if max(losses, parameters) <= tolerance else "NOT within"
     if RANK == 0:
-        print(f"{name}: largest relative loss difference {worst:.2e} "
-              f"({'identical' if got == want else 'within ' + format(tolerance, 'g')})",
-              flush=True)
-    assert len(got) == len(want) == STEPS
-    assert worst <= tolerance, f"{name}: losses {got} vs the reference's {want}"
-    assert want[-1] < want[0], f"{name}: the reference did not train: {want}"
+        print(f"{name}: largest relative difference of the losses {losses:.2e}, of the final "
+              f"parameters {parameters:.2e} "
+              f"({'identical' if identical else f'{within} {tolerance:g}'})", flush=True)
+    assert losses <= tolerance, f"{name}: losses {got.losses} vs the reference's {want.losses}"
+    assert parameters <= tolerance, f"{name}: final parameters differ by {parameters:.2e}"
+    assert want.losses[-1] < want.losses[0], f"{name}: the reference did not train: {want.losses}"
 
 
 def configurations():
     """(name, the run on hoccl, the reference run, tolerance).  A reference run is shared
     by the configurations that compare with it."""
-    hoccl_group = dist.distributed_c10d._get_default_group()
+    hoccl_group = HOCCL
     cache = {}
 
     def reference(**settings):
@@ -147,21 +213,63 @@ def configurations():
            lambda: fsdp(hoccl_group, divide=divide), scaled, 1e-5)
     yield ("FSDP2 with hoccl hooks, divide factor (PREMUL_SUM)",
            lambda: fsdp(REFERENCE, hooks=hoccl_group, divide=divide), scaled, 1e-5)
+    reference_backend = dist.get_backend(REFERENCE)
+    for replicas, shards in MESHES:
+        # Both runs all-reduce across the replicas on the reference backend; they differ
+        # in the shard dimension's all-gather (a copy) and reduce-scatter (an average,
+        # in fp32).  An average of two is their sum (the same in either order) halved
+        # (exact, whether before the sum, as NCCL may, or after it), so with up to 2
+        # shards the runs agree bit for bit; with more, hoccl may sum in another order
+        # than the reference and the last bits differ.  With one shard FSDP2 calls no
+        # collective on the shard group at all.
+        tolerance = 0.0 if shards <= 2 else 1e-6
+        yield (f"HSDP {replicas}x{shards}, shard on hoccl, replicate on {reference_backend}",
+               lambda shape=(replicas, shards): hsdp(shape, "hoccl"),
+               lambda shape=(replicas, shards): hsdp(shape, reference_backend), tolerance)
+
+
+def mesh_shapes(text: str) -> List[tuple]:
+    """``"1x2,2x1"`` as [(1, 2), (2, 1)]; "" as every shape of WORLD ranks."""
+    if not text:
+        return [(replicas, WORLD // replicas) for replicas in range(1, WORLD + 1)
+                if WORLD % replicas == 0]
+    shapes = [tuple(int(size) for size in item.split("x")) for item in text.split(",")]
+    for shape in shapes:
+        if len(shape) != 2 or shape[0] * shape[1] != WORLD:
+            raise SystemExit(f"--meshes: {shape} is not replicas x shards = {WORLD} ranks")
+    return shapes
 
 
 def main():
-    global DEVICE, REFERENCE
+    global DEVICE, REFERENCE, HOCCL, MESHES
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    if parser.parse_args().device == "cuda":
+    parser.add_argument("--default-backend", choices=("hoccl", "reference"), default="hoccl",
+                        help="the default process group's backend: hoccl, or the reference "
+                             "(gloo; NCCL with --device cuda)")
+    parser.add_argument("--meshes", default="", help="HSDP mesh shapes, e.g. 1x2,2x1 "
+                        "(replicas x shards; default: every shape of the world)")
+    parser.add_argument("--only", default="", help="run only the configurations whose name "
+                        "contains this text (e.g. HSDP)")
+    args = parser.parse_args()
+    if args.device == "cuda":
         DEVICE = torch.device("cuda", RANK % torch.cuda.device_count())
         torch.cuda.set_device(DEVICE)
-    dist.init_process_group("hoccl", rank=RANK, world_size=WORLD, timeout=timedelta(seconds=60))
-    REFERENCE = dist.new_group(backend="nccl" if DEVICE.type == "cuda" else "gloo")
+    MESHES = mesh_shapes(args.meshes)
+    reference = "nccl" if DEVICE.type == "cuda" else "gloo"
+    default = "hoccl" if args.default_backend == "hoccl" else reference
+    dist.init_process_group(default, rank=RANK, world_size=WORLD, timeout=timedelta(seconds=60))
+    world = dist.distributed_c10d._get_default_group()
+    if default == "hoccl":
+        HOCCL, REFERENCE = world, dist.new_group(backend=reference)
+    else:
+        HOCCL, REFERENCE = dist.new_group(backend="hoccl"), world
     passed = failed = 0
-    for name, run, reference, tolerance in configurations():
+    for name, run, reference_run, tolerance in configurations():
+        if args.only not in name:
+            continue
         try:
-            compare(name, run(), reference(), tolerance)
+            compare(name, run(), reference_run(), tolerance)
             passed += 1
         except Exception:
             failed += 1
@@ -169,7 +277,8 @@ def main():
     totals = torch.tensor([passed, failed], device=DEVICE)
     dist.all_reduce(totals, group=REFERENCE)
     if RANK == 0:
-        print(f"torch training ranks={WORLD}: {totals[0]} passed, {totals[1]} failed", flush=True)
+        print(f"torch training ranks={WORLD} default={default}: {totals[0]} passed, "
+              f"{totals[1]} failed", flush=True)
     dist.destroy_process_group()
     sys.exit(1 if totals[1] else 0)
 
