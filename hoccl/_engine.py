@@ -39,6 +39,7 @@ from .backends._base import Device, SmCaps
 from .p2p import Executor
 from .sched import Options, Shape, build_plan, verify
 from .sched.plan import CHANNEL_NAMES, CHANNELS, Plan
+from .sched.replay import replay_problem
 from .streams import StreamManager
 
 __all__ = ["ABORT_VALUE", "SignalPad", "Call", "CallTemplate", "Engine", "PeerBuffer",
@@ -55,8 +56,10 @@ class SignalPad:
     """This rank's signal pad and the peers' pads it signals into.
 
     Layout: ``world_size * CHANNELS`` 64-bit slots, slot ``sender * CHANNELS + channel``
-    written only by ``sender`` (so values only grow), then one *completion* word that
-    this rank's lane 0 writes when a call ends and its callers' streams wait on.
+    written only by ``sender`` (so values only grow), then as many *graph* slots (the
+    same slots for calls captured into CUDA graphs: each is put back to 0 after its last
+    wait, ``hoccl.sched.replay``), then one *completion* word that this rank's lane 0
+    writes when a call ends and its callers' streams wait on.
     """
 
     def __init__(self, device: Device, rank: int, world_size: int):
@@ -64,8 +67,10 @@ class SignalPad:
         self.rank = rank
         self.world_size = world_size
         self.slots = world_size * CHANNELS
-        self.address = device.alloc_pad(self.slots + 1)
-        self.completion = self.address + 8 * self.slots
+        #: where a slot's graph twin is: ``slot + graph_offset``
+        self.graph_offset = self.slots
+        self.address = device.alloc_pad(2 * self.slots + 1)
+        self.completion = self.address + 8 * 2 * self.slots
         self._pads: List[Any] = [self.address] * world_size
 
     def connect(self, pads: List[Any]) -> None:
@@ -87,8 +92,9 @@ class SignalPad:
         return sender, CHANNEL_NAMES[channel]
 
     def words(self) -> List[int]:
-        """The slots' values, read from the host past every stream."""
-        return self.device.peek(self.address, self.slots)
+        """The slots' values (eager, then graph slots), read from the host past every
+        stream."""
+        return self.device.peek(self.address, 2 * self.slots)
 
     def aborted_by(self) -> Optional[int]:
         """The peer whose abort value is in this pad, if one is."""
@@ -98,14 +104,14 @@ class SignalPad:
             return None
         for slot, word in enumerate(words):
             if word >= ABORT_VALUE:
-                return slot // CHANNELS
+                return (slot % self.slots) // CHANNELS
         return None
 
     def poison(self, host_word: Any, warn: bool) -> None:
         """The abort value into every own slot, the completion and host words, and the
         slots this rank writes in every peer's pad (best effort: a dead peer's memory
         may be gone)."""
-        own = [(self.local(slot), ABORT_VALUE) for slot in range(self.slots + 1)]
+        own = [(self.local(slot), ABORT_VALUE) for slot in range(2 * self.slots + 1)]
         own.append((host_word.address, ABORT_VALUE))
         try:
             self.device.poke(own)
@@ -116,7 +122,8 @@ class SignalPad:
             if peer == self.rank:
                 continue
             try:
-                self.device.poke([(self.remote(peer, self.rank * CHANNELS + channel), ABORT_VALUE)
+                self.device.poke([(self.remote(peer, offset + self.rank * CHANNELS + channel),
+                                   ABORT_VALUE) for offset in (0, self.graph_offset)
                                   for channel in range(CHANNELS)])
             except HocclError as error:
                 if warn:
@@ -192,6 +199,8 @@ class Call:
     issued: bool = False
     #: whether the caller's stream waits for the call yet (``enqueue``, ``fence_callers``)
     fenced: bool = False
+    #: captured into a CUDA graph (``Executor.issue_captured``): not numbered, not in flight
+    captured: bool = False
     base: int = 0              # the signal base it was issued with
     entry: Any = None          # event marking the caller's position at call time
     issued_at: float = 0.0     # when its steps were enqueued (the watchdog's clock)
@@ -247,6 +256,9 @@ class Engine:
         self._pair_base: Dict[Tuple[int, ...], int] = {}
         self._scratch: Tuple[Any, int] = (None, 0)
         self._retired: List[Any] = []
+        #: scratch captured into a CUDA graph: kept until the device is left
+        self._pinned: set = set()
+        self._kept: List[Any] = []
         self._templates: Dict[Shape, CallTemplate] = {}
         self._programs: Dict[tuple, Tuple[Plan, tuple]] = {}  # see _program
         #: registered buffers (``Communicator.register``)
@@ -302,6 +314,29 @@ class Engine:
         arrays = tuple(buffer.owner for buffer in buffers.values() if buffer is not None)
         self.device.activate()
         caller = self.device.resolve_stream(stream, arrays)
+        captured = self.device.capturing(caller)
+        if captured:
+            self._capturable(name, plan, exported)
+            with self.device.relaxed_capture():  # scratch may be allocated, exported
+                return self._prepared(name, template, buffers, arrays, caller, exported, True)
+        return self._prepared(name, template, buffers, arrays, caller, exported, False)
+
+    def _capturable(self, name: str, plan: Plan, exported: bool) -> None:
+        """Refuse a call captured into a CUDA graph that could not replay."""
+        if not exported:
+            raise InvalidArgumentError(
+                f"{name}: the caller's stream is being captured into a CUDA graph; capture "
+                f"is supported with one rank per process (hoccl.init), not init_local")
+        problem = replay_problem(plan)
+        if problem is not None:
+            raise InvalidArgumentError(
+                f"{name}: the caller's stream is being captured into a CUDA graph, but this "
+                f"call cannot be replayed from one: {problem} (capturable: all_gather, "
+                f"all_to_all, reduce_scatter, all_reduce, broadcast, reduce, gather, scatter)")
+
+    def _prepared(self, name: str, template: CallTemplate, buffers: Dict[str, Optional[Buffer]],
+                  arrays: Tuple[Any, ...], caller: Any, exported: bool, captured: bool) -> Call:
+        plan = template.plan
         local: Dict[str, Any] = {}
         sizes: Dict[str, int] = {}
         for buffer_name, nbytes in template.buffers:
@@ -322,8 +357,13 @@ class Engine:
             key: tuple = ("pair",) + plan.pair + (self._pair_calls.get(plan.pair, 0),)
         else:
             key = ("coll", self._collectives)
-        call = Call(name, plan, key, template.signature, local, shared, arrays, caller, self)
+        signature = template.signature + (("captured", True),) if captured else template.signature
+        call = Call(name, plan, key, signature, local, shared, arrays, caller, self)
         call.fast = fast
+        if captured:
+            call.captured = True
+            if "scratch" in local:  # a graph may use it for ever: never freed before close
+                self._pinned.add(local["scratch"])
         return call
 
     def _describe(self, template: CallTemplate, local: Dict[str, Any], sizes: Dict[str, int]
@@ -437,6 +477,9 @@ class Engine:
         """Number ``call`` and fence the caller's stream on it.  From here the call must
         end in ``issue`` or ``release``: the caller's stream waits for it.  Without
         ``fence`` only its entry is marked; ``fence_callers`` then fences a group."""
+        if call.captured:
+            self._enqueue_captured(call)
+            return
         # Every lane and event the calls not yet issued will take, made before the fence:
         # no driver call that may synchronize the context runs while a caller waits.
         self.executor.reserve([held.plan for held in self.held()] + [call.plan])
@@ -454,6 +497,20 @@ class Engine:
             while inflight and inflight[0].issued and inflight[0].value <= done:
                 self._retire(inflight.popleft())  # finished: its buffers may go
             inflight.append(call)
+
+    def _enqueue_captured(self, call: Call) -> None:
+        """A call captured into a graph: matched like any other (its key counts), but not
+        numbered, never in flight (a replay is not a call the host waits for) and never
+        fencing the caller on the completion word; its entry is an event the capture
+        records, its exit one the caller's stream waits for (``issue``)."""
+        with self.device.relaxed_capture():
+            self.executor.reserve([call.plan], captured=True)
+        if call.plan.pair:
+            self._pair_calls[call.plan.pair] = call.key[-1] + 1
+        else:
+            self._collectives += 1
+        call.entry = self.streams.fence_in(call.caller, 0, wait=False)
+        call.fenced = True
 
     def fence_callers(self, calls: Sequence[Call]) -> None:
         """Make every caller stream of ``calls`` (a group's, enqueued without a fence) wait
@@ -480,6 +537,9 @@ class Engine:
         is issued) are fenced here, after their peers' buffers are mapped: mapping (and
         unmapping a stale mapping) may synchronize the context, which must never happen
         while a caller's stream waits for a call not yet issued."""
+        if calls[0].captured:
+            self._issue_captured(calls, imported)
+            return
         try:
             programs = [self._program(call, imported) for call in calls]
         except MismatchError:
@@ -510,6 +570,30 @@ class Engine:
             call.issued_at = now
             call.issued = True
 
+    def _issue_captured(self, calls: Sequence[Call], imported: bool) -> None:
+        """``issue`` for calls captured into a graph: graph slots that reset, no signal
+        base, no completion value; the callers' streams wait for the lanes' end."""
+        if not all(call.captured for call in calls):
+            raise InvalidArgumentError(f"{calls[0].name}: calls captured into a CUDA graph "
+                                       f"and calls made eagerly cannot be issued together")
+        try:
+            with self.device.relaxed_capture():  # peers' buffers may be mapped now
+                programs = [self._program(call, imported) for call in calls]
+        except MismatchError:
+            for call in calls:
+                self.release(call)
+            raise
+        callers: Dict[Any, Any] = {}
+        for call in calls:
+            callers.setdefault(_stream_key(call.caller), call.caller)
+        self.executor.issue_captured([(call.plan, program, call.entry)
+                                      for call, program in zip(calls, programs)],
+                                     list(callers.values()))
+        for call in calls:
+            self.streams.release(call.entry)
+            call.entry = None
+            call.issued = True
+
     def _program(self, call: Call, imported: bool) -> tuple:
         """This rank's steps of ``call`` with every address resolved (``Executor.bind``),
         once every peer buffer is known to hold what the plan touches in it.
@@ -529,11 +613,12 @@ class Engine:
                         f"it; the ranks disagree on the call's size")
         # a plan hashes all its steps: it is known by its id, and kept in the entry so
         # that the id cannot pass to another plan while the entry lives
-        layout = (id(plan), tuple(call.local.values()),
+        layout = (id(plan), call.captured, tuple(call.local.values()),
                   tuple((peer, tuple(shared.items())) for peer, shared in call.peers.items()))
         entry = self._programs.get(layout)
         if entry is None or entry[0] is not plan:
-            entry = (plan, self.executor.bind(plan, self._addresses(call, imported)))
+            entry = (plan, self.executor.bind(plan, self._addresses(call, imported),
+                                              captured=call.captured))
             if len(self._programs) >= _CACHED:
                 self._programs.clear()
             self._programs[layout] = entry
@@ -573,6 +658,12 @@ class Engine:
     def release(self, call: Call) -> None:
         """Complete ``call`` without running it: the caller's stream goes on; its output is
         not written."""
+        if call.captured:  # nothing waits for it: the capture simply lacks the call
+            if call.entry is not None:
+                self.streams.release(call.entry)
+                call.entry = None
+            call.issued = True
+            return
         self.device.activate()
         self.streams.ensure_lanes(1)
         self.device.memops(self.streams.lanes[0], self.streams.completion_writes(call.value))
@@ -611,7 +702,9 @@ class Engine:
     def _scratch_of(self, nbytes: int) -> Any:
         address, size = self._scratch
         if size < nbytes:
-            if address is not None:
+            if address in self._pinned:
+                self._kept.append(address)  # a captured graph may use it: freed at close
+            elif address is not None:
                 self._retired.append(address)  # earlier calls may still use it; freed on sync
             address = self.device.alloc(nbytes)
             self._scratch = (address, nbytes)
@@ -644,10 +737,11 @@ class Engine:
         ``leak``, keep everything; the 8-byte host word stays until the device closes)."""
         if not leak:
             self.device.activate()
-            for address in self._retired + [self._scratch[0], self.pad.address]:
+            for address in self._retired + self._kept + [self._scratch[0], self.pad.address]:
                 if address is not None:
                     self.device.free(address)
-            self._retired, self._scratch = [], (None, 0)
+            self._retired, self._kept, self._scratch = [], [], (None, 0)
+            self._pinned.clear()
         self.share.leave(leak)
 
 

@@ -534,6 +534,9 @@ class Communicator:
         call = engine.prepare(name, shape, buffers, stream, exported=self._group.exported)
         self._usable(name)  # the watchdog may have aborted meanwhile
         held = _held_calls()
+        if call.captured and held is not None:
+            raise InvalidArgumentError(f"{name}: a call captured into a CUDA graph cannot be "
+                                       f"inside hoccl.group() yet")
         # across processes the call returns only once issued: its caller is fenced then,
         # after the peers' buffers are mapped (``Engine.issue``); in one process the call
         # is held until every rank made it, so its caller is fenced now

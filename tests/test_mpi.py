@@ -177,3 +177,19 @@ def test_callers_are_fenced_only_after_the_peers_buffers_are_mapped():
                             env={**os.environ, **MPI_ENV})
     output = result.stdout + result.stderr
     assert result.returncode == 0 and "fence order: ok (2 ranks)" in output, output[-4000:]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_captured_calls_replay_with_resetting_signals(ranks):
+    """run_capture.py on the host backend: calls issued as captured ones (graph slots that
+    reset after their last wait, no signal base, lanes of their own) and issued again as
+    replays, 100 times, every output checked, eager calls between; one rank capturing
+    while the others call eagerly raises on every rank."""
+    script = Path(__file__).parent / "mpi" / "run_capture.py"
+    command = [_mpiexec(), "-n", str(ranks), sys.executable, str(script), "--backend", "host",
+               "--replays", "100"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600,
+                            env={**os.environ, **MPI_ENV})
+    output = result.stdout + result.stderr
+    assert result.returncode == 0 and "capture: 2 passed, 0 failed" in output, output[-4000:]

@@ -20,6 +20,7 @@ Timeline of one collective on one rank (``seq`` = the collective's signal base):
 from __future__ import annotations
 
 import abc
+import contextlib
 import enum
 from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence, Tuple
@@ -92,6 +93,16 @@ class Device(abc.ABC):
 
     @abc.abstractmethod
     def destroy_stream(self, stream: Any) -> None: ...
+
+    def capturing(self, stream: Any) -> bool:
+        """Whether ``stream`` is being captured into a CUDA graph (never, without CUDA)."""
+        return False
+
+    def relaxed_capture(self) -> Any:
+        """A context in which this thread may make driver calls that a capture in
+        progress would otherwise refuse (allocations, stream creation, IPC mapping):
+        ``cuThreadExchangeStreamCaptureMode(RELAXED)``, restored on exit."""
+        return contextlib.nullcontext()
 
     @abc.abstractmethod
     def resolve_stream(self, stream: Any, arrays: Sequence[Any]) -> Any:

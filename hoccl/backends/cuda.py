@@ -26,6 +26,7 @@ Typical use (one process, two GPUs)::
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
 import logging
 import os
@@ -33,7 +34,7 @@ import sys
 import threading
 import time
 import weakref
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 from cuda.bindings import driver
 
@@ -445,6 +446,23 @@ class CudaDevice(Device):
         if isinstance(stream, driver.CUstream):
             return stream
         return driver.CUstream(stream_handle(stream))
+
+    def capturing(self, stream: Any) -> bool:
+        status = _call(driver.cuStreamIsCapturing, stream)
+        if status == driver.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_INVALIDATED:
+            raise InvalidArgumentError(
+                "capture: the caller's stream was being captured, but its capture has been "
+                "invalidated by an earlier error; end it (cuStreamEndCapture) first")
+        return status == driver.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_ACTIVE
+
+    @contextlib.contextmanager
+    def relaxed_capture(self) -> Iterator[None]:
+        mode = _call(driver.cuThreadExchangeStreamCaptureMode,
+                     driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED)
+        try:
+            yield
+        finally:
+            _call(driver.cuThreadExchangeStreamCaptureMode, mode)
 
     def create_event(self) -> Any:
         self._make_current()

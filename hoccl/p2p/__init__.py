@@ -25,8 +25,8 @@ from ..sched.plan import After, Copy, Mark, Plan, Reduce, Signal, Wait
 
 __all__ = ["Executor", "compile_program"]
 
-# compiled op kinds
-_COPY, _LOCAL_COPY, _SIGNAL, _WAIT, _REDUCE, _MARK, _AFTER = range(7)
+# compiled op kinds (_RESET: a graph slot back to 0, after its last wait in a captured call)
+_COPY, _LOCAL_COPY, _SIGNAL, _WAIT, _REDUCE, _MARK, _AFTER, _RESET = range(8)
 _COMPILED: Dict[Tuple[int, int], Tuple[Plan, tuple]] = {}
 
 
@@ -113,24 +113,38 @@ class Executor:
         self.pad = pad
         self.sms = sms  # the communicator's caps (its device may serve other communicators)
 
-    def bind(self, plan: Plan, addresses: Dict[Tuple[int, str], Any]) -> Tuple[tuple, ...]:
+    def bind(self, plan: Plan, addresses: Dict[Tuple[int, str], Any],
+             captured: bool = False) -> Tuple[tuple, ...]:
         """This rank's compiled steps of ``plan`` with every address resolved:
         ``addresses[(rank, name)]`` are the buffers' bases, slots become addresses in
         this rank's pad (waits) or a peer's (signals).  Signal values stay relative to
-        the call; ``issue`` adds its base."""
+        the call; ``issue`` adds its base.
+
+        ``captured`` (a call captured into a CUDA graph, ``issue_captured``): the graph
+        slots instead, and after the last wait on each slot a reset of it to 0 on the
+        same lane (``hoccl.sched.replay``), so that every replay starts from zeros."""
         pad = self.pad
+        offset = pad.graph_offset if captured else 0
+        last: Dict[int, int] = {}
+        if captured:
+            for index, (kind, _, arg) in enumerate(compile_program(plan, self.rank)):
+                if kind == _WAIT:
+                    last[arg[0]] = index
 
         def at(ref):
             return addresses[(ref[0], ref[1])] + ref[2]
 
         bound = []
-        for kind, lane_index, arg in compile_program(plan, self.rank):
+        for index, (kind, lane_index, arg) in enumerate(compile_program(plan, self.rank)):
             if kind == _SIGNAL:
                 peer, slot, value = arg
-                arg = (pad.remote(peer, slot), value)
+                arg = (pad.remote(peer, slot + offset), value)
             elif kind == _WAIT:
                 slot, value = arg
-                arg = (pad.local(slot), value)
+                arg = (pad.local(slot + offset), value)
+                if captured and last[slot] == index:
+                    bound.append((kind, lane_index, arg))
+                    kind, arg = _RESET, pad.local(slot + offset)
             elif kind == _COPY or kind == _LOCAL_COPY:
                 arg = tuple((at(dst), at(src), nbytes) for dst, src, nbytes in arg)
             elif kind == _REDUCE:
@@ -185,8 +199,57 @@ class Executor:
             for event in marks.values():
                 streams.release(event)
 
-    def reserve(self, plans: Iterable[Plan]) -> None:
-        """Create now every lane and event that issuing ``plans`` together will take.
+    def issue_captured(self, items: Sequence[Tuple[Plan, Tuple[tuple, ...], Any]],
+                       callers: Sequence[Any]) -> None:
+        """Enqueue each ``(plan, program, entry)`` of ``items`` (programs bound with
+        ``captured``) while the callers' streams are being captured into a CUDA graph.
+
+        Like ``issue``, on lanes of their own (``capture_lanes``: every lane a capture
+        forks stays in it until the capture ends), with the plan's own signal values
+        (base 0, graph slots that reset), no completion value (a replay is not a call
+        the host counts) and, for the exit, an event the callers' streams wait for: the
+        lanes join the capture back, as a graph needs.  Copies go one by one
+        (``cuMemcpyBatchAsync`` cannot be captured)."""
+        device, streams = self.device, self.streams
+        firsts, total = _families(plan for plan, _, _ in items)
+        streams.ensure_capture_lanes(total)
+        lanes = streams.capture_lanes
+        pending: List[list] = [[] for _ in range(total)]
+        marks: Dict[Tuple[int, int], Any] = {}
+
+        def flush(lane_index: int) -> None:
+            if pending[lane_index]:
+                device.memops(lanes[lane_index], pending[lane_index])
+                pending[lane_index] = []
+
+        try:
+            for item, (plan, program, entry) in enumerate(items):
+                first = firsts[plan.pair]
+                for lane_index in range(first, first + plan.lanes):
+                    flush(lane_index)
+                    device.wait_event(lanes[lane_index], entry)
+                self._steps(program, 0, first, pending, flush, marks, item, lanes=lanes,
+                            batch=False)
+            for lane_index in range(1, total):
+                flush(lane_index)
+                flush(0)
+                event = streams.event()
+                marks[(-1, lane_index)] = event
+                device.record(lanes[lane_index], event)
+                device.wait_event(lanes[0], event)
+            flush(0)
+            end = streams.event()
+            marks[(-2, 0)] = end
+            device.record(lanes[0], end)
+            for caller in callers:
+                device.wait_event(caller, end)
+        finally:
+            for event in marks.values():
+                streams.release(event)
+
+    def reserve(self, plans: Iterable[Plan], captured: bool = False) -> None:
+        """Create now every lane and event that issuing ``plans`` together will take
+        (``captured``: the capture lanes).
 
         Called before a caller's stream is fenced: creating a stream (or an event) may
         synchronize the context, and once a caller's stream waits for a call that is not
@@ -196,13 +259,20 @@ class Executor:
         _, total = _families(plans)
         marks = sum(1 for plan in plans
                     for kind, _, _ in compile_program(plan, self.rank) if kind == _MARK)
-        self.streams.ensure_lanes(total)
-        self.streams.reserve_events(marks + total - 1 + len(plans))  # marks, joins, entries
+        if captured:
+            self.streams.ensure_capture_lanes(total)
+        else:
+            self.streams.ensure_lanes(total)
+        # marks, joins, entries, and a captured call's exit
+        self.streams.reserve_events(marks + total + len(plans))
 
     def _steps(self, program: Tuple[tuple, ...], base: int, first: int, pending: List[list],
-               flush: Any, marks: Dict[Tuple[int, int], Any], item: int) -> None:
-        """One bound program's steps on lanes ``first, first + 1, ...``."""
-        device, streams, lanes = self.device, self.streams, self.streams.lanes
+               flush: Any, marks: Dict[Tuple[int, int], Any], item: int,
+               lanes: Any = None, batch: bool = True) -> None:
+        """One bound program's steps on lanes ``first, first + 1, ...`` (of ``lanes``, by
+        default the eager ones); ``batch``: independent copies in one batched call."""
+        device, streams = self.device, self.streams
+        lanes = streams.lanes if lanes is None else lanes
         for kind, lane_index, arg in program:
             lane_index += first
             if kind == _SIGNAL:
@@ -211,11 +281,15 @@ class Executor:
             if kind == _WAIT:
                 pending[lane_index].append((MemOp.WAIT, arg[0], base + arg[1]))
                 continue
+            if kind == _RESET:
+                pending[lane_index].append((MemOp.WRITE, arg, 0))
+                continue
             flush(lane_index)
             lane = lanes[lane_index]
             if kind == _COPY:
-                if len(arg) == 1:
-                    device.copy(lane, *arg[0])
+                if len(arg) == 1 or not batch:
+                    for copy in arg:
+                        device.copy(lane, *copy)
                 else:
                     device.copy_batch(lane, arg)
             elif kind == _LOCAL_COPY:

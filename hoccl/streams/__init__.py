@@ -34,6 +34,9 @@ class StreamManager:
     def __init__(self, device: Device, completion_address: Any, host_word_address: Any):
         self.device = device
         self.lanes: List[Any] = []
+        #: lanes of calls captured into CUDA graphs: while a capture is open, the lanes it
+        #: has forked stay in it, so eager calls must never share them
+        self.capture_lanes: List[Any] = []
         self._free_events: List[Any] = []
         self._all_events: List[Any] = []
         self.completion = completion_address
@@ -42,6 +45,10 @@ class StreamManager:
     def ensure_lanes(self, count: int) -> None:
         while len(self.lanes) < count:
             self.lanes.append(self.device.create_stream())
+
+    def ensure_capture_lanes(self, count: int) -> None:
+        while len(self.capture_lanes) < count:
+            self.capture_lanes.append(self.device.create_stream())
 
     def reserve_events(self, count: int) -> None:
         """Have at least ``count`` events in the pool, created now rather than mid-call."""
@@ -112,8 +119,9 @@ class StreamManager:
     def close(self) -> None:
         for event in self._all_events:
             self.device.destroy_event(event)
-        for lane in self.lanes:
+        for lane in self.lanes + self.capture_lanes:
             self.device.destroy_stream(lane)
         self._all_events.clear()
         self._free_events.clear()
         self.lanes.clear()
+        self.capture_lanes.clear()
