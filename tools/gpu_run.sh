@@ -103,6 +103,11 @@ if [ "$what" = final ]; then
     --dump-stacks-after 130
   train_shapes comm
 fi
+if [ "$what" = onegpu ] || [ "$what" = registered ]; then
+  # calls captured into CUDA graphs: 1000 replays checked, eager calls between; a capture
+  # on one rank only must raise everywhere
+  step capture 240 $MPIRUN python3 tests/mpi/run_capture.py --backend cuda --replays ${REPLAYS:-1000}
+fi
 if [ "$what" = onegpu ]; then
   # one GPU: two ranks under mpirun share it (IPC within one device), which runs every
   # protocol path of the cuda backend (exports, imports, memops, kernels) but no NVLink;
