@@ -132,8 +132,8 @@ if [ "$what" = registered ]; then
   gpu_tier 120 "mismatch dead abort" "$@"
   step split-mpirun 90 $MPIRUN python3 tests/mpi/run_split.py --backend cuda
   step profile-reg 60 $MPIRUN python3 tools/profile_call.py --size 1M --registered
-  step bench-small 300 $MPIRUN python3 -m hoccl.bench --sizes ${BENCH_SIZES:-8K,64K,256K,1M,4M,16M} \
-    --libraries hoccl,hoccl-reg,hoccl-reg+one_shot_bytes=4M,nccl,nccl4py,nccl-zero \
+  step bench-small 400 $MPIRUN python3 -m hoccl.bench --sizes ${BENCH_SIZES:-8K,64K,256K,1M,4M,16M} \
+    --libraries hoccl,hoccl-reg,hoccl-reg+one_shot_bytes=4M,nccl,nccl4py,nccl-zero --graph \
     --out "$OUT/bench-small"
   step bench-1g 200 $MPIRUN python3 -m hoccl.bench --sizes 1G --collectives all_gather \
     --libraries hoccl,hoccl-reg,nccl4py,nccl-zero --out "$OUT/bench-1g"

@@ -18,7 +18,7 @@ from typing import Any, Dict, List
 
 from ._harness import (COLLECTIVES, FORMS, bus_factor, count_wrong, human, libraries,
                        make_buffers, metadata, parse_size, report, require, setup_ranks,
-                       time_loop)
+                       time_graph, time_loop)
 
 __all__ = ["main", "sweep", "table", "plots"]
 
@@ -53,6 +53,9 @@ def arguments(argv=None) -> argparse.Namespace:
     parser.add_argument("--max-sms", type=int, default=8, help="hoccl's SM cap for sums and "
                         "local copies")
     parser.add_argument("--chunk-bytes", default="32M", help="hoccl's pipeline chunk for sums")
+    parser.add_argument("--graph", action="store_true",
+                        help="also time each library's calls captured into a CUDA graph (20 "
+                             "calls per graph, replayed back to back): rows LIBRARY+graph")
     parser.add_argument("--out", default="results/bench", help="folder for JSON and PNG")
     return parser.parse_args(argv)
 
@@ -113,11 +116,42 @@ def sweep(args: argparse.Namespace):
                     records.append(record)
                     ranks.say(f"  {collective:14s} {form:3s} {human(nbytes):>5s} {lib.name:11s} "
                               f"{micros:10.1f} us {record['busbw']:7.1f} GB/s  wrong {wrong}")
+                    if args.graph:
+                        records.append(graph_record(args, lib, ranks, collective, form, nbytes,
+                                                    buffers, streams, record))
                     lib.release()
                     del buffers
                     torch.cuda.empty_cache()
     return ({"meta": metadata(sys.argv), "world_size": n, "dtype": args.dtype,
              "records": records}, ranks.leader)
+
+
+def graph_record(args, lib, ranks, collective, form, nbytes, buffers, streams, eager):
+    """The same calls captured into a CUDA graph: a record of library ``NAME+graph``."""
+    n = ranks.world_size
+    name = f"{lib.name}+graph"
+    try:
+        replays = max(2, min(50, eager["iters"] // 20 + 2))
+        micros, replay = time_graph(lib, ranks, collective, buffers, 20, replays,
+                                    lambda i: streams[i])
+        wrong = count_wrong(lib, ranks, collective, form, buffers, ranks_dtype(buffers),
+                            lambda i: streams[i], run=replay)
+    except Exception as error:  # a library that cannot be captured, or not at this size
+        ranks.say(f"  {collective:14s} {form:3s} {human(nbytes):>5s} {name:11s} failed: "
+                  f"{type(error).__name__}: {str(error)[:200]}")
+        return dict(collective=collective, form=form, bytes=nbytes, library=name,
+                    error=f"{type(error).__name__}: {error}")
+    algbw = nbytes / (micros * 1e-6) / 1e9
+    record = dict(collective=collective, form=form, bytes=nbytes, library=name, time_us=micros,
+                  algbw=algbw, busbw=algbw * bus_factor(collective, n), wrong=wrong,
+                  iters=20 * replays, sms=lib.sms)
+    ranks.say(f"  {collective:14s} {form:3s} {human(nbytes):>5s} {name:11s} "
+              f"{micros:10.1f} us {record['busbw']:7.1f} GB/s  wrong {wrong}")
+    return record
+
+
+def ranks_dtype(buffers):
+    return buffers[0][1].dtype
 
 
 def table(result: Dict[str, Any]) -> str:

@@ -382,8 +382,9 @@ def make_buffers(library: Library, ranks: Ranks, collective: str, form: str, nby
 
 
 def count_wrong(library: Library, ranks: Ranks, collective: str, form: str, buffers, dtype,
-                stream_of) -> int:
-    """Fill the inputs with the pattern, poison the outputs, run once, count wrong elements."""
+                stream_of, run=None) -> int:
+    """Fill the inputs with the pattern, poison the outputs, run once (``run()``, e.g. a
+    graph's replay, instead of one call per rank when given), count wrong elements."""
     import torch
     n = ranks.world_size
     for index, (comm, (send, recv, send_count)) in enumerate(zip(ranks.comms, buffers)):
@@ -393,8 +394,11 @@ def count_wrong(library: Library, ranks: Ranks, collective: str, form: str, buff
             send.copy_(pattern(comm.rank, send_count, dtype, device))
             torch.cuda.synchronize(device)
     ranks.barrier()
-    for index, (send, recv, _) in enumerate(buffers):
-        library.run(index, collective, send, recv, stream_of(index))
+    if run is not None:
+        run()
+    else:
+        for index, (send, recv, _) in enumerate(buffers):
+            library.run(index, collective, send, recv, stream_of(index))
     wrong = 0
     for index, (comm, (send, recv, send_count)) in enumerate(zip(ranks.comms, buffers)):
         device = ranks.devices[index]
@@ -435,3 +439,39 @@ def time_loop(library: Library, ranks: Ranks, collective: str, buffers, iters: i
         end.synchronize()
         worst = max(worst, start.elapsed_time(end) * 1000 / iters)
     return ranks.max(worst)
+
+
+def time_graph(library: Library, ranks: Ranks, collective: str, buffers, calls: int,
+               replays: int, stream_of):
+    """µs per call of ``calls`` calls captured into one CUDA graph per rank
+    (``torch.cuda.graph`` on the rank's stream), replayed ``replays`` times back to back;
+    the slowest rank's, and a function replaying the graph once (for ``count_wrong``).
+    One rank per process only (a capture holds one thread's stream)."""
+    import torch
+    if len(ranks.devices) != 1:
+        raise RuntimeError("graphs are timed with one rank per process (mpirun)")
+    device, (send, recv, _) = ranks.devices[0], buffers[0]
+    stream = stream_of(0)
+    torch.cuda.synchronize(device)
+    ranks.barrier()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for _ in range(calls):
+            library.run(0, collective, send, recv, stream)
+    with torch.cuda.stream(stream):
+        graph.replay()  # warm
+    torch.cuda.synchronize(device)
+    ranks.barrier()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with torch.cuda.stream(stream):
+        start.record(stream)
+        for _ in range(replays):
+            graph.replay()
+        end.record(stream)
+    end.synchronize()
+    micros = start.elapsed_time(end) * 1000 / (replays * calls)
+
+    def replay_once():
+        with torch.cuda.stream(stream):
+            graph.replay()
+    return ranks.max(micros), replay_once
