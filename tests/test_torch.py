@@ -286,3 +286,14 @@ def test_device_activities_are_sorted_into_communication_and_compute():
     for name in ("ampere_bf16_s16816gemm_bf16_128x128", "Memcpy DtoD (Device -> Device)",
                  "void at::native::vectorized_elementwise_kernel<4>"):
         assert not is_communication(name), name
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_registered_tensors_through_the_backend_go_without_an_exchange(ranks):
+    """``hoccl.torch.empty`` tensors: all_reduce, all_gather_into_tensor and
+    reduce_scatter_tensor exact, and (but for the first reduction's scratch) issued without
+    a descriptor exchange.  (``--device cuda`` adds CUDA graph replays.)"""
+    code, output = launch(ranks, PROGRAMS / "run_registered.py")
+    assert code == 0, output[-6000:]
+    assert "registered torch: 2 passed, 0 failed" in output, output[-6000:]

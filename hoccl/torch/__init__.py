@@ -30,7 +30,7 @@ from ._process_group import ProcessGroupHoccl
 from ._work import Work
 
 __all__ = ["Options", "ProcessGroupHoccl", "StoreBootstrap", "AllGather", "ReduceScatter",
-           "Work", "use_for_fsdp", "communicator", "BACKEND"]
+           "Work", "use_for_fsdp", "communicator", "empty", "BACKEND"]
 
 #: the name under which torch.distributed knows the backend
 BACKEND = "hoccl"
@@ -74,6 +74,17 @@ def communicator(group: Any = None) -> Any:
         raise InvalidArgumentError(f"communicator: {type(group).__name__} is not a hoccl "
                                    f"process group")
     return group.communicator
+
+
+def empty(*size: Any, dtype: torch.dtype = torch.float32, group: Any = None) -> torch.Tensor:
+    """A tensor registered with a hoccl process group's communicator (``hoccl.empty``;
+    collective: every rank of the group, in the same order).  Collectives of that group
+    on tensors carved from it at the same offsets on every rank go without a descriptor
+    exchange (see the README's "Registered buffers").  Freed by
+    ``communicator(group).deregister(tensor)``."""
+    comm = communicator(group)
+    shape = tuple(size[0]) if len(size) == 1 and isinstance(size[0], (tuple, list)) else size
+    return hoccl.empty(shape, str(dtype).replace("torch.", ""), comm, framework="torch")
 
 
 def _device(options: Options) -> Optional[int]:
