@@ -2,8 +2,9 @@
 [--backend cuda|host] [--replays 1000]``.
 
 On the cuda backend, one graph (torch.cuda.graph) holds an in-place all_gather, an
-all_reduce, a reduce_scatter and an all_to_all on registered buffers, and a second graph
-an all_gather on unregistered buffers (its descriptors exchanged at capture); each graph
+all_reduce, a reduce_scatter and an all_to_all on registered buffers, a second graph
+an all_gather on unregistered buffers (its descriptors exchanged at capture), and a
+third a broadcast, a reduce, a gather, a scatter and a ring of send/recv; each graph
 is replayed ``--replays`` times with fresh inputs written before every replay, every
 output checked against numpy after every replay, and an eager all_gather and all_reduce
 on the same communicator between replays (checked too).  Then one rank captures while
@@ -117,6 +118,65 @@ class Scene:
                 [d[r * count:(r + 1) * count] for d in data["a2a"]]), a.get(self.a2a_out))
 
 
+class Rooted:
+    """broadcast (root 0), reduce (last rank), gather (root 0), scatter (last rank) and a
+    ring of send/recv (even ranks send first), on unregistered buffers."""
+
+    calls = ("broadcast", "reduce", "gather", "scatter", "send_recv")
+
+    def __init__(self, comm, arrays, count):
+        n = comm.world_size
+        self.comm, self.arrays, self.count = comm, arrays, count
+        self.names = {"bcast": count, "red_in": count, "red_out": count, "gath_in": count,
+                      "gath_out": n * count, "scat_in": n * count, "scat_out": count,
+                      "send": count, "recv": count}
+        self.buffers = {name: arrays.empty(size, False) for name, size in self.names.items()}
+
+    def inputs(self, step):
+        n, count = self.comm.world_size, self.count
+        rng = np.random.default_rng([step, 11])
+        return {name: [rng.integers(-8, 8, size=n * count).astype(np.float32)
+                       for _ in range(n)] for name in ("bcast", "red", "gath", "scat", "ring")}
+
+    def load(self, data):
+        r, count, a, b = self.comm.rank, self.count, self.arrays, self.buffers
+        nan = np.float32("nan")
+        a.fill(b["bcast"], data["bcast"][r][:count] if r == 0 else np.full(count, nan))
+        a.fill(b["red_in"], data["red"][r][:count])
+        a.fill(b["red_out"], np.full(count, nan))
+        a.fill(b["gath_in"], data["gath"][r][:count])
+        a.fill(b["gath_out"], np.full(len(data["gath"][r]), nan))
+        a.fill(b["scat_in"], data["scat"][r])
+        a.fill(b["scat_out"], np.full(count, nan))
+        a.fill(b["send"], data["ring"][r][:count])
+        a.fill(b["recv"], np.full(count, nan))
+
+    def issue(self):
+        comm, b = self.comm, self.buffers
+        n, r = comm.world_size, comm.rank
+        comm.broadcast(b["bcast"], b["bcast"], 0)
+        comm.reduce(b["red_in"], b["red_out"], n - 1, "sum")
+        comm.gather(b["gath_in"], b["gath_out"], 0)
+        comm.scatter(b["scat_in"], b["scat_out"], n - 1)
+        steps = [(comm.send, b["send"], (r + 1) % n), (comm.recv, b["recv"], (r - 1) % n)]
+        for call, buffer, peer in (steps if r % 2 == 0 else steps[::-1]):
+            call(buffer, peer)
+
+    def check(self, data, what):
+        n, r, count, a, b = self.comm.world_size, self.comm.rank, self.count, self.arrays, \
+            self.buffers
+        assert_exact(f"{what} broadcast", data["bcast"][0][:count], a.get(b["bcast"]))
+        if r == n - 1:
+            assert_exact(f"{what} reduce", np.sum([d[:count] for d in data["red"]], axis=0,
+                                                  dtype=np.float32), a.get(b["red_out"]))
+        if r == 0:
+            assert_exact(f"{what} gather", np.concatenate([d[:count] for d in data["gath"]]),
+                         a.get(b["gath_out"]))
+        assert_exact(f"{what} scatter", data["scat"][n - 1][r * count:(r + 1) * count],
+                     a.get(b["scat_out"]))
+        assert_exact(f"{what} recv", data["ring"][(r - 1) % n][:count], a.get(b["recv"]))
+
+
 class Capture:
     """A graph of ``scene.issue()``: torch.cuda.graph on cuda; on the host backend the
     calls issued as captured ones, again at every replay."""
@@ -162,8 +222,9 @@ def replays(comm, args):
     everything = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all")
     registered = Scene(comm, arrays, 1000, True, everything)
     unregistered = Scene(comm, arrays, 777, False, ("all_gather",))
+    rooted = Rooted(comm, arrays, 555)
     eager = Scene(comm, arrays, 333, False, ("all_gather", "all_reduce"))
-    graphs = [(registered, None), (unregistered, None)]
+    graphs = [(registered, None), (unregistered, None), (rooted, None)]
     for index, (scene, _) in enumerate(graphs):
         scene.load(scene.inputs(10 ** 7 + index))
         synchronize(comm)
@@ -171,7 +232,7 @@ def replays(comm, args):
     synchronize(comm)
     for step in range(args.replays):
         for index, (scene, graph) in enumerate(graphs):
-            data = scene.inputs(2 * step + index)
+            data = scene.inputs(3 * step + index)
             scene.load(data)
             graph.replay()
             synchronize(comm)
@@ -182,7 +243,8 @@ def replays(comm, args):
             eager.issue()
             synchronize(comm)
             eager.check(data, f"eager call after replay {step}: rank {comm.rank}")
-    return f"{args.replays} replays of 2 graphs (5 calls), {args.replays // 10} eager rounds"
+    return (f"{args.replays} replays of 3 graphs (11 calls), {args.replays // 10} eager "
+            f"rounds")
 
 
 def capture_on_one_rank(comm, args):
