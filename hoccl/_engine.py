@@ -603,6 +603,26 @@ class Engine:
         call skips the imports and the address arithmetic.  Descriptors that differ
         (another buffer, a reallocation, another size) are another key."""
         plan = call.plan
+        # a plan hashes all its steps: it is known by its id, and kept in the entry so
+        # that the id cannot pass to another plan while the entry lives.  The bounds below
+        # depend on nothing but the key (the peers' sizes are in it; a window's size
+        # cannot change while its index is known), so a found entry has passed them.
+        layout = (id(plan), call.captured, tuple(call.local.values()),
+                  tuple((peer, tuple(shared.items())) for peer, shared in call.peers.items()))
+        entry = self._programs.get(layout)
+        if entry is None or entry[0] is not plan:
+            self._check_bounds(call)
+            entry = (plan, self.executor.bind(plan, self._addresses(call, imported),
+                                              captured=call.captured))
+            if len(self._programs) >= _CACHED:
+                self._programs.clear()
+            self._programs[layout] = entry
+        return entry[1]
+
+    def _check_bounds(self, call: Call) -> None:
+        """Every byte the plan touches in a peer's buffer lies in what the peer passed (and,
+        for a registered one, in the peer's window); else MismatchError."""
+        plan = call.plan
         for peer, shared in call.peers.items():
             for buffer_name, buffer in shared.items():
                 needed = plan.buffer(peer, buffer_name).nbytes
@@ -611,18 +631,6 @@ class Engine:
                         f"{call.name}: rank {peer}'s {buffer_name} holds {buffer.nbytes} bytes "
                         f"but rank {self.rank}'s plan for this call reaches {needed} bytes into "
                         f"it; the ranks disagree on the call's size")
-        # a plan hashes all its steps: it is known by its id, and kept in the entry so
-        # that the id cannot pass to another plan while the entry lives
-        layout = (id(plan), call.captured, tuple(call.local.values()),
-                  tuple((peer, tuple(shared.items())) for peer, shared in call.peers.items()))
-        entry = self._programs.get(layout)
-        if entry is None or entry[0] is not plan:
-            entry = (plan, self.executor.bind(plan, self._addresses(call, imported),
-                                              captured=call.captured))
-            if len(self._programs) >= _CACHED:
-                self._programs.clear()
-            self._programs[layout] = entry
-        return entry[1]
 
     def _addresses(self, call: Call, imported: bool) -> Dict[Tuple[int, str], Any]:
         """Every buffer of ``call``, this rank's and its peers' (imported when

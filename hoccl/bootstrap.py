@@ -444,6 +444,7 @@ class ProcessGroup:
         # per peer, in call order: the calls issued without the peer's description (on
         # registered buffers), whose description is checked when it comes (``_check``)
         self._unchecked: List[deque] = [deque() for _ in range(self.world_size)]
+        self._used_cache: Dict[int, Tuple[Any, Dict[int, tuple]]] = {}
 
     def local_rank(self) -> int:
         """This rank's index among the ranks on its host."""
@@ -463,15 +464,26 @@ class ProcessGroup:
         fast = all(call.fast is not None for call in calls)  # as ``complete`` decides
         for call in calls:
             description = self._description(call)
+            # issued without asking: what this rank took each peer's buffers to be, for the
+            # peer to check before it issues its own (``_check_used``)
+            used = self._used(call.fast) if fast else None
             for peer in call.plan.participants:
                 if peer != self.rank:
-                    # issued without asking: what this rank took the peer's buffers to be,
-                    # for the peer to check before it issues its own (``_check_used``)
-                    used = (tuple((name, buffer.where) for name, buffer in
-                                  call.fast[peer].items())  # type: ignore[index]
-                            if fast else None)
-                    self.mailboxes.send(peer, (call.key, description, used), deadline,
-                                        call.name)
+                    self.mailboxes.send(peer, (call.key, description,
+                                               used[peer] if used else None),
+                                        deadline, call.name)
+
+    def _used(self, fast: Any) -> Dict[int, tuple]:
+        """``(name, where)`` of every peer buffer in ``fast`` (``Call.fast``: one dict per
+        layout, from the engine's cache, so the tuples are made once per layout)."""
+        cached = self._used_cache.get(id(fast))
+        if cached is None or cached[0] is not fast:
+            cached = (fast, {peer: tuple((name, buffer.where) for name, buffer in buffers.items())
+                             for peer, buffers in fast.items()})
+            if len(self._used_cache) >= _DESCRIPTIONS:
+                self._used_cache.clear()
+            self._used_cache[id(fast)] = cached
+        return cached[1]
 
     def agree(self, name: str, value: Any) -> List[Any]:
         """Every rank's ``value`` for a collective step that is not a call (``split``'s
