@@ -108,6 +108,13 @@ if [ "$what" = onegpu ] || [ "$what" = registered ]; then
   # on one rank only must raise everywhere
   step capture 240 $MPIRUN python3 tests/mpi/run_capture.py --backend cuda --replays ${REPLAYS:-1000}
 fi
+if [ "$what" = quickreg ]; then
+  # the shortest comparison that says something: registered and unregistered hoccl, eager
+  # and in a CUDA graph, beside NCCL, at 64 KiB and 1 MiB
+  step bench-quick 200 $MPIRUN python3 -m hoccl.bench --sizes 64K,1M \
+    --collectives all_gather,all_reduce,reduce_scatter --forms in \
+    --libraries hoccl,hoccl-reg,nccl,nccl-zero --graph --out "$OUT/bench-quick"
+fi
 if [ "$what" = onegpu ]; then
   # one GPU: two ranks under mpirun share it (IPC within one device), which runs every
   # protocol path of the cuda backend (exports, imports, memops, kernels) but no NVLink;
