@@ -31,7 +31,8 @@ def arguments(argv=None) -> argparse.Namespace:
                         "reduce_scatter:out,all_reduce:in",
                         help="comma-separated collective:form (form: in or out)")
     parser.add_argument("--libraries", default="hoccl,hoccl-peer,hoccl+copy_sms=8,hoccl+max_sms=4,"
-                        "hoccl+max_sms=32+copy_sms=32,nccl,nccl4py,nccl-zero",
+                        "hoccl+max_sms=32+copy_sms=32,hoccl+max_sms=32+chunk_bytes=128M,"
+                        "hoccl-reg,nccl,nccl4py,nccl-zero",
                         help="as for python -m hoccl.bench")
     parser.add_argument("--bytes", default="1G", help="collective size (nccl-tests' size)")
     parser.add_argument("--gemm", type=int, default=8192, help="M = N = K of the GEMM")
