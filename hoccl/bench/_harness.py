@@ -186,7 +186,7 @@ class Hoccl(Library):
         self.sms = f"moves: {moves} (in place: 0); sums: ≤ {sums}"
         # variants are measured only where what they change matters
         self.moves_only = route is not None or set(settings) == {"copy_sms"}
-        self.sums_only = set(settings) == {"max_sms"}
+        self.sums_only = bool(settings) and set(settings) <= {"max_sms", "chunk_bytes"}
         self.all_reduce_only = set(settings) == {"one_shot_bytes"}
 
     def supports(self, collective: str, form: str) -> bool:
