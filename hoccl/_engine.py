@@ -199,7 +199,7 @@ class Call:
     issued: bool = False
     #: whether the caller's stream waits for the call yet (``enqueue``, ``fence_callers``)
     fenced: bool = False
-    #: captured into a CUDA graph (``Executor.issue_captured``): not numbered, not in flight
+    #: captured into a CUDA graph (``Executor.issue`` with callers): not numbered, not in flight
     captured: bool = False
     base: int = 0              # the signal base it was issued with
     entry: Any = None          # event marking the caller's position at call time
@@ -572,7 +572,8 @@ class Engine:
 
     def _issue_captured(self, calls: Sequence[Call], imported: bool) -> None:
         """``issue`` for calls captured into a graph: graph slots that reset, no signal
-        base, no completion value; the callers' streams wait for the lanes' end."""
+        base, no completion value; the callers' streams wait for the lanes' end
+        (``Executor.issue`` with ``callers``)."""
         if not all(call.captured for call in calls):
             raise InvalidArgumentError(f"{calls[0].name}: calls captured into a CUDA graph "
                                        f"and calls made eagerly cannot be issued together")
@@ -586,9 +587,9 @@ class Engine:
         callers: Dict[Any, Any] = {}
         for call in calls:
             callers.setdefault(_stream_key(call.caller), call.caller)
-        self.executor.issue_captured([(call.plan, program, call.entry)
-                                      for call, program in zip(calls, programs)],
-                                     list(callers.values()))
+        self.executor.issue([(call.plan, program, 0, call.entry)
+                             for call, program in zip(calls, programs)], 0,
+                            callers=list(callers.values()))
         for call in calls:
             self.streams.release(call.entry)
             call.entry = None

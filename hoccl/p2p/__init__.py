@@ -18,7 +18,7 @@ collective on two GPUs is then a handful of driver calls.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, List, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from ..backends._base import MemOp, SmCaps
 from ..sched.plan import After, Copy, Mark, Plan, Reduce, Signal, Wait
@@ -120,7 +120,7 @@ class Executor:
         this rank's pad (waits) or a peer's (signals).  Signal values stay relative to
         the call; ``issue`` adds its base.
 
-        ``captured`` (a call captured into a CUDA graph, ``issue_captured``): the graph
+        ``captured`` (a call captured into a CUDA graph, ``issue`` with callers): the graph
         slots instead, and after the last wait on each slot a reset of it to 0 on the
         same lane (``hoccl.sched.replay``), so that every replay starts from zeros."""
         pad = self.pad
@@ -154,7 +154,7 @@ class Executor:
         return tuple(bound)
 
     def issue(self, items: Sequence[Tuple[Plan, Tuple[tuple, ...], int, Any]],
-              value: int) -> None:
+              value: int, callers: Optional[Sequence[Any]] = None) -> None:
         """Enqueue each ``(plan, program, base, entry)`` of ``items`` (``program``: the
         plan's steps for this rank from ``bind``) and end with the completion value
         ``value``.
@@ -165,11 +165,23 @@ class Executor:
         direction) on lanes of its own, so that calls of one group never wait for each
         other (a ring of send/recv); lane 0 then joins every lane used and writes the
         completion value once.
+
+        ``callers`` (calls captured into a CUDA graph, bound with ``captured``, base 0):
+        their lanes are the capture lanes (every lane a capture forks stays in it until
+        the capture ends, so eager calls must not share them), copies go one by one
+        (``cuMemcpyBatchAsync`` cannot be captured), no completion value is written (a
+        replay is not a call the host counts), and the exit is an event every caller's
+        stream waits for: the lanes join the capture back, as a graph needs.
         """
         device, streams = self.device, self.streams
+        captured = callers is not None
         firsts, total = _families(plan for plan, _, _, _ in items)
-        streams.ensure_lanes(total)  # made by ``reserve`` already, unless it was skipped
-        lanes = streams.lanes
+        if captured:
+            streams.ensure_capture_lanes(total)
+            lanes = streams.capture_lanes
+        else:
+            streams.ensure_lanes(total)  # made by ``reserve`` already, unless it was skipped
+            lanes = streams.lanes
         pending: List[list] = [[] for _ in range(total)]
         marks: Dict[Tuple[int, int], Any] = {}
 
@@ -184,7 +196,8 @@ class Executor:
                 for lane_index in range(first, first + plan.lanes):
                     flush(lane_index)
                     device.wait_event(lanes[lane_index], entry)
-                self._steps(program, base, first, pending, flush, marks, item)
+                self._steps(program, base, first, pending, flush, marks, item, lanes,
+                            batch=not captured)
             # join: lane 0 continues only after every other lane's last step
             for lane_index in range(1, total):
                 flush(lane_index)
@@ -193,56 +206,15 @@ class Executor:
                 marks[(-1, lane_index)] = event
                 device.record(lanes[lane_index], event)
                 device.wait_event(lanes[0], event)
-            pending[0].extend(streams.completion_writes(value))
+            if not captured:
+                pending[0].extend(streams.completion_writes(value))
             flush(0)
-        finally:
-            for event in marks.values():
-                streams.release(event)
-
-    def issue_captured(self, items: Sequence[Tuple[Plan, Tuple[tuple, ...], Any]],
-                       callers: Sequence[Any]) -> None:
-        """Enqueue each ``(plan, program, entry)`` of ``items`` (programs bound with
-        ``captured``) while the callers' streams are being captured into a CUDA graph.
-
-        Like ``issue``, on lanes of their own (``capture_lanes``: every lane a capture
-        forks stays in it until the capture ends), with the plan's own signal values
-        (base 0, graph slots that reset), no completion value (a replay is not a call
-        the host counts) and, for the exit, an event the callers' streams wait for: the
-        lanes join the capture back, as a graph needs.  Copies go one by one
-        (``cuMemcpyBatchAsync`` cannot be captured)."""
-        device, streams = self.device, self.streams
-        firsts, total = _families(plan for plan, _, _ in items)
-        streams.ensure_capture_lanes(total)
-        lanes = streams.capture_lanes
-        pending: List[list] = [[] for _ in range(total)]
-        marks: Dict[Tuple[int, int], Any] = {}
-
-        def flush(lane_index: int) -> None:
-            if pending[lane_index]:
-                device.memops(lanes[lane_index], pending[lane_index])
-                pending[lane_index] = []
-
-        try:
-            for item, (plan, program, entry) in enumerate(items):
-                first = firsts[plan.pair]
-                for lane_index in range(first, first + plan.lanes):
-                    flush(lane_index)
-                    device.wait_event(lanes[lane_index], entry)
-                self._steps(program, 0, first, pending, flush, marks, item, lanes=lanes,
-                            batch=False)
-            for lane_index in range(1, total):
-                flush(lane_index)
-                flush(0)
-                event = streams.event()
-                marks[(-1, lane_index)] = event
-                device.record(lanes[lane_index], event)
-                device.wait_event(lanes[0], event)
-            flush(0)
-            end = streams.event()
-            marks[(-2, 0)] = end
-            device.record(lanes[0], end)
-            for caller in callers:
-                device.wait_event(caller, end)
+            if captured:
+                end = streams.event()
+                marks[(-2, 0)] = end
+                device.record(lanes[0], end)
+                for caller in callers:  # type: ignore[union-attr]
+                    device.wait_event(caller, end)
         finally:
             for event in marks.values():
                 streams.release(event)
@@ -267,12 +239,11 @@ class Executor:
         self.streams.reserve_events(marks + total + len(plans))
 
     def _steps(self, program: Tuple[tuple, ...], base: int, first: int, pending: List[list],
-               flush: Any, marks: Dict[Tuple[int, int], Any], item: int,
-               lanes: Any = None, batch: bool = True) -> None:
-        """One bound program's steps on lanes ``first, first + 1, ...`` (of ``lanes``, by
-        default the eager ones); ``batch``: independent copies in one batched call."""
+               flush: Any, marks: Dict[Tuple[int, int], Any], item: int, lanes: List[Any],
+               batch: bool) -> None:
+        """One bound program's steps on ``lanes`` ``first, first + 1, ...``; ``batch``:
+        independent copies in one batched call."""
         device, streams = self.device, self.streams
-        lanes = streams.lanes if lanes is None else lanes
         for kind, lane_index, arg in program:
             lane_index += first
             if kind == _SIGNAL:
