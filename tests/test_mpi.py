@@ -31,6 +31,15 @@ def _mpiexec():
     return found
 
 
+def _run_program(ranks, script, *args):
+    """``script`` (in tests/mpi) under mpiexec with ``args``; its exit status and output."""
+    command = [_mpiexec(), "-n", str(ranks), sys.executable,
+               str(Path(__file__).parent / "mpi" / script), *args]
+    env = {**os.environ, **MPI_ENV, "HOCCL_VERIFY": "1"}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+    return result.returncode, result.stdout + result.stderr
+
+
 def _run_checks(ranks, *args):
     """run_checks.py under mpiexec on the host backend; its exit status and output."""
     command = [_mpiexec(), "-n", str(ranks), sys.executable, str(SCRIPT), "--backend", "host",
@@ -128,15 +137,9 @@ def test_split_children_under_mpiexec_run_collectives_beside_their_parent(ranks)
     overridden settings, closing in either order, a bad color on one rank raising on all,
     a rank calling all_reduce beside the others' split (every rank raises), and a world
     across (simulated) hosts refusing to split."""
-    command = [_mpiexec(), "-n", str(ranks), sys.executable, str(SPLIT), "--backend", "host"]
-    env = {**os.environ, **MPI_ENV, "HOCCL_VERIFY": "1"}
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, output[-4000:]
+    returncode, output = _run_program(ranks, SPLIT.name, "--backend", "host")
+    assert returncode == 0, output[-4000:]
     assert f"split ranks={ranks} backend=host: 8 passed, 0 failed" in output, output[-4000:]
-
-
-REGISTERED = Path(__file__).parent / "mpi" / "run_registered.py"
 
 
 @pytest.mark.mpi
@@ -161,22 +164,15 @@ def test_registered_buffers_divergence_and_registration(ranks):
     offset, beyond a peer's window, an unregistered buffer on one rank) raises
     DivergedError on every rank with the guard bytes around every window untouched;
     registration mistakes raise on every rank; deregistered memory is exchanged again."""
-    command = [_mpiexec(), "-n", str(ranks), sys.executable, str(REGISTERED), "--backend", "host"]
-    env = {**os.environ, **MPI_ENV, "HOCCL_VERIFY": "1"}
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, output[-4000:]
+    returncode, output = _run_program(ranks, "run_registered.py", "--backend", "host")
+    assert returncode == 0, output[-4000:]
     assert f"registered ranks={ranks}: 7 passed, 0 failed" in output, output[-4000:]
 
 
 @pytest.mark.mpi
 def test_callers_are_fenced_only_after_the_peers_buffers_are_mapped():
-    script = Path(__file__).parent / "mpi" / "run_fence_order.py"
-    command = [_mpiexec(), "-n", "2", sys.executable, str(script)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300,
-                            env={**os.environ, **MPI_ENV})
-    output = result.stdout + result.stderr
-    assert result.returncode == 0 and "fence order: ok (2 ranks)" in output, output[-4000:]
+    returncode, output = _run_program(2, "run_fence_order.py")
+    assert returncode == 0 and "fence order: ok (2 ranks)" in output, output[-4000:]
 
 
 @pytest.mark.mpi
@@ -186,10 +182,6 @@ def test_captured_calls_replay_with_resetting_signals(ranks):
     reset after their last wait, no signal base, lanes of their own) and issued again as
     replays, 100 times, every output checked, eager calls between; one rank capturing
     while the others call eagerly raises on every rank."""
-    script = Path(__file__).parent / "mpi" / "run_capture.py"
-    command = [_mpiexec(), "-n", str(ranks), sys.executable, str(script), "--backend", "host",
-               "--replays", "100"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600,
-                            env={**os.environ, **MPI_ENV})
-    output = result.stdout + result.stderr
-    assert result.returncode == 0 and "capture: 2 passed, 0 failed" in output, output[-4000:]
+    returncode, output = _run_program(ranks, "run_capture.py", "--backend", "host",
+                                      "--replays", "100")
+    assert returncode == 0 and "capture: 2 passed, 0 failed" in output, output[-4000:]

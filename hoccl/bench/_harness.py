@@ -25,6 +25,14 @@ def bus_factor(collective: str, n: int) -> float:
     return 2 * (n - 1) / n if collective == "all_reduce" else (n - 1) / n
 
 
+def fill_defaults(args: Any, quick: Dict[str, Any], full: Dict[str, Any]) -> Any:
+    """Options left unset (None) take ``quick``'s value with ``--quick``, else ``full``'s."""
+    for name, value in (quick if args.quick else full).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    return args
+
+
 def parse_size(text: str) -> int:
     units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
     text = text.strip().upper().rstrip("B")

@@ -62,7 +62,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
-from ._harness import human, parse_size, report
+from ._harness import fill_defaults, human, parse_size, report
 
 __all__ = ["main", "arguments", "Variant", "variants", "pieces", "launches_per_call",
            "residency", "kernel_summary", "table", "markdown"]
@@ -120,11 +120,7 @@ def arguments(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--no-profile", action="store_true",
                         help="skip the torch.profiler timeline")
     parser.add_argument("--out", default="results/levers", help="folder for JSON and Markdown")
-    args = parser.parse_args(argv)
-    defaults = _QUICK if args.quick else _FULL
-    for name, value in defaults.items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
+    args = fill_defaults(parser.parse_args(argv), _QUICK, _FULL)
     if args.gemms < 1 or args.rounds < 1 or args.base_sms < 1:
         parser.error("--gemms, --rounds and --base-sms must be at least 1")
     return args

@@ -50,7 +50,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence
 
-from ._harness import report
+from ._harness import fill_defaults, report
 
 __all__ = ["main", "arguments", "Layout", "ChunkViews", "Schedule", "schedules",
            "count_mismatches", "summary", "table"]
@@ -94,11 +94,7 @@ def arguments(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         help="flip one bit of every checked output before comparing it (the "
                              "check must then report one wrong element per rank)")
     parser.add_argument("--out", default="results/tp", help="folder for JSON and Markdown")
-    args = parser.parse_args(argv)
-    defaults = _QUICK if args.quick else _FULL
-    for name, value in defaults.items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
+    args = fill_defaults(parser.parse_args(argv), _QUICK, _FULL)
     if args.dtype not in ("bfloat16", "float16"):
         parser.error(f"--dtype must be bfloat16 or float16, got {args.dtype}")
     if min(args.iters, args.rounds, args.tokens, args.hidden, args.ffn) < 1 or args.warmup < 0:
