@@ -31,7 +31,8 @@ import numpy as np
 
 import hoccl
 from hoccl.backends import cuda_device_count
-from hoccl.testing import IN_PLACE_FORMS, ArrayModule, check_collective, poison, random_array
+from hoccl.testing import (IN_PLACE_FORMS, ArrayModule, RegisteredArrays, check_collective,
+                           poison, random_array)
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast",
                "reduce", "gather", "scatter")
@@ -137,6 +138,13 @@ def cases(world_size: int) -> List[Case]:
                              roots=(last,) if collective in ROOTED else (0,)))
     for dtype in OTHER_DTYPES:
         grid.append(Case("all_reduce", "out", dtype, 1001, ops=ALL_OPS))
+    # buffers carved from registered arrays (hoccl.empty) at the same offsets on every rank:
+    # under --mpi these calls go without a descriptor exchange
+    for collective in ("all_gather", "reduce_scatter", "all_reduce", "all_to_all"):
+        for form in ("in/registered", "out/registered") if collective != "all_to_all" \
+                else ("out/registered",):
+            grid.append(Case(collective, form, "float32", 4099,
+                             ops=("sum", "max") if collective in REDUCING else ("sum",)))
     grid.append(Case("send/recv", "ring +1", "float64", 12345))
     grid.append(Case("send/recv", "ring -1", "int8", 31))
     grid.append(Case("barrier", "", "", 0))
@@ -221,23 +229,31 @@ def run_case(comms, case: Case, seed: int) -> List[Optional[str]]:
     if case.collective == "barrier":
         attempt(lambda: check_barrier(comms, arrays, seed))
         return outcomes
+    registered = case.form.endswith("/registered")
+    if registered:  # one registered array per rank, released (collectively) after the case
+        arrays = RegisteredArrays(arrays, slot_bytes=case.count * comms[0].world_size * 8)
     default_route = comms[0].options.self_route
-    route = case.form.split("/")[1] if "/" in case.form else default_route
+    route = case.form.split("/")[1] if "/" in case.form and not registered else default_route
     for comm in comms:
         comm.set_options(self_route=route)
     for root in case.roots:
         for op in case.ops:
             attempt(lambda: check_collective(
                 comms, case.collective, count=case.count, dtype=case.dtype, op=op, root=root,
-                in_place=case.form == "in", seed=seed + 1000 * root + ALL_OPS.index(op),
-                arrays=arrays))
+                in_place=case.form.split("/")[0] == "in",
+                seed=seed + 1000 * root + ALL_OPS.index(op), arrays=arrays))
     for comm in comms:
         comm.set_options(self_route=default_route)
+    if registered:
+        try:
+            arrays.release()
+        except Exception as error:  # a failed deregistration fails the case
+            outcomes.append(f"{where}deregister: {error}")
     return outcomes
 
 
 # -- report --------------------------------------------------------------------------------
-COLUMNS = (("collective", 15), ("form", 10), ("dtype", 9), ("count", 6), ("variants", 30),
+COLUMNS = (("collective", 15), ("form", 14), ("dtype", 9), ("count", 6), ("variants", 30),
            ("result", 0))
 
 
