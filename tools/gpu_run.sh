@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The device machine's session: GPU tests (one process, and mpirun -np 2), then the
-# benchmarks against NCCL.  Usage: bash tools/gpu_run.sh [tests|profile|bench|overlap|compare|torch|fsdp|hier|hierdiag|final|registered|onegpu|levers|tp|all] [pytest args]
+# benchmarks against NCCL.  Usage: bash tools/gpu_run.sh [tests|profile|bench|overlap|compare|torch|fsdp|hier|hierdiag|final|registered|onegpu|quickreg|figures-a|figures-b|levers|tp|all] [pytest args]
 # torch: the torch.distributed backend's checks, DDP/FSDP2/HSDP training against NCCL (hoccl
 # the default process group, then NCCL), the FSDP2 example on NCCL and on hoccl, and
 # python -m hoccl.bench.train (one process per shape).
@@ -107,6 +107,28 @@ if [ "$what" = onegpu ] || [ "$what" = registered ]; then
   # calls captured into CUDA graphs: 1000 replays checked, eager calls between; a capture
   # on one rank only must raise everywhere
   step capture 240 $MPIRUN python3 tests/mpi/run_capture.py --backend cuda --replays ${REPLAYS:-1000}
+fi
+if [ "$what" = figures-a ]; then
+  # 2 x H200, first of two device calls (each under 10 minutes) for the open issues'
+  # figures: correctness of what one H200 checked (registered buffers, graphs, split),
+  # then small messages eager and in graphs beside NCCL, and 1 GiB in place
+  step registered-checks 120 $MPIRUN python3 tests/mpi/run_checks.py --backend cuda --registered \
+    --counts 0,17,100003
+  step capture 120 $MPIRUN python3 tests/mpi/run_capture.py --backend cuda --replays 300
+  step split-mpirun 60 $MPIRUN python3 tests/mpi/run_split.py --backend cuda
+  step bench-small 300 $MPIRUN python3 -m hoccl.bench --sizes 8K,64K,256K,1M,4M,16M \
+    --forms in --libraries hoccl,hoccl-reg,hoccl-reg+one_shot_bytes=4M,nccl,nccl-zero --graph \
+    --out "$OUT/bench-small"
+  step bench-1g 100 $MPIRUN python3 -m hoccl.bench --sizes 1G --collectives all_gather \
+    --forms in --libraries hoccl,hoccl-reg,nccl4py,nccl-zero --out "$OUT/bench-1g"
+fi
+if [ "$what" = figures-b ]; then
+  # the second: reductions beside a GEMM, the tensor-parallel layer, training, HSDP
+  step overlap 200 $MPIRUN python3 -m hoccl.bench.overlap --cases reduce_scatter:out,all_reduce:in \
+    --libraries hoccl,hoccl+max_sms=32+chunk_bytes=128M,hoccl+max_sms=16,nccl --out "$OUT/overlap"
+  step tp 150 $TRUN python3 -m hoccl.bench.tp --out "$OUT/tp"
+  step torch-training 120 $TRUN python3 tests/torch_programs/run_training.py --device cuda
+  train_shapes comm
 fi
 if [ "$what" = quickreg ]; then
   # the shortest comparison that says something: registered and unregistered hoccl, eager
