@@ -124,9 +124,12 @@ def diverging(world, backend, seed, how):
     # "beyond": the last rank registers more, and its call reaches past the others' windows
     slab = Slab(comm, (8 if odd and how == "beyond" else 4) * n * count)
     arrays = slab.arrays
-    # warm up: one agreed registered call, so that the diverging one is fast on every rank
+    # warm up: one agreed registered call, so that the diverging one is fast on every rank;
+    # every rank finishes it before any makes the diverging call (whose abort would
+    # otherwise reach a slower rank still synchronizing the warm-up)
     comm.all_gather(slab.view(r * count, count), slab.view(0, n * count))
     comm.synchronize()
+    world.Barrier()
     if how == "count":
         mine = count // 2 if odd else count
         send, recv = slab.view(r * mine, mine), slab.view(0, n * mine)
@@ -146,13 +149,18 @@ def diverging(world, backend, seed, how):
     except (hoccl.MismatchError, hoccl.AbortedError) as error:
         # AbortedError: a peer had aborted on the divergence before this rank's call began
         raised = error
-    assert raised is not None, f"rank {r}: a diverging registered call ({how}) raised nothing"
-    assert comm.aborted, f"rank {r}: {type(raised).__name__} without an abort"
-    slab.guards_intact(f"diverging ({how})")
+    aborted = comm.aborted
     comm.close()
-    kinds = world.allgather(type(raised).__name__)
-    assert "DivergedError" in kinds, f"no rank saw the divergence: {kinds}"
-    return ", ".join(kinds)
+    # every rank reaches this gather, whatever it saw (an MPI collective left out by one
+    # rank would hang the others)
+    kinds = world.allgather((type(raised).__name__ if raised else "nothing", aborted,
+                             str(raised)[:300]))
+    assert raised is not None, f"rank {r}: a diverging registered call ({how}) raised nothing"
+    assert aborted, f"rank {r}: {type(raised).__name__} without an abort"
+    assert any(kind == "DivergedError" for kind, _, _ in kinds), \
+        f"no rank saw the divergence: {kinds}"
+    slab.guards_intact(f"diverging ({how})")
+    return ", ".join(kind for kind, _, _ in kinds)
 
 
 def check_registration_errors(comm):
