@@ -138,6 +138,7 @@ def empty(shape: Any, dtype: Any, comm: Any, *, framework: Optional[str] = None)
     if framework not in choices:
         raise InvalidArgumentError(f"empty: framework must be one of {choices} on the "
                                    f"{comm.backend} backend, got {framework!r}")
+    array: Any
     if framework == "torch":
         import torch
         array = torch.empty(shape, dtype=getattr(torch, name),
