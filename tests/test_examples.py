@@ -46,3 +46,18 @@ def test_benchmarks_say_in_one_line_what_they_miss(module):
     lines = result.stderr.strip().splitlines()
     assert result.returncode != 0 and len(lines) == 1, result.stderr
     assert lines[0].startswith(f"python -m {module}: needs") and "pip install" in lines[0]
+
+
+@pytest.mark.mpi
+def test_registered_buffers_example_runs_under_mpiexec_on_the_host_backend():
+    import os
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_mpi import MPI_ENV, _mpiexec
+    command = [_mpiexec(), "-n", "2", sys.executable, str(EXAMPLES / "registered_and_graphs.py"),
+               "--backend", "host"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, **MPI_ENV})
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-3000:]
+    assert "eager: 20 steps checked; 39 of 40 calls went without a descriptor exchange" \
+        in output, output[-3000:]
