@@ -34,7 +34,7 @@ from typing import Any, Deque, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from ._buffers import Buffer
 from ._errors import AbortedError, HocclError, InvalidArgumentError, MismatchError
-from ._windows import WINDOW, Windows
+from ._windows import WINDOW, Windows, window_ref
 from .backends._base import Device, SmCaps
 from .p2p import Executor
 from .sched import Options, Shape, build_plan, verify
@@ -422,13 +422,13 @@ class Engine:
                 if buffer_name not in local:
                     return None
                 found = self.windows.find(local[buffer_name], sizes[buffer_name])
-                if found is None or found[0].sizes is None:
+                if found is None:
                     return None
                 window, offset = found
-                sizes_of = window.sizes
-                assert sizes_of is not None
+                if window.sizes is None:  # init_local: peers pass buffers by address
+                    return None
                 theirs[buffer_name] = PeerBuffer((WINDOW, window.index, offset),
-                                                 max(0, sizes_of[peer] - offset))
+                                                 max(0, window.sizes[peer] - offset))
             peers[peer] = theirs
         return peers
 
@@ -452,9 +452,9 @@ class Engine:
                 if scratch is None:
                     continue
                 known = self._peer_scratch.get(peer)
-                if known is not None and known.where == scratch.where:
-                    if scratch.nbytes <= known.nbytes:
-                        continue
+                if (known is not None and known.where == scratch.where
+                        and scratch.nbytes <= known.nbytes):
+                    continue  # the same allocation, known to be at least this large
                 self._peer_scratch[peer] = scratch
                 self.layout_epoch += 1
 
@@ -483,10 +483,7 @@ class Engine:
         # Every lane and event the calls not yet issued will take, made before the fence:
         # no driver call that may synchronize the context runs while a caller waits.
         self.executor.reserve([held.plan for held in self.held()] + [call.plan])
-        if call.plan.pair:
-            self._pair_calls[call.plan.pair] = call.key[-1] + 1
-        else:
-            self._collectives += 1
+        self._count(call)
         self.calls += 1
         call.value = self.calls
         call.entry = self.streams.fence_in(call.caller, call.value, wait=fence)
@@ -505,12 +502,16 @@ class Engine:
         records, its exit one the caller's stream waits for (``issue``)."""
         with self.device.relaxed_capture():
             self.executor.reserve([call.plan], captured=True)
+        self._count(call)
+        call.entry = self.streams.fence_in(call.caller, 0, wait=False)
+        call.fenced = True
+
+    def _count(self, call: Call) -> None:
+        """Advance the sequence ``call``'s key was taken from (``prepare``)."""
         if call.plan.pair:
             self._pair_calls[call.plan.pair] = call.key[-1] + 1
         else:
             self._collectives += 1
-        call.entry = self.streams.fence_in(call.caller, 0, wait=False)
-        call.fenced = True
 
     def fence_callers(self, calls: Sequence[Call]) -> None:
         """Make every caller stream of ``calls`` (a group's, enqueued without a fence) wait
@@ -518,12 +519,9 @@ class Engine:
         last = max(call.value for call in calls)
         self.device.activate()
         self.executor.reserve([held.plan for held in self.held()])  # see ``enqueue``
-        callers: Dict[Any, Any] = {}
         for call in calls:
-            callers.setdefault(_stream_key(call.caller), call.caller)
             call.fenced = True
-        self.device.activate()
-        for caller in callers.values():
+        for caller in _callers(calls):
             self.streams.fence_out(caller, last)
 
     def issue(self, calls: Sequence[Call], imported: bool) -> None:
@@ -584,12 +582,9 @@ class Engine:
             for call in calls:
                 self.release(call)
             raise
-        callers: Dict[Any, Any] = {}
-        for call in calls:
-            callers.setdefault(_stream_key(call.caller), call.caller)
         self.executor.issue([(call.plan, program, 0, call.entry)
                              for call, program in zip(calls, programs)], 0,
-                            callers=list(callers.values()))
+                            callers=_callers(calls))
         for call in calls:
             self.streams.release(call.entry)
             call.entry = None
@@ -640,29 +635,30 @@ class Engine:
                                                  for name, address in call.local.items()}
         for peer, shared in call.peers.items():
             for buffer_name, buffer in shared.items():
-                where = buffer.where
-                if type(where) is tuple and where[0] == WINDOW:
-                    window = self.windows.get(where[1])
+                ref = window_ref(buffer.where)
+                if ref is not None:
+                    window = self.windows.get(ref[0])
                     assert window is not None and window.bases is not None  # _in_window
-                    addresses[(peer, buffer_name)] = window.bases[peer] + where[2]
+                    addresses[(peer, buffer_name)] = window.bases[peer] + ref[1]
                 else:
-                    addresses[(peer, buffer_name)] = (self.device.import_(where) if imported
-                                                      else where)
+                    addresses[(peer, buffer_name)] = (self.device.import_(buffer.where)
+                                                      if imported else buffer.where)
         return addresses
 
     def _in_window(self, call: Call, peer: int, buffer: PeerBuffer, needed: int) -> bool:
         """Whether ``needed`` bytes from a window reference lie in the peer's window (true
         for any other buffer); a reference to a window this rank does not have raises."""
-        where = buffer.where
-        if not (type(where) is tuple and where[0] == WINDOW):
+        ref = window_ref(buffer.where)
+        if ref is None:
             return True
-        window = self.windows.get(where[1])
+        index, offset = ref
+        window = self.windows.get(index)
         if window is None or window.sizes is None:
             raise MismatchError(
-                f"{call.name}: rank {peer} passed a buffer in its registered window #{where[1]} "
-                f"but rank {self.rank} has no window #{where[1]}: the ranks' registrations "
+                f"{call.name}: rank {peer} passed a buffer in its registered window #{index} "
+                f"but rank {self.rank} has no window #{index}: the ranks' registrations "
                 f"differ")
-        return where[2] + needed <= window.sizes[peer]
+        return offset + needed <= window.sizes[peer]
 
     def release(self, call: Call) -> None:
         """Complete ``call`` without running it: the caller's stream goes on; its output is
@@ -752,6 +748,14 @@ class Engine:
             self._retired, self._kept, self._scratch = [], [], (None, 0)
             self._pinned.clear()
         self.share.leave(leak)
+
+
+def _callers(calls: Sequence[Call]) -> List[Any]:
+    """The distinct caller streams of ``calls``, in call order."""
+    callers: Dict[Any, Any] = {}
+    for call in calls:
+        callers.setdefault(_stream_key(call.caller), call.caller)
+    return list(callers.values())
 
 
 def _stream_key(stream: Any) -> Any:

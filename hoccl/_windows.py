@@ -29,11 +29,19 @@ from __future__ import annotations
 import bisect
 from typing import Any, Dict, List, Optional, Tuple
 
-__all__ = ["Window", "Windows", "WINDOW"]
+__all__ = ["Window", "Windows", "WINDOW", "window_ref"]
 
 #: the first element of a window reference ``(WINDOW, index, offset)``, the form a
 #: registered buffer takes in a call's description (peers resolve it in their own table)
 WINDOW = "window"
+
+
+def window_ref(where: Any) -> Optional[Tuple[int, int]]:
+    """(window index, offset) of a window reference, or None for any other ``where`` (an
+    export descriptor, an address)."""
+    if type(where) is tuple and where and where[0] == WINDOW:
+        return where[1], where[2]
+    return None
 
 
 class Window:

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Protocol, Sequence,
 
 from ._errors import DivergedError, InvalidArgumentError, MismatchError
 from ._mailbox import Mailboxes, wait_until
+from ._windows import window_ref
 
 if TYPE_CHECKING:
     from ._engine import Call, Engine, PeerBuffer
@@ -116,25 +117,31 @@ def _describe(signature: Tuple) -> str:
     return "(" + ", ".join(f"{key}={value!r}" for key, value in signature) + ")"
 
 
+#: how every DivergedError ends
+_ABORTED = ("the communicator is aborted (outputs undefined, nothing written outside the "
+            "registered windows)")
+
+
 def _where(where: Any) -> str:
-    if type(where) is tuple and where and where[0] == "window":
-        return f"offset {where[2]} of registered window #{where[1]}"
+    ref = window_ref(where)
+    if ref is not None:
+        return f"offset {ref[1]} of registered window #{ref[0]}"
     return "an unregistered buffer"
 
 
-def _check_used(call: "Call", rank: int, peer: int, used: tuple) -> Optional[str]:
-    """What ``peer``, which issued its call without asking, took this rank's buffers to
-    be (``used``), against what this rank passes: a description of the difference, if
-    any."""
-    for buffer_name, where in used:
-        mine = call.shared.get(buffer_name)
-        if mine is None or mine.where != where:
-            return (f"{call.name}: rank {peer} ran its call on registered buffers taking rank "
-                    f"{rank}'s {buffer_name} to be {_where(where)} (where its own is), but rank "
-                    f"{rank} passed {_where(mine.where) if mine else 'none'}; a call on "
-                    f"registered buffers needs every rank's buffer at the same offset of the "
-                    f"same registered window; the communicator is aborted (outputs undefined, "
-                    f"nothing written outside the registered windows)")
+def _misplaced(name: str, taker: int, owner: int, took: tuple,
+               passed: Dict[str, "PeerBuffer"]) -> Optional[str]:
+    """What ``taker``, which issued call ``name`` without asking, took ``owner``'s buffers
+    to be (``took``: (buffer name, where) pairs, at the same places as its own), against
+    what ``owner`` passed: a description of the first difference, if any."""
+    for buffer_name, where in took:
+        declared = passed.get(buffer_name)
+        if declared is None or declared.where != where:
+            return (f"{name}: rank {taker} ran its call on registered buffers taking rank "
+                    f"{owner}'s {buffer_name} to be {_where(where)} (where its own is), but "
+                    f"rank {owner} passed {_where(declared.where) if declared else 'none'}; a "
+                    f"call on registered buffers needs every rank's buffer at the same offset "
+                    f"of the same registered window; {_ABORTED}")
     return None
 
 
@@ -331,7 +338,12 @@ class LocalGroup:
         return None  # every rank lives in this process
 
     def register(self, engine: "Engine", buffer: Any, verdict: Optional[str]) -> Any:
-        return _local_register(engine, buffer, verdict)
+        """A window of a rank whose peers live in this process: buffers travel by address,
+        so nothing is exchanged and calls are matched as ever; the window is only
+        recorded."""
+        if verdict is not None:
+            raise InvalidArgumentError(f"register: rank {engine.rank}: {verdict}")
+        return engine.windows.add(buffer.address, buffer.nbytes, buffer.owner, None, None)
 
     def deregister(self, engine: "Engine", window: Any, verdict: Optional[str]) -> None:
         if verdict is not None:
@@ -378,15 +390,6 @@ class LocalGroup:
             for monitor in self.monitors:
                 monitor.engine.leave_device(self._leak)
             self.forget_calls()
-
-
-def _local_register(engine: "Engine", buffer: Any, verdict: Optional[str]) -> Any:
-    """A window of a rank whose peers live in this process: buffers travel by address, so
-    nothing is exchanged and calls are matched as ever; the window is kept for ``windows``
-    and for the torch integration's bookkeeping."""
-    if verdict is not None:
-        raise InvalidArgumentError(f"register: rank {engine.rank}: {verdict}")
-    return engine.windows.add(buffer.address, buffer.nbytes, buffer.owner, None, None)
 
 
 class MPIBootstrap:
@@ -442,7 +445,7 @@ class ProcessGroup:
         self._sent: Dict[tuple, Tuple[Dict[str, "PeerBuffer"], bytes]] = {}
         self._received: Dict[bytes, Tuple[tuple, Dict[str, "PeerBuffer"]]] = {}
         # per peer, in call order: the calls issued without the peer's description (on
-        # registered buffers), whose description is checked when it comes (``_check``)
+        # registered buffers), whose description is checked when it comes (``check``)
         self._unchecked: List[deque] = [deque() for _ in range(self.world_size)]
         self._used_cache: Dict[int, Tuple[Any, Dict[int, tuple]]] = {}
 
@@ -465,7 +468,7 @@ class ProcessGroup:
         for call in calls:
             description = self._description(call)
             # issued without asking: what this rank took each peer's buffers to be, for the
-            # peer to check before it issues its own (``_check_used``)
+            # peer to check before it issues its own (``_misplaced``)
             used = self._used(call.fast) if fast else None
             for peer in call.plan.participants:
                 if peer != self.rank:
@@ -531,7 +534,7 @@ class ProcessGroup:
                 raise DivergedError(f"{error}; the peers may have run the call, so the "
                                     f"communicator is aborted") from None
             for call in calls:
-                for peer, used in call.peers.items():
+                for peer, used in self._used(call.peers).items():
                     self._unchecked[peer].append((call.key, call.name, call.signature, used))
             engine.issued_fast += len(calls)
             return
@@ -543,7 +546,7 @@ class ProcessGroup:
                 if signature != call.signature and problem is None:
                     problem = _disagreement(call, self.rank, peer, signature)
                 if used is not None and diverged is None:
-                    diverged = _check_used(call, self.rank, peer, used)
+                    diverged = _misplaced(call.name, peer, self.rank, used, call.shared)
         if diverged is not None:  # the peer ran its call already
             self._discard(calls)
             raise DivergedError(diverged)
@@ -580,26 +583,16 @@ class ProcessGroup:
             if got_key != key:
                 raise DivergedError(
                     f"{name}: rank {self.rank} ran call {key} on registered buffers, but rank "
-                    f"{peer}'s call was {got_key}: the ranks' sequences of calls differ; the "
-                    f"communicator is aborted (outputs undefined, nothing written outside the "
-                    f"registered windows)")
+                    f"{peer}'s call was {got_key}: the ranks' sequences of calls differ; "
+                    f"{_ABORTED}")
             theirs, shared = self._described(description)
             if theirs != signature:
                 raise DivergedError(
                     f"{name}: rank {self.rank} ran {_describe(signature)} on registered "
-                    f"buffers, but rank {peer} called {_describe(theirs)}; the communicator "
-                    f"is aborted (outputs undefined, nothing written outside the registered "
-                    f"windows)")
-            for buffer_name, buffer in used.items():
-                declared = shared.get(buffer_name)
-                if declared is None or declared.where != buffer.where:
-                    raise DivergedError(
-                        f"{name}: rank {self.rank} took rank {peer}'s {buffer_name} to be "
-                        f"{_where(buffer.where)} (the same place as its own, registered), but "
-                        f"rank {peer} passed {_where(declared.where) if declared else 'none'}; "
-                        f"a call on registered buffers needs every rank's buffer at the same "
-                        f"offset of the same registered window; the communicator is aborted "
-                        f"(outputs undefined, nothing written outside the registered windows)")
+                    f"buffers, but rank {peer} called {_describe(theirs)}; {_ABORTED}")
+            problem = _misplaced(name, self.rank, peer, used, shared)
+            if problem is not None:
+                raise DivergedError(problem)
 
     def settle(self, call: str) -> None:
         """Wait (bounded by the timeout and the peers' liveness) for the descriptions of

@@ -28,6 +28,7 @@ from ._engine import Call, Engine
 from ._errors import (AbortedError, DivergedError, HocclError, HocclTimeoutError,
                       InvalidArgumentError, MismatchError)
 from ._health import Health
+from ._windows import Window
 from .bootstrap import Group
 from .sched import Shape
 
@@ -274,11 +275,8 @@ class Communicator:
                 verdict = (f"the array at {buffer.address:#x} ({buffer.nbytes} bytes) overlaps "
                            f"registered window #{clash.index} ({clash.address:#x}, "
                            f"{clash.nbytes} bytes)")
-        try:
+        with self._aborting_on_divergence():
             return self._group.register(self._engine, buffer, verdict)
-        except DivergedError as error:
-            self._health.abort(str(error))
-            raise
 
     def deregister(self, window: Any) -> None:
         """Drop a registration (``window``: what ``register`` returned, or the registered
@@ -296,11 +294,8 @@ class Communicator:
                        f"{type(window).__name__} that is not a window registered with this "
                        f"communicator")
         self.synchronize()
-        try:
+        with self._aborting_on_divergence():
             self._group.deregister(engine, found, verdict)
-        except DivergedError as error:
-            self._health.abort(str(error))
-            raise
 
     @property
     def windows(self) -> List[Any]:
@@ -308,7 +303,6 @@ class Communicator:
         return list(self._engine.windows)
 
     def _window_of(self, window: Any) -> Any:
-        from ._windows import Window
         windows = self._engine.windows
         if isinstance(window, Window):
             return window if windows.get(window.index) is window else None
@@ -338,16 +332,13 @@ class Communicator:
                 f"synchronize: rank {self.rank}'s {call.name} (call {call.key}) cannot run: "
                 f"ranks {self._group.waiting_for(call)} have not made the matching call yet; "
                 f"with init_local make every rank's call before synchronizing")
-        try:
+        with self._aborting_on_divergence():
             try:
                 self._health.synchronize(poll=self._group.check)
             except AbortedError:
                 self._group.check()  # a peer that aborted on a divergence: say so
                 raise
             self._group.settle("synchronize")
-        except DivergedError as error:
-            self._health.abort(str(error))
-            raise
 
     @property
     def calls(self) -> int:
@@ -441,21 +432,9 @@ class Communicator:
                 self._group.withdraw(call)
                 engine.release(call)
         if not engine.aborted and engine.unfinished():
-            try:
-                self._health.synchronize("close", poll=self._group.check)
-            except DivergedError as error:
-                self._health.abort(str(error))
-                log.warning("rank %d close: %s", self.rank, error)
-            except HocclError as error:
-                log.warning("rank %d close: %s", self.rank, error)
-        if not engine.aborted:
-            try:  # the peers' descriptions of calls run on registered buffers
-                self._group.settle("close")
-            except DivergedError as error:
-                self._health.abort(str(error))
-                log.warning("rank %d close: %s", self.rank, error)
-            except HocclError as error:
-                log.warning("rank %d close: %s", self.rank, error)
+            self._closing(lambda: self._health.synchronize("close", poll=self._group.check))
+        if not engine.aborted:  # the peers' descriptions of calls run on registered buffers
+            self._closing(lambda: self._group.settle("close"))
         with engine.lock:
             engine.closed = True
         self._health.stop()
@@ -483,6 +462,25 @@ class Communicator:
                 f"device={self.device}>")
 
     # -- internals ---------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _aborting_on_divergence(self) -> Iterator[None]:
+        """A DivergedError (a call on registered buffers ran, and a peer's differed)
+        aborts the communicator before it propagates: the ranks' signal sequences may
+        no longer agree."""
+        try:
+            yield
+        except DivergedError as error:
+            self._health.abort(str(error))
+            raise
+
+    def _closing(self, wait: Any) -> None:
+        """One of ``close``'s waits: its errors are logged, not raised."""
+        try:
+            with self._aborting_on_divergence():
+                wait()
+        except HocclError as error:
+            log.warning("rank %d close: %s", self.rank, error)
+
     def _usable(self, name: str) -> None:
         if self._engine.closed:
             raise InvalidArgumentError(f"{name}: the communicator is closed")

@@ -42,7 +42,7 @@ def device(monkeypatch):
     monkeypatch.setattr(driver, "cuIpcCloseMemHandle", fake.close)
     device = cuda.CudaDevice.__new__(cuda.CudaDevice)
     device._owned = cuda._Owned(None)
-    device._called, device._holds, device._sizes = set(), {}, {}
+    device._called, device._holds = set(), {}
     device._make_current = lambda: None
     device.fake = fake
     return device

@@ -218,7 +218,7 @@ class _Owned:
     def __init__(self, device: Any):
         self.device = device
         self.context: Any = None
-        self.imports: dict = {}          # (handle bytes, base, buffer id) -> mapped base
+        self.imports: dict = {}          # (handle bytes, base, buffer id, size) -> mapped base
         self.peers: list = []            # peer contexts whose access this device enabled
         self.events: set = set()
         self.streams: set = set()
@@ -367,7 +367,6 @@ class CudaDevice(Device):
         self._descriptors: dict = {}   # (address, buffer id) -> descriptor
         self._called: set = set()      # import keys a call mapped (kept until close)
         self._holds: dict = {}         # import key -> windows holding it (hold_import)
-        self._sizes: dict = {}         # import key -> the exporter's allocation size
         self._memop_params: dict = {}  # (kind, address) -> CUstreamBatchMemOpParams
 
         def attribute(name: str) -> int:
@@ -637,19 +636,19 @@ class CudaDevice(Device):
             raise InvalidArgumentError(
                 "import_: expected a ('cuda-ipc', handle, base, size, buffer_id, offset) "
                 f"descriptor from CudaDevice.export, got {type(descriptor).__name__}")
-        _, handle, base, _, buffer_id, offset = descriptor
-        return (handle, base, buffer_id), offset
+        _, handle, base, size, buffer_id, offset = descriptor
+        return (handle, base, buffer_id, int(size)), offset
 
     def _map(self, descriptor: Any) -> Tuple[tuple, int]:
         """(cache key, local address) of a peer's exported buffer, mapped on first use.
 
-        A key is (handle, allocation base, buffer id).  When the exporter frees an
-        allocation and makes a new one over the same addresses, opening the new one's
-        handle fails with CUDA_ERROR_ALREADY_MAPPED while this process still maps the
-        old one (seen with two ranks on one GPU, and under split): a cached mapping of an
-        exporter range that overlaps the new one, under another buffer id, is of freed
-        memory (the exporter's calls on it, and so this rank's, have finished), so it is
-        closed and the handle opened again."""
+        A key is (handle, allocation base, buffer id, allocation size).  When the
+        exporter frees an allocation and makes a new one over the same addresses, opening
+        the new one's handle fails with CUDA_ERROR_ALREADY_MAPPED while this process still
+        maps the old one (seen with two ranks on one GPU, and under split): a cached
+        mapping of an exporter range that overlaps the new one, under another buffer id,
+        is of freed memory (the exporter's calls on it, and so this rank's, have
+        finished), so it is closed and the handle opened again."""
         key, offset = self._key(descriptor)
         imports = self._owned.imports
         mapped = imports.get(key)
@@ -659,9 +658,9 @@ class CudaDevice(Device):
             flags = driver.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
             result = driver.cuIpcOpenMemHandle(ipc_handle, flags)
             if result[0] == _ALREADY_MAPPED:
-                base, size = key[1], int(descriptor[3])
+                _, base, _, size = key
                 stale = [other for other in imports if other != key
-                         and other[1] < base + size and base < other[1] + self._sizes[other]]
+                         and other[1] < base + size and base < other[1] + other[3]]
                 for other in stale:
                     self._close_import(other)
                 log.debug("import: closed %d stale mapping(s) over %#x (+%d) and retried",
@@ -669,12 +668,10 @@ class CudaDevice(Device):
                 result = driver.cuIpcOpenMemHandle(ipc_handle, flags)
             mapped = int(_check(result, "cuIpcOpenMemHandle"))
             imports[key] = mapped
-            self._sizes[key] = int(descriptor[3])
         return key, mapped + offset
 
     def _close_import(self, key: tuple) -> None:
         mapped = self._owned.imports.pop(key, None)
-        self._sizes.pop(key, None)
         self._called.discard(key)
         self._holds.pop(key, None)
         if mapped is not None:

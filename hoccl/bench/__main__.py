@@ -117,8 +117,8 @@ def sweep(args: argparse.Namespace):
                     ranks.say(f"  {collective:14s} {form:3s} {human(nbytes):>5s} {lib.name:11s} "
                               f"{micros:10.1f} us {record['busbw']:7.1f} GB/s  wrong {wrong}")
                     if args.graph:
-                        records.append(graph_record(args, lib, ranks, collective, form, nbytes,
-                                                    buffers, streams, record))
+                        records.append(graph_record(lib, ranks, collective, form, nbytes,
+                                                    buffers, dtype, streams, record))
                     lib.release()
                     del buffers
                     torch.cuda.empty_cache()
@@ -126,7 +126,7 @@ def sweep(args: argparse.Namespace):
              "records": records}, ranks.leader)
 
 
-def graph_record(args, lib, ranks, collective, form, nbytes, buffers, streams, eager):
+def graph_record(lib, ranks, collective, form, nbytes, buffers, dtype, streams, eager):
     """The same calls captured into a CUDA graph: a record of library ``NAME+graph``."""
     n = ranks.world_size
     name = f"{lib.name}+graph"
@@ -134,7 +134,7 @@ def graph_record(args, lib, ranks, collective, form, nbytes, buffers, streams, e
         replays = max(2, min(50, eager["iters"] // 20 + 2))
         micros, replay = time_graph(lib, ranks, collective, buffers, 20, replays,
                                     lambda i: streams[i])
-        wrong = count_wrong(lib, ranks, collective, form, buffers, ranks_dtype(buffers),
+        wrong = count_wrong(lib, ranks, collective, form, buffers, dtype,
                             lambda i: streams[i], run=replay)
     except Exception as error:  # a library that cannot be captured, or not at this size
         ranks.say(f"  {collective:14s} {form:3s} {human(nbytes):>5s} {name:11s} failed: "
@@ -148,10 +148,6 @@ def graph_record(args, lib, ranks, collective, form, nbytes, buffers, streams, e
     ranks.say(f"  {collective:14s} {form:3s} {human(nbytes):>5s} {name:11s} "
               f"{micros:10.1f} us {record['busbw']:7.1f} GB/s  wrong {wrong}")
     return record
-
-
-def ranks_dtype(buffers):
-    return buffers[0][1].dtype
 
 
 def table(result: Dict[str, Any]) -> str:

@@ -124,10 +124,11 @@ class Executor:
         slots instead, and after the last wait on each slot a reset of it to 0 on the
         same lane (``hoccl.sched.replay``), so that every replay starts from zeros."""
         pad = self.pad
+        program = compile_program(plan, self.rank)
         offset = pad.graph_offset if captured else 0
-        last: Dict[int, int] = {}
+        last: Dict[int, int] = {}  # slot -> index of its last wait
         if captured:
-            for index, (kind, _, arg) in enumerate(compile_program(plan, self.rank)):
+            for index, (kind, _, arg) in enumerate(program):
                 if kind == _WAIT:
                     last[arg[0]] = index
 
@@ -135,7 +136,7 @@ class Executor:
             return addresses[(ref[0], ref[1])] + ref[2]
 
         bound = []
-        for index, (kind, lane_index, arg) in enumerate(compile_program(plan, self.rank)):
+        for index, (kind, lane_index, arg) in enumerate(program):
             if kind == _SIGNAL:
                 peer, slot, value = arg
                 arg = (pad.remote(peer, slot + offset), value)
