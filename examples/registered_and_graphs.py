@@ -10,9 +10,7 @@ exchange: they are issued at once.  On GPUs the same calls are then captured int
 ``torch.cuda.graph`` and replayed, which takes no host work of hoccl's at all.  Each
 step's result is checked against numpy; rank 0 prints one line per phase.
 
-The host run is part of the test suite.  The GPU half has not run as this script yet;
-the same calls (registered tensors, eager and in a ``torch.cuda.graph``) ran in
-``tests/torch_programs/run_registered.py`` and ``tests/mpi/run_capture.py`` on an H200.
+The host run is part of the test suite; the GPU run is ``bash tools/gpu_run.sh validate``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The device machine's session: GPU tests (one process, and mpirun -np 2), then the
-# benchmarks against NCCL.  Usage: bash tools/gpu_run.sh [tests|profile|bench|overlap|compare|torch|fsdp|hier|hierdiag|final|registered|onegpu|quickreg|figures-a|figures-b|levers|tp|all] [pytest args]
+# benchmarks against NCCL.  Usage: bash tools/gpu_run.sh [tests|profile|bench|overlap|compare|torch|fsdp|hier|hierdiag|final|registered|onegpu|validate|quickreg|figures-a|figures-b|levers|tp|all] [pytest args]
 # torch: the torch.distributed backend's checks, DDP/FSDP2/HSDP training against NCCL (hoccl
 # the default process group, then NCCL), the FSDP2 example on NCCL and on hoccl, and
 # python -m hoccl.bench.train (one process per shape).
@@ -149,6 +149,24 @@ if [ "$what" = onegpu ]; then
   step hostile-mpirun 120 $MPIRUN python3 tests/mpi/run_hostile.py --backend cuda
   if [ "${ONEGPU_LOCAL:-1}" = 1 ]; then
     step gpu-local-1 200 python3 -m pytest -q -p no:cacheprovider --timeout=90 tests/gpu "$@"
+  fi
+fi
+if [ "$what" = validate ]; then
+  # one GPU, two ranks (no NCCL, no figures): the cuda paths of registered buffers, graphs,
+  # split, hostile inputs and the torch backend, each checked against numpy
+  step capture 150 $MPIRUN python3 tests/mpi/run_capture.py --backend cuda --replays ${REPLAYS:-300}
+  step registered-checks 120 $MPIRUN python3 tests/mpi/run_checks.py --backend cuda --registered \
+    --counts 0,17,100003
+  step gpu-mpirun 120 $MPIRUN python3 tests/mpi/run_checks.py --backend cuda --counts 0,17,100003
+  step registered-mpirun 90 $MPIRUN python3 tests/mpi/run_registered.py --backend cuda
+  step split-mpirun 90 $MPIRUN python3 tests/mpi/run_split.py --backend cuda
+  step hostile-mpirun 90 $MPIRUN python3 tests/mpi/run_hostile.py --backend cuda
+  step example-graphs 90 $MPIRUN python3 examples/registered_and_graphs.py
+  step torch-registered 120 $TRUN python3 tests/torch_programs/run_registered.py --device cuda
+  if [ -n "${VALIDATE_EXTRA:-}" ]; then
+    for extra in $VALIDATE_EXTRA; do
+      step "extra-$(basename "$extra" .py)" 150 $TRUN python3 "$extra" --device cuda
+    done
   fi
 fi
 if [ "$what" = registered ]; then
