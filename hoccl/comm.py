@@ -20,7 +20,7 @@ import contextlib
 import logging
 import threading
 import weakref
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from . import _validate as check
 from ._buffers import Buffer, as_buffer
@@ -552,33 +552,26 @@ class Communicator:
         wait for a peer's offer that is queued behind it.  A mismatch has already
         released the calls (the callers' streams go on, the outputs are not written) and
         the communicator stays usable; any other failure aborts it."""
-        posted: List[Tuple["Communicator", List[Call]]] = []
-        failure: Optional[BaseException] = None
-        for comm, calls in batches:
+        failures: List[BaseException] = []
+
+        def attempt(comm: "Communicator", step: Callable[[List[Call]], None],
+                    calls: List[Call]) -> bool:
             try:
-                comm._group.post(calls)
-                posted.append((comm, calls))
-            except DivergedError as error:  # an earlier registered call diverged
-                comm._fail(calls, error)
-                failure = failure or error
-            except MismatchError as error:
-                failure = failure or error
+                step(calls)
+                return True
             except BaseException as error:
-                comm._fail(calls, error)
-                failure = failure or error
+                # a plain mismatch released the calls; a divergence (an earlier registered
+                # call ran differently) or anything else leaves nothing to match up
+                if isinstance(error, DivergedError) or not isinstance(error, MismatchError):
+                    comm._fail(calls, error)
+                failures.append(error)
+                return False
+        posted = [(comm, calls) for comm, calls in batches
+                  if attempt(comm, comm._group.post, calls)]
         for comm, calls in posted:
-            try:
-                comm._group.complete(calls)
-            except DivergedError as error:
-                comm._fail(calls, error)
-                failure = failure or error
-            except MismatchError as error:
-                failure = failure or error
-            except BaseException as error:
-                comm._fail(calls, error)
-                failure = failure or error
-        if failure is not None:
-            raise failure
+            attempt(comm, comm._group.complete, calls)
+        if failures:
+            raise failures[0]
 
     def _fail(self, calls: List[Call], error: BaseException) -> None:
         """The peers never answered: nothing can be matched up any more."""

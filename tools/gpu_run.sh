@@ -163,11 +163,11 @@ if [ "$what" = validate ]; then
   step hostile-mpirun 90 $MPIRUN python3 tests/mpi/run_hostile.py --backend cuda
   step example-graphs 90 $MPIRUN python3 examples/registered_and_graphs.py
   step torch-registered 120 $TRUN python3 tests/torch_programs/run_registered.py --device cuda
-  if [ -n "${VALIDATE_EXTRA:-}" ]; then
-    for extra in $VALIDATE_EXTRA; do
-      step "extra-$(basename "$extra" .py)" 150 $TRUN python3 "$extra" --device cuda
-    done
-  fi
+  # DDP, FSDP2 (hooks all-gathering into registered memory: every call counted) and HSDP
+  # against a second hoccl group without registered memory or hooks (NCCL refuses two
+  # ranks on one GPU)
+  step torch-training-pool 200 $TRUN python3 tests/torch_programs/run_training.py \
+    --device cuda --reference hoccl
 fi
 if [ "$what" = registered ]; then
   # registered buffers: every collective on registered memory against numpy, the

@@ -9,7 +9,9 @@ communication-heavy.  Libraries:
 * ``nccl`` (``gloo`` on CPU): FSDP2 on the default process group;
 * ``hoccl``: FSDP2 on a hoccl process group (``dist.new_group(backend="hoccl")``);
 * ``hoccl-hooks``: FSDP2 on the default group, its all-gathers and reduce-scatters
-  through ``hoccl.torch.use_for_fsdp``.
+  through ``hoccl.torch.use_for_fsdp`` (all-gathers into registered memory);
+* ``hoccl-hooks-plain``: the same with ``registered=False`` (plain tensors, exchanged
+  per call).
 
 Per shape and library it prints the median step time, tokens/s (global), the ratio to
 the baseline, and the exposed communication per step, from a torch.profiler trace of a
@@ -308,8 +310,8 @@ def libraries(names: Sequence[str], shape: ModelShape, device: torch.device,
         else:
             mesh = DeviceMesh.from_group(dist.distributed_c10d._get_default_group(), device.type)
         model = shard(shape, mesh, device)
-        if name == "hoccl-hooks":
-            hoccl.torch.use_for_fsdp(model, hoccl_group)
+        if name.startswith("hoccl-hooks"):
+            hoccl.torch.use_for_fsdp(model, hoccl_group, registered=name == "hoccl-hooks")
         found.append(Library(name, model, optimizer_for(model, device), []))
     return found
 
@@ -446,7 +448,7 @@ def arguments(argv=None) -> argparse.Namespace:
                              f"dim:layers:heads:seq:batch")
     parser.add_argument("--libraries", default="",
                         help="comma-separated: the baseline (nccl on GPUs, gloo on CPUs), hoccl, "
-                             "hoccl-hooks; default: baseline,hoccl,hoccl-hooks")
+                             "hoccl-hooks, hoccl-hooks-plain; default: baseline,hoccl,hoccl-hooks")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per trial")
     parser.add_argument("--trials", type=int, default=5, help="trials per library, interleaved")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per library")
@@ -475,10 +477,10 @@ def main(argv=None) -> None:
     baseline = "nccl" if torch.cuda.is_available() else "gloo"
     rank, world_size, device = init_distributed(baseline)
     names = [name for name in (args.libraries or f"{baseline},hoccl,hoccl-hooks").split(",")]
-    unknown = set(names) - {baseline, "hoccl", "hoccl-hooks"}
+    unknown = set(names) - {baseline, "hoccl", "hoccl-hooks", "hoccl-hooks-plain"}
     if unknown:
         raise SystemExit(f"--libraries: unknown {sorted(unknown)}; expected {baseline}, hoccl, "
-                         f"hoccl-hooks")
+                         f"hoccl-hooks, hoccl-hooks-plain")
     hoccl_group = dist.new_group(backend="hoccl", pg_options=hoccl.torch.Options(
         settings={"max_sms": args.max_sms}))
     records = []

@@ -25,12 +25,14 @@ import hoccl
 
 from .. import InvalidArgumentError
 from ._bootstrap import StoreBootstrap
-from ._fsdp import AllGather, ReduceScatter, use_for_fsdp
+from ._fsdp import AllGather, FSDPHooks, ReduceScatter, use_for_fsdp
+from ._pool import RegisteredPool
 from ._process_group import ProcessGroupHoccl
 from ._work import Work
 
 __all__ = ["Options", "ProcessGroupHoccl", "StoreBootstrap", "AllGather", "ReduceScatter",
-           "Work", "use_for_fsdp", "communicator", "empty", "BACKEND"]
+           "Work", "use_for_fsdp", "FSDPHooks", "RegisteredPool", "communicator", "empty",
+           "BACKEND"]
 
 #: the name under which torch.distributed knows the backend
 BACKEND = "hoccl"

@@ -4,12 +4,15 @@
 FSDP2 calls them on its own streams (all-gather stream, reduce-scatter stream) with
 ``stream=None`` meaning that current stream, all-gathers in place (the input is this
 rank's block of the output: zero SMs on GPUs) and reduce-scatters with AVG, SUM or
-PREMUL_SUM(1/factor).
+PREMUL_SUM(1/factor).  The all-gather's ``allocate`` hands out registered memory
+(``RegisteredPool``), at the same offsets on every rank, so the all-gathers go without a
+descriptor exchange; the reduce-scatter needs no registered buffer of its own (its peers
+write only into hoccl's scratch).
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, NamedTuple, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -20,17 +23,10 @@ from .. import InvalidArgumentError
 from ._collectives import all_gather_into, reduce_scatter_into
 from ._ops import reduction
 from ._p2p import issue_held
+from ._pool import RegisteredPool
 from ._work import Launcher
 
-__all__ = ["AllGather", "ReduceScatter", "use_for_fsdp", "comm_buffer"]
-
-
-def comm_buffer(comm: Any, size: Sequence[Any], dtype: torch.dtype,
-                device: torch.device) -> torch.Tensor:
-    """The buffers FSDP2 communicates through (its all-gather output, its reduce-scatter
-    input and output).  Plain tensors from torch's allocator: hoccl exchanges their
-    addresses per call.  Registered buffers, exchanged once, would come from here."""
-    return torch.empty(*size, dtype=dtype, device=device)
+__all__ = ["AllGather", "ReduceScatter", "FSDPHooks", "use_for_fsdp"]
 
 
 class _Hooked:
@@ -38,10 +34,21 @@ class _Hooked:
         # a hoccl process group lends its launcher (and side stream); a Communicator gets one
         self.launcher = getattr(comm, "launcher", None) or Launcher(comm)
         self.comm = self.launcher.comm
+        self.calls = 0              # calls made through this hook
+        self.without_exchange = 0   # of which issued with no descriptor exchange
+
+    def _count(self, issue: Any) -> Any:
+        engine = getattr(self.comm, "_engine", None)
+        before = engine.issued_fast if engine is not None else 0
+        work = issue()
+        self.calls += 1
+        if engine is not None and engine.issued_fast > before:
+            self.without_exchange += 1
+        return work
 
     def allocate(self, size: Sequence[Any], *, dtype: torch.dtype,
                  device: torch.device) -> torch.Tensor:
-        return comm_buffer(self.comm, size, dtype, device)
+        return torch.empty(*size, dtype=dtype, device=device)
 
     def _check(self, call: str, group: Optional[dist.ProcessGroup]) -> None:
         if group is not None and (group.size(), group.rank()) != (self.comm.world_size,
@@ -53,14 +60,40 @@ class _Hooked:
 
 
 class AllGather(_Hooked, _AllGather):
-    """FSDP2's all-gather through ``comm`` (a hoccl Communicator or hoccl process group)."""
+    """FSDP2's all-gather through ``comm`` (a hoccl Communicator or hoccl process group).
+
+    ``registered``: hand FSDP its all-gather outputs from a ``RegisteredPool`` (``pool``),
+    so each all-gather is a call on registered buffers (no descriptor exchange, no host
+    wait for the peers); False: plain torch tensors, exchanged per call."""
+
+    def __init__(self, comm: Any, *, registered: bool = True):
+        super().__init__(comm)
+        self.pool = RegisteredPool(self.comm) if registered else None
+
+    def allocate(self, size: Sequence[Any], *, dtype: torch.dtype,
+                 device: torch.device) -> torch.Tensor:
+        if self.pool is None:
+            return super().allocate(size, dtype=dtype, device=device)
+        return self.pool.allocate(size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: Optional[dist.ProcessGroup] = None,
                  async_op: bool = False) -> Optional[dist.Work]:
         self._check("fsdp all_gather", group)
         issue_held()
-        work = all_gather_into(self.launcher, output_tensor, input_tensor, async_op)
+        pool = self.pool
+        shadowed = pool.shadow(output_tensor) if pool is not None else None
+        if pool is None or shadowed is None:
+            work = self._count(lambda: all_gather_into(self.launcher, output_tensor,
+                                                       input_tensor, async_op))
+            return work if async_op else None
+        # the call holds views of the same memory through storages of their own: what
+        # frees the slot is FSDP dropping its tensors, the same moment on every rank
+        output, slot = shadowed
+        found = pool.shadow(input_tensor)
+        input = found[0] if found is not None and found[1] is slot else input_tensor
+        work = self._count(lambda: all_gather_into(self.launcher, output, input, async_op))
+        pool.used(slot, work)
         return work if async_op else None
 
 
@@ -76,17 +109,26 @@ class ReduceScatter(_Hooked, _ReduceScatter):
         self._check(call, group)
         issue_held()
         name, factor = reduction(call, op)
-        work = reduce_scatter_into(call, self.launcher, output_tensor, input_tensor, name,
-                                   factor, async_op)
+        work = self._count(lambda: reduce_scatter_into(call, self.launcher, output_tensor,
+                                                       input_tensor, name, factor, async_op))
         return work if async_op else None
 
 
-def use_for_fsdp(model: torch.nn.Module, comm: Any) -> int:
+class FSDPHooks(NamedTuple):
+    """What ``use_for_fsdp`` installed: how many FSDP2 modules use it, and the two hooks
+    (whose ``calls`` and ``without_exchange`` count what went through them)."""
+    modules: int
+    all_gather: AllGather
+    reduce_scatter: ReduceScatter
+
+
+def use_for_fsdp(model: torch.nn.Module, comm: Any, *, registered: bool = True) -> FSDPHooks:
     """Make every FSDP2 module of ``model`` (call after ``fully_shard``) all-gather and
     reduce-scatter through ``comm`` (a hoccl Communicator, or a hoccl process group).
-    Returns how many modules now use it."""
+    ``registered``: the all-gathers' outputs come from memory registered with ``comm``
+    (``AllGather``).  Every rank calls it, in the same order."""
     from torch.distributed.fsdp import FSDPModule
-    all_gather, reduce_scatter = AllGather(comm), ReduceScatter(comm)
+    all_gather, reduce_scatter = AllGather(comm, registered=registered), ReduceScatter(comm)
     modules = [module for module in model.modules() if isinstance(module, FSDPModule)]
     if not modules:
         raise InvalidArgumentError("use_for_fsdp: no module of the model is sharded; call "
@@ -94,4 +136,4 @@ def use_for_fsdp(model: torch.nn.Module, comm: Any) -> int:
     for module in modules:
         module.set_custom_all_gather(all_gather)
         module.set_custom_reduce_scatter(reduce_scatter)
-    return len(modules)
+    return FSDPHooks(len(modules), all_gather, reduce_scatter)

@@ -13,7 +13,9 @@ compared with the reference's:
 
 * DDP on hoccl (several buckets);
 * FSDP2 on a hoccl mesh, and FSDP2 on the gloo mesh with its all-gathers and
-  reduce-scatters through ``hoccl.torch.use_for_fsdp``, in fp32 and with bf16 compute;
+  reduce-scatters through ``hoccl.torch.use_for_fsdp``, in fp32 and with bf16 compute
+  (the latter's all-gathers into registered memory: after the first few calls, none
+  exchanges descriptors);
 * both with explicit asynchronous prefetch (``unshard(async_op=True)``);
 * a gradient divide factor (reduce-scatter with PREMUL_SUM), against gloo given the
   same gradients by a loss scaled instead (gloo has no PREMUL_SUM);
@@ -117,7 +119,8 @@ def fsdp(group, hooks=None, bf16=False, prefetch=False, divide=None, scale=1.0) 
             fully_shard(layer, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
     if hooks is not None:
-        assert hoccl.torch.use_for_fsdp(model, hooks) == 4
+        installed = hoccl.torch.use_for_fsdp(model, hooks)
+        assert installed.modules == 4
     if divide is not None:  # each FSDP module's own parameters
         for module in model.modules():
             if hasattr(module, "set_gradient_divide_factor"):
@@ -125,8 +128,24 @@ def fsdp(group, hooks=None, bf16=False, prefetch=False, divide=None, scale=1.0) 
 
     def unshard_first(module):
         module[0].unshard(async_op=True).wait()
-    return train(model, scale=scale, prefetch=unshard_first if prefetch else None,
-                 dtype=torch.bfloat16 if bf16 else torch.float32)
+    run = train(model, scale=scale, prefetch=unshard_first if prefetch else None,
+                dtype=torch.bfloat16 if bf16 else torch.float32)
+    if hooks is not None:
+        # the all-gathers' outputs come from registered memory (use_for_fsdp's pool): none
+        # exchanges descriptors; the reduce-scatters need only the peers' scratch: at most
+        # one exchange for each of the 4 FSDP modules, the first reduce-scatter of a size
+        # larger than before
+        all_gather, reduce_scatter = installed.all_gather, installed.reduce_scatter
+        assert all_gather.calls and all_gather.without_exchange == all_gather.calls, \
+            f"{all_gather.without_exchange} of {all_gather.calls} all-gathers without an exchange"
+        exchanged = reduce_scatter.calls - reduce_scatter.without_exchange
+        assert reduce_scatter.calls and exchanged <= 4, \
+            f"{exchanged} of {reduce_scatter.calls} reduce-scatters exchanged descriptors"
+        if RANK == 0:
+            print(f"  without an exchange: {all_gather.without_exchange} of {all_gather.calls} "
+                  f"all-gathers, {reduce_scatter.without_exchange} of {reduce_scatter.calls} "
+                  f"reduce-scatters", flush=True)
+    return run
 
 
 def hsdp(shape: tuple, shard_backend: str) -> Run:
@@ -249,6 +268,10 @@ def main():
                              "(gloo; NCCL with --device cuda)")
     parser.add_argument("--meshes", default="", help="HSDP mesh shapes, e.g. 1x2,2x1 "
                         "(replicas x shards; default: every shape of the world)")
+    parser.add_argument("--reference", choices=("gloo", "nccl", "hoccl"), default=None,
+                        help="the reference backend (default: NCCL with --device cuda, else "
+                             "gloo); hoccl: a second hoccl group without registered memory "
+                             "or hooks, for one GPU shared by the ranks, where NCCL refuses")
     parser.add_argument("--only", default="", help="run only the configurations whose name "
                         "contains this text (e.g. HSDP)")
     args = parser.parse_args()
@@ -256,7 +279,7 @@ def main():
         DEVICE = torch.device("cuda", RANK % torch.cuda.device_count())
         torch.cuda.set_device(DEVICE)
     MESHES = mesh_shapes(args.meshes)
-    reference = "nccl" if DEVICE.type == "cuda" else "gloo"
+    reference = args.reference or ("nccl" if DEVICE.type == "cuda" else "gloo")
     default = "hoccl" if args.default_backend == "hoccl" else reference
     dist.init_process_group(default, rank=RANK, world_size=WORLD, timeout=timedelta(seconds=60))
     world = dist.distributed_c10d._get_default_group()
