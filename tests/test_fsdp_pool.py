@@ -84,7 +84,10 @@ def test_slabs_are_registered_as_they_are_needed(comm):
     held.append(pool.allocate((1024,), dtype=torch.uint8, device=CPU))
     assert len(comm.windows) == 2
     big = pool.allocate((10000,), dtype=torch.uint8, device=CPU)  # larger than a slab
-    assert len(comm.windows) == 3 and pool._slabs[-1].nbytes >= 2 * 10240
+    assert len(comm.windows) == 3 and pool._slabs[-1].nbytes == 10240
+    small = pool.allocate((1000,), dtype=torch.uint8, device=CPU)  # the second slab's room
+    assert len(comm.windows) == 3 and base(pool, small) == (1, 1024)
+    held.append(small)
     for tensor in held + [big]:  # every tensor lies in a registered window
         assert comm._engine.windows.find(tensor.data_ptr(), tensor.numel()) is not None
     # the memory is what the tensors show: writes through one appear in the slab

@@ -1,9 +1,9 @@
 """Where a small call's time goes.  Run: mpirun -np 2 python3 tools/profile_call.py
 
-Prints, per rank, the host µs of one in-place all_gather (no sync) and of the pieces
-it is made of (array resolution, export, the entry fence, batched memops, one peer
-copy, a mailbox round trip), then a cProfile of the call loop on rank 0; with
-``--local`` it measures one process driving every GPU instead (no MPI exchange).
+Prints, per rank, the host µs of one in-place all_gather (or ``--collective``; no sync)
+and of the pieces it is made of (array resolution, export, the entry fence, batched
+memops, one peer copy, a mailbox round trip), then a cProfile of the call loop on rank 0;
+with ``--local`` it measures one process driving every GPU instead (no MPI exchange).
 """
 import argparse
 import cProfile
@@ -32,6 +32,9 @@ def main() -> None:
     parser.add_argument("--size", default="1M")
     parser.add_argument("--iters", type=int, default=2000)
     parser.add_argument("--local", action="store_true")
+    parser.add_argument("--collective", default="all_gather",
+                        choices=("all_gather", "all_reduce", "reduce_scatter"),
+                        help="all_gather and all_reduce in place, reduce_scatter out of place")
     parser.add_argument("--registered", action="store_true",
                         help="the buffer registered with hoccl.empty (no descriptor exchange)")
     args = parser.parse_args()
@@ -57,7 +60,12 @@ def main() -> None:
 
     def run():
         for comm, send, recv, stream in calls:
-            comm.all_gather(send, recv, stream=stream)
+            if args.collective == "all_gather":
+                comm.all_gather(send, recv, stream=stream)
+            elif args.collective == "all_reduce":
+                comm.all_reduce(recv, recv, stream=stream)
+            else:
+                comm.reduce_scatter(recv, send, stream=stream)
     for _ in range(100):
         run()
     for comm in comms:
@@ -68,9 +76,10 @@ def main() -> None:
     for comm in comms:
         comm.synchronize()
     where = "one process" if args.local else f"rank {comms[0].rank}"
-    kind = "in place, registered" if args.registered else "in place"
-    print(f"{where}: all_gather {args.size} {kind}: {host:.1f} µs of host time per rank-call",
-          flush=True)
+    kind = "out of place" if args.collective == "reduce_scatter" else "in place"
+    kind += ", registered" if args.registered else ""
+    print(f"{where}: {args.collective} {args.size} {kind}: {host:.1f} µs of host time per "
+          f"rank-call", flush=True)
 
     comm, send, recv, stream = calls[0]
     engine = comm._engine

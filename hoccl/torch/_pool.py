@@ -9,8 +9,8 @@ wait for the peers (see the README's "Registered buffers").
 Offsets are the same on every rank because the pool's choices depend only on the
 sequence of allocations and releases, which every rank of an FSDP program makes in the
 same order: a request takes the first released slot of its size, in the order the slots
-were made, else a new slot carved from the last slab, else a new slab (registered:
-collective, at the same request on every rank).  A tensor's slot is released when torch
+were made, else a new slot carved from the first slab with room, else a new slab
+(registered: collective, at the same request on every rank).  A tensor's slot is released when torch
 frees the tensor's storage (all its views gone), as the caching allocator would, and the
 next tensor in that slot is ordered after the stream the last one was allocated on, as
 the caching allocator orders reuse; a request from another stream waits for that one.
@@ -189,8 +189,8 @@ class RegisteredPool:
         slot.work = work
 
     def _carve(self, nbytes: int) -> _Slot:
-        slab = self._slabs[-1] if self._slabs else None
-        if slab is None or slab.nbytes - slab.used < nbytes:
+        slab = next((slab for slab in self._slabs if slab.nbytes - slab.used >= nbytes), None)
+        if slab is None:
             slab = self._grow(nbytes)
         slot = _Slot(slab, slab.used, nbytes)
         slab.used += nbytes
@@ -201,8 +201,8 @@ class RegisteredPool:
 
     def _grow(self, nbytes: int) -> _Slab:
         """A new slab, registered (collective: every rank reaches this at the same
-        request), room for at least two slots of ``nbytes``."""
-        size = max(self.slab_bytes, 2 * nbytes)
+        request): ``slab_bytes``, or one slot of ``nbytes`` if that is larger."""
+        size = max(self.slab_bytes, nbytes)
         size = -(-size // _ALIGN) * _ALIGN
         tensor = torch.empty((size,), dtype=torch.uint8, device=self._device)
         slab = _Slab(tensor, self.comm.register(tensor))
