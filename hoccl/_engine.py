@@ -271,6 +271,10 @@ class Engine:
         self.issued_fast = 0
         self._fast: Dict[tuple, Tuple[Plan, Optional[Dict[int, Dict[str, PeerBuffer]]]]] = {}
         self.inflight: Deque[Call] = collections.deque()  # enqueued, in call order
+        #: the calls of ``inflight`` not issued yet, by number (``held``: scanning the
+        #: deque, which holds every call the device has not finished, cost each call a
+        #: pass over hundreds of calls when the host runs far ahead of the device)
+        self._unissued: Dict[int, Call] = {}
         self.lock = threading.RLock()
         self.closed = False
         self.aborted = False
@@ -494,6 +498,7 @@ class Engine:
             while inflight and inflight[0].issued and inflight[0].value <= done:
                 self._retire(inflight.popleft())  # finished: its buffers may go
             inflight.append(call)
+            self._unissued[call.value] = call
 
     def _enqueue_captured(self, call: Call) -> None:
         """A call captured into a graph: matched like any other (its key counts), but not
@@ -564,9 +569,11 @@ class Engine:
                           len(plan.programs[self.rank]), plan.uses_sms(self.rank))
         now = time.monotonic()  # the device methods make their context current themselves
         self.executor.issue(items, max(call.value for call in calls))
-        for call in calls:
-            call.issued_at = now
-            call.issued = True
+        with self.lock:
+            for call in calls:
+                call.issued_at = now
+                call.issued = True
+                self._unissued.pop(call.value, None)
 
     def _issue_captured(self, calls: Sequence[Call], imported: bool) -> None:
         """``issue`` for calls captured into a graph: graph slots that reset, no signal
@@ -672,8 +679,10 @@ class Engine:
         self.device.activate()
         self.streams.ensure_lanes(1)
         self.device.memops(self.streams.lanes[0], self.streams.completion_writes(call.value))
-        call.issued_at = time.monotonic()
-        call.issued = True
+        with self.lock:
+            call.issued_at = time.monotonic()
+            call.issued = True
+            self._unissued.pop(call.value, None)
 
     def finish(self) -> None:
         """After every enqueued call has completed: retire them, free retired scratch."""
@@ -681,6 +690,7 @@ class Engine:
             for call in self.inflight:
                 self._retire(call)
             self.inflight.clear()
+            self._unissued.clear()
             self.device.activate()
             for address in self._retired:
                 self.device.free(address)
@@ -695,7 +705,7 @@ class Engine:
     def held(self) -> List[Call]:
         """Enqueued calls not yet issued (init_local: waiting for other ranks' calls)."""
         with self.lock:
-            return [call for call in self.inflight if not call.issued]
+            return list(self._unissued.values())
 
     # -- internals ----------------------------------------------------------------------
     def _retire(self, call: Call) -> None:
@@ -731,6 +741,7 @@ class Engine:
         self.streams.close()
         with self.lock:
             self.inflight.clear()
+            self._unissued.clear()
         self._templates.clear()
         self._programs.clear()  # their peer addresses die with the device's mappings
         self._fast.clear()
