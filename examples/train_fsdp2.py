@@ -61,10 +61,11 @@ def main() -> None:
     shape = (ModelShape(dim=64, layers=2, heads=4, seq=32, batch=2, vocab=256) if args.tiny
              else ModelShape(args.dim, args.layers, args.heads, args.seq, args.batch))
     model = shard(shape, None, device)
+    hooks = None
     if args.hooks:
         import hoccl.torch
         group = dist.new_group(backend="hoccl")
-        hoccl.torch.use_for_fsdp(model, group)
+        hooks = hoccl.torch.use_for_fsdp(model, group)
     optimizer = optimizer_for(model, device, args.lr)
     if rank == 0:
         print(f"{backend}{' + hoccl hooks' if args.hooks else ''}, {world_size} ranks, {device}, "
@@ -75,6 +76,11 @@ def main() -> None:
         dist.all_reduce(loss, op=dist.ReduceOp.SUM)
         if rank == 0:
             print(f"step {step} loss {loss.item() / world_size:.6f}", flush=True)
+    if hooks is not None and rank == 0:
+        print(f"through hoccl without a descriptor exchange: {hooks.all_gather.without_exchange} "
+              f"of {hooks.all_gather.calls} all-gathers (registered memory), "
+              f"{hooks.reduce_scatter.without_exchange} of {hooks.reduce_scatter.calls} "
+              f"reduce-scatters", flush=True)
     dist.destroy_process_group()
     faulthandler.cancel_dump_traceback_later()
 
