@@ -168,6 +168,23 @@ if [ "$what" = validate ]; then
   # ranks on one GPU)
   step torch-training-pool 200 $TRUN python3 tests/torch_programs/run_training.py \
     --device cuda --reference hoccl
+  # the FSDP2 example (Llama-style, bf16) on hoccl, without and with use_for_fsdp's hooks
+  # (all-gathers into registered memory): the same losses within 1e-3 relative, step by
+  # step (this model's GPU kernels are not deterministic: two runs of the same path
+  # differ by about 1e-5 relative)
+  step fsdp2-hoccl 150 $TRUN python3 examples/train_fsdp2.py --backend hoccl --steps 20
+  step fsdp2-hoccl-hooks 150 $TRUN python3 examples/train_fsdp2.py --backend hoccl --hooks \
+    --steps 20
+  summary+=("fsdp2 losses   $(python3 - "$OUT/fsdp2-hoccl.log" "$OUT/fsdp2-hoccl-hooks.log" <<'PY'
+import re, sys
+runs = [[float(x) for x in re.findall(r"^step \d+ loss (\S+)", open(f).read(), re.M)]
+        for f in sys.argv[1:]]
+worst = max((abs(a - b) / abs(b) for a, b in zip(*runs)), default=float("inf"))
+same = len(runs[0]) == len(runs[1]) == 20 and worst <= 1e-3
+print(f"{'agree' if same else 'DIFFER'}: {len(runs[0])} and {len(runs[1])} steps, "
+      f"largest relative difference {worst:.1e}")
+PY
+)")
 fi
 if [ "$what" = registered ]; then
   # registered buffers: every collective on registered memory against numpy, the
