@@ -26,6 +26,7 @@ reads its state and aborts it.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import threading
 import time
@@ -218,6 +219,19 @@ SYMMETRIC = frozenset({"all_gather", "reduce_scatter", "all_reduce", "all_to_all
 
 _VERIFIED: Dict[int, Plan] = {}
 _CACHED = 1024  # call templates and bound programs an engine keeps (then it starts afresh)
+
+
+def _changed_options(options: Options) -> tuple:
+    """The planning options that differ from the defaults, as (name, value) pairs."""
+    if options not in _CHANGED:
+        default = Options()
+        _CHANGED[options] = tuple(
+            (spec.name, getattr(options, spec.name)) for spec in dataclasses.fields(Options)
+            if getattr(options, spec.name) != getattr(default, spec.name))
+    return _CHANGED[options]
+
+
+_CHANGED: Dict[Options, tuple] = {}
 
 
 def _verified(plan: Plan) -> Plan:
@@ -467,9 +481,12 @@ class Engine:
         # a plan never addresses an empty buffer (and it may have no address)
         used = tuple((spec.name, spec.nbytes) for spec in plan.buffers[self.rank] if spec.nbytes)
         names = {buffer_name for buffer_name, _ in used}
-        signature = (("collective", shape.collective), ("count", shape.count),
-                     ("dtype", shape.dtype), ("op", shape.op), ("root", shape.root),
-                     ("peer", shape.peer), ("scale", shape.scale))
+        signature: tuple = (("collective", shape.collective), ("count", shape.count),
+                            ("dtype", shape.dtype), ("op", shape.op), ("root", shape.root),
+                            ("peer", shape.peer), ("scale", shape.scale))
+        changed = _changed_options(self.options)
+        if changed:  # ranks planning with other options would run other plans
+            signature += (("options", changed),)
         template = CallTemplate(plan, self.options, signature, used,
                                 tuple(name for name in plan.shared(self.rank) if name in names))
         if len(self._templates) >= _CACHED:

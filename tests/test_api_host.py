@@ -165,6 +165,38 @@ def test_mismatched_calls_raise_on_every_rank_and_the_communicator_stays_usable(
     check_collective(comms, "all_reduce", count=5, dtype="float32", seed=3)
 
 
+def test_ranks_planning_with_different_options_raise_instead_of_running(init_local):
+    """A rank with other planning options would run another plan (here: one reading the
+    peers' inputs where the other pushes into scratch): the options that differ from the
+    defaults are part of the call's signature, so the calls mismatch."""
+    comms = init_local(2, backend="host")
+    comms[1].set_options(pull_bytes=1 << 20)
+    out = [poison(8, "float32") for _ in comms]
+    comms[0].all_reduce(np.ones(8, np.float32), out[0])
+    with pytest.raises(hoccl.MismatchError) as info:
+        comms[1].all_reduce(np.ones(8, np.float32), out[1])
+    assert "pull_bytes" in str(info.value), info.value
+    with pytest.raises(hoccl.MismatchError):
+        comms[0].synchronize()
+    assert is_poison(out[0]).all() and is_poison(out[1]).all()
+    comms[0].set_options(pull_bytes=1 << 20)  # agreed: it runs
+    check_collective(comms, "all_reduce", count=8, dtype="float32", seed=4)
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_pulled_reductions_match_numpy_below_and_above_their_threshold(init_local, in_place):
+    """``pull_bytes``: reductions whose input is at most that many bytes read the peers'
+    inputs where they lie; larger ones push into scratch; both exact, odd counts."""
+    comms = init_local(3, backend="host")
+    for comm in comms:
+        comm.set_options(pull_bytes=1200)
+    for seed, count in enumerate((1, 17, 100, 101, 1000)):  # 1200 bytes = 300 float32
+        for collective in ("reduce_scatter", "all_reduce", "reduce"):
+            for op in ("sum", "max", "avg"):
+                check_collective(comms, collective, count=count, dtype="float32", op=op,
+                                 in_place=in_place, seed=seed, root=2)
+
+
 def test_synchronize_names_the_ranks_that_have_not_called(init_local):
     comms = init_local(3, backend="host", timeout=1)
     a = np.zeros(4, np.float32)

@@ -144,6 +144,18 @@ def test_split_children_under_mpiexec_run_collectives_beside_their_parent(ranks)
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("ranks", [2, 3])
+def test_pulled_reductions_across_processes(ranks):
+    """run_checks.py with ``pull_bytes``: every reduction at the tested sizes reads the
+    peers' inputs in their processes (no scratch), exact against numpy."""
+    returncode, output = _run_checks(ranks, "--pull-bytes", str(1 << 20), "--dtypes",
+                                     "float32,bfloat16")
+    assert returncode == 0, output[-4000:]
+    assert f"mpi ranks={ranks} backend=host pull_bytes=1048576:" in output, output[-4000:]
+    assert output.rstrip().endswith(" 0 failed"), output[-4000:]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("ranks", [2, 3])
 def test_every_collective_on_registered_buffers(ranks):
     """run_checks.py with every buffer carved from a registered array at the same offsets
     on every rank: the symmetric collectives go without a descriptor exchange (counted),
@@ -184,4 +196,12 @@ def test_captured_calls_replay_with_resetting_signals(ranks):
     while the others call eagerly raises on every rank."""
     returncode, output = _run_program(ranks, "run_capture.py", "--backend", "host",
                                       "--replays", "100")
+    assert returncode == 0 and "capture: 2 passed, 0 failed" in output, output[-4000:]
+
+
+@pytest.mark.mpi
+def test_captured_pulled_reductions_replay():
+    """The same with ``pull_bytes``: captured reductions that read the peers' inputs."""
+    returncode, output = _run_program(2, "run_capture.py", "--backend", "host",
+                                      "--replays", "50", "--pull-bytes", str(1 << 20))
     assert returncode == 0 and "capture: 2 passed, 0 failed" in output, output[-4000:]

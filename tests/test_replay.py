@@ -18,7 +18,7 @@ CAPTURABLE = ("all_gather", "all_to_all", "reduce_scatter", "all_reduce", "broad
 def test_collectives_replay_with_resetting_signals(collective, world_size):
     for in_place in ((False,) if collective == "all_to_all" else (False, True)):
         for options in (Options(), Options(chunk_bytes=1000, copy_lanes=2),
-                        Options(one_shot_bytes=1 << 20)):
+                        Options(one_shot_bytes=1 << 20), Options(pull_bytes=1 << 20)):
             for root in sorted({0, world_size - 1}):
                 plan = build_plan(Shape(collective, world_size, 3000, "float32", 4,
                                         in_place=in_place, root=root), options)

@@ -51,6 +51,7 @@ class Case(NamedTuple):
     chunk_bytes: int
     copy_lanes: Optional[int]
     one_shot_bytes: int = 0
+    pull_bytes: int = 0
 
     def shape(self) -> Shape:
         return Shape(self.collective, self.world_size, self.count, self.dtype,
@@ -58,13 +59,15 @@ class Case(NamedTuple):
 
     def options(self) -> Options:
         return Options(copy_lanes=self.copy_lanes, chunk_bytes=self.chunk_bytes,
-                       self_route=self.self_route, one_shot_bytes=self.one_shot_bytes)
+                       self_route=self.self_route, one_shot_bytes=self.one_shot_bytes,
+                       pull_bytes=self.pull_bytes)
 
     def label(self) -> str:
         return (f"{self.collective}-n{self.world_size}-c{self.count}-{self.dtype}-{self.op}"
                 f"-root{self.root}-peer{self.peer}-{'inplace' if self.in_place else 'oop'}"
                 f"-{self.self_route}-chunk{self.chunk_bytes}-lanes{self.copy_lanes}"
-                f"{f'-oneshot{self.one_shot_bytes}' if self.one_shot_bytes else ''}")
+                f"{f'-oneshot{self.one_shot_bytes}' if self.one_shot_bytes else ''}"
+                f"{f'-pull{self.pull_bytes}' if self.pull_bytes else ''}")
 
 
 # -- the reference: what each collective computes, from its definition ---------------------
@@ -246,6 +249,18 @@ def _cases() -> List[Case]:
                 cases.append(Case("all_reduce", n, count, dtype, op, 0, -1, in_place, "local",
                                   chunk, (None, 1, 2)[turn % 3], one_shot_bytes=1 << 20))
                 turn += 1
+    # pulled reductions (the reduction reads the peers' inputs where they lie)
+    for kind in ("reduce_scatter", "all_reduce", "reduce"):
+        for n in (2, 3, 4, 5, 8, 16):
+            for count in (1, 7, 3 * n + 2):
+                for in_place in (False, True):
+                    dtype = DTYPES[turn % len(DTYPES)]
+                    op = OPS[(turn // 3) % len(OPS)]
+                    chunk = (1, 2 * ITEMSIZE[dtype] + 1, 1 << 20)[turn % 3]
+                    root = (0, n - 1)[turn % 2] if kind == "reduce" else 0
+                    cases.append(Case(kind, n, count, dtype, op, root, -1, in_place, "local",
+                                      chunk, (None, 1, 2)[turn % 3], pull_bytes=1 << 20))
+                    turn += 1
     return cases
 
 
@@ -271,6 +286,35 @@ def test_grid_covers_every_collective_dtype_op_and_option():
     assert {c.self_route for c in CASES} == {"peer", "local"}
     one_shot = [c for c in CASES if c.one_shot_bytes]
     assert {c.in_place for c in one_shot} == {False, True} and len(one_shot) >= 40
+    pulled = [c for c in CASES if c.pull_bytes]
+    assert {(c.collective, c.in_place) for c in pulled} == {
+        (kind, in_place) for kind in REDUCING for in_place in (False, True)}
+
+
+def test_pulled_reductions_read_the_peers_inputs_below_their_threshold_only():
+    """Under ``pull_bytes`` (the input's bytes: n blocks of a reduce_scatter) nothing is
+    copied into scratch and each sum reads every rank's input where it lies; above it the
+    peers push into scratch as ever."""
+    from hoccl.sched.plan import Copy, Reduce
+    options = Options(pull_bytes=4096)
+    for kind, count, pulled in (("reduce_scatter", 256, True), ("reduce_scatter", 257, False),
+                                ("all_reduce", 1024, True), ("all_reduce", 1025, False),
+                                ("reduce", 1024, True), ("reduce", 1025, False)):
+        plan = build_plan(Shape(kind, 4, count, "float32", 4, root=2), options)
+        verify(plan)
+        scratch = [spec for buffers in plan.buffers for spec in buffers if spec.name == "scratch"]
+        into_scratch = [step for program in plan.programs for step in program
+                        if isinstance(step, Copy) and step.dst.buffer == "scratch"]
+        remote_reads = [ref for r, program in enumerate(plan.programs) for step in program
+                        if isinstance(step, Reduce) for ref in step.inputs if ref.rank != r]
+        assert (not scratch and not into_scratch and remote_reads) if pulled else \
+            (scratch and into_scratch and not remote_reads), (kind, count)
+    # a one-shot all_reduce keeps its push
+    plan = build_plan(Shape("all_reduce", 4, 64, "float32", 4),
+                      Options(pull_bytes=4096, one_shot_bytes=4096))
+    assert any(spec.name == "scratch" for spec in plan.buffers[0])
+    with pytest.raises(Exception, match="pull_bytes"):
+        Options(pull_bytes=-1)
 
 
 def test_one_shot_all_reduce_is_one_phase_below_its_threshold_only():

@@ -95,14 +95,40 @@ def drop_ready_wait_before_push(plan: Plan) -> Iterator[Plan]:
             yield _without(plan, rank, index)
 
 
+def drop_ready_wait_before_pull(plan: Plan) -> Iterator[Plan]:
+    """A pulled reduction's wait for a peer's READY (its input may be read) ahead of the
+    Reduce that reads that peer's memory."""
+    for rank, index, wait in _steps(plan, Wait):
+        if wait.slot % CHANNELS != READY:
+            continue
+        peer = wait.slot // CHANNELS
+        following = [s for s in plan.programs[rank][index + 1:]
+                     if s.lane == wait.lane and not isinstance(s, Wait)]
+        if (following and isinstance(following[0], Reduce)
+                and any(ref.rank == peer for ref in following[0].inputs)):
+            yield _without(plan, rank, index)
+
+
+def _touches(step, rank: int) -> bool:
+    """Whether a Copy or Reduce reads or writes ``rank``'s memory."""
+    if isinstance(step, Copy):
+        return rank in (step.src.rank, step.dst.rank)
+    return isinstance(step, Reduce) and any(ref.rank == rank for ref in step.inputs)
+
+
 def drop_done_wait(plan: Plan) -> Iterator[Plan]:
     """The wait for the last DONE/GATHERED from a peer that copied into or out of this
-    rank's memory: this rank's exit no longer follows those copies.  (A DONE that only
-    closes a handshake with nothing copied, like in-place gather's, guards nothing.)"""
+    rank's memory (or reduced what it read there): this rank's exit no longer follows
+    those steps.  (A DONE that only closes a handshake with nothing copied, like in-place
+    gather's, guards nothing; nor does a pulled all_reduce's DONE, there for graph
+    replays: the GATHERED after the sender's sums orders the exit after its reads.)"""
     for rank, index, wait in _steps(plan, Wait):
         sender = wait.slot // CHANNELS
-        touched = any(rank in (c.src.rank, c.dst.rank) for c in plan.programs[sender]
-                      if isinstance(c, Copy))
+        touched = any(_touches(step, rank) for step in plan.programs[sender])
+        pulled = any(isinstance(step, Reduce) and _touches(step, rank)
+                     for step in plan.programs[sender])
+        if pulled and plan.collective == "all_reduce" and wait.slot % CHANNELS == DONE:
+            continue
         if (touched and wait.slot % CHANNELS in (DONE, GATHERED, PAIR_DONE)
                 and wait.value == max(_signalled(plan, rank, wait.slot))):
             yield _without(plan, rank, index)
@@ -160,13 +186,15 @@ def signal_before_copy(plan: Plan) -> Iterator[Plan]:
 MUTATIONS: List[Tuple[Callable[[Plan], Iterator[Plan]], Optional[str]]] = [
     (drop_awaited_signal, "deadlock"),
     (drop_ready_wait_before_push, "no step of rank .* happens before it"),
+    (drop_ready_wait_before_pull, "no step of rank .* happens before it"),
     (drop_done_wait, None),
     (shift_copy_destination, "writ"),
     (drop_copy, None),
     (duplicate_output_copy, "written exactly once"),
     # the gather lane's copies lose both their order after the reduction (a race) and
-    # their only path from the peer's READY (a fence): verify reports the fence first
-    (drop_after, "race|no step of rank .* happens before it"),
+    # their only path from the peer's READY (a fence): verify reports the fence first;
+    # pulled, the peer's exit loses its only path from the reads of its input
+    (drop_after, "race|no step of rank .* happens (before|after) it"),
     (raise_wait_beyond_signals, "deadlock"),
     (signal_before_copy, None),
 ]
@@ -180,6 +208,12 @@ PLAN_CONFIGS = [
     for route in ("peer", "local")
     if not (in_place and collective in ("all_to_all", "sendrecv"))
     and not (route == "local" and collective == "sendrecv")
+] + [
+    # reductions that read the peers' inputs where they lie (Options.pull_bytes)
+    (collective, world_size, in_place, "pull")
+    for collective in ("all_reduce", "reduce_scatter", "reduce")
+    for world_size in (2, 3, 6)
+    for in_place in (False, True)
 ]
 
 
@@ -187,6 +221,8 @@ def _plan(collective: str, world_size: int, in_place: bool, route: str) -> Plan:
     # 5 float32 elements in chunks of 2: reductions run three chunks
     shape = Shape(collective, world_size, 5, "float32", 4, "sum", root=world_size - 1,
                   peer=0, in_place=in_place)
+    if route == "pull":
+        return build_plan(shape, Options(chunk_bytes=8, pull_bytes=1 << 20))
     return build_plan(shape, Options(chunk_bytes=8, self_route=route))
 
 
@@ -286,8 +322,8 @@ def _mutate_handoff(rank: int, index: int, step, **changes) -> Plan:
     (0, 2, Copy(0, BufRef(0, "send", 0), BufRef(1, "nothing", 0), 4), {}, "'nothing'"),
     (0, 2, Copy(0, BufRef(0, "send", 2), BufRef(1, "scratch", 0), 4), {}, "outside rank 0"),
     (1, 2, Copy(0, BufRef(0, "send", 0), BufRef(0, "send", 0), 4), {}, "must read or write"),
-    (1, 2, Reduce(0, (BufRef(0, "send", 0),), BufRef(1, "recv", 0), 1, "float32", "sum"), {},
-     "not on the running rank 1"),
+    (1, 2, Reduce(0, (BufRef(1, "recv", 0),), BufRef(0, "send", 0), 1, "float32", "sum"), {},
+     "output .* is not on the running rank 1"),
     (1, 2, Reduce(0, (BufRef(1, "scratch", 0),), BufRef(1, "recv", 0), 1, "float32", "xor"), {},
      "op must be one of"),
     (1, 2, After(0, 7), {}, "mark 7, which is not recorded"),

@@ -48,7 +48,8 @@ train_shapes() {  # train_shapes SHAPE...: one mpirun per shape (a peer's freed 
   # mapped by hoccl's IPC cache for the life of the process: shapes run back to back in
   # one process run out of memory)
   for shape in "$@"; do
-    step "train-$shape" 200 $TRUN python3 -m hoccl.bench.train --shapes $shape --out "$OUT/train-$shape"
+    step "train-$shape" 200 $TRUN python3 -m hoccl.bench.train --shapes $shape \
+      ${TRAIN_LIBRARIES:+--libraries $TRAIN_LIBRARIES} --out "$OUT/train-$shape"
   done
 }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,power.draw --format=csv > "$OUT/gpus.txt" 2>&1
@@ -128,7 +129,8 @@ if [ "$what" = figures-b ]; then
     --libraries hoccl,hoccl+max_sms=32+chunk_bytes=128M,hoccl+max_sms=16,nccl --out "$OUT/overlap"
   step tp 150 $TRUN python3 -m hoccl.bench.tp --out "$OUT/tp"
   step torch-training 120 $TRUN python3 tests/torch_programs/run_training.py --device cuda
-  train_shapes comm
+  # the hooks with registered all-gather memory and without, beside NCCL
+  TRAIN_LIBRARIES=${TRAIN_LIBRARIES:-nccl,hoccl,hoccl-hooks,hoccl-hooks-plain} train_shapes comm
 fi
 if [ "$what" = quickreg ]; then
   # the shortest comparison that says something: registered and unregistered hoccl, eager
@@ -163,6 +165,14 @@ if [ "$what" = validate ]; then
   step hostile-mpirun 90 $MPIRUN python3 tests/mpi/run_hostile.py --backend cuda
   step example-graphs 90 $MPIRUN python3 examples/registered_and_graphs.py
   step torch-registered 120 $TRUN python3 tests/torch_programs/run_registered.py --device cuda
+  # reductions that read the peers' inputs where they lie (Options.pull_bytes), plain and
+  # on registered buffers, and captured into graphs
+  step pull-checks 120 $MPIRUN python3 tests/mpi/run_checks.py --backend cuda --pull-bytes 1048576 \
+    --counts 0,17,100003
+  step pull-registered 120 $MPIRUN python3 tests/mpi/run_checks.py --backend cuda --registered \
+    --pull-bytes 1048576 --counts 0,17,100003
+  step pull-capture 150 $MPIRUN python3 tests/mpi/run_capture.py --backend cuda --replays 100 \
+    --pull-bytes 1048576
   # DDP, FSDP2 (hooks all-gathering into registered memory: every call counted) and HSDP
   # against a second hoccl group without registered memory or hooks (NCCL refuses two
   # ranks on one GPU)

@@ -300,9 +300,15 @@ class HostDevice(Device):
         np_dtype = numpy_dtype(dtype)
         nbytes = count * np_dtype.itemsize
 
+        def local(address: Any) -> np.ndarray:
+            if isinstance(address, RemotePtr):  # a peer's input, read where it lies
+                copied = np.empty(nbytes, dtype=np.uint8)
+                _move(copied.ctypes.data, address, nbytes)
+                return copied
+            return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(address))
+
         def run():
-            views = [np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(address))
-                     .view(np_dtype) for address in inputs]
+            views = [local(address).view(np_dtype) for address in inputs]
             result = reduce_arrays(views, op, np_dtype, divisor, scale)
             out = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(output))
             out[...] = result.view(np.uint8)

@@ -187,14 +187,17 @@ class Hoccl(Library):
         self.route = route or comm.options.self_route
         self.defaults = {"max_sms": comm.max_sms, "copy_sms": comm.copy_sms,
                          "chunk_bytes": comm.options.chunk_bytes,
-                         "one_shot_bytes": comm.options.one_shot_bytes}
+                         "one_shot_bytes": comm.options.one_shot_bytes,
+                         "pull_bytes": comm.options.pull_bytes}
         sums = settings.get("max_sms", self.defaults["max_sms"])
         copies = settings.get("copy_sms", self.defaults["copy_sms"])
         moves = "0" if self.route == "peer" else f"≤ {copies} for the own block out of place"
-        self.sms = f"moves: {moves} (in place: 0); sums: ≤ {sums}"
+        pulled = " (pulled: the peers' reads too)" if settings.get("pull_bytes") else ""
+        self.sms = f"moves: {moves} (in place: 0); sums{pulled}: ≤ {sums}"
         # variants are measured only where what they change matters
         self.moves_only = route is not None or set(settings) == {"copy_sms"}
-        self.sums_only = bool(settings) and set(settings) <= {"max_sms", "chunk_bytes"}
+        self.sums_only = bool(settings) and set(settings) <= {"max_sms", "chunk_bytes",
+                                                              "pull_bytes"}
         self.all_reduce_only = set(settings) == {"one_shot_bytes"}
 
     def supports(self, collective: str, form: str) -> bool:

@@ -66,12 +66,19 @@ class Options:
     have no own block to move and use no SM.  ``one_shot_bytes``: an all_reduce of at
     most this many bytes runs in one phase (every rank pushes its whole input into every
     peer's scratch and sums all of them itself: one round of signals instead of two,
-    n - 1 times the copy traffic); 0 turns it off.
+    n - 1 times the copy traffic); 0 turns it off.  ``pull_bytes``: a reduce_scatter,
+    all_reduce or reduce whose input is at most this many bytes (all ranks' blocks of a
+    reduce_scatter) sums the peers' inputs where they lie: the reduction kernel reads
+    them from the peers' memory (over NVLink between GPUs), with no copy into scratch
+    before it (no copy-engine step, no scratch; the kernel's SMs move that data), and
+    tells each peer when it is done reading; 0 (the default) turns it off.  One-shot
+    all_reduces keep their push.
     """
     copy_lanes: Optional[int] = None
     chunk_bytes: int = 32 << 20
     self_route: str = "local"
     one_shot_bytes: int = 0
+    pull_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.self_route not in SELF_ROUTES:
@@ -83,10 +90,10 @@ class Options:
         if self.copy_lanes is not None and not _positive_int(self.copy_lanes):
             raise InvalidArgumentError(f"copy_lanes must be None or a positive int; "
                                        f"got {self.copy_lanes!r}")
-        if not (_positive_int(self.one_shot_bytes) or self.one_shot_bytes == 0) or \
-                isinstance(self.one_shot_bytes, bool):
-            raise InvalidArgumentError(f"one_shot_bytes must be an int >= 0; "
-                                       f"got {self.one_shot_bytes!r}")
+        for name in ("one_shot_bytes", "pull_bytes"):
+            value = getattr(self, name)
+            if not (_positive_int(value) or value == 0) or isinstance(value, bool):
+                raise InvalidArgumentError(f"{name} must be an int >= 0; got {value!r}")
 
 
 def _positive_int(value: object) -> bool:
@@ -354,11 +361,17 @@ def _rooted_copy(b: _Builder) -> Plan:
 def _reducing(b: _Builder) -> Plan:
     """reduce_scatter, all_reduce and reduce: peers push pieces into the owner's scratch
     chunk by chunk; the owner reduces chunk c on a side lane while chunk c+1 is in flight.
-    all_reduce then pushes each reduced chunk to every peer (the gather phase)."""
+    all_reduce then pushes each reduced chunk to every peer (the gather phase).
+
+    Pulled (``Options.pull_bytes``): no pushes and no scratch; each peer signals READY
+    (its input may be read), the owner's reduction reads the peers' pieces where they
+    lie, then signals each peer DONE (read: the peer's exit waits for it)."""
     s, n = b.shape, b.n
     kind, item = s.collective, s.itemsize
     # one phase: every rank reduces the whole of it (all_reduce up to one_shot_bytes)
     one_shot = kind == "all_reduce" and n > 1 and s.count * item <= b.options.one_shot_bytes
+    input_bytes = (n if kind == "reduce_scatter" else 1) * s.count * item
+    pull = n > 1 and not one_shot and input_bytes <= b.options.pull_bytes
     if kind == "reduce_scatter":
         owned = [(r * s.count, s.count) for r in range(n)]  # element range each rank reduces
         total = n * s.count
@@ -396,7 +409,7 @@ def _reducing(b: _Builder) -> Plan:
                 b.buffer(r, "send", total * item, inputs=[(0, total * item)])
                 if r == s.root:
                     b.buffer(r, "recv", total * item, outputs=[(0, total * item)])
-        if size and n > 1:
+        if size and n > 1 and not pull:
             b.buffer(r, "scratch", (n - 1) * size * item)
 
     def input_ref(rank: int, byte_offset: int) -> BufRef:
@@ -426,9 +439,10 @@ def _reducing(b: _Builder) -> Plan:
             b.ready_all(r, sorted(set(feeders) | {p for p in _peers(r, n) if owned[p][1]},
                                   key=lambda p: (p - r) % n))
         else:
-            b.ready_all(r, feeders)
+            # pushed: our scratch is free for the feeders; pulled: our input is readable
+            b.ready_all(r, owners if pull else feeders)
         pushed = []  # (lane, mark) after this rank's pushes of its input
-        for p in owners:
+        for p in owners if not pull else ():
             lane = b.lane_of((p - r) % n)
             slot_at_p = (r - p - 1) % n  # our block's place in p's scratch
             b.wait(r, lane, p, READY, 1)
@@ -444,15 +458,19 @@ def _reducing(b: _Builder) -> Plan:
         for mark in pushed:  # in place, one shot: the sum overwrites what was pushed
             b.after(r, reduce_lane, mark)
         start, size = owned[r]
-        for index, (offset, nbytes) in enumerate(chunks[r]):
+        if pull:  # every feeder's input readable: READY
             for p in feeders:
-                b.wait(r, reduce_lane, p, DONE, index + 1)
+                b.wait(r, reduce_lane, p, READY, 1)
+        for index, (offset, nbytes) in enumerate(chunks[r]):
             inputs = []
-            for q in range(n):
-                if q == r:
-                    inputs.append(input_ref(r, start * item + offset))
-                else:
-                    inputs.append(BufRef(r, "scratch", ((q - r - 1) % n) * size * item + offset))
+            if pull:
+                inputs = [input_ref(q, start * item + offset) for q in range(n)]
+            else:
+                for p in feeders:
+                    b.wait(r, reduce_lane, p, DONE, index + 1)
+                for q in range(n):
+                    inputs.append(input_ref(r, start * item + offset) if q == r else
+                                  BufRef(r, "scratch", ((q - r - 1) % n) * size * item + offset))
             b.reduce(r, reduce_lane, inputs, output_ref(r, offset // item), nbytes // item)
             if gather_lane is not None and n > 1:
                 mark = b.mark(r, reduce_lane)
@@ -461,6 +479,9 @@ def _reducing(b: _Builder) -> Plan:
                     b.copy(r, gather_lane, output_ref(r, offset // item),
                            BufRef(p, "recv", (start * item) + offset), nbytes)
                     b.signal(r, gather_lane, p, GATHERED, index + 1)
+        if pull:  # done reading the feeders' inputs: their exits wait for it (a graph
+            for p in feeders:  # replay's reset of their READY slot needs it too)
+                b.signal(r, reduce_lane, p, DONE, 1)
     return b.plan()
 
 

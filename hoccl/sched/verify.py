@@ -218,11 +218,12 @@ class _Verifier:
             nbytes = step.count * ITEMSIZE[step.dtype]
             for role, ref in [("input", r) for r in step.inputs] + [("output", step.output)]:
                 self.check_ref(node, ref, nbytes, role)
-                if ref.rank != rank:
-                    self.fail(f"{role} {ref} is not on the running rank {rank}", node)
+            # inputs may lie on peers (read where they are, fenced like a copy's source)
+            if step.output.rank != rank:
+                self.fail(f"output {step.output} is not on the running rank {rank}", node)
             out = step.output
             for ref in step.inputs:
-                if (ref.buffer == out.buffer and ref.offset != out.offset
+                if ((ref.rank, ref.buffer) == (out.rank, out.buffer) and ref.offset != out.offset
                         and abs(ref.offset - out.offset) < nbytes):
                     self.fail(f"output {out} partially overlaps input {ref} (it may only be "
                               f"exactly one of the inputs)", node)

@@ -278,10 +278,14 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--backend", default="cuda")
     parser.add_argument("--replays", type=int, default=1000)
+    parser.add_argument("--pull-bytes", type=int, default=0,
+                        help="Options.pull_bytes: captured reductions read the peers' inputs")
     args = parser.parse_args()
     results = []
     for name, check in (("replays", replays), ("capture on one rank", capture_on_one_rank)):
         comm = hoccl.init(backend=args.backend, timeout=30)
+        if args.pull_bytes:
+            comm.set_options(pull_bytes=args.pull_bytes)
         try:
             outcome, ok = check(comm, args), True
         except Exception:

@@ -153,9 +153,14 @@ def main():
     parser.add_argument("--registered", action="store_true",
                         help="every buffer in a registered array (hoccl.empty), at the same "
                              "offsets on every rank: calls issued without a descriptor exchange")
+    parser.add_argument("--pull-bytes", type=int, default=0,
+                        help="Options.pull_bytes: reductions up to this many bytes read the "
+                             "peers' inputs where they lie")
     args = parser.parse_args()
     world = MPI.COMM_WORLD
     comm = hoccl.init(backend=args.backend, timeout=120)
+    if args.pull_bytes:
+        comm.set_options(pull_bytes=args.pull_bytes)
     fault = args.plant_fault
     dtypes = args.dtypes.split(",")
     counts = [int(c) for c in args.counts.split(",") if fault is None or int(c) >= 2]
@@ -189,6 +194,8 @@ def main():
         label = f"mpi ranks={world.size} backend={comm.backend}"
         if args.registered:
             label += f" registered ({fast} calls or more on each rank without an exchange)"
+        if args.pull_bytes:
+            label += f" pull_bytes={args.pull_bytes}"
         if fault is not None:
             label += f" fault={fault}"
             for collective, results in outcomes.items():
