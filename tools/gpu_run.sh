@@ -118,15 +118,16 @@ if [ "$what" = figures-a ]; then
   step capture 120 $MPIRUN python3 tests/mpi/run_capture.py --backend cuda --replays 300
   step split-mpirun 60 $MPIRUN python3 tests/mpi/run_split.py --backend cuda
   step bench-small 300 $MPIRUN python3 -m hoccl.bench --sizes 8K,64K,256K,1M,4M,16M \
-    --forms in --libraries hoccl,hoccl-reg,hoccl-reg+one_shot_bytes=4M,nccl,nccl-zero --graph \
-    --out "$OUT/bench-small"
+    --forms in --libraries hoccl,hoccl-reg,hoccl-reg+one_shot_bytes=4M,hoccl-reg+pull_bytes=16M,nccl,nccl-zero \
+    --graph --out "$OUT/bench-small"
   step bench-1g 100 $MPIRUN python3 -m hoccl.bench --sizes 1G --collectives all_gather \
     --forms in --libraries hoccl,hoccl-reg,nccl4py,nccl-zero --out "$OUT/bench-1g"
 fi
 if [ "$what" = figures-b ]; then
   # the second: reductions beside a GEMM, the tensor-parallel layer, training, HSDP
   step overlap 200 $MPIRUN python3 -m hoccl.bench.overlap --cases reduce_scatter:out,all_reduce:in \
-    --libraries hoccl,hoccl+max_sms=32+chunk_bytes=128M,hoccl+max_sms=16,nccl --out "$OUT/overlap"
+    --libraries hoccl,hoccl+max_sms=32+chunk_bytes=128M,hoccl+max_sms=16,hoccl+pull_bytes=2G+max_sms=32,nccl \
+    --out "$OUT/overlap"
   step tp 150 $TRUN python3 -m hoccl.bench.tp --out "$OUT/tp"
   step torch-training 120 $TRUN python3 tests/torch_programs/run_training.py --device cuda
   # the hooks with registered all-gather memory and without, beside NCCL
@@ -173,6 +174,10 @@ if [ "$what" = validate ]; then
     --pull-bytes 1048576 --counts 0,17,100003
   step pull-capture 150 $MPIRUN python3 tests/mpi/run_capture.py --backend cuda --replays 100 \
     --pull-bytes 1048576
+  # the bench's pulled variant, eager and in a graph (on one GPU its times say nothing)
+  step bench-pull 150 $MPIRUN python3 -m hoccl.bench --sizes 64K,1M --forms in \
+    --collectives all_reduce,reduce_scatter --libraries hoccl,hoccl-reg+pull_bytes=16M --graph \
+    --out "$OUT/bench-pull"
   # DDP, FSDP2 (hooks all-gathering into registered memory: every call counted) and HSDP
   # against a second hoccl group without registered memory or hooks (NCCL refuses two
   # ranks on one GPU)
