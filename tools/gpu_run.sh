@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The device machine's session: GPU tests (one process, and mpirun -np 2), then the
-# benchmarks against NCCL.  Usage: bash tools/gpu_run.sh [tests|profile|bench|overlap|compare|torch|fsdp|hier|hierdiag|final|registered|onegpu|validate|quickreg|figures-a|figures-b|levers|tp|all] [pytest args]
+# benchmarks against NCCL.  Usage: bash tools/gpu_run.sh [tests|profile|bench|overlap|compare|torch|fsdp|hier|hierdiag|final|registered|onegpu|validate|quickreg|figures-a|figures-b|figures-c|levers|tp|all] [pytest args]
 # torch: the torch.distributed backend's checks, DDP/FSDP2/HSDP training against NCCL (hoccl
 # the default process group, then NCCL), the FSDP2 example on NCCL and on hoccl, and
 # python -m hoccl.bench.train (one process per shape).
@@ -124,14 +124,20 @@ if [ "$what" = figures-a ]; then
     --forms in --libraries hoccl,hoccl-reg,nccl4py,nccl-zero --out "$OUT/bench-1g"
 fi
 if [ "$what" = figures-b ]; then
-  # the second: reductions beside a GEMM, the tensor-parallel layer, training, HSDP
+  # the second: reductions beside a GEMM, the tensor-parallel layer, torch training checks
   step overlap 200 $MPIRUN python3 -m hoccl.bench.overlap --cases reduce_scatter:out,all_reduce:in \
     --libraries hoccl,hoccl+max_sms=32+chunk_bytes=128M,hoccl+max_sms=16,hoccl+pull_bytes=2G+max_sms=32,nccl \
     --out "$OUT/overlap"
   step tp 150 $TRUN python3 -m hoccl.bench.tp --out "$OUT/tp"
   step torch-training 120 $TRUN python3 tests/torch_programs/run_training.py --device cuda
-  # the hooks with registered all-gather memory and without, beside NCCL
-  TRAIN_LIBRARIES=${TRAIN_LIBRARIES:-nccl,hoccl,hoccl-hooks,hoccl-hooks-plain} train_shapes comm
+fi
+if [ "$what" = figures-c ]; then
+  # the third: training beside NCCL, the hooks with registered all-gather memory and
+  # without; HSDP with NCCL as the default group (its replicate dimension)
+  TRAIN_LIBRARIES=${TRAIN_LIBRARIES:-nccl,hoccl,hoccl-hooks,hoccl-hooks-plain} \
+    train_shapes ${TRAIN_SHAPES:-comm compute}
+  step torch-training-nccl-default 150 $TRUN python3 tests/torch_programs/run_training.py \
+    --device cuda --default-backend reference
 fi
 if [ "$what" = quickreg ]; then
   # the shortest comparison that says something: registered and unregistered hoccl, eager
