@@ -2,7 +2,8 @@
 
     import hoccl.torch                          # registers the "hoccl" backend
     dist.init_process_group("hoccl")            # code written for NCCL runs on hoccl
-    hoccl.torch.use_for_fsdp(model, comm)       # or keep NCCL and hook only FSDP2's calls
+    hoccl.torch.use_for_fsdp(model, group)      # FSDP2's all-gathers into registered memory
+                                                # (on any default group: NCCL's too)
 
 Importing this module needs torch (``import hoccl`` never imports it).  The backend
 bootstraps from torch's store (no MPI needed); each group, ``new_group`` and DeviceMesh
