@@ -296,6 +296,7 @@ class Library:
     model: nn.Module
     optimizer: Any
     losses: List[torch.Tensor]  # kept on the device: reading one would synchronize
+    hooks: Any = None           # hoccl.torch.FSDPHooks of the hoccl-hooks libraries
 
 
 def libraries(names: Sequence[str], shape: ModelShape, device: torch.device,
@@ -310,9 +311,10 @@ def libraries(names: Sequence[str], shape: ModelShape, device: torch.device,
         else:
             mesh = DeviceMesh.from_group(dist.distributed_c10d._get_default_group(), device.type)
         model = shard(shape, mesh, device)
+        hooks = None
         if name.startswith("hoccl-hooks"):
-            hoccl.torch.use_for_fsdp(model, hoccl_group, registered=name == "hoccl-hooks")
-        found.append(Library(name, model, optimizer_for(model, device), []))
+            hooks = hoccl.torch.use_for_fsdp(model, hoccl_group, registered=name == "hoccl-hooks")
+        found.append(Library(name, model, optimizer_for(model, device), [], hooks))
     return found
 
 
@@ -354,7 +356,8 @@ def measure(shape_name: str, shape: ModelShape, names: Sequence[str], args: argp
                         "library": library.name, "step_s": slowest.tolist(),
                         "median_step_s": median,
                         "tokens_per_s": shape.batch * shape.seq * world_size / median,
-                        "profile_ms_per_step": profile, "first_losses": losses})
+                        "profile_ms_per_step": profile, "first_losses": losses,
+                        **_exchanges(library.hooks)})
     base = next((r["median_step_s"] for r in records if r["library"] == baseline), None)
     for record in records:
         record["speedup_vs_baseline"] = base / record["median_step_s"] if base else None
@@ -362,6 +365,15 @@ def measure(shape_name: str, shape: ModelShape, names: Sequence[str], args: argp
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return records
+
+
+def _exchanges(hooks: Any) -> Dict[str, Any]:
+    """How many of the hooks' calls went without a descriptor exchange (this rank's)."""
+    if hooks is None:
+        return {}
+    return {"without_exchange": {
+        "all_gather": [hooks.all_gather.without_exchange, hooks.all_gather.calls],
+        "reduce_scatter": [hooks.reduce_scatter.without_exchange, hooks.reduce_scatter.calls]}}
 
 
 def table(result: Dict[str, Any]) -> str:
@@ -385,6 +397,14 @@ def table(result: Dict[str, Any]) -> str:
             f"| {record['median_step_s'] * 1000:.1f} | {record['tokens_per_s']:,.0f} "
             f"| {'—' if ratio is None else f'{ratio:.3f}x'} | {cell('exposed')} "
             f"| {cell('communication')} | {cell('idle')} |")
+    counted = [record for record in result["records"] if "without_exchange" in record]
+    if counted:
+        lines.append("")
+        lines.append("Calls without a descriptor exchange (rank 0, the whole run): " + "; ".join(
+            f"{record['shape']} {record['library']}: "
+            + ", ".join(f"{done} of {calls} {kind.replace('_', '-')}s" for kind, (done, calls)
+                        in record["without_exchange"].items())
+            for record in counted))
     return "\n".join(lines)
 
 
