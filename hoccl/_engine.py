@@ -223,15 +223,9 @@ _CACHED = 1024  # call templates and bound programs an engine keeps (then it sta
 
 def _changed_options(options: Options) -> tuple:
     """The planning options that differ from the defaults, as (name, value) pairs."""
-    if options not in _CHANGED:
-        default = Options()
-        _CHANGED[options] = tuple(
-            (spec.name, getattr(options, spec.name)) for spec in dataclasses.fields(Options)
-            if getattr(options, spec.name) != getattr(default, spec.name))
-    return _CHANGED[options]
-
-
-_CHANGED: Dict[Options, tuple] = {}
+    default = Options()
+    return tuple((spec.name, getattr(options, spec.name)) for spec in dataclasses.fields(Options)
+                 if getattr(options, spec.name) != getattr(default, spec.name))
 
 
 def _verified(plan: Plan) -> Plan:

@@ -462,15 +462,14 @@ def _reducing(b: _Builder) -> Plan:
             for p in feeders:
                 b.wait(r, reduce_lane, p, READY, 1)
         for index, (offset, nbytes) in enumerate(chunks[r]):
-            inputs = []
             if pull:
                 inputs = [input_ref(q, start * item + offset) for q in range(n)]
             else:
                 for p in feeders:
                     b.wait(r, reduce_lane, p, DONE, index + 1)
-                for q in range(n):
-                    inputs.append(input_ref(r, start * item + offset) if q == r else
-                                  BufRef(r, "scratch", ((q - r - 1) % n) * size * item + offset))
+                inputs = [input_ref(r, start * item + offset) if q == r else
+                          BufRef(r, "scratch", ((q - r - 1) % n) * size * item + offset)
+                          for q in range(n)]
             b.reduce(r, reduce_lane, inputs, output_ref(r, offset // item), nbytes // item)
             if gather_lane is not None and n > 1:
                 mark = b.mark(r, reduce_lane)

@@ -10,11 +10,12 @@ Offsets are the same on every rank because the pool's choices depend only on the
 sequence of allocations and releases, which every rank of an FSDP program makes in the
 same order: a request takes the first released slot of its size, in the order the slots
 were made, else a new slot carved from the first slab with room, else a new slab
-(registered: collective, at the same request on every rank).  A tensor's slot is released when torch
-frees the tensor's storage (all its views gone), as the caching allocator would, and the
-next tensor in that slot is ordered after the stream the last one was allocated on, as
-the caching allocator orders reuse; a request from another stream waits for that one.
-If a rank's requests ever differed, the calls' descriptions, which are still checked
+(registered: collective, at the same request on every rank).  A tensor's slot is
+released when torch frees the tensor's storage (all its views gone), as the caching
+allocator would; hoccl's calls hold shadows (``shadow``), so when a call ends, which
+differs between ranks, never keeps a slot.  The next tensor in a slot is ordered after
+the slot's last call and after the stream the last tensor was allocated on, as the
+caching allocator orders reuse.  If a rank's requests ever differed, the calls' descriptions, which are still checked
 after the fact, raise ``DivergedError`` on every rank.
 
 Slabs stay registered until ``close`` (collective) and in memory while any tensor in
@@ -36,13 +37,9 @@ _ALIGN = 512  # bytes: slot offsets and sizes (every dtype's alignment, and DMA-
 _SLAB_BYTES = 64 << 20  # the smallest slab a pool registers
 
 
-def _storage_at(address: int, nbytes: int, device: torch.device) -> Optional[Any]:
-    """A torch storage over memory torch does not own (no deleter), or None where this
-    torch cannot make one."""
-    construct = getattr(torch._C, "_construct_storage_from_data_pointer", None)
-    if construct is None:
-        return None
-    return construct(address, device, nbytes)
+def _usable() -> bool:
+    """Whether this torch can make a storage over memory it does not own."""
+    return hasattr(torch._C, "_construct_storage_from_data_pointer")
 
 
 def _contiguous(shape: Tuple[int, ...]) -> Tuple[int, ...]:
@@ -66,6 +63,16 @@ class _Slot:
     storage: Any = None    # weak reference to the storage of the tensor in it; None: never used
     stream: Any = None     # the CUDA stream it was last handed out on
     work: Any = None       # the last hoccl call on it (a hoccl.torch Work)
+
+    def tensor(self, dtype: torch.dtype, device: torch.device, offset: int,
+               size: Sequence[int], stride: Sequence[int]) -> Tuple[torch.Tensor, Any]:
+        """A view of this slot's memory through a storage of its own (torch does not own
+        the memory: no deleter), and that storage."""
+        storage = torch._C._construct_storage_from_data_pointer(
+            self.slab.tensor.data_ptr() + self.offset, device, self.nbytes)
+        tensor = torch.empty((0,), dtype=dtype, device=device)
+        tensor.set_(storage, offset, size, stride)
+        return tensor, storage
 
     def free(self) -> bool:
         """Its tensor is gone (what its user holds; hoccl's own calls hold shadows)."""
@@ -124,8 +131,7 @@ class RegisteredPool:
         self._device = (torch.device("cuda", comm.device) if comm.backend == "cuda"
                         else torch.device("cpu"))
         from .._hierarchy import HierarchicalCommunicator
-        self.enabled = (not isinstance(comm, HierarchicalCommunicator)
-                        and hasattr(torch._C, "_construct_storage_from_data_pointer"))
+        self.enabled = not isinstance(comm, HierarchicalCommunicator) and _usable()
         self.closed = False
         self.stats = {"registered": 0, "reused": 0, "carved": 0, "slabs": 0,
                       "slab_bytes": 0, "plain": 0}
@@ -147,10 +153,6 @@ class RegisteredPool:
             slot = self._carve(nbytes)
         else:
             self.stats["reused"] += 1
-        storage = _storage_at(slot.slab.tensor.data_ptr() + slot.offset, nbytes, device)
-        if storage is None:  # checked in __init__; kept for a torch that changes mid-run
-            self.stats["plain"] += 1
-            return torch.empty(shape, dtype=dtype, device=device)
         if slot.work is not None:  # the last call on it has ended before this tensor's use
             slot.work.block_current_stream()
             slot.work = None
@@ -159,8 +161,7 @@ class RegisteredPool:
             if slot.stream is not None and slot.stream != stream:
                 stream.wait_stream(slot.stream)  # what the last tensor here was ordered by
             slot.stream = stream
-        tensor = torch.empty((0,), dtype=dtype, device=device)
-        tensor.set_(storage, 0, shape, _contiguous(shape))
+        tensor, storage = slot.tensor(dtype, device, 0, shape, _contiguous(shape))
         slot.storage = _weak(storage)
         self._at[slot.slab.tensor.data_ptr() + slot.offset] = slot
         self.stats["registered"] += 1
@@ -177,11 +178,8 @@ class RegisteredPool:
         slot = self._at.get(tensor.untyped_storage().data_ptr())
         if slot is None or slot.free():
             return None
-        storage = _storage_at(slot.slab.tensor.data_ptr() + slot.offset, slot.nbytes,
-                              tensor.device)
-        assert storage is not None  # the slot's own tensor was made the same way
-        shadow = torch.empty((0,), dtype=tensor.dtype, device=tensor.device)
-        shadow.set_(storage, tensor.storage_offset(), tensor.size(), tensor.stride())
+        shadow, _ = slot.tensor(tensor.dtype, tensor.device, int(tensor.storage_offset()),
+                                tensor.size(), tensor.stride())
         return shadow, slot
 
     def used(self, slot: _Slot, work: Any) -> None:
