@@ -136,3 +136,24 @@ def test_other_devices_get_plain_tensors(comm):
     assert tensor.device.type == "meta" and pool.stats == dict(pool.stats, plain=1,
                                                               registered=0)
     assert comm.windows == []
+
+
+def test_reduce_scatter_hook_registers_only_the_sizes_that_pull():
+    """FSDP2's reduce-scatter ``allocate``: plain tensors while the communicator pushes
+    (pull_bytes 0); registered memory for sizes up to pull_bytes once it pulls, where the
+    peers read the input where it lies."""
+    from hoccl.torch._fsdp import ReduceScatter
+    (only,) = hoccl.init_local(1, backend="host")
+    try:
+        hook = ReduceScatter(only)
+        first = hook.allocate((64,), dtype=torch.float32, device=CPU)
+        assert hook.pool.shadow(first) is None and hook.pool.stats["registered"] == 0
+        only.set_options(pull_bytes=1024)
+        small = hook.allocate((256,), dtype=torch.float32, device=CPU)  # 1024 bytes: pulls
+        large = hook.allocate((257,), dtype=torch.float32, device=CPU)  # larger: pushes
+        assert hook.pool.shadow(small) is not None and hook.pool.shadow(large) is None
+        assert hook.pool.stats["registered"] == 1 and len(only.windows) == 1
+        assert ReduceScatter(only, registered=False).pool is None
+        hook.pool.close()
+    finally:
+        only.close()

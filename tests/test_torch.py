@@ -88,13 +88,21 @@ def test_the_fsdp2_example_trains_to_the_same_losses_on_gloo_and_hoccl():
 
 @pytest.mark.mpi
 def test_the_training_benchmark_runs_on_cpus_and_writes_its_results(tmp_path):
+    pulled = "hoccl-hooks+pull_bytes=1G+max_sms=4"
     code, output = launch(2, "-m", "hoccl.bench.train", "--shapes", "tiny", "--steps", "1",
                           "--trials", "2", "--warmup", "1", "--profile-steps", "1",
+                          "--libraries", f"gloo,hoccl,hoccl-hooks,{pulled}",
                           "--out", tmp_path)
     assert code == 0, output[-4000:]
     import json
     result = json.loads((tmp_path / "train.json").read_text())
-    assert {r["library"] for r in result["records"]} == {"gloo", "hoccl", "hoccl-hooks"}
+    assert {r["library"] for r in result["records"]} == {"gloo", "hoccl", "hoccl-hooks", pulled}
+    # the variant runs on a group of its own whose reduce-scatters pull: their inputs come
+    # from registered memory, so none exchanges descriptors (the plain hooks' exchange once
+    # per size at most)
+    (record,) = [r for r in result["records"] if r["library"] == pulled]
+    done, calls = record["without_exchange"]["reduce_scatter"]
+    assert calls > 0 and done == calls, record["without_exchange"]
     for record in result["records"]:
         assert record["median_step_s"] > 0 and record["tokens_per_s"] > 0, record
         assert record["profile_ms_per_step"] is None  # no device timeline on CPUs
@@ -107,6 +115,18 @@ def test_the_training_benchmark_runs_on_cpus_and_writes_its_results(tmp_path):
 
 
 # -- pieces that need no second process ------------------------------------------------------
+def test_the_training_benchmark_parses_library_settings():
+    from hoccl.bench.train import parse_library
+    assert parse_library("hoccl-hooks+max_sms=32+chunk_bytes=128M", "nccl") == (
+        "hoccl-hooks", {"max_sms": 32, "chunk_bytes": 128 << 20})
+    assert parse_library("nccl", "nccl") == ("nccl", {})
+    for bad, words in (("nccl+max_sms=4", "unknown library"), ("gloo", "unknown library"),
+                       ("hoccl+sms=4", "setting of"), ("hoccl+max_sms", "setting of"),
+                       ("hoccl+max_sms=many", "must be a number")):
+        with pytest.raises(ValueError, match=words):
+            parse_library(bad, "nccl")
+
+
 def _in_threads(world_size, function):
     """Run ``function(rank)`` in one thread per rank; re-raise the first failure."""
     import threading

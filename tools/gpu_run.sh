@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The device machine's session: GPU tests (one process, and mpirun -np 2), then the
-# benchmarks against NCCL.  Usage: bash tools/gpu_run.sh [tests|profile|bench|overlap|compare|torch|fsdp|hier|hierdiag|final|registered|onegpu|validate|quickreg|figures-a|figures-b|figures-c|levers|tp|all] [pytest args]
+# benchmarks against NCCL.  Usage: bash tools/gpu_run.sh [tests|profile|bench|overlap|compare|torch|fsdp|hier|hierdiag|final|registered|onegpu|validate|dryrun|quickreg|figures-a|figures-b|figures-c|levers|tp|all] [pytest args]
 # torch: the torch.distributed backend's checks, DDP/FSDP2/HSDP training against NCCL (hoccl
 # the default process group, then NCCL), the FSDP2 example on NCCL and on hoccl, and
 # python -m hoccl.bench.train (one process per shape).
@@ -138,6 +138,30 @@ if [ "$what" = figures-c ]; then
     train_shapes ${TRAIN_SHAPES:-comm compute}
   step torch-training-nccl-default 150 $TRUN python3 tests/torch_programs/run_training.py \
     --device cuda --default-backend reference
+  # the reduce-scatter settings the one-GPU lever study points to, and pulled
+  # reduce-scatters on registered inputs, on the most exposed shape (a run of its own: a
+  # library is a whole sharded model with its optimizer, ~28 GB per GPU at this shape)
+  step train-comm-settings 200 $TRUN python3 -m hoccl.bench.train --shapes comm --libraries \
+    nccl,hoccl-hooks+max_sms=32,hoccl-hooks+max_sms=32+chunk_bytes=128M,hoccl-hooks+pull_bytes=2G+max_sms=32 \
+    --out "$OUT/train-comm-settings"
+fi
+if [ "$what" = dryrun ]; then
+  # one GPU, two ranks: the hoccl parts of figures-b and figures-c (no NCCL, which refuses
+  # two ranks on one GPU), each with its own correctness checks, so that the 2 x H200 runs
+  # meet no broken script; the times say nothing here
+  step torch-training-pool 240 $TRUN python3 tests/torch_programs/run_training.py \
+    --device cuda --reference hoccl
+  step overlap 150 $MPIRUN python3 -m hoccl.bench.overlap --bytes 64M --gemm 4096 --gemms 10 \
+    --cases reduce_scatter:out,all_reduce:in \
+    --libraries hoccl,hoccl+max_sms=32+chunk_bytes=128M,hoccl+pull_bytes=2G+max_sms=32 \
+    --out "$OUT/overlap"
+  step tp 200 $TRUN python3 -m hoccl.bench.tp --quick --libraries hoccl,hoccl+max_sms=4 \
+    --out "$OUT/tp"
+  step tp-plant-fault 150 $TRUN python3 -m hoccl.bench.tp --quick --plant-fault --libraries hoccl \
+    --out "$OUT/tp-plant-fault"
+  step train 200 $TRUN python3 -m hoccl.bench.train --baseline gloo --shapes 1024:2:8:256:1 \
+    --libraries hoccl,hoccl-hooks,hoccl-hooks-plain,hoccl-hooks+pull_bytes=2G+max_sms=32 \
+    --steps 2 --trials 2 --warmup 1 --profile-steps 1 --out "$OUT/train"
 fi
 if [ "$what" = quickreg ]; then
   # the shortest comparison that says something: registered and unregistered hoccl, eager

@@ -13,6 +13,11 @@ communication-heavy.  Libraries:
 * ``hoccl-hooks-plain``: the same with ``registered=False`` (plain tensors, exchanged
   per call).
 
+Any hoccl library may carry settings, as in the other benchmarks:
+``hoccl-hooks+max_sms=32+chunk_bytes=128M`` runs on a hoccl group of its own made with
+those settings (``hoccl.torch.Options``: max_sms, copy_sms, chunk_bytes, copy_lanes,
+one_shot_bytes, pull_bytes; sizes may say K, M or G).
+
 Per shape and library it prints the median step time, tokens/s (global), the ratio to
 the baseline, and the exposed communication per step, from a torch.profiler trace of a
 few more steps on each GPU: the time during which communication work runs on the GPU
@@ -299,21 +304,71 @@ class Library:
     hooks: Any = None           # hoccl.torch.FSDPHooks of the hoccl-hooks libraries
 
 
+LIBRARIES = ("hoccl", "hoccl-hooks", "hoccl-hooks-plain")
+
+
+def parse_library(name: str, baseline: str) -> Tuple[str, Dict[str, Any]]:
+    """``hoccl-hooks+max_sms=32+chunk_bytes=128M`` -> ("hoccl-hooks", {"max_sms": 32, ...})."""
+    from ._harness import parse_size
+    base, *assignments = name.split("+")
+    if base not in (baseline,) + LIBRARIES or (base == baseline and assignments):
+        raise ValueError(f"--libraries: unknown library {name!r}; expected {baseline} or one of "
+                         f"{list(LIBRARIES)}, the latter optionally with +setting=value")
+    settings: Dict[str, Any] = {}
+    for assignment in assignments:
+        key, separator, value = assignment.partition("=")
+        if not separator or key not in SETTINGS:
+            raise ValueError(f"--libraries: {name!r}: expected +setting=value with a setting of "
+                             f"{list(SETTINGS)}; got {assignment!r}")
+        try:
+            settings[key] = parse_size(value)
+        except ValueError:
+            raise ValueError(f"--libraries: {name!r}: {key} must be a number (K, M, G allowed); "
+                             f"got {value!r}") from None
+    return base, settings
+
+
+#: the hoccl.torch.Options settings a library name may carry
+SETTINGS = ("max_sms", "copy_sms", "chunk_bytes", "copy_lanes", "one_shot_bytes", "pull_bytes")
+
+
+def hoccl_groups(names: Sequence[str], baseline: str, max_sms: int) -> Dict[str, Any]:
+    """One hoccl process group per distinct set of settings, made in the order of ``names``
+    (the same on every rank); keyed by library name."""
+    import torch.distributed as dist
+    import hoccl.torch
+    made: Dict[Tuple[Tuple[str, Any], ...], Any] = {}
+    groups = {}
+    for name in names:
+        base, settings = parse_library(name, baseline)
+        if base == baseline:
+            continue
+        settings = {"max_sms": max_sms, **settings}
+        key = tuple(sorted(settings.items()))
+        if key not in made:
+            made[key] = dist.new_group(backend="hoccl", pg_options=hoccl.torch.Options(
+                settings=settings))
+        groups[name] = made[key]
+    return groups
+
+
 def libraries(names: Sequence[str], shape: ModelShape, device: torch.device,
-              hoccl_group: Any) -> List[Library]:
+              groups: Dict[str, Any]) -> List[Library]:
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
     import hoccl.torch
     found = []
     for name in names:
-        if name == "hoccl":
-            mesh = DeviceMesh.from_group(hoccl_group, device.type)
+        base = name.split("+")[0]
+        if base == "hoccl":
+            mesh = DeviceMesh.from_group(groups[name], device.type)
         else:
             mesh = DeviceMesh.from_group(dist.distributed_c10d._get_default_group(), device.type)
         model = shard(shape, mesh, device)
         hooks = None
-        if name.startswith("hoccl-hooks"):
-            hooks = hoccl.torch.use_for_fsdp(model, hoccl_group, registered=name == "hoccl-hooks")
+        if base.startswith("hoccl-hooks"):
+            hooks = hoccl.torch.use_for_fsdp(model, groups[name],
+                                             registered=base == "hoccl-hooks")
         found.append(Library(name, model, optimizer_for(model, device), [], hooks))
     return found
 
@@ -326,10 +381,10 @@ def run_steps(library: Library, shape: ModelShape, first: int, steps: int, rank:
 
 
 def measure(shape_name: str, shape: ModelShape, names: Sequence[str], args: argparse.Namespace,
-            rank: int, world_size: int, device: torch.device, hoccl_group: Any,
+            rank: int, world_size: int, device: torch.device, groups: Dict[str, Any],
             baseline: str) -> List[Dict[str, Any]]:
     import torch.distributed as dist
-    found = libraries(names, shape, device, hoccl_group)
+    found = libraries(names, shape, device, groups)
     times: Dict[str, List[float]] = {library.name: [] for library in found}
     step = 0
     for library in found:  # warm-up: allocations, kernel loads, descriptor caches
@@ -468,7 +523,13 @@ def arguments(argv=None) -> argparse.Namespace:
                              f"dim:layers:heads:seq:batch")
     parser.add_argument("--libraries", default="",
                         help="comma-separated: the baseline (nccl on GPUs, gloo on CPUs), hoccl, "
-                             "hoccl-hooks, hoccl-hooks-plain; default: baseline,hoccl,hoccl-hooks")
+                             "hoccl-hooks, hoccl-hooks-plain, each hoccl one optionally with "
+                             "+setting=value; default: baseline,hoccl,hoccl-hooks")
+    parser.add_argument("--baseline", choices=("nccl", "gloo"), default=None,
+                        help="the default process group's backend and the library the others "
+                             "are compared with (default: nccl on GPUs, gloo on CPUs); gloo on "
+                             "GPUs is for runs where NCCL cannot run (ranks sharing one GPU): "
+                             "list only hoccl libraries then")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per trial")
     parser.add_argument("--trials", type=int, default=5, help="trials per library, interleaved")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per library")
@@ -493,23 +554,21 @@ def shapes_from(text: str) -> List[Tuple[str, ModelShape]]:
 def main(argv=None) -> None:
     args = arguments(argv)
     import torch.distributed as dist
-    import hoccl.torch
-    baseline = "nccl" if torch.cuda.is_available() else "gloo"
+    import hoccl.torch  # noqa: F401  registers the backend
+    baseline = args.baseline or ("nccl" if torch.cuda.is_available() else "gloo")
     rank, world_size, device = init_distributed(baseline)
-    names = [name for name in (args.libraries or f"{baseline},hoccl,hoccl-hooks").split(",")]
-    unknown = set(names) - {baseline, "hoccl", "hoccl-hooks", "hoccl-hooks-plain"}
-    if unknown:
-        raise SystemExit(f"--libraries: unknown {sorted(unknown)}; expected {baseline}, hoccl, "
-                         f"hoccl-hooks, hoccl-hooks-plain")
-    hoccl_group = dist.new_group(backend="hoccl", pg_options=hoccl.torch.Options(
-        settings={"max_sms": args.max_sms}))
+    names = list(dict.fromkeys((args.libraries or f"{baseline},hoccl,hoccl-hooks").split(",")))
+    try:
+        groups = hoccl_groups(names, baseline, args.max_sms)
+    except ValueError as error:
+        raise SystemExit(str(error)) from None
     records = []
     for shape_name, shape in shapes_from(args.shapes):
         if rank == 0:
             print(f"# {shape_name}: {shape.label()}, {_count(shape.parameters())} parameters",
                   flush=True)
         records += measure(shape_name, shape, names, args, rank, world_size, device,
-                           hoccl_group, baseline)
+                           groups, baseline)
     result = {"meta": metadata(device), "world_size": world_size, "baseline": baseline,
               "steps": args.steps, "trials": args.trials, "records": records}
     if rank == 0:

@@ -38,7 +38,8 @@ __all__ = ["Options", "ProcessGroupHoccl", "StoreBootstrap", "AllGather", "Reduc
 #: the name under which torch.distributed knows the backend
 BACKEND = "hoccl"
 
-_SETTINGS = ("max_sms", "copy_sms", "verify_plans", "self_route", "chunk_bytes", "copy_lanes")
+_SETTINGS = ("max_sms", "copy_sms", "verify_plans", "self_route", "chunk_bytes", "copy_lanes",
+             "one_shot_bytes", "pull_bytes")
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,8 @@ class Options:
     ``backend``: "cuda" or "host" (None: cuda when a GPU is visible).  ``device``: the
     CUDA ordinal (None: torch's current device when one was set, else the default
     group's, else the local rank modulo the visible GPUs).  ``settings``: keyword arguments of ``hoccl.init``
-    (max_sms, copy_sms, check, self_route, chunk_bytes, copy_lanes)."""
+    (max_sms, copy_sms, verify_plans, self_route, chunk_bytes, copy_lanes, one_shot_bytes,
+    pull_bytes)."""
     backend: Optional[str] = None
     device: Optional[int] = None
     settings: Mapping[str, Any] = field(default_factory=dict)

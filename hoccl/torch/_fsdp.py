@@ -6,12 +6,15 @@ FSDP2 calls them on its own streams (all-gather stream, reduce-scatter stream) w
 rank's block of the output: zero SMs on GPUs) and reduce-scatters with AVG, SUM or
 PREMUL_SUM(1/factor).  The all-gather's ``allocate`` hands out registered memory
 (``RegisteredPool``), at the same offsets on every rank, so the all-gathers go without a
-descriptor exchange; the reduce-scatter needs no registered buffer of its own (its peers
-write only into hoccl's scratch).
+descriptor exchange.  A reduce-scatter that pushes (the default) needs no registered
+buffer (its peers write only into hoccl's scratch); one that pulls (its input at most
+the communicator's ``pull_bytes``) has its peers read its input where it lies, so its
+``allocate`` hands out registered memory for those sizes too.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple, Optional, Sequence
 
 import torch
@@ -100,7 +103,25 @@ class AllGather(_Hooked, _AllGather):
 class ReduceScatter(_Hooked, _ReduceScatter):
     """FSDP2's reduce-scatter through ``comm``.  PREMUL_SUM(f) with a number f is a sum
     the reduction kernel multiplies by f as it rounds (no pass of its own); with a tensor
-    f, a temporary copy of the input is scaled first."""
+    f, a temporary copy of the input is scaled first.
+
+    ``registered``: buffers of at most the communicator's ``pull_bytes`` (the sizes whose
+    reduce-scatters read the peers' inputs where they lie) come from a ``RegisteredPool``
+    (``pool``), so those calls go without a descriptor exchange; larger ones, and every
+    one when ``pull_bytes`` is 0 (the default: peers push into hoccl's scratch, which
+    needs no registered buffer), are plain torch tensors."""
+
+    def __init__(self, comm: Any, *, registered: bool = True):
+        super().__init__(comm)
+        self.pool = RegisteredPool(self.comm) if registered else None
+
+    def allocate(self, size: Sequence[Any], *, dtype: torch.dtype,
+                 device: torch.device) -> torch.Tensor:
+        pull_bytes = getattr(getattr(self.comm, "options", None), "pull_bytes", 0)
+        nbytes = math.prod(int(extent) for extent in size) * dtype.itemsize
+        if self.pool is None or nbytes > pull_bytes:
+            return super().allocate(size, dtype=dtype, device=device)
+        return self.pool.allocate(size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: Optional[dist.ProcessGroup] = None, op: Any = dist.ReduceOp.SUM,
@@ -109,8 +130,16 @@ class ReduceScatter(_Hooked, _ReduceScatter):
         self._check(call, group)
         issue_held()
         name, factor = reduction(call, op)
-        work = self._count(lambda: reduce_scatter_into(call, self.launcher, output_tensor,
-                                                       input_tensor, name, factor, async_op))
+        # as in AllGather: the call holds shadows of pool memory, the slots remember it
+        shadows = [self.pool.shadow(tensor) if self.pool is not None else None
+                   for tensor in (output_tensor, input_tensor)]
+        output, input = (found[0] if found is not None else tensor
+                         for found, tensor in zip(shadows, (output_tensor, input_tensor)))
+        work = self._count(lambda: reduce_scatter_into(call, self.launcher, output, input,
+                                                       name, factor, async_op))
+        for found in shadows:
+            if found is not None:
+                self.pool.used(found[1], work)  # type: ignore[union-attr]
         return work if async_op else None
 
 
@@ -126,9 +155,11 @@ def use_for_fsdp(model: torch.nn.Module, comm: Any, *, registered: bool = True) 
     """Make every FSDP2 module of ``model`` (call after ``fully_shard``) all-gather and
     reduce-scatter through ``comm`` (a hoccl Communicator, or a hoccl process group).
     ``registered``: the all-gathers' outputs come from memory registered with ``comm``
-    (``AllGather``).  Every rank calls it, in the same order."""
+    (``AllGather``), and so do the reduce-scatters' buffers of sizes that pull
+    (``ReduceScatter``).  Every rank calls it, in the same order."""
     from torch.distributed.fsdp import FSDPModule
-    all_gather, reduce_scatter = AllGather(comm, registered=registered), ReduceScatter(comm)
+    all_gather = AllGather(comm, registered=registered)
+    reduce_scatter = ReduceScatter(comm, registered=registered)
     modules = [module for module in model.modules() if isinstance(module, FSDPModule)]
     if not modules:
         raise InvalidArgumentError("use_for_fsdp: no module of the model is sharded; call "

@@ -52,6 +52,7 @@ STEPS = 6
 DEVICE = torch.device("cpu")
 REFERENCE = None  # the group the runs are compared with: gloo, or NCCL on GPUs
 HOCCL = None  # the hoccl group of the same ranks
+PULLED = None  # a hoccl group whose reduce-scatters pull (Options.pull_bytes)
 MESHES: List[tuple] = []  # the (replicas, shards) of the HSDP runs
 
 
@@ -107,7 +108,8 @@ def ddp(group) -> Run:
     return train(model)
 
 
-def fsdp(group, hooks=None, bf16=False, prefetch=False, divide=None, scale=1.0) -> Run:
+def fsdp(group, hooks=None, bf16=False, prefetch=False, divide=None, scale=1.0,
+         pulled=False) -> Run:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     model = make_model()
@@ -141,6 +143,13 @@ def fsdp(group, hooks=None, bf16=False, prefetch=False, divide=None, scale=1.0) 
         exchanged = reduce_scatter.calls - reduce_scatter.without_exchange
         assert reduce_scatter.calls and exchanged <= 4, \
             f"{exchanged} of {reduce_scatter.calls} reduce-scatters exchanged descriptors"
+        if pulled:
+            # the peers read each reduce-scatter's input where it lies: the hook handed out
+            # every input from registered memory, so none of them exchanges descriptors
+            assert reduce_scatter.pool.stats["registered"] >= 2 * reduce_scatter.calls, \
+                reduce_scatter.pool.stats
+            assert exchanged == 0, \
+                f"{exchanged} of {reduce_scatter.calls} pulled reduce-scatters exchanged"
         if RANK == 0:
             print(f"  without an exchange: {all_gather.without_exchange} of {all_gather.calls} "
                   f"all-gathers, {reduce_scatter.without_exchange} of {reduce_scatter.calls} "
@@ -232,6 +241,12 @@ def configurations():
            lambda: fsdp(hoccl_group, divide=divide), scaled, 1e-5)
     yield ("FSDP2 with hoccl hooks, divide factor (PREMUL_SUM)",
            lambda: fsdp(REFERENCE, hooks=hoccl_group, divide=divide), scaled, 1e-5)
+    # a group whose reduce-scatters all pull (Options.pull_bytes): the hook hands FSDP
+    # registered memory for their inputs and outputs
+    for bf16 in (False, True):
+        yield (f"FSDP2 with hoccl hooks, pulled reduce-scatters, {'bf16' if bf16 else 'fp32'}",
+               lambda b=bf16: fsdp(REFERENCE, hooks=PULLED, bf16=b, pulled=True),
+               reference(bf16=bf16, prefetch=False), 1e-2 if bf16 else 1e-6)
     reference_backend = dist.get_backend(REFERENCE)
     for replicas, shards in MESHES:
         # Both runs all-reduce across the replicas on the reference backend; they differ
@@ -260,7 +275,7 @@ def mesh_shapes(text: str) -> List[tuple]:
 
 
 def main():
-    global DEVICE, REFERENCE, HOCCL, MESHES
+    global DEVICE, REFERENCE, HOCCL, PULLED, MESHES
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--default-backend", choices=("hoccl", "reference"), default="hoccl",
@@ -287,6 +302,8 @@ def main():
         HOCCL, REFERENCE = world, dist.new_group(backend=reference)
     else:
         HOCCL, REFERENCE = dist.new_group(backend="hoccl"), world
+    PULLED = dist.new_group(backend="hoccl", pg_options=hoccl.torch.Options(
+        settings={"pull_bytes": 1 << 30}))
     passed = failed = 0
     for name, run, reference_run, tolerance in configurations():
         if args.only not in name:
