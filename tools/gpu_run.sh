@@ -149,6 +149,7 @@ if [ "$what" = dryrun ]; then
   # one GPU, two ranks: the hoccl parts of figures-b and figures-c (no NCCL, which refuses
   # two ranks on one GPU), each with its own correctness checks, so that the 2 x H200 runs
   # meet no broken script; the times say nothing here
+  if [ -z "${DRY_TRAIN_ONLY:-}" ]; then
   step torch-training-pool 240 $TRUN python3 tests/torch_programs/run_training.py \
     --device cuda --reference hoccl
   step overlap 150 $MPIRUN python3 -m hoccl.bench.overlap --bytes 64M --gemm 4096 --gemms 10 \
@@ -159,9 +160,10 @@ if [ "$what" = dryrun ]; then
     --out "$OUT/tp"
   step tp-plant-fault 150 $TRUN python3 -m hoccl.bench.tp --quick --plant-fault --libraries hoccl \
     --out "$OUT/tp-plant-fault"
-  step train 200 $TRUN python3 -m hoccl.bench.train --baseline gloo --shapes 1024:2:8:256:1 \
-    --libraries hoccl,hoccl-hooks,hoccl-hooks-plain,hoccl-hooks+pull_bytes=2G+max_sms=32 \
-    --steps 2 --trials 2 --warmup 1 --profile-steps 1 --out "$OUT/train"
+  fi
+  step train 200 $TRUN python3 -m hoccl.bench.train --baseline gloo --shapes ${DRY_SHAPE:-1024:2:8:256:1} \
+    --libraries ${DRY_LIBRARIES:-hoccl,hoccl-hooks,hoccl-hooks-plain,hoccl-hooks+pull_bytes=2G+max_sms=32} \
+    --steps 2 --trials 2 --warmup 1 --profile-steps 1 --host-profile ${HOST_PROFILE:-2} --out "$OUT/train"
 fi
 if [ "$what" = quickreg ]; then
   # the shortest comparison that says something: registered and unregistered hoccl, eager

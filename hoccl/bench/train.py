@@ -278,7 +278,7 @@ def exposed(activities: Iterable[Tuple[float, float, bool]]) -> Dict[str, float]
     return {"span": span, **totals, "idle": span - totals["busy"]}
 
 
-def profile_steps(run_steps, steps: int, device: torch.device) -> Optional[Dict[str, float]]:
+def profile_steps(run_steps, steps: int, device: torch.device) -> Optional[Dict[str, Any]]:
     """Per-step averages of ``exposed`` over ``steps`` profiled steps (None on CPU)."""
     if device.type != "cuda":
         return None
@@ -287,11 +287,48 @@ def profile_steps(run_steps, steps: int, device: torch.device) -> Optional[Dict[
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:
         run_steps(steps)
         synchronize(device)
+    # device work only: kernels, copies, memsets.  Not the GPU spans of user annotations
+    # (record_function ranges such as a process group's "nccl:all_gather..." or FSDP's own),
+    # which cover other work and, counted as compute, would hide the communication under
+    # them
+    events = [event for event in profiler.events()
+              if event.device_type == torch.autograd.DeviceType.CUDA
+              and not getattr(event, "is_user_annotation", False)]
     activities = [(event.time_range.start, event.time_range.end, is_communication(event.name))
-                  for event in profiler.events()
-                  if event.device_type == torch.autograd.DeviceType.CUDA]
+                  for event in events]
     totals = exposed(activities)
-    return {key: value / steps / 1000 for key, value in totals.items()}  # µs -> ms per step
+    found: Dict[str, Any] = {key: value / steps / 1000 for key, value in totals.items()}
+    # what the columns were made of: the device activities with the most time, each with
+    # its ms per step and whether it counted as communication
+    by_name: Dict[str, float] = {}
+    for event in events:
+        by_name[event.name] = by_name.get(event.name, 0.0) + event.time_range.elapsed_us()
+    found["activities"] = [[name[:80], round(total / steps / 1000, 3), is_communication(name)]
+                           for name, total in sorted(by_name.items(), key=lambda item: -item[1])
+                           [:15]]
+    return found
+
+
+def profile_host(run_steps, steps: int, device: torch.device) -> List[List[Any]]:
+    """Where the host's time goes over ``steps`` more steps (cProfile, this rank): the
+    functions with the most time of their own, as [function, calls per step, ms per step
+    of its own, ms per step with what it calls]."""
+    import cProfile
+    import pstats
+    synchronize(device)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    run_steps(steps)
+    synchronize(device)
+    profiler.disable()
+    stats = pstats.Stats(profiler)
+    rows = []
+    for (path, line, function), (_, calls, own, total, _) in stats.stats.items():  # type: ignore[attr-defined]
+        where = f"{os.path.basename(path)}:{line}({function})" if line else function
+        rows.append([where[:100], round(calls / steps, 1), round(own / steps * 1000, 3),
+                     round(total / steps * 1000, 3)])
+    rows.sort(key=lambda row: -row[2])
+    return rows[:25]
 
 
 # -- the benchmark -------------------------------------------------------------------------------
@@ -386,6 +423,9 @@ def measure(shape_name: str, shape: ModelShape, names: Sequence[str], args: argp
     import torch.distributed as dist
     found = libraries(names, shape, device, groups)
     times: Dict[str, List[float]] = {library.name: [] for library in found}
+    # how long the host took to enqueue the steps (until run_steps returned, before the
+    # synchronize): near the step time, the host is what the step waits for
+    host: Dict[str, List[float]] = {library.name: [] for library in found}
     step = 0
     for library in found:  # warm-up: allocations, kernel loads, descriptor caches
         run_steps(library, shape, 0, args.warmup, rank, device)
@@ -396,6 +436,7 @@ def measure(shape_name: str, shape: ModelShape, names: Sequence[str], args: argp
             dist.barrier()
             start = time.perf_counter()
             run_steps(library, shape, step, args.steps, rank, device)
+            host[library.name].append((time.perf_counter() - start) / args.steps)
             synchronize(device)
             times[library.name].append((time.perf_counter() - start) / args.steps)
         step += args.steps
@@ -403,6 +444,9 @@ def measure(shape_name: str, shape: ModelShape, names: Sequence[str], args: argp
     for library in found:
         profile = profile_steps(lambda count: run_steps(library, shape, step, count, rank, device),
                                 args.profile_steps, device)
+        host_profile = (profile_host(lambda count: run_steps(library, shape, step, count, rank,
+                                                            device), args.host_profile, device)
+                        if args.host_profile else None)
         slowest = torch.tensor(times[library.name], dtype=torch.float64, device=device)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
         median = statistics.median(slowest.tolist())
@@ -411,7 +455,10 @@ def measure(shape_name: str, shape: ModelShape, names: Sequence[str], args: argp
                         "library": library.name, "step_s": slowest.tolist(),
                         "median_step_s": median,
                         "tokens_per_s": shape.batch * shape.seq * world_size / median,
-                        "profile_ms_per_step": profile, "first_losses": losses,
+                        "host_s": host[library.name],
+                        "median_host_s": statistics.median(host[library.name]),
+                        "profile_ms_per_step": profile, "host_profile": host_profile,
+                        "first_losses": losses,
                         **_exchanges(library.hooks)})
     base = next((r["median_step_s"] for r in records if r["library"] == baseline), None)
     for record in records:
@@ -437,9 +484,9 @@ def table(result: Dict[str, Any]) -> str:
              f"bf16 compute, fp32 reduction; median of {result['trials']} trials x "
              f"{result['steps']} steps",
              "",
-             f"| shape | params | library | step ms | tokens/s | {baseline} time / this | "
+             f"| shape | params | library | step ms | host ms | tokens/s | {baseline} time / this | "
              f"exposed comm ms/step | comm ms/step | idle ms/step |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for record in result["records"]:
         profile = record["profile_ms_per_step"] or {}
 
@@ -449,7 +496,8 @@ def table(result: Dict[str, Any]) -> str:
         lines.append(
             f"| {record['shape']} ({ModelShape(**{k: record[k] for k in ('dim', 'layers', 'heads', 'seq', 'batch', 'vocab')}).label()}) "
             f"| {_count(record['parameters'])} | {record['library']} "
-            f"| {record['median_step_s'] * 1000:.1f} | {record['tokens_per_s']:,.0f} "
+            f"| {record['median_step_s'] * 1000:.1f} | {record['median_host_s'] * 1000:.1f} "
+            f"| {record['tokens_per_s']:,.0f} "
             f"| {'—' if ratio is None else f'{ratio:.3f}x'} | {cell('exposed')} "
             f"| {cell('communication')} | {cell('idle')} |")
     counted = [record for record in result["records"] if "without_exchange" in record]
@@ -460,6 +508,19 @@ def table(result: Dict[str, Any]) -> str:
             + ", ".join(f"{done} of {calls} {kind.replace('_', '-')}s" for kind, (done, calls)
                         in record["without_exchange"].items())
             for record in counted))
+    lines.append("")
+    lines.append("step ms: the slowest rank's; host ms: rank 0's time to enqueue a step (before "
+                 "the synchronize). Columns from the device timeline (torch.profiler, kernels "
+                 "and copies): exposed comm = communication while no compute runs; idle = "
+                 "nothing runs (hoccl's waits on its peers are stream memory operations, idle "
+                 "here; NCCL waits inside its kernels)")
+    for record in result["records"]:
+        if record.get("host_profile"):
+            lines.append("")
+            lines.append(f"Host profile, {record['shape']} {record['library']} (rank 0; calls, "
+                         f"ms of its own and in all per step):")
+            lines += [f"    {own:8.3f} {total:8.3f} {calls:7.1f}  {where}"
+                      for where, calls, own, total in record["host_profile"][:15]]
     return "\n".join(lines)
 
 
@@ -535,6 +596,10 @@ def arguments(argv=None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per library")
     parser.add_argument("--profile-steps", type=int, default=3,
                         help="profiled steps per library for the exposed-communication figures")
+    parser.add_argument("--host-profile", type=int, default=0, metavar="STEPS",
+                        help="also profile the host (cProfile) over this many more steps per "
+                             "library: the functions with the most time of their own go to "
+                             "the JSON and, for rank 0, under the table")
     parser.add_argument("--max-sms", type=int, default=8, help="hoccl's SM cap for sums")
     parser.add_argument("--out", default="results/train", help="folder for JSON, Markdown, PNG")
     return parser.parse_args(argv)
