@@ -410,10 +410,29 @@ def libraries(names: Sequence[str], shape: ModelShape, device: torch.device,
     return found
 
 
-def run_steps(library: Library, shape: ModelShape, first: int, steps: int, rank: int,
-              device: torch.device) -> None:
+class Batches:
+    """The batches of a shape on one rank, made before the steps that use them (``ready``,
+    untimed) and kept for the others: making one is host work (a Python loop over the
+    sequence) that belongs to no library, and the same steps' batches serve every library
+    of a trial."""
+
+    def __init__(self, shape: ModelShape, rank: int, device: torch.device):
+        self.shape, self.rank, self.device = shape, rank, device
+        self.made: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def ready(self, first: int, steps: int) -> None:
+        for step in range(first, first + steps):
+            if step not in self.made:
+                self.made[step] = batch(self.shape, step, self.rank, self.device)
+
+    def __getitem__(self, step: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        self.ready(step, 1)
+        return self.made[step]
+
+
+def run_steps(library: Library, batches: Batches, first: int, steps: int) -> None:
     for step in range(first, first + steps):
-        tokens, targets = batch(shape, step, rank, device)
+        tokens, targets = batches[step]
         library.losses.append(train_step(library.model, library.optimizer, tokens, targets))
 
 
@@ -422,30 +441,33 @@ def measure(shape_name: str, shape: ModelShape, names: Sequence[str], args: argp
             baseline: str) -> List[Dict[str, Any]]:
     import torch.distributed as dist
     found = libraries(names, shape, device, groups)
+    batches = Batches(shape, rank, device)
     times: Dict[str, List[float]] = {library.name: [] for library in found}
     # how long the host took to enqueue the steps (until run_steps returned, before the
     # synchronize): near the step time, the host is what the step waits for
     host: Dict[str, List[float]] = {library.name: [] for library in found}
     step = 0
     for library in found:  # warm-up: allocations, kernel loads, descriptor caches
-        run_steps(library, shape, 0, args.warmup, rank, device)
+        run_steps(library, batches, 0, args.warmup)
     step += args.warmup
     for _ in range(args.trials):
+        batches.ready(step, args.steps)
         for library in found:
             synchronize(device)
             dist.barrier()
             start = time.perf_counter()
-            run_steps(library, shape, step, args.steps, rank, device)
+            run_steps(library, batches, step, args.steps)
             host[library.name].append((time.perf_counter() - start) / args.steps)
             synchronize(device)
             times[library.name].append((time.perf_counter() - start) / args.steps)
         step += args.steps
     records = []
     for library in found:
-        profile = profile_steps(lambda count: run_steps(library, shape, step, count, rank, device),
+        batches.ready(step, max(args.profile_steps, args.host_profile))
+        profile = profile_steps(lambda count: run_steps(library, batches, step, count),
                                 args.profile_steps, device)
-        host_profile = (profile_host(lambda count: run_steps(library, shape, step, count, rank,
-                                                            device), args.host_profile, device)
+        host_profile = (profile_host(lambda count: run_steps(library, batches, step, count),
+                                     args.host_profile, device)
                         if args.host_profile else None)
         slowest = torch.tensor(times[library.name], dtype=torch.float64, device=device)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
@@ -475,7 +497,12 @@ def _exchanges(hooks: Any) -> Dict[str, Any]:
         return {}
     return {"without_exchange": {
         "all_gather": [hooks.all_gather.without_exchange, hooks.all_gather.calls],
-        "reduce_scatter": [hooks.reduce_scatter.without_exchange, hooks.reduce_scatter.calls]}}
+        "reduce_scatter": [hooks.reduce_scatter.without_exchange, hooks.reduce_scatter.calls]},
+        # the host's time inside the hooks (the whole run, warm-up included), per call
+        "host_us_per_call": {
+            kind: round(hook.host_seconds / hook.calls * 1e6, 1) if hook.calls else None
+            for kind, hook in (("all_gather", hooks.all_gather),
+                               ("reduce_scatter", hooks.reduce_scatter))}}
 
 
 def table(result: Dict[str, Any]) -> str:
@@ -507,6 +534,9 @@ def table(result: Dict[str, Any]) -> str:
             f"{record['shape']} {record['library']}: "
             + ", ".join(f"{done} of {calls} {kind.replace('_', '-')}s" for kind, (done, calls)
                         in record["without_exchange"].items())
+            + " (host µs per call: " + ", ".join(
+                f"{kind.replace('_', '-')} {value}" for kind, value
+                in record.get("host_us_per_call", {}).items()) + ")"
             for record in counted))
     lines.append("")
     lines.append("step ms: the slowest rank's; host ms: rank 0's time to enqueue a step (before "

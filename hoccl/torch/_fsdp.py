@@ -15,6 +15,7 @@ the communicator's ``pull_bytes``) has its peers read its input where it lies, s
 from __future__ import annotations
 
 import math
+import time
 from typing import Any, NamedTuple, Optional, Sequence
 
 import torch
@@ -39,6 +40,7 @@ class _Hooked:
         self.comm = self.launcher.comm
         self.calls = 0              # calls made through this hook
         self.without_exchange = 0   # of which issued with no descriptor exchange
+        self.host_seconds = 0.0     # the host's time inside the hook's calls, in all
 
     def _count(self, issue: Any) -> Any:
         engine = getattr(self.comm, "_engine", None)
@@ -48,6 +50,9 @@ class _Hooked:
         if engine is not None and engine.issued_fast > before:
             self.without_exchange += 1
         return work
+
+    def _timed(self, start: float) -> None:
+        self.host_seconds += time.perf_counter() - start
 
     def allocate(self, size: Sequence[Any], *, dtype: torch.dtype,
                  device: torch.device) -> torch.Tensor:
@@ -82,6 +87,7 @@ class AllGather(_Hooked, _AllGather):
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: Optional[dist.ProcessGroup] = None,
                  async_op: bool = False) -> Optional[dist.Work]:
+        start = time.perf_counter()
         self._check("fsdp all_gather", group)
         issue_held()
         pool = self.pool
@@ -89,6 +95,7 @@ class AllGather(_Hooked, _AllGather):
         if pool is None or shadowed is None:
             work = self._count(lambda: all_gather_into(self.launcher, output_tensor,
                                                        input_tensor, async_op))
+            self._timed(start)
             return work if async_op else None
         # the call holds views of the same memory through storages of their own: what
         # frees the slot is FSDP dropping its tensors, the same moment on every rank
@@ -97,6 +104,7 @@ class AllGather(_Hooked, _AllGather):
         input = found[0] if found is not None and found[1] is slot else input_tensor
         work = self._count(lambda: all_gather_into(self.launcher, output, input, async_op))
         pool.used(slot, work)
+        self._timed(start)
         return work if async_op else None
 
 
@@ -126,6 +134,7 @@ class ReduceScatter(_Hooked, _ReduceScatter):
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: Optional[dist.ProcessGroup] = None, op: Any = dist.ReduceOp.SUM,
                  async_op: bool = False) -> Optional[dist.Work]:
+        start = time.perf_counter()
         call = "fsdp reduce_scatter"
         self._check(call, group)
         issue_held()
@@ -140,12 +149,14 @@ class ReduceScatter(_Hooked, _ReduceScatter):
         for found in shadows:
             if found is not None:
                 self.pool.used(found[1], work)  # type: ignore[union-attr]
+        self._timed(start)
         return work if async_op else None
 
 
 class FSDPHooks(NamedTuple):
     """What ``use_for_fsdp`` installed: how many FSDP2 modules use it, and the two hooks
-    (whose ``calls`` and ``without_exchange`` count what went through them)."""
+    (whose ``calls`` and ``without_exchange`` count what went through them, and
+    ``host_seconds`` adds up the host's time in them)."""
     modules: int
     all_gather: AllGather
     reduce_scatter: ReduceScatter
