@@ -161,6 +161,9 @@ if [ "$what" = dryrun ]; then
   step tp-plant-fault 150 $TRUN python3 -m hoccl.bench.tp --quick --plant-fault --libraries hoccl \
     --out "$OUT/tp-plant-fault"
   fi
+  # the host's time per call (no NCCL to compare with here; the parts are driver calls)
+  step profile-reg 60 $MPIRUN python3 tools/profile_call.py --size 1M --registered --iters 300
+  step profile 60 $MPIRUN python3 tools/profile_call.py --size 1M --iters 300
   step train 200 $TRUN python3 -m hoccl.bench.train --baseline gloo --shapes ${DRY_SHAPE:-1024:2:8:256:1} \
     --libraries ${DRY_LIBRARIES:-hoccl,hoccl-hooks,hoccl-hooks-plain,hoccl-hooks+pull_bytes=2G+max_sms=32} \
     --steps 2 --trials 2 --warmup 1 --profile-steps 1 --host-profile ${HOST_PROFILE:-2} --out "$OUT/train"
