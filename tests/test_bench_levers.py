@@ -54,6 +54,17 @@ def test_the_adaptive_cap_joins_only_when_the_probe_found_idle_sms_of_a_new_coun
     assert not [v for v in variants(args, idle_sms=4) if v.lever == "adaptive"]
 
 
+def test_the_torch_lever_sums_on_the_whole_gpu_per_chunk_or_per_call():
+    args = arguments(["--torch-chunks", "32M,whole"])
+    args.sm_count = 132
+    found = [v for v in variants(args) if v.lever == "torch"]
+    assert [(v.sms, v.chunk_bytes) for v in found] == [(132, 32 * MiB), (132, 0)]
+    assert all(v.torch and not v.hoccl_kernel for v in found)
+    assert found[0].label.startswith("torch.add, all SMs, 32M chunks")
+    assert not [v for v in variants(arguments(["--torch-chunks", ""])) if v.lever == "torch"]
+    assert [v.lever for v in variants(arguments(["--quick"]))][-1] == "torch"
+
+
 def test_a_variant_names_every_field_it_refuses():
     with pytest.raises(ValueError, match="reduce_priority.*green"):
         Variant("sms", 8, 32 * MiB, reduce_priority="highest", green="gemm")

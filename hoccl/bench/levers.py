@@ -23,7 +23,11 @@ The levers, side by side in one run:
   registers and fits beside no CTA that holds more than 8 192);
 - ``green``: green contexts (``cuGreenCtxCreate``): the reduction confined to a partition
   of N SMs, the GEMM unconfined or confined to the rest;
-- ``adaptive``: the cap set to the number of SMs the GEMM leaves idle, measured below.
+- ``adaptive``: the cap set to the number of SMs the GEMM leaves idle, measured below;
+- ``torch``: the same sum as a torch kernel on the whole GPU (``torch.add``, no SM cap),
+  per chunk or per call: what a consumer that adds the partial blocks itself would cost
+  the GEMM (the opt-in of deferring the sum to the next kernel: the collective then
+  moves blocks with zero SMs, and this kernel is what is left).
 
 Two residency probes use the same sum with a per-block record of ``%smid`` and
 ``%globaltimer`` (start and end), and a one-block marker kernel between GEMMs that dates
@@ -69,7 +73,7 @@ __all__ = ["main", "arguments", "Variant", "variants", "pieces", "launches_per_c
 
 PRIORITIES = ("greatest", "least")
 GREEN = ("", "reduce", "both")
-LEVERS = ("sms", "launches", "priority", "block", "green", "adaptive")
+LEVERS = ("sms", "launches", "priority", "block", "green", "adaptive", "torch")
 #: a block that starts within this many µs of the end of its launch's predecessor found an SM
 IMMEDIATE_US = 20.0
 #: a block that starts within this many µs before a GEMM kernel ends started in its tail
@@ -79,10 +83,10 @@ _TRACE_SLOTS = 16384
 
 _FULL = {"gemms": 60, "bytes": "512M", "sms": "2,4,8,16,32", "chunks": "8M,32M,whole",
          "priorities": "least/least,least/greatest,greatest/greatest", "blocks": "32x256",
-         "green": "8,16", "rounds": 3, "probe_sms": "4,8"}
+         "green": "8,16", "rounds": 3, "probe_sms": "4,8", "torch_chunks": "32M,128M,whole"}
 _QUICK = {"gemms": 20, "bytes": "128M", "sms": "4,8,32", "chunks": "32M,whole",
           "priorities": "least/least", "blocks": "", "green": "8", "rounds": 1,
-          "probe_sms": "8"}
+          "probe_sms": "8", "torch_chunks": "whole"}
 
 
 # -- the pure part: options, variants, analysis, tables ------------------------------------
@@ -113,6 +117,9 @@ def arguments(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         f"none) ({_FULL['blocks']})")
     parser.add_argument("--green", help="SM counts of the green-context partitions ('' for "
                         f"none) ({_FULL['green']})")
+    parser.add_argument("--torch-chunks", help="chunk sizes of the torch lever (the sum as "
+                        "torch.add on the whole GPU), 'whole' for one launch per call, '' for "
+                        f"none ({_FULL['torch_chunks']}; quick {_QUICK['torch_chunks']})")
     parser.add_argument("--probe-sms", help="caps of the waits probe "
                         f"({_FULL['probe_sms']}; quick {_QUICK['probe_sms']})")
     parser.add_argument("--rounds", type=int, help="rounds over every variant; medians are "
@@ -134,7 +141,8 @@ class Variant:
     launch (0: one launch per call); ``threads`` and ``unroll``: the kernel's block shape
     (hoccl's is 1024 x 2); ``green``: "" (no green context), "reduce" (the reduction in a
     green context of ``sms`` SMs, the GEMM on the whole GPU) or "both" (the GEMM in a green
-    context of the remaining SMs)."""
+    context of the remaining SMs).  The ``torch`` lever runs ``torch.add`` instead of
+    hoccl's kernel (no cap: ``sms`` is then the GPU's SM count, for the table)."""
     lever: str
     sms: int
     chunk_bytes: int
@@ -167,11 +175,18 @@ class Variant:
     @property
     def hoccl_kernel(self) -> bool:
         """Whether ``Device.reduce`` runs it (hoccl's block shape, no green context)."""
-        return (self.threads, self.unroll) == (1024, 2) and not self.green
+        return (self.threads, self.unroll) == (1024, 2) and not self.green and not self.torch
+
+    @property
+    def torch(self) -> bool:
+        """Whether the sum is torch's kernel on the whole GPU."""
+        return self.lever == "torch"
 
     @property
     def label(self) -> str:
         shape = f"{self.sms} SMs" if self.threads == 1024 else f"{self.sms}x{self.threads} thr"
+        if self.torch:
+            shape = "torch.add, all SMs"
         if self.unroll != 2:
             shape += f" unroll {self.unroll}"
         chunk = "1 launch/call" if not self.chunk_bytes else f"{human(self.chunk_bytes)} chunks"
@@ -220,6 +235,8 @@ def variants(args: argparse.Namespace, idle_sms: Optional[int] = None) -> List[V
         add(Variant("green", sms, chunk, green="both"))
     if idle_sms:
         add(Variant("adaptive", idle_sms, chunk))
+    for size in _sizes(getattr(args, "torch_chunks", "") or ""):
+        add(Variant("torch", getattr(args, "sm_count", 0) or 132, size))
     found.sort(key=lambda v: LEVERS.index(v.lever))
     return found
 
@@ -641,7 +658,17 @@ class _Study:
         out, x, y = self.out.data_ptr(), self.x.data_ptr(), self.y.data_ptr()
         device = self.device
         launch: Callable[[int, int], None]
-        if variant.hoccl_kernel:
+        if variant.torch:
+            torch = self.torch
+            _, wrapped = self.stream("reduce", variant.reduce_priority)
+
+            def torch_sum(offset: int, count: int) -> None:
+                first = offset // 2  # bf16 elements
+                with torch.cuda.stream(wrapped):
+                    torch.add(self.x[first:first + count], self.y[first:first + count],
+                              out=self.out[first:first + count])
+            launch, kernel = torch_sum, "torch.add (whole GPU)"
+        elif variant.hoccl_kernel:
             def hoccl_sum(offset: int, count: int) -> None:
                 device.reduce(handle, out + offset, [x + offset, y + offset], count,
                               "bfloat16", "sum", sms=variant.sms)
@@ -945,6 +972,7 @@ class _Study:
                   f"{probe['block_starts']}, wait µs {probe['wait_us']}, GEMM µs "
                   f"{probe['gemm_us']}"), flush=True)
         idle = probes["idle SMs beside the GEMM"].get("idle_sm_count")
+        args.sm_count = self.sm_count
         chosen = variants(args, idle_sms=idle if idle and idle < self.sm_count else None)
         measured: Dict[Variant, List[Dict[str, Any]]] = {variant: [] for variant in chosen}
         errors: Dict[Variant, str] = {}
