@@ -126,7 +126,7 @@ fi
 if [ "$what" = figures-b ]; then
   # the second: reductions beside a GEMM, the tensor-parallel layer, torch training checks
   step overlap 200 $MPIRUN python3 -m hoccl.bench.overlap --cases reduce_scatter:out,all_reduce:in \
-    --libraries hoccl,hoccl+max_sms=32+chunk_bytes=128M,hoccl+max_sms=16,hoccl+pull_bytes=2G+max_sms=32,nccl \
+    --libraries hoccl,hoccl+chunk_bytes=128M,hoccl+max_sms=32+chunk_bytes=128M,hoccl+max_sms=16,hoccl+pull_bytes=2G+max_sms=32,nccl \
     --out "$OUT/overlap"
   step tp 150 $TRUN python3 -m hoccl.bench.tp --out "$OUT/tp"
   step torch-training 120 $TRUN python3 tests/torch_programs/run_training.py --device cuda
@@ -142,7 +142,7 @@ if [ "$what" = figures-c ]; then
   # reduce-scatters on registered inputs, on the most exposed shape (a run of its own: a
   # library is a whole sharded model with its optimizer, ~28 GB per GPU at this shape)
   step train-comm-settings 200 $TRUN python3 -m hoccl.bench.train --shapes comm --libraries \
-    nccl,hoccl-hooks+max_sms=32,hoccl-hooks+max_sms=32+chunk_bytes=128M,hoccl-hooks+pull_bytes=2G+max_sms=32 \
+    nccl,hoccl-hooks+chunk_bytes=128M,hoccl-hooks+max_sms=32+chunk_bytes=128M,hoccl-hooks+pull_bytes=2G+max_sms=32 \
     --out "$OUT/train-comm-settings"
 fi
 if [ "$what" = dryrun ]; then
