@@ -117,9 +117,15 @@ if [ "$what" = figures-a ]; then
     --counts 0,17,100003
   step capture 120 $MPIRUN python3 tests/mpi/run_capture.py --backend cuda --replays 300
   step split-mpirun 60 $MPIRUN python3 tests/mpi/run_split.py --backend cuda
-  step bench-small 300 $MPIRUN python3 -m hoccl.bench --sizes 8K,64K,256K,1M,4M,16M \
-    --forms in --libraries hoccl,hoccl-reg,hoccl-reg+one_shot_bytes=4M,hoccl-reg+pull_bytes=16M,nccl,nccl-zero \
+  # issue 14's sizes, eager and in graphs, beside every NCCL mode: the in-place forms of
+  # all_gather, reduce_scatter, all_reduce and broadcast, then all_to_all (out of place)
+  step bench-small 330 $MPIRUN python3 -m hoccl.bench --sizes 8K,64K,256K,1M,4M,16M \
+    --forms in --collectives all_gather,all_reduce,reduce_scatter,broadcast \
+    --libraries hoccl,hoccl-reg,hoccl-reg+one_shot_bytes=4M,hoccl-reg+pull_bytes=16M,nccl,nccl4py,nccl-zero \
     --graph --out "$OUT/bench-small"
+  step bench-small-a2a 120 $MPIRUN python3 -m hoccl.bench --sizes 8K,64K,256K,1M,4M,16M \
+    --forms out --collectives all_to_all --libraries hoccl,hoccl-reg,nccl,nccl4py,nccl-zero \
+    --graph --out "$OUT/bench-small-a2a"
   step bench-1g 100 $MPIRUN python3 -m hoccl.bench --sizes 1G --collectives all_gather \
     --forms in --libraries hoccl,hoccl-reg,nccl4py,nccl-zero --out "$OUT/bench-1g"
 fi
@@ -213,6 +219,8 @@ if [ "$what" = validate ]; then
   step bench-pull 150 $MPIRUN python3 -m hoccl.bench --sizes 64K,1M --forms in \
     --collectives all_reduce,reduce_scatter --libraries hoccl,hoccl-reg+pull_bytes=16M --graph \
     --out "$OUT/bench-pull"
+  step bench-broadcast 120 $MPIRUN python3 -m hoccl.bench --sizes 64K,1M --forms in,out \
+    --collectives broadcast,all_to_all --libraries hoccl,hoccl-reg --graph --out "$OUT/bench-broadcast"
   # DDP, FSDP2 (hooks all-gathering into registered memory: every call counted) and HSDP
   # against a second hoccl group without registered memory or hooks (NCCL refuses two
   # ranks on one GPU)
@@ -291,6 +299,11 @@ if [ "$what" = tp ] || [ "$what" = all ]; then
   step tp-plant-fault 150 $TRUN python3 -m hoccl.bench.tp --quick --plant-fault \
     --out "$OUT/tp-plant-fault"
 fi
+case "$what" in figures-*)
+  # the open issues' criteria, judged from this run's JSON (tools/criteria.py)
+  python3 tools/criteria.py "$OUT" --json "$OUT/criteria.json" > "$OUT/criteria.md" 2>&1
+  summary+=("criteria       $(grep -c '| met |' "$OUT/criteria.md") met, $(grep -c 'NOT met' "$OUT/criteria.md") not met (criteria.md)") ;;
+esac
 tar czf /tmp/gpu-run.tgz -C "$OUT" . && mv /tmp/gpu-run.tgz "$OUT/gpu-run.tgz"
 cat "$OUT/gpus.txt"
 printf '%s\n' "${summary[@]}"

@@ -10,10 +10,12 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Dict, List, Optional, Tuple
 
-COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast")
 #: forms each collective is measured in
 FORMS = {"all_gather": ("out", "in"), "reduce_scatter": ("out", "in"),
-         "all_reduce": ("out", "in"), "all_to_all": ("out",)}
+         "all_reduce": ("out", "in"), "all_to_all": ("out",), "broadcast": ("out", "in")}
+#: the root of the benchmarks' broadcasts
+ROOT = 0
 
 __all__ = ["COLLECTIVES", "FORMS", "Ranks", "Library", "Hoccl", "TorchNccl", "Nccl4py", "libraries",
            "setup_ranks", "make_buffers", "count_wrong", "time_loop", "bus_factor", "parse_size",
@@ -21,7 +23,9 @@ __all__ = ["COLLECTIVES", "FORMS", "Ranks", "Library", "Hoccl", "TorchNccl", "Nc
 
 
 def bus_factor(collective: str, n: int) -> float:
-    """nccl-tests' busbw / algbw."""
+    """nccl-tests' busbw / algbw (broadcast: 1, as nccl-tests counts it)."""
+    if collective == "broadcast":
+        return 1.0
     return 2 * (n - 1) / n if collective == "all_reduce" else (n - 1) / n
 
 
@@ -155,6 +159,10 @@ class Library:
     sms = ""  # how many SMs it occupies, in words
     ranks: Any = None  # the Ranks it runs on
 
+    def sms_for(self, collective: str) -> str:
+        """``sms`` for one collective (where a library uses SMs differently per call)."""
+        return self.sms
+
     def supports(self, collective: str, form: str) -> bool:
         return True
 
@@ -231,6 +239,8 @@ class Hoccl(Library):
         comm = self.ranks.comms[rank_index]
         if collective in ("reduce_scatter", "all_reduce"):
             getattr(comm, collective)(send, recv, "sum", stream=stream)
+        elif collective == "broadcast":
+            comm.broadcast(send, recv, ROOT, stream=stream)
         else:
             getattr(comm, collective)(send, recv, stream=stream)
 
@@ -252,7 +262,8 @@ class TorchNccl(Library):
                                     device_id=torch.device(f"cuda:{ranks.devices[0]}"))
 
     def supports(self, collective, form):
-        return not (collective == "all_reduce" and form == "out")  # torch's is in place only
+        # torch's all_reduce and broadcast are in place only
+        return not (collective in ("all_reduce", "broadcast") and form == "out")
 
     def run(self, rank_index, collective, send, recv, stream):
         import torch
@@ -264,6 +275,8 @@ class TorchNccl(Library):
                 dist.reduce_scatter_tensor(recv, send)
             elif collective == "all_reduce":
                 dist.all_reduce(recv)
+            elif collective == "broadcast":
+                dist.broadcast(recv, src=ROOT)
             else:
                 dist.all_to_all_single(recv, send)
 
@@ -285,7 +298,12 @@ class Nccl4py(Library):
         self.windows: List[Any] = []
 
     def supports(self, collective, form):
-        return not self.zero or collective in ("all_gather", "all_to_all")
+        return not self.zero or collective in ("all_gather", "all_to_all", "broadcast")
+
+    def sms_for(self, collective: str) -> str:
+        if self.zero and collective == "broadcast":
+            return "CTA policy ZERO (NCCL uses zero CTAs where it can)"
+        return self.sms
 
     def empty(self, rank_index, count, dtype):
         if not self.zero:
@@ -308,6 +326,8 @@ class Nccl4py(Library):
             self.comm.reduce_scatter(send, recv, self.nccl.NcclRedOp.SUM, stream=handle)
         elif collective == "all_reduce":
             self.comm.allreduce(send, recv, self.nccl.NcclRedOp.SUM, stream=handle)
+        elif collective == "broadcast":
+            self.comm.broadcast(send, recv, ROOT, stream=handle)
         else:
             self.comm.alltoall(send, recv, stream=handle)
 
@@ -357,6 +377,8 @@ def pattern(rank: int, count: int, dtype: Any, device: int) -> Any:
 def expected(collective: str, rank: int, n: int, send_count: int, dtype: Any, device: int):
     import torch
     inputs = [pattern(r, send_count, dtype, device) for r in range(n)]
+    if collective == "broadcast":
+        return inputs[ROOT]
     if collective == "all_gather":
         return torch.cat(inputs)
     if collective == "all_reduce":

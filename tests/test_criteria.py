@@ -1,0 +1,120 @@
+"""tools/criteria.py: the open issues' performance criteria judged from benchmark JSON,
+on made-up runs whose verdicts are known (no GPU)."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+_SPEC = importlib.util.spec_from_file_location(
+    "criteria", Path(__file__).resolve().parent.parent / "tools" / "criteria.py")
+criteria = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(criteria)
+
+KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+
+
+def write(folder: Path, kind: str, result) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{kind}.json").write_text(json.dumps(result))
+
+
+def bench_record(collective, form, nbytes, library, time_us, wrong=0):
+    busbw = nbytes / (time_us * 1e-6) / 1e9
+    return dict(collective=collective, form=form, bytes=nbytes, library=library,
+                time_us=time_us, busbw=busbw, wrong=wrong)
+
+
+def rows_named(rows, text):
+    return [row for row in rows if text in row["criterion"]]
+
+
+def test_nothing_measured_is_no_data_not_a_pass(tmp_path):
+    rows = criteria.judge([str(tmp_path)])
+    assert rows and all(row["verdict"] == "no data" for row in rows)
+
+
+def test_small_messages_compare_the_fastest_of_each_side_within_one_run(tmp_path):
+    records = []
+    for nbytes in (64 * KiB, 256 * KiB, MiB):
+        records += [bench_record("all_gather", "in", nbytes, "hoccl-reg+graph", 10.0),
+                    bench_record("all_gather", "in", nbytes, "nccl+graph", 12.0),
+                    bench_record("all_gather", "in", nbytes, "nccl-zero+graph", 9.0),
+                    bench_record("all_reduce", "in", nbytes, "hoccl-reg+graph", 30.0),
+                    bench_record("all_reduce", "in", nbytes, "hoccl-reg+pull_bytes=16M+graph",
+                                 11.0),
+                    bench_record("all_reduce", "in", nbytes, "nccl4py+graph", 10.0)]
+    # eager 1 MiB: 1.4x the fastest NCCL mode is within 1.5x; a wrong result never counts
+    records += [bench_record("all_gather", "in", MiB, "hoccl-reg", 42.0),
+                bench_record("all_gather", "in", MiB, "nccl", 30.0),
+                bench_record("all_gather", "in", MiB, "nccl4py", 5.0, wrong=3),
+                bench_record("all_gather", "in", GiB, "hoccl", 1500.0),
+                bench_record("all_gather", "in", GiB, "nccl-zero", 1400.0)]
+    write(tmp_path / "a", "bench", {"records": records})
+    rows = criteria.judge([str(tmp_path)])
+    graph = rows_named(rows, "all_gather 1M registered, in a graph")[0]
+    assert graph["verdict"] == "NOT met" and "nccl-zero+graph 9.0" in graph["measured"]
+    reduce = rows_named(rows, "all_reduce 64K registered")[0]
+    assert reduce["verdict"] == "met" and "pull_bytes" in reduce["measured"]  # 1.1x <= 1.2x
+    eager = rows_named(rows, "eager")[0]
+    assert eager["verdict"] == "met" and "1.40×" in eager["measured"]
+    assert rows_named(rows, "1G in place")[0]["verdict"] == "NOT met"
+    assert rows_named(rows, "broadcast 64K")[0]["verdict"] == "no data"
+
+
+def overlap_record(collective, library, slowdown, during, alone, sms="NCCL kernels"):
+    return dict(collective=collective, form="out", library=library, slowdown_pct=slowdown,
+                busbw_during=during, busbw_alone=alone, sms=sms)
+
+
+def test_beside_compute_needs_both_the_slowdown_and_the_bandwidth(tmp_path):
+    sums = "moves: ≤ 16 for the own block out of place (in place: 0); sums: ≤ {}"
+    write(tmp_path, "overlap", {"records": [
+        overlap_record("reduce_scatter", "nccl", 24.0, 190.0, 260.0),
+        overlap_record("reduce_scatter", "hoccl", 50.0, 260.0, 205.0, sums.format(8)),
+        overlap_record("reduce_scatter", "hoccl+max_sms=16", 20.0, 250.0, 270.0, sums.format(16)),
+        overlap_record("reduce_scatter", "hoccl+max_sms=32", 10.0, 300.0, 340.0, sums.format(32)),
+        overlap_record("all_reduce", "nccl", 28.0, 260.0, 325.0),
+        overlap_record("all_reduce", "hoccl", 35.0, 400.0, 350.0, sums.format(8))]})
+    rows = criteria.judge([str(tmp_path)])
+    beside = rows_named(rows, "reduce_scatter beside")[0]
+    assert beside["verdict"] == "met" and "hoccl+max_sms=32" in beside["measured"]
+    assert rows_named(rows, "all_reduce beside")[0]["verdict"] == "NOT met"  # slower GEMM
+    alone = rows_named(rows, "alone")[0]
+    # 32 SMs is over the cap: the best within 16 SMs is 270 against 260
+    assert alone["verdict"] == "met" and "(16 SMs)" in alone["measured"]
+
+
+def test_the_tensor_parallel_layer_needs_async_tp_too(tmp_path):
+    def record(library, label, ms, overlapped=True, wrong=0):
+        return dict(library=library, label=label, ms_per_layer=ms, overlapped=overlapped,
+                    chunks=2, wrong=wrong)
+    write(tmp_path, "tp", {"records": [record("hoccl", "2 chunks overlapped", 8.0),
+                                       record("hoccl", "4 chunks overlapped", 1.0, wrong=1),
+                                       record("nccl", "2 chunks overlapped", 10.0),
+                                       record("nccl", "sequential", 12.0, overlapped=False)]})
+    (row,) = rows_named(criteria.judge([str(tmp_path)]), "TP layer")
+    assert row["verdict"] == "NOT met" and "async-TP did not run" in row["measured"]
+    assert "8.00 ms" in row["measured"]  # the wrong schedule is not counted
+    write(tmp_path, "tp", {"records": [record("hoccl", "2 chunks overlapped", 8.0),
+                                       record("nccl", "2 chunks overlapped", 10.0),
+                                       record("async-tp", "fused", 8.5, overlapped=True)]})
+    (row,) = rows_named(criteria.judge([str(tmp_path)]), "TP layer")
+    assert row["verdict"] == "met"
+
+
+@pytest.mark.parametrize("comm_ratio, verdict", [(1.06, "met"), (1.02, "NOT met")])
+def test_training_judges_every_shape_and_the_most_exposed_one_at_1_05(tmp_path, comm_ratio,
+                                                                      verdict):
+    def record(shape, library, tokens, exposed=None):
+        return dict(shape=shape, library=library, tokens_per_s=tokens,
+                    profile_ms_per_step=None if exposed is None else {"exposed": exposed})
+    write(tmp_path, "train", {"baseline": "nccl", "records": [
+        record("compute", "nccl", 1000.0, exposed=5.0), record("compute", "hoccl", 1010.0),
+        record("comm", "nccl", 1000.0, exposed=40.0),
+        record("comm", "hoccl-hooks", 1000.0 * comm_ratio)]})
+    rows = criteria.judge([str(tmp_path)])
+    assert all(row["verdict"] == "met" for row in rows_named(rows, "≥ 1.00"))
+    (exposed,) = rows_named(rows, "most exposed")
+    assert "shape comm" in exposed["criterion"] and exposed["verdict"] == verdict
