@@ -12,6 +12,9 @@
 # in one run.
 # Logs and JSON go to $OUT (default ./gpu-out), and all of it into $OUT/gpu-run.tgz as
 # well (the device tool brings back only a few files per call); a summary is printed last.
+# The run keeps to GPU_RUN_BUDGET seconds (default 570, under the device tool's 600 s per
+# command): steps that would run past it are cut short or skipped, and say so in the
+# summary; set it higher where nothing stops the command (GPU_RUN_BUDGET=100000).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
@@ -24,9 +27,18 @@ fi
 export PYTHONPATH=$PWD:$DEPS
 MPIRUN="mpirun -np 2 -x PYTHONPATH -x NCCL_NVLS_ENABLE -x TORCH_SYMM_MEM_DISABLE_MULTICAST -x NVSHMEM_DISABLE_NVLS"
 summary=()
+# the whole run's budget in seconds (the device tool stops a command at 600 s, and only
+# what the run packed at its end comes back whole): each step's limit is cut to what is
+# left, a step with under 20 s left is skipped, so the packing always happens
+BUDGET=${GPU_RUN_BUDGET:-570}
 step() {  # step NAME TIMEOUT COMMAND...
   local name=$1 limit=$2; shift 2
-  local start=$SECONDS
+  local start=$SECONDS left=$((BUDGET - 15 - SECONDS))
+  if [ "$left" -lt 20 ]; then
+    summary+=("$(printf '%-14s skipped: %ss of the %ss budget left' "$name" "$((BUDGET - SECONDS))" "$BUDGET")")
+    return
+  fi
+  [ "$limit" -gt "$left" ] && limit=$left
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
   local rc=$?
   summary+=("$(printf '%-14s rc=%-3s %4ss  %s' "$name" "$rc" "$((SECONDS - start))" "$(tail -n 1 "$OUT/$name.log")")")
