@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The device machine's session: GPU tests (one process, and mpirun -np 2), then the
-# benchmarks against NCCL.  Usage: bash tools/gpu_run.sh [tests|profile|bench|overlap|compare|torch|fsdp|hier|hierdiag|final|registered|onegpu|validate|dryrun|quickreg|figures-a|figures-b|figures-c|levers|tp|all] [pytest args]
+# benchmarks against NCCL.  Usage: bash tools/gpu_run.sh [tests|profile|bench|overlap|compare|torch|fsdp|hier|hierdiag|final|registered|onegpu|validate|dryrun|quickreg|figures-a|figures-b|figures-c|figures-d|levers|tp|all] [pytest args]
 # torch: the torch.distributed backend's checks, DDP/FSDP2/HSDP training against NCCL (hoccl
 # the default process group, then NCCL), the FSDP2 example on NCCL and on hoccl, and
 # python -m hoccl.bench.train (one process per shape).
@@ -131,6 +131,8 @@ if [ "$what" = figures-a ]; then
   step split-mpirun 60 $MPIRUN python3 tests/mpi/run_split.py --backend cuda
   # issue 14's sizes, eager and in graphs, beside every NCCL mode: the in-place forms of
   # all_gather, reduce_scatter, all_reduce and broadcast, then all_to_all (out of place)
+  step bench-1g 100 $MPIRUN python3 -m hoccl.bench --sizes 1G --collectives all_gather \
+    --forms in --libraries hoccl,hoccl-reg,nccl4py,nccl-zero --out "$OUT/bench-1g"
   step bench-small 330 $MPIRUN python3 -m hoccl.bench --sizes 8K,64K,256K,1M,4M,16M \
     --forms in --collectives all_gather,all_reduce,reduce_scatter,broadcast \
     --libraries hoccl,hoccl-reg,hoccl-reg+one_shot_bytes=4M,hoccl-reg+pull_bytes=16M,nccl,nccl4py,nccl-zero \
@@ -138,8 +140,6 @@ if [ "$what" = figures-a ]; then
   step bench-small-a2a 120 $MPIRUN python3 -m hoccl.bench --sizes 8K,64K,256K,1M,4M,16M \
     --forms out --collectives all_to_all --libraries hoccl,hoccl-reg,nccl,nccl4py,nccl-zero \
     --graph --out "$OUT/bench-small-a2a"
-  step bench-1g 100 $MPIRUN python3 -m hoccl.bench --sizes 1G --collectives all_gather \
-    --forms in --libraries hoccl,hoccl-reg,nccl4py,nccl-zero --out "$OUT/bench-1g"
 fi
 if [ "$what" = figures-b ]; then
   # the second: reductions beside a GEMM, the tensor-parallel layer, torch training checks
@@ -150,18 +150,23 @@ if [ "$what" = figures-b ]; then
   step torch-training 120 $TRUN python3 tests/torch_programs/run_training.py --device cuda
 fi
 if [ "$what" = figures-c ]; then
-  # the third: training beside NCCL, the hooks with registered all-gather memory and
-  # without; HSDP with NCCL as the default group (its replicate dimension)
+  # the third: training beside NCCL on the most exposed shape, the hooks with registered
+  # all-gather memory and without; then the reduce-scatter settings the one-GPU lever
+  # study points to and pulled reduce-scatters on registered inputs (a run of its own: a
+  # library is a whole sharded model with its optimizer, ~28 GB per GPU at this shape);
+  # HSDP with NCCL as the default group (its replicate dimension)
   TRAIN_LIBRARIES=${TRAIN_LIBRARIES:-nccl,hoccl,hoccl-hooks,hoccl-hooks-plain} \
-    train_shapes ${TRAIN_SHAPES:-comm compute}
-  step torch-training-nccl-default 150 $TRUN python3 tests/torch_programs/run_training.py \
-    --device cuda --default-backend reference
-  # the reduce-scatter settings the one-GPU lever study points to, and pulled
-  # reduce-scatters on registered inputs, on the most exposed shape (a run of its own: a
-  # library is a whole sharded model with its optimizer, ~28 GB per GPU at this shape)
+    train_shapes ${TRAIN_SHAPES:-comm}
   step train-comm-settings 200 $TRUN python3 -m hoccl.bench.train --shapes comm --libraries \
     nccl,hoccl-hooks+chunk_bytes=128M,hoccl-hooks+max_sms=32+chunk_bytes=128M,hoccl-hooks+pull_bytes=2G+max_sms=32 \
     --out "$OUT/train-comm-settings"
+  step torch-training-nccl-default 150 $TRUN python3 tests/torch_programs/run_training.py \
+    --device cuda --default-backend reference
+fi
+if [ "$what" = figures-d ]; then
+  # the fourth: the rest of the training sweep (compute-bound, and a larger model)
+  TRAIN_LIBRARIES=${TRAIN_LIBRARIES:-nccl,hoccl,hoccl-hooks,hoccl-hooks+max_sms=32+chunk_bytes=128M} \
+    train_shapes ${TRAIN_SHAPES:-compute large}
 fi
 if [ "$what" = dryrun ]; then
   # one GPU, two ranks: the hoccl parts of figures-b and figures-c (no NCCL, which refuses
