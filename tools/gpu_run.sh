@@ -143,8 +143,8 @@ if [ "$what" = figures-a ]; then
 fi
 if [ "$what" = figures-b ]; then
   # the second: reductions beside a GEMM, the tensor-parallel layer, torch training checks
-  step overlap 200 $MPIRUN python3 -m hoccl.bench.overlap --cases reduce_scatter:out,all_reduce:in \
-    --libraries hoccl,hoccl+chunk_bytes=128M,hoccl+max_sms=32+chunk_bytes=128M,hoccl+max_sms=16,hoccl+pull_bytes=2G+max_sms=32,nccl \
+  step overlap 240 $MPIRUN python3 -m hoccl.bench.overlap --cases reduce_scatter:out,all_reduce:in \
+    --libraries hoccl,hoccl+chunk_bytes=128M,hoccl+max_sms=32+chunk_bytes=128M,hoccl+max_sms=32+chunk_bytes=256M,hoccl+max_sms=64+chunk_bytes=512M,hoccl+pull_bytes=2G+max_sms=32,hoccl+pull_bytes=2G+max_sms=32+chunk_bytes=256M,nccl \
     --out "$OUT/overlap"
   step tp 150 $TRUN python3 -m hoccl.bench.tp --out "$OUT/tp"
   step torch-training 120 $TRUN python3 tests/torch_programs/run_training.py --device cuda
