@@ -118,3 +118,20 @@ def test_training_judges_every_shape_and_the_most_exposed_one_at_1_05(tmp_path, 
     assert all(row["verdict"] == "met" for row in rows_named(rows, "≥ 1.00"))
     (exposed,) = rows_named(rows, "most exposed")
     assert "shape comm" in exposed["criterion"] and exposed["verdict"] == verdict
+
+
+def test_reduce_scatter_alone_reads_the_sweep_too_form_by_form(tmp_path):
+    sums = "moves: ≤ 16 for the own block out of place (in place: 0); sums: ≤ {}"
+    records = [dict(bench_record("reduce_scatter", "in", GiB, "hoccl+max_sms=16", 1900.0),
+                    sms=sums.format(16)),
+               dict(bench_record("reduce_scatter", "in", GiB, "hoccl+max_sms=32", 1000.0),
+                    sms=sums.format(32)),
+               bench_record("reduce_scatter", "in", GiB, "nccl", 2000.0),
+               bench_record("reduce_scatter", "out", GiB, "nccl", 1000.0),
+               dict(bench_record("reduce_scatter", "in", MiB, "hoccl", 1.0), sms=sums.format(8)),
+               bench_record("reduce_scatter", "in", MiB, "nccl", 30.0)]
+    write(tmp_path, "bench", {"records": records})
+    rows = rows_named(criteria.judge([str(tmp_path)]), "alone")
+    # 1 GiB in place only (small sizes are not this criterion; out of place has no hoccl)
+    assert len(rows) == 1 and rows[0]["verdict"] == "met", rows
+    assert "hoccl+max_sms=16 (16 SMs)" in rows[0]["measured"] and "1.05×" in rows[0]["measured"]

@@ -162,23 +162,37 @@ def beside_compute(runs: List[Tuple[str, Dict[str, Any]]]) -> List[Row]:
                              f"({ratio:.2f}×)", path))
         if len(rows) == before:
             rows.append(_row(13, criterion, None, ""))
-    best = None
-    for path, result in runs:
-        records = [r for r in result.get("records", []) if r.get("collective") == "reduce_scatter"]
-        nccl = next((r for r in records if r["library"] == "nccl"), None)
-        mine = [(r, _sum_sms(r.get("sms", ""))) for r in records
-                if r["library"].startswith("hoccl")]
-        mine = [(r, sms) for r, sms in mine if sms is not None and sms <= 16]
-        if nccl and mine:
-            record, sms = max(mine, key=lambda pair: pair[0]["busbw_alone"])
-            ratio = record["busbw_alone"] / nccl["busbw_alone"]
-            best = _row(13, "reduce_scatter alone ≥ 1.0 × NCCL's busbw (torch.distributed) "
-                        "with ≤ 16 SMs", ratio >= 1.0,
-                        f"{record['library']} ({sms} SMs) {record['busbw_alone']:.1f} GB/s vs "
-                        f"nccl {nccl['busbw_alone']:.1f} ({ratio:.2f}×)", path)
-    rows.append(best or _row(13, "reduce_scatter alone ≥ 1.0 × NCCL's busbw (torch.distributed) "
-                             "with ≤ 16 SMs", None, ""))
     return rows
+
+
+def reduce_scatter_alone(overlap: List[Tuple[str, Dict[str, Any]]],
+                         bench: List[Tuple[str, Dict[str, Any]]]) -> List[Row]:
+    """A row per run that has NCCL (torch.distributed) and a hoccl variant summing on at
+    most 16 SMs: the overlap benchmark's collectives alone (1 GiB), and the sweep's
+    reduce_scatter at 256 MiB or more (results checked, in place or out of place alike)."""
+    criterion = "reduce_scatter alone ≥ 1.0 × NCCL's busbw (torch.distributed) with ≤ 16 SMs"
+    rows: List[Row] = []
+    sources = [(path, result, "busbw_alone") for path, result in overlap]
+    sources += [(path, result, "busbw") for path, result in bench]
+    for path, result, key in sources:
+        records = [r for r in result.get("records", []) if r.get("collective") == "reduce_scatter"
+                   and "error" not in r and not r.get("wrong") and key in r
+                   and not r["library"].endswith("+graph")
+                   and (key == "busbw_alone" or r.get("bytes", 0) >= 256 * MiB)]
+        for size, form in sorted({(r.get("bytes", 0), r.get("form", "")) for r in records}):
+            same = [r for r in records if (r.get("bytes", 0), r.get("form", "")) == (size, form)]
+            nccl = next((r for r in same if r["library"] == "nccl"), None)
+            mine = [(r, _sum_sms(r.get("sms", ""))) for r in same
+                    if r["library"].startswith("hoccl")]
+            mine = [(r, sms) for r, sms in mine if sms is not None and sms <= 16]
+            if nccl and mine:
+                record, sms = max(mine, key=lambda pair: pair[0][key])
+                ratio = record[key] / nccl[key]
+                rows.append(_row(13, criterion, ratio >= 1.0,
+                                 f"{_size(size)} {form}: {record['library']} "
+                                 f"({sms} SMs) {record[key]:.1f} GB/s vs nccl {nccl[key]:.1f} "
+                                 f"({ratio:.2f}×)", path))
+    return rows or [_row(13, criterion, None, "")]
 
 
 def tensor_parallel(runs: List[Tuple[str, Dict[str, Any]]]) -> List[Row]:
@@ -250,6 +264,7 @@ def _default_note(mine: List[Dict[str, Any]], base: Dict[str, Any]) -> str:
 def judge(folders: Sequence[str]) -> List[Row]:
     found = load(folders)
     return (small_messages(found["bench"]) + beside_compute(found["overlap"])
+            + reduce_scatter_alone(found["overlap"], found["bench"])
             + tensor_parallel(found["tp"]) + training(found["train"]))
 
 

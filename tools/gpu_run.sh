@@ -144,8 +144,13 @@ fi
 if [ "$what" = figures-b ]; then
   # the second: reductions beside a GEMM, the tensor-parallel layer, torch training checks
   step overlap 240 $MPIRUN python3 -m hoccl.bench.overlap --cases reduce_scatter:out,all_reduce:in \
-    --libraries hoccl,hoccl+chunk_bytes=128M,hoccl+max_sms=32+chunk_bytes=128M,hoccl+max_sms=32+chunk_bytes=256M,hoccl+max_sms=64+chunk_bytes=512M,hoccl+pull_bytes=2G+max_sms=32,hoccl+pull_bytes=2G+max_sms=32+chunk_bytes=256M,nccl \
+    --libraries hoccl,hoccl+chunk_bytes=128M,hoccl+max_sms=32+chunk_bytes=128M,hoccl+max_sms=32+chunk_bytes=256M,hoccl+max_sms=64+chunk_bytes=512M,hoccl+pull_bytes=2G+max_sms=32,hoccl+pull_bytes=2G+max_sms=16+chunk_bytes=1G,hoccl+pull_bytes=2G+max_sms=64+chunk_bytes=1G,nccl \
     --out "$OUT/overlap"
+  # reductions alone at 1 GiB, every result checked: the SM caps up to 16 beside NCCL
+  step bench-reduce-1g 120 $MPIRUN python3 -m hoccl.bench --sizes 1G \
+    --collectives reduce_scatter,all_reduce --forms in \
+    --libraries hoccl,hoccl+max_sms=16,hoccl+pull_bytes=2G+max_sms=16+chunk_bytes=1G,nccl,nccl4py \
+    --out "$OUT/bench-reduce-1g"
   step tp 150 $TRUN python3 -m hoccl.bench.tp --out "$OUT/tp"
   step torch-training 120 $TRUN python3 tests/torch_programs/run_training.py --device cuda
 fi
@@ -177,10 +182,14 @@ if [ "$what" = dryrun ]; then
     --device cuda --reference hoccl
   step overlap 150 $MPIRUN python3 -m hoccl.bench.overlap --bytes 64M --gemm 4096 --gemms 10 \
     --cases reduce_scatter:out,all_reduce:in \
-    --libraries hoccl,hoccl+max_sms=32+chunk_bytes=128M,hoccl+pull_bytes=2G+max_sms=32 \
+    --libraries hoccl,hoccl+max_sms=32+chunk_bytes=128M,hoccl+pull_bytes=2G+max_sms=32,hoccl+pull_bytes=2G+max_sms=64+chunk_bytes=1G \
     --out "$OUT/overlap"
   step tp 200 $TRUN python3 -m hoccl.bench.tp --quick --libraries hoccl,hoccl+max_sms=4 \
     --out "$OUT/tp"
+  step bench-reduce-1g 150 $MPIRUN python3 -m hoccl.bench --sizes 1G \
+    --collectives reduce_scatter,all_reduce --forms in \
+    --libraries hoccl+max_sms=16,hoccl+pull_bytes=2G+max_sms=16+chunk_bytes=1G,hoccl+pull_bytes=2G+max_sms=64+chunk_bytes=1G \
+    --out "$OUT/bench-reduce-1g"
   step tp-plant-fault 150 $TRUN python3 -m hoccl.bench.tp --quick --plant-fault --libraries hoccl \
     --out "$OUT/tp-plant-fault"
   fi
