@@ -163,7 +163,7 @@ if [ "$what" = figures-c ]; then
   TRAIN_LIBRARIES=${TRAIN_LIBRARIES:-nccl,hoccl,hoccl-hooks,hoccl-hooks-plain} \
     train_shapes ${TRAIN_SHAPES:-comm}
   step train-comm-settings 200 $TRUN python3 -m hoccl.bench.train --shapes comm --libraries \
-    nccl,hoccl-hooks+chunk_bytes=128M,hoccl-hooks+max_sms=32+chunk_bytes=128M,hoccl-hooks+pull_bytes=2G+max_sms=32 \
+    nccl,hoccl-hooks+max_sms=32+chunk_bytes=128M,hoccl-hooks+pull_bytes=2G+max_sms=32,hoccl-hooks+pull_bytes=2G+max_sms=64+chunk_bytes=1G \
     --out "$OUT/train-comm-settings"
   step torch-training-nccl-default 150 $TRUN python3 tests/torch_programs/run_training.py \
     --device cuda --default-backend reference
