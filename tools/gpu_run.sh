@@ -333,4 +333,5 @@ esac
 tar czf /tmp/gpu-run.tgz -C "$OUT" . && mv /tmp/gpu-run.tgz "$OUT/gpu-run.tgz"
 cat "$OUT/gpus.txt"
 printf '%s\n' "${summary[@]}"
+[ -f "$OUT/criteria.md" ] && grep -E '\| (met|NOT met) \|' "$OUT/criteria.md" | cut -d'|' -f2-5 | cut -c1-220
 grep -h "^rank [0-9]: " "$OUT"/fail-*.log 2>/dev/null | cut -c1-160
