@@ -135,3 +135,13 @@ def test_reduce_scatter_alone_reads_the_sweep_too_form_by_form(tmp_path):
     # 1 GiB in place only (small sizes are not this criterion; out of place has no hoccl)
     assert len(rows) == 1 and rows[0]["verdict"] == "met", rows
     assert "hoccl+max_sms=16 (16 SMs)" in rows[0]["measured"] and "1.05×" in rows[0]["measured"]
+
+
+def test_the_markdown_ends_with_a_count_per_issue(tmp_path):
+    write(tmp_path, "train", {"baseline": "nccl", "records": [
+        dict(shape="comm", library="nccl", tokens_per_s=100.0,
+             profile_ms_per_step={"exposed": 1.0}),
+        dict(shape="comm", library="hoccl", tokens_per_s=90.0)]})
+    text = criteria.markdown(criteria.judge([str(tmp_path)]))
+    assert "issue 12: 0 met, 2 not met, 0 without data" in text
+    assert "issue 14: 0 met, 0 not met, 17 without data" in text

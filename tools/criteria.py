@@ -272,6 +272,13 @@ def markdown(rows: Sequence[Row]) -> str:
     lines = ["| issue | criterion | verdict | measured | source |", "|---|---|---|---|---|"]
     lines += [f"| {r['issue']} | {r['criterion']} | {r['verdict']} | {r['measured']} | "
               f"{r['source']} |" for r in rows]
+    lines.append("")
+    for issue in sorted({r["issue"] for r in rows}):
+        mine = [r for r in rows if r["issue"] == issue]
+        counts = {verdict: sum(r["verdict"] == verdict for r in mine)
+                  for verdict in ("met", "NOT met", "no data")}
+        lines.append(f"issue {issue}: {counts['met']} met, {counts['NOT met']} not met, "
+                     f"{counts['no data']} without data (rows of every run found)")
     return "\n".join(lines)
 
 
