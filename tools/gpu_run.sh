@@ -168,6 +168,17 @@ if [ "$what" = figures-c ]; then
   step torch-training-nccl-default 150 $TRUN python3 tests/torch_programs/run_training.py \
     --device cuda --default-backend reference
 fi
+if [ "$what" = figures-mix ]; then
+  # one call for what is left when the budget allows one: the reductions beside a GEMM
+  # (the most promising variants), the comm-heavy training shape, the tensor-parallel layer
+  step overlap 170 $MPIRUN python3 -m hoccl.bench.overlap --cases reduce_scatter:out,all_reduce:in \
+    --libraries hoccl,hoccl+max_sms=32+chunk_bytes=256M,hoccl+pull_bytes=2G+max_sms=16+chunk_bytes=1G,hoccl+pull_bytes=2G+max_sms=64+chunk_bytes=1G,nccl \
+    --out "$OUT/overlap"
+  step train-comm 200 $TRUN python3 -m hoccl.bench.train --shapes comm --libraries \
+    nccl,hoccl-hooks,hoccl-hooks+max_sms=32+chunk_bytes=128M,hoccl-hooks+pull_bytes=2G+max_sms=64+chunk_bytes=1G \
+    --out "$OUT/train-comm"
+  step tp 150 $TRUN python3 -m hoccl.bench.tp --out "$OUT/tp"
+fi
 if [ "$what" = figures-d ]; then
   # the fourth: the rest of the training sweep (compute-bound, and a larger model)
   TRAIN_LIBRARIES=${TRAIN_LIBRARIES:-nccl,hoccl,hoccl-hooks,hoccl-hooks+max_sms=32+chunk_bytes=128M} \
