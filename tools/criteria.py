@@ -18,6 +18,7 @@ import argparse
 import glob
 import json
 import os
+import re
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
@@ -27,8 +28,30 @@ SMALL = (64 * KiB, 256 * KiB, MiB)
 Row = Dict[str, Any]
 
 
+_LINE = re.compile(r"^\s+(\w+)\s+(in|out)\s+(\d+[KMG]?)\s+(\S+)\s+([\d.]+) us\s+([\d.]+) GB/s"
+                   r"\s+wrong (\d+)\s*$")
+
+
+def bench_log_records(path: str) -> List[Dict[str, Any]]:
+    """The records a ``hoccl.bench`` run printed, one line each, for a run stopped before
+    it wrote its JSON (a time limit): the same numbers, from the same run."""
+    units = {"K": KiB, "M": MiB, "G": GiB}
+    records = []
+    with open(path) as handle:
+        for line in handle:
+            found = _LINE.match(line)
+            if found is None:
+                continue
+            collective, form, size, library, micros, busbw, wrong = found.groups()
+            nbytes = int(size[:-1]) * units[size[-1]] if size[-1] in units else int(size)
+            records.append(dict(collective=collective, form=form, bytes=nbytes, library=library,
+                                time_us=float(micros), busbw=float(busbw), wrong=int(wrong)))
+    return records
+
+
 def load(folders: Sequence[str]) -> Dict[str, List[Tuple[str, Dict[str, Any]]]]:
-    """Every benchmark JSON below ``folders``, by kind: (path, content)."""
+    """Every benchmark JSON below ``folders``, by kind: (path, content); and the printed
+    records of a ``hoccl.bench`` log (``NAME.log`` beside no ``NAME/bench.json``)."""
     found: Dict[str, List[Tuple[str, Dict[str, Any]]]] = {
         "bench": [], "overlap": [], "tp": [], "train": []}
     for folder in folders:
@@ -37,6 +60,12 @@ def load(folders: Sequence[str]) -> Dict[str, List[Tuple[str, Dict[str, Any]]]]:
                                          recursive=True)):
                 with open(path) as handle:
                     found[kind].append((path, json.load(handle)))
+        for path in sorted(glob.glob(os.path.join(folder, "**", "*.log"), recursive=True)):
+            if os.path.exists(os.path.join(path[:-len(".log")], "bench.json")):
+                continue
+            records = bench_log_records(path)
+            if records:
+                found["bench"].append((path, {"records": records}))
     return found
 
 
