@@ -1,0 +1,87 @@
+"""Host time of one FSDP2 all-gather hook call, piece by piece, on GPUs.
+
+Run: ``mpirun -np 2 python tools/hook_cost.py [--size 64M] [--iters 300]``
+
+Calls ``hoccl.torch.AllGather`` (registered memory, in place, as FSDP2 does) back to back
+on FSDP2's pattern of streams, and times on the host: the whole hook call, hoccl's
+``Communicator.all_gather`` inside it, the pool's shadows, and ``Launcher.run``'s torch
+work (stream switch, event, Work).  Each rank prints µs per call of each.
+"""
+
+import argparse
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+import hoccl.torch  # noqa: F401  registers the backend
+from hoccl.torch import _fsdp, _work
+from hoccl.bench._harness import parse_size
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--size", default="64M", help="bytes of the all-gather output")
+    parser.add_argument("--iters", type=int, default=300)
+    parser.add_argument("--async-op", action="store_true",
+                        help="async_op=True (the call on the group's side stream, then wait)")
+    args = parser.parse_args()
+    rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", 0))
+    world = int(os.environ.get("OMPI_COMM_WORLD_SIZE", 1))
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29561")
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group("hoccl", rank=rank, world_size=world)
+    group = dist.group.WORLD
+    hook = _fsdp.AllGather(group, registered=True)
+    comm = hook.comm
+    spent = {"hook": 0.0, "comm.all_gather": 0.0, "pool.shadow": 0.0, "Launcher.run": 0.0}
+
+    def timed(name, function):
+        def wrapper(*a, **k):
+            start = time.perf_counter()
+            try:
+                return function(*a, **k)
+            finally:
+                spent[name] += time.perf_counter() - start
+        return wrapper
+    comm.all_gather = timed("comm.all_gather", comm.all_gather)
+    hook.pool.shadow = timed("pool.shadow", hook.pool.shadow)
+    _work.Launcher.run = timed("Launcher.run", _work.Launcher.run)
+    count = parse_size(args.size) // 2
+    block = count // world
+    stream = torch.cuda.Stream()
+    output = hook.allocate((count,), dtype=torch.bfloat16, device=torch.device("cuda"))
+    output.zero_()
+
+    def call():
+        with torch.cuda.stream(stream):
+            work = hook(output, output[rank * block:(rank + 1) * block], group,
+                        async_op=args.async_op)
+            if work is not None:
+                work.wait()
+    for _ in range(20):
+        call()
+    torch.cuda.synchronize()
+    for key in spent:
+        spent[key] = 0.0
+    start = time.perf_counter()
+    for _ in range(args.iters):
+        begin = time.perf_counter()
+        call()
+        spent["hook"] += time.perf_counter() - begin
+    host = time.perf_counter() - start
+    torch.cuda.synchronize()
+    total = time.perf_counter() - start
+    print(f"rank {rank}: {args.size} in-place all-gather through the FSDP hook "
+          f"(async_op={args.async_op}), {args.iters} "
+          f"calls: host {host / args.iters * 1e6:.1f} µs per call, with the GPU "
+          f"{total / args.iters * 1e6:.1f}; " + ", ".join(
+              f"{name} {value / args.iters * 1e6:.1f}" for name, value in spent.items()),
+          flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
