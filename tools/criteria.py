@@ -21,6 +21,8 @@ import os
 import re
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
+from hoccl.bench._harness import human, parse_size
+
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 NCCL = ("nccl", "nccl4py", "nccl-zero")
 SMALL = (64 * KiB, 256 * KiB, MiB)
@@ -35,7 +37,6 @@ _LINE = re.compile(r"^\s+(\w+)\s+(in|out)\s+(\d+[KMG]?)\s+(\S+)\s+([\d.]+) us\s+
 def bench_log_records(path: str) -> List[Dict[str, Any]]:
     """The records a ``hoccl.bench`` run printed, one line each, for a run stopped before
     it wrote its JSON (a time limit): the same numbers, from the same run."""
-    units = {"K": KiB, "M": MiB, "G": GiB}
     records = []
     with open(path) as handle:
         for line in handle:
@@ -43,8 +44,8 @@ def bench_log_records(path: str) -> List[Dict[str, Any]]:
             if found is None:
                 continue
             collective, form, size, library, micros, busbw, wrong = found.groups()
-            nbytes = int(size[:-1]) * units[size[-1]] if size[-1] in units else int(size)
-            records.append(dict(collective=collective, form=form, bytes=nbytes, library=library,
+            records.append(dict(collective=collective, form=form, bytes=parse_size(size),
+                                library=library,
                                 time_us=float(micros), busbw=float(busbw), wrong=int(wrong)))
     return records
 
@@ -82,13 +83,6 @@ def _records(runs: Iterable[Tuple[str, Dict[str, Any]]]) -> Iterable[Tuple[str, 
                 yield path, record
 
 
-def _size(nbytes: int) -> str:
-    for unit, size in (("G", GiB), ("M", MiB), ("K", KiB)):
-        if nbytes >= size and nbytes % size == 0:
-            return f"{nbytes // size}{unit}"
-    return str(nbytes)
-
-
 # -- issue 14 --------------------------------------------------------------------------------
 def small_messages(runs: List[Tuple[str, Dict[str, Any]]]) -> List[Row]:
     rows: List[Row] = []
@@ -116,12 +110,12 @@ def small_messages(runs: List[Tuple[str, Dict[str, Any]]]) -> List[Row]:
     for collective, form in (("all_gather", "in"), ("all_to_all", "out"), ("broadcast", "in")):
         for nbytes in SMALL:
             found = compare(collective, form, nbytes, True, "hoccl-reg")
-            rows.append(_ratio_row(14, f"{collective} {_size(nbytes)} registered, in a graph "
+            rows.append(_ratio_row(14, f"{collective} {human(nbytes)} registered, in a graph "
                                    f"≤ NCCL's fastest mode in a graph", found, 1.0))
     for collective in ("all_reduce", "reduce_scatter"):
         for nbytes in SMALL:
             found = compare(collective, "in", nbytes, True, "hoccl-reg")
-            rows.append(_ratio_row(14, f"{collective} {_size(nbytes)} registered, in a graph "
+            rows.append(_ratio_row(14, f"{collective} {human(nbytes)} registered, in a graph "
                                    f"≤ 1.2 × NCCL's fastest mode in a graph", found, 1.2))
     found = compare("all_gather", "in", MiB, False, "hoccl-reg")
     rows.append(_ratio_row(14, "all_gather 1M registered, eager ≤ 1.5 × NCCL's fastest eager "
@@ -218,7 +212,7 @@ def reduce_scatter_alone(overlap: List[Tuple[str, Dict[str, Any]]],
                 record, sms = max(mine, key=lambda pair: pair[0][key])
                 ratio = record[key] / nccl[key]
                 rows.append(_row(13, criterion, ratio >= 1.0,
-                                 f"{_size(size)} {form}: {record['library']} "
+                                 f"{human(size)} {form}: {record['library']} "
                                  f"({sms} SMs) {record[key]:.1f} GB/s vs nccl {nccl[key]:.1f} "
                                  f"({ratio:.2f}×)", path))
     return rows or [_row(13, criterion, None, "")]
