@@ -39,6 +39,7 @@ from ._windows import WINDOW, Windows, window_ref
 from .backends._base import Device, SmCaps
 from .p2p import Executor
 from .sched import Options, Shape, build_plan, verify
+from .sched.algorithms import KERNEL_MAX_BLOCKS
 from .sched.plan import CHANNEL_NAMES, CHANNELS, Plan
 from .sched.replay import replay_problem
 from .streams import StreamManager
@@ -60,7 +61,9 @@ class SignalPad:
     written only by ``sender`` (so values only grow), then as many *graph* slots (the
     same slots for calls captured into CUDA graphs: each is put back to 0 after its last
     wait, ``hoccl.sched.replay``), then one *completion* word that this rank's lane 0
-    writes when a call ends and its callers' streams wait on.
+    writes when a call ends and its callers' streams wait on; then the direct kernels'
+    part (``Plan.kernel_blocks``): their epoch and finished-block count, and per slot
+    ``KERNEL_MAX_BLOCKS`` words, one for each block of the sender's kernel.
     """
 
     def __init__(self, device: Device, rank: int, world_size: int):
@@ -70,8 +73,12 @@ class SignalPad:
         self.slots = world_size * CHANNELS
         #: where a slot's graph twin is: ``slot + graph_offset``
         self.graph_offset = self.slots
-        self.address = device.alloc_pad(2 * self.slots + 1)
+        self.words_total = 2 * self.slots + 1 + 2 + self.slots * KERNEL_MAX_BLOCKS
+        self.address = device.alloc_pad(self.words_total)
         self.completion = self.address + 8 * 2 * self.slots
+        #: the direct kernels' epoch and finished-block count (``DirectProgram.counter``)
+        self.kernel_counter = self.completion + 8
+        self._kernel_offset = 8 * (2 * self.slots + 3)
         self._pads: List[Any] = [self.address] * world_size
 
     def connect(self, pads: List[Any]) -> None:
@@ -85,6 +92,16 @@ class SignalPad:
     def remote(self, peer: int, slot: int) -> Any:
         """The address of ``slot`` in ``peer``'s pad (what this rank's lanes write)."""
         return self._pads[peer] + 8 * slot
+
+    def kernel_local(self, slot: int) -> Any:
+        """Block 0's word of ``slot`` in this rank's direct-kernel slots (what its kernels
+        wait on; block ``b``'s is ``8 * b`` further)."""
+        return self.address + self._kernel_offset + 8 * KERNEL_MAX_BLOCKS * slot
+
+    def kernel_remote(self, peer: int, slot: int) -> Any:
+        """Block 0's word of ``slot`` in ``peer``'s direct-kernel slots (what this rank's
+        kernels write)."""
+        return self._pads[peer] + self._kernel_offset + 8 * KERNEL_MAX_BLOCKS * slot
 
     @staticmethod
     def describe(slot: int) -> Tuple[int, str]:
@@ -112,7 +129,7 @@ class SignalPad:
         """The abort value into every own slot, the completion and host words, and the
         slots this rank writes in every peer's pad (best effort: a dead peer's memory
         may be gone)."""
-        own = [(self.local(slot), ABORT_VALUE) for slot in range(2 * self.slots + 1)]
+        own = [(self.local(slot), ABORT_VALUE) for slot in range(self.words_total)]
         own.append((host_word.address, ABORT_VALUE))
         try:
             self.device.poke(own)
@@ -123,9 +140,11 @@ class SignalPad:
             if peer == self.rank:
                 continue
             try:
-                self.device.poke([(self.remote(peer, offset + self.rank * CHANNELS + channel),
-                                   ABORT_VALUE) for offset in (0, self.graph_offset)
-                                  for channel in range(CHANNELS)])
+                mine = [self.rank * CHANNELS + channel for channel in range(CHANNELS)]
+                self.device.poke([(self.remote(peer, offset + slot), ABORT_VALUE)
+                                  for offset in (0, self.graph_offset) for slot in mine]
+                                 + [(self.kernel_remote(peer, slot) + 8 * block, ABORT_VALUE)
+                                    for slot in mine for block in range(KERNEL_MAX_BLOCKS)])
             except HocclError as error:
                 if warn:
                     log.warning("rank %d abort: could not release peer %d: %s", self.rank,

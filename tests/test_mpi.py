@@ -111,6 +111,23 @@ def test_failures_across_processes_raise_instead_of_hanging(scenario, survivors)
     assert "FAILED" not in output, output[-4000:]
 
 
+@pytest.mark.mpi
+@pytest.mark.parametrize("scenario,survivors", [("mismatch", [0, 1]), ("dead", [0]),
+                                                ("absent", [0]), ("abort", [0, 1])])
+def test_failures_of_direct_kernel_calls_raise_instead_of_hanging(scenario, survivors):
+    """The same with every call a direct kernel (``kernel_bytes``): an abort's values in
+    the pads' kernel slots release a kernel waiting for a peer that never comes."""
+    mpiexec = _mpiexec()
+    command = [mpiexec, *keep_going_flags(mpiexec), "-n", "2", sys.executable, str(FAILURES),
+               scenario, "--backend", "host", "--kernel-bytes", str(1 << 20)]
+    env = {**os.environ, **MPI_ENV}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
+    output = result.stdout + result.stderr
+    for rank in survivors:
+        assert f"rank {rank}: OK" in output, output[-4000:]
+    assert "FAILED" not in output, output[-4000:]
+
+
 HOSTILE = Path(__file__).parent / "mpi" / "run_hostile.py"
 
 
@@ -196,6 +213,30 @@ def test_captured_calls_replay_with_resetting_signals(ranks):
     while the others call eagerly raises on every rank."""
     returncode, output = _run_program(ranks, "run_capture.py", "--backend", "host",
                                       "--replays", "100")
+    assert returncode == 0 and "capture: 2 passed, 0 failed" in output, output[-4000:]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_direct_kernels_across_processes(ranks):
+    """run_checks.py with ``kernel_bytes``: every collective that has a direct kernel runs
+    as one (the host backend runs its protocol: per-block slots, epoch, shares), the rest
+    as ever, exact against numpy; and on registered buffers, without an exchange."""
+    returncode, output = _run_checks(ranks, "--kernel-bytes", str(1 << 20))
+    assert returncode == 0, output[-4000:]
+    assert f"mpi ranks={ranks} backend=host kernel_bytes=1048576:" in output, output[-4000:]
+    assert output.rstrip().endswith(" 0 failed"), output[-4000:]
+    returncode, output = _run_checks(ranks, "--kernel-bytes", str(1 << 20), "--registered",
+                                     "--counts", "0,17,1000")
+    assert returncode == 0 and output.rstrip().endswith(" 0 failed"), output[-4000:]
+
+
+@pytest.mark.mpi
+def test_captured_direct_kernels_replay():
+    """run_capture.py with ``kernel_bytes``: captured direct kernels replayed, eager
+    calls between (one epoch for both), a capture on one rank raising everywhere."""
+    returncode, output = _run_program(2, "run_capture.py", "--backend", "host",
+                                      "--replays", "50", "--kernel-bytes", str(1 << 20))
     assert returncode == 0 and "capture: 2 passed, 0 failed" in output, output[-4000:]
 
 

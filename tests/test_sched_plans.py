@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 
 from hoccl._dtypes import ITEMSIZE, numpy_dtype, reduce_arrays
 from hoccl.sched import COLLECTIVES, Options, Shape, build_plan, simulate, verify
+from hoccl.sched.algorithms import KERNEL_COLLECTIVES
 from hoccl.sched.plan import CHANNELS, READY, Wait
 from hoccl.testing import assert_exact, is_poison, poison
 
@@ -52,6 +53,7 @@ class Case(NamedTuple):
     copy_lanes: Optional[int]
     one_shot_bytes: int = 0
     pull_bytes: int = 0
+    kernel_bytes: int = 0
 
     def shape(self) -> Shape:
         return Shape(self.collective, self.world_size, self.count, self.dtype,
@@ -60,14 +62,15 @@ class Case(NamedTuple):
     def options(self) -> Options:
         return Options(copy_lanes=self.copy_lanes, chunk_bytes=self.chunk_bytes,
                        self_route=self.self_route, one_shot_bytes=self.one_shot_bytes,
-                       pull_bytes=self.pull_bytes)
+                       pull_bytes=self.pull_bytes, kernel_bytes=self.kernel_bytes)
 
     def label(self) -> str:
         return (f"{self.collective}-n{self.world_size}-c{self.count}-{self.dtype}-{self.op}"
                 f"-root{self.root}-peer{self.peer}-{'inplace' if self.in_place else 'oop'}"
                 f"-{self.self_route}-chunk{self.chunk_bytes}-lanes{self.copy_lanes}"
                 f"{f'-oneshot{self.one_shot_bytes}' if self.one_shot_bytes else ''}"
-                f"{f'-pull{self.pull_bytes}' if self.pull_bytes else ''}")
+                f"{f'-pull{self.pull_bytes}' if self.pull_bytes else ''}"
+                f"{f'-kernel{self.kernel_bytes}' if self.kernel_bytes else ''}")
 
 
 # -- the reference: what each collective computes, from its definition ---------------------
@@ -261,6 +264,17 @@ def _cases() -> List[Case]:
                     cases.append(Case(kind, n, count, dtype, op, root, -1, in_place, "local",
                                       chunk, (None, 1, 2)[turn % 3], pull_bytes=1 << 20))
                     turn += 1
+    # direct kernels (one kernel per rank: the peers' memory read or written from SMs)
+    for kind in KERNEL_COLLECTIVES:
+        for n in (2, 3, 4, 5, 8, 16):
+            for count in (0, 1, 7, 3 * n + 2):
+                for in_place in ((False, True) if kind in IN_PLACE_FORMS else (False,)):
+                    dtype = DTYPES[turn % len(DTYPES)]
+                    op = OPS[(turn // 3) % len(OPS)] if kind in REDUCING else "sum"
+                    root = (0, n - 1)[turn % 2] if kind == "broadcast" else 0
+                    cases.append(Case(kind, n, count, dtype, op, root, -1, in_place, "local",
+                                      1 << 20, None, kernel_bytes=1 << 20))
+                    turn += 1
     return cases
 
 
@@ -289,6 +303,11 @@ def test_grid_covers_every_collective_dtype_op_and_option():
     pulled = [c for c in CASES if c.pull_bytes]
     assert {(c.collective, c.in_place) for c in pulled} == {
         (kind, in_place) for kind in REDUCING for in_place in (False, True)}
+    direct = [c for c in CASES if c.kernel_bytes]
+    assert {(c.collective, c.in_place) for c in direct} == {
+        (kind, in_place) for kind in KERNEL_COLLECTIVES
+        for in_place in ((False, True) if kind in IN_PLACE_FORMS else (False,))}
+    assert all(c.shape() and build_plan(c.shape(), c.options()).kernel_blocks for c in direct)
 
 
 def test_pulled_reductions_read_the_peers_inputs_below_their_threshold_only():

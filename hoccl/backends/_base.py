@@ -28,7 +28,9 @@ from typing import Any, List, Optional, Sequence, Tuple
 from .._dtypes import FLOATING, NAMES
 from ..sched.plan import OPS as _PLAN_OPS
 
-__all__ = ["Device", "HostWord", "MemOp", "SmCaps", "DTYPES", "OPS", "check_reduce_extras"]
+__all__ = ["Device", "HostWord", "MemOp", "SmCaps", "DTYPES", "OPS", "check_reduce_extras",
+           "DirectProgram", "DIRECT_SIGNAL", "DIRECT_WAIT", "DIRECT_COPY", "DIRECT_REDUCE",
+           "DIRECT_VALUE_BITS"]
 
 #: dtype names every backend accepts in ``reduce``.
 DTYPES = NAMES
@@ -60,6 +62,35 @@ class SmCaps:
     share a device but not their caps (``set_options`` changes one communicator's)."""
     max_sms: int
     copy_sms: int
+
+
+#: the steps of a ``DirectProgram`` (the values the CUDA kernel's ``DirectKind`` uses)
+DIRECT_SIGNAL, DIRECT_WAIT, DIRECT_COPY, DIRECT_REDUCE = range(4)
+#: a direct kernel signals ``(epoch << DIRECT_VALUE_BITS) + value``: its values grow from
+#: kernel to kernel with an epoch the device keeps, so a graph replay needs no reset
+DIRECT_VALUE_BITS = 16
+
+
+@dataclass(eq=False)
+class DirectProgram:
+    """One rank's program of a direct-kernel plan (``Plan.kernel_blocks``), every address
+    resolved, for ``Device.direct``: the whole collective in one launch of ``blocks``
+    blocks.
+
+    ``counter``: two 64-bit words of this rank's pad, the epoch (direct kernels run so
+    far) and the blocks of the running kernel that finished.  ``ops``: tuples
+    ``(DIRECT_SIGNAL, slot, value)`` (``slot``: block 0's slot of the channel in the
+    peer's pad; block ``b`` writes ``slot + 8 * b``), ``(DIRECT_WAIT, slot, value)`` (own
+    pad: every block's slot must reach the value), ``(DIRECT_COPY, dst, src, nbytes)`` and
+    ``(DIRECT_REDUCE, output, inputs, count)`` (``dtype``, ``op``, ``scale``; avg divides
+    by the number of inputs).  ``packed`` is the backend's encoding, made once."""
+    blocks: int
+    counter: Any
+    ops: Tuple[tuple, ...]
+    dtype: str = "uint8"
+    op: str = "sum"
+    scale: Optional[float] = None
+    packed: Any = None
 
 
 class MemOp(enum.Enum):
@@ -220,6 +251,15 @@ class Device(abc.ABC):
         the number of inputs (one input and a divisor: a division in place, as an average
         across hosts finishes).  A ``sum`` with ``scale`` is multiplied by it before the
         result is rounded to ``dtype`` (floating dtypes)."""
+
+    def prepare_direct(self, dtype: str, op: str) -> None:
+        """Load what ``direct`` will launch for programs of ``dtype`` and ``op`` (a kernel
+        module: loading one may synchronize the device, so it happens before any caller
+        waits for the call)."""
+
+    def direct(self, stream: Any, program: DirectProgram) -> None:
+        """Run ``program`` (a direct kernel) on ``stream``, after its earlier work."""
+        raise NotImplementedError(f"direct: the {self.backend} backend runs no direct kernels")
 
     # -- out of band (diagnosis and abort) --------------------------------------------------
     @abc.abstractmethod

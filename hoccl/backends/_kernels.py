@@ -38,7 +38,9 @@ from .._errors import InvalidArgumentError
 from ._base import DTYPES, OPS
 
 __all__ = ["MAX_INPUTS", "TUNING", "COPY_WIDTHS", "reduce_kernel_name", "copy_kernel_name",
-           "source", "templates", "compile_options", "reduce_launches"]
+           "source", "templates", "compile_options", "reduce_launches", "DIRECT_OPS",
+           "DIRECT_INPUTS", "DIRECT_THREADS", "direct_kernel_name", "direct_source",
+           "block_range", "direct_compile_options"]
 
 #: inputs one reduce launch combines; more are chained by the caller.
 MAX_INPUTS = 64
@@ -193,8 +195,8 @@ static __device__ __forceinline__ typename D::A combine(typename D::A a, typenam
     else return (a != a || a < b) ? a : b;
 }
 
-template <class D, int OP>
-static __device__ __forceinline__ typename D::A finish(typename D::A a, const ReduceArgs& args) {
+template <class D, int OP, class X>
+static __device__ __forceinline__ typename D::A finish(typename D::A a, const X& args) {
     if constexpr (OP == OP_AVG) return D::divide(a, args.divisor);
     else if constexpr (OP == OP_SUM) return args.scaled ? D::mul(a, (typename D::A)args.scale) : a;
     else return a;
@@ -385,3 +387,219 @@ def reduce_launches(output: int, inputs: Sequence[int]) -> list[list[int]]:
     for start in range(MAX_INPUTS, len(inputs), MAX_INPUTS - 1):
         launches.append([output] + inputs[start:start + MAX_INPUTS - 1])
     return launches
+
+
+# ---- the direct kernel -------------------------------------------------------------------
+#: most steps and reduction inputs one direct kernel takes (its argument struct stays
+#: under the 4 KiB every driver accepts)
+DIRECT_OPS = 48
+DIRECT_INPUTS = 64
+#: threads per block of the direct kernel (one block per SM)
+DIRECT_THREADS = 512
+
+
+def direct_kernel_name(dtype: str, op: str) -> str:
+    return f"hoccl_direct_{dtype}_{op}"
+
+
+def block_range(nbytes: int, blocks: int, block: int) -> tuple:
+    """The bytes ``[start, stop)`` of a data step of ``nbytes`` that block ``block`` of a
+    direct kernel of ``blocks`` moves: whole 16-byte units, shared out evenly.  The same
+    function of the same sizes on every rank and for every step, so a step that reads
+    what an earlier one wrote (the same bytes) reads what its own block wrote."""
+    units = -(-nbytes // 16)
+    return (min(nbytes, units * block // blocks * 16),
+            min(nbytes, units * (block + 1) // blocks * 16))
+
+
+_DIRECT = r"""
+// ---- the direct kernel: a whole small collective in one launch ---------------------------
+// Every block runs the same list of steps on its own share of each data step
+// (block_range).  A signal writes (epoch << 16) + value into the block's own slot of the
+// peer's pad after every thread of the block finished the earlier steps; a wait spins
+// until every block's slot of the peer reaches it (threads 0..blocks-1, one slot each).
+// ``epoch`` is this rank's count of direct kernels, kept in device memory so that a
+// graph replays with fresh values; the last block to finish advances it.
+enum DirectKind { DIRECT_SIGNAL = 0, DIRECT_WAIT = 1, DIRECT_COPY = 2, DIRECT_REDUCE = 3 };
+
+struct DirectOp {
+    unsigned long long a;   // signal: the peer's slot (block 0's); wait: own slot; copy/reduce: dst
+    unsigned long long b;   // copy: src; reduce: index of the first input in ``inputs``
+    unsigned long long c;   // signal/wait: value; copy: bytes; reduce: elements
+    unsigned int kind;
+    unsigned int n;         // reduce: inputs
+};
+
+struct DirectArgs {
+    unsigned long long* counter;   // [0] epoch (>= 2**62: aborted), [1] blocks finished
+    unsigned int num_ops;
+    unsigned int divisor;          // avg
+    unsigned int scaled;           // sum times ``scale``
+    unsigned int unused;
+    double scale;
+    DirectOp ops[HOCCL_DIRECT_OPS];
+    const void* inputs[HOCCL_DIRECT_INPUTS];
+};
+
+static __device__ __forceinline__ unsigned long long load_acquire(const unsigned long long* p) {
+    unsigned long long v;
+    asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+
+static __device__ __forceinline__ void store_release(unsigned long long* p, unsigned long long v) {
+    asm volatile("st.release.sys.global.u64 [%0], %1;" :: "l"(p), "l"(v) : "memory");
+}
+
+static __device__ __forceinline__ void share(unsigned long long nbytes, unsigned long long& start,
+                                             unsigned long long& stop) {
+    const unsigned long long units = (nbytes + 15) / 16;
+    start = min(nbytes, units * blockIdx.x / gridDim.x * 16);
+    stop = min(nbytes, units * (blockIdx.x + 1) / gridDim.x * 16);
+}
+
+template <typename V>
+static __device__ __forceinline__ void direct_copy_as(char* dst, const char* src,
+                                                      unsigned long long nbytes) {
+    constexpr int U = 4;
+    const unsigned long long count = nbytes / sizeof(V);
+    const V* s = reinterpret_cast<const V*>(src);
+    V* d = reinterpret_cast<V*>(dst);
+    for (unsigned long long i = threadIdx.x; i < count; i += U * blockDim.x) {
+        V r[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+            if (i + u * blockDim.x < count) r[u] = s[i + u * blockDim.x];
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+            if (i + u * blockDim.x < count) d[i + u * blockDim.x] = r[u];
+    }
+}
+
+static __device__ __forceinline__ void direct_copy(char* dst, const char* src,
+                                                   unsigned long long nbytes) {
+    const unsigned long long bits = (unsigned long long)dst | (unsigned long long)src | nbytes;
+    if ((bits & 15) == 0) direct_copy_as<uint4>(dst, src, nbytes);
+    else if ((bits & 7) == 0) direct_copy_as<uint2>(dst, src, nbytes);
+    else if ((bits & 3) == 0) direct_copy_as<unsigned int>(dst, src, nbytes);
+    else if ((bits & 1) == 0) direct_copy_as<unsigned short>(dst, src, nbytes);
+    else direct_copy_as<unsigned char>(dst, src, nbytes);
+}
+
+template <class D, int OP>
+static __device__ __forceinline__ void direct_reduce(const DirectArgs& args, const DirectOp& op,
+                                                     unsigned long long start,
+                                                     unsigned long long stop) {
+    typedef typename D::T T;
+    typedef typename D::A A;
+    typedef Lanes<D> L;
+    constexpr int N = L::N;
+    const unsigned int n = op.n;
+    const unsigned long long first = start / sizeof(T), count = (stop - start) / sizeof(T);
+    T* out = reinterpret_cast<T*>(op.a) + first;
+    unsigned long long bits = (unsigned long long)out | (stop - start);
+    for (unsigned int i = 0; i < n; ++i)
+        bits |= (unsigned long long)(static_cast<const T*>(args.inputs[op.b + i]) + first);
+    if ((bits & 15) == 0) {
+        // U vectors per thread, each input's U loads in flight together (a peer's input
+        // is a round trip over NVLink away)
+        constexpr int U = 4;
+        const unsigned long long vectors = count / N;
+        for (unsigned long long v = threadIdx.x; v < vectors; v += U * blockDim.x) {
+            A acc[U][N];
+            for (unsigned int i = 0; i < n; ++i) {
+                const uint4* in = reinterpret_cast<const uint4*>(
+                    static_cast<const T*>(args.inputs[op.b + i]) + first);
+                uint4 x[U];
+#pragma unroll
+                for (int u = 0; u < U; ++u)
+                    x[u] = v + u * blockDim.x < vectors ? in[v + u * blockDim.x]
+                                                        : make_uint4(0, 0, 0, 0);
+#pragma unroll
+                for (int u = 0; u < U; ++u) {
+                    A ax[N];
+                    L::unpack(x[u], ax);
+#pragma unroll
+                    for (int k = 0; k < N; ++k)
+                        acc[u][k] = i == 0 ? ax[k] : combine<D, OP>(acc[u][k], ax[k]);
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                if (v + u * blockDim.x < vectors) {
+#pragma unroll
+                    for (int k = 0; k < N; ++k) acc[u][k] = finish<D, OP>(acc[u][k], args);
+                    reinterpret_cast<uint4*>(out)[v + u * blockDim.x] = L::pack(acc[u]);
+                }
+            }
+        }
+        return;
+    }
+    for (unsigned long long e = threadIdx.x; e < count; e += blockDim.x) {
+        A acc = D::load((static_cast<const T*>(args.inputs[op.b]) + first)[e]);
+        for (unsigned int i = 1; i < n; ++i)
+            acc = combine<D, OP>(acc, D::load((static_cast<const T*>(args.inputs[op.b + i]) + first)[e]));
+        out[e] = D::store(finish<D, OP>(acc, args));
+    }
+}
+
+template <class D, int OP>
+static __device__ __forceinline__ void direct_body(const DirectArgs& args) {
+    __shared__ unsigned long long epoch;
+    if (threadIdx.x == 0) epoch = *reinterpret_cast<volatile unsigned long long*>(args.counter);
+    __syncthreads();
+    if (epoch >= (1ull << 46)) return;  // aborted (the pad holds the abort value)
+    const unsigned long long base = epoch << 16;
+    for (unsigned int i = 0; i < args.num_ops; ++i) {
+        const DirectOp& op = args.ops[i];
+        if (op.kind == DIRECT_SIGNAL) {
+            __syncthreads();
+            if (threadIdx.x == 0) {
+                __threadfence_system();
+                store_release(reinterpret_cast<unsigned long long*>(op.a) + blockIdx.x,
+                              base + op.c);
+            }
+        } else if (op.kind == DIRECT_WAIT) {
+            if (threadIdx.x < gridDim.x) {
+                const unsigned long long* slot =
+                    reinterpret_cast<const unsigned long long*>(op.a) + threadIdx.x;
+                while (load_acquire(slot) < base + op.c) {
+                }
+            }
+            __syncthreads();
+        } else {
+            unsigned long long start, stop;
+            share(op.kind == DIRECT_COPY ? op.c : op.c * sizeof(typename D::T), start, stop);
+            if (start < stop) {
+                if (op.kind == DIRECT_COPY)
+                    direct_copy(reinterpret_cast<char*>(op.a) + start,
+                                reinterpret_cast<const char*>(op.b) + start, stop - start);
+                else
+                    direct_reduce<D, OP>(args, op, start, stop);
+            }
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        if (atomicAdd(args.counter + 1, 1ull) == gridDim.x - 1) {
+            args.counter[1] = 0;
+            atomicCAS(args.counter, epoch, epoch + 1);  // not over an abort value
+        }
+    }
+}
+"""
+
+
+def direct_source(dtype: str, op: str) -> str:
+    """One direct kernel (``dtype``, ``op``: its reductions; a plan that only copies uses
+    any), with the shared templates, for NVRTC."""
+    return (templates() + _DIRECT
+            + f'extern "C" __global__ void __launch_bounds__({DIRECT_THREADS})\n'
+            f"{direct_kernel_name(dtype, op)}(const __grid_constant__ DirectArgs args) "
+            f"{{ direct_body<{_DTYPE_TRAITS[dtype]}, {_OP_ENUM[op]}>(args); }}\n")
+
+
+def direct_compile_options() -> list:
+    return compile_options() + [f"-DHOCCL_DIRECT_OPS={DIRECT_OPS}",
+                                f"-DHOCCL_DIRECT_INPUTS={DIRECT_INPUTS}"]

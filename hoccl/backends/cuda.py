@@ -41,7 +41,8 @@ from cuda.bindings import driver
 from .._dtypes import ITEMSIZE as _ITEMSIZE
 from .._errors import DriverError, HocclTimeoutError, InvalidArgumentError
 from . import _kernels
-from ._base import DTYPES, OPS, Device, HostWord, MemOp, check_reduce_extras
+from ._base import (DIRECT_COPY, DIRECT_REDUCE, DIRECT_SIGNAL, DIRECT_WAIT, DTYPES, OPS, Device,
+                    DirectProgram, HostWord, MemOp, check_reduce_extras)
 from ._caller_stream import array_framework, stream_handle
 
 __all__ = ["CudaDevice", "CudaIpcDescriptor", "device_count", "open_device"]
@@ -160,6 +161,60 @@ class _CopyArgs(ctypes.Structure):
                 ("head", ctypes.c_uint64)]
 
 
+class _DirectOp(ctypes.Structure):
+    """Mirror of ``DirectOp`` in ``_kernels``."""
+    _fields_ = [("a", ctypes.c_uint64), ("b", ctypes.c_uint64), ("c", ctypes.c_uint64),
+                ("kind", ctypes.c_uint32), ("n", ctypes.c_uint32)]
+
+
+class _DirectArgs(ctypes.Structure):
+    """Mirror of ``DirectArgs`` in ``_kernels``."""
+    _fields_ = [("counter", ctypes.c_uint64),
+                ("num_ops", ctypes.c_uint32),
+                ("divisor", ctypes.c_uint32),
+                ("scaled", ctypes.c_uint32),
+                ("unused", ctypes.c_uint32),
+                ("scale", ctypes.c_double),
+                ("ops", _DirectOp * _kernels.DIRECT_OPS),
+                ("inputs", ctypes.c_uint64 * _kernels.DIRECT_INPUTS)]
+
+
+def _pack_direct(program: DirectProgram) -> Tuple[_DirectArgs, Any]:
+    """``program`` as the kernel's argument struct and the launch's parameter array."""
+    ops = program.ops
+    if len(ops) > _kernels.DIRECT_OPS:
+        raise InvalidArgumentError(f"direct: a direct kernel takes at most {_kernels.DIRECT_OPS} "
+                                   f"steps, the plan has {len(ops)}; lower kernel_bytes")
+    args = _DirectArgs()
+    args.counter = int(program.counter)
+    args.num_ops = len(ops)
+    divisor = 1
+    inputs: List[int] = []
+    for index, op in enumerate(ops):
+        entry = args.ops[index]
+        entry.kind = op[0]
+        if op[0] in (DIRECT_SIGNAL, DIRECT_WAIT):
+            entry.a, entry.c = int(op[1]), op[2]
+        elif op[0] == DIRECT_COPY:
+            entry.a, entry.b, entry.c = int(op[1]), int(op[2]), op[3]
+        else:
+            assert op[0] == DIRECT_REDUCE
+            entry.a, entry.b, entry.c, entry.n = int(op[1]), len(inputs), op[3], len(op[2])
+            inputs.extend(int(address) for address in op[2])
+            divisor = len(op[2])
+    if len(inputs) > _kernels.DIRECT_INPUTS:
+        raise InvalidArgumentError(f"direct: a direct kernel reads at most "
+                                   f"{_kernels.DIRECT_INPUTS} inputs, the plan has "
+                                   f"{len(inputs)}; lower kernel_bytes")
+    for index, address in enumerate(inputs):
+        args.inputs[index] = address
+    args.divisor = divisor
+    args.scaled = program.scale is not None
+    args.scale = 1.0 if program.scale is None else program.scale
+    parameters = (ctypes.c_void_p * 1)(ctypes.addressof(args))
+    return args, parameters
+
+
 class _Kernels:
     """The kernels of ``_kernels.source()`` in one GPU's primary context.
 
@@ -226,6 +281,7 @@ class _Owned:
         self.host_words: list = []
         self.allocations: set = set()
         self.kernels: Any = None
+        self.direct: dict = {}           # (dtype, op) -> direct kernel (module, function)
 
 
 def _release(owned: _Owned) -> None:
@@ -263,6 +319,7 @@ def _release(owned: _Owned) -> None:
                     owned.host_words, owned.allocations):
         handles.clear()
     owned.kernels = None
+    owned.direct = {}
     owned.context = None
     if errors:
         raise DriverError("close: " + "; ".join(str(error) for error in errors))
@@ -759,6 +816,45 @@ class CudaDevice(Device):
                     self._owned.kernels = _Kernels(self.ordinal)
                 kernels = self._owned.kernels
         return kernels
+
+    def prepare_direct(self, dtype: str, op: str) -> None:
+        """Compile (NVRTC through cupy, cached on disk) and load the direct kernel of
+        ``dtype`` and ``op``, once per device."""
+        key = (dtype, op)
+        if key in self._owned.direct:
+            return
+        try:
+            import cupy
+        except ImportError as error:
+            raise DriverError("compile kernels: hoccl's direct kernel is built with cupy, "
+                              "which is not installed: pip install 'hoccl[cuda]'") from error
+        with self._kernel_lock:
+            if key in self._owned.direct:
+                return
+            self._make_current()
+            with cupy.cuda.Device(self.ordinal):
+                module = cupy.RawModule(code=_kernels.direct_source(dtype, op),
+                                        options=tuple(_kernels.direct_compile_options()))
+                try:
+                    function = _function(module, _kernels.direct_kernel_name(dtype, op))
+                except cupy.cuda.compiler.CompileException as error:
+                    raise DriverError(f"compile kernels: NVRTC failed: {error}") from error
+            _ACTIVE.context = None  # cupy restored its own current device: set ours again
+            self._owned.direct[key] = (module, function)
+
+    def direct(self, stream: Any, program: DirectProgram) -> None:
+        """One launch of the direct kernel: ``program.blocks`` blocks, its steps packed
+        once into the argument struct (passed by value: the driver copies it)."""
+        packed = program.packed
+        if packed is None:
+            packed = program.packed = _pack_direct(program)
+        entry = self._owned.direct.get((program.dtype, program.op))
+        if entry is None:  # prepared by ``Executor.reserve``; here only if that was skipped
+            self.prepare_direct(program.dtype, program.op)
+            entry = self._owned.direct[(program.dtype, program.op)]
+        self._make_current()
+        _call(driver.cuLaunchKernel, entry[1], program.blocks, 1, 1, _kernels.DIRECT_THREADS,
+              1, 1, 0, stream, ctypes.addressof(packed[1]), 0)
 
     def _blocks(self, work_items: int, threads: int, cap: int) -> int:
         return max(1, min(cap, self.sm_count, -(-work_items // threads)))

@@ -26,7 +26,9 @@ import numpy as np
 
 from .._dtypes import numpy_dtype, reduce_arrays
 from .._errors import HocclError, HocclTimeoutError, InvalidArgumentError
-from ._base import Device, HostWord, check_reduce_extras
+from ._base import (DIRECT_COPY, DIRECT_REDUCE, DIRECT_SIGNAL, DIRECT_VALUE_BITS, DIRECT_WAIT,
+                    Device, DirectProgram, HostWord, check_reduce_extras)
+from ._kernels import block_range
 
 __all__ = ["HostDevice", "HostStream", "RemotePtr", "open_device"]
 
@@ -314,6 +316,57 @@ class HostDevice(Device):
             out[...] = result.view(np.uint8)
         if count:
             stream.enqueue(run)
+
+    def direct(self, stream: HostStream, program: DirectProgram) -> None:
+        """The direct kernel's protocol on the host: every block's signal slot, waits for
+        every block's, each block's share of each data step (``block_range``), and the
+        epoch in the rank's pad.  The blocks go step by step together (block 0's share,
+        block 1's, ...), one of the interleavings the GPU may run."""
+        blocks, counter = program.blocks, program.counter
+        np_dtype = numpy_dtype(program.dtype)
+        itemsize = np_dtype.itemsize
+
+        def read(address: Any, nbytes: int) -> np.ndarray:
+            data = np.empty(nbytes, dtype=np.uint8)
+            _move(data.ctypes.data, address, nbytes)
+            return data
+
+        def run():
+            epoch = _read_u64(counter)
+            if epoch >= 1 << 46:  # aborted
+                return
+            base = epoch << DIRECT_VALUE_BITS
+            for op in program.ops:
+                kind = op[0]
+                if kind == DIRECT_SIGNAL:
+                    for block in range(blocks):
+                        word = np.array([base + op[2]], dtype=np.uint64)
+                        if self._aborted.is_set() or stream.aborted.is_set():
+                            raise _Aborted()
+                        _move(op[1] + 8 * block, word.ctypes.data, 8)
+                elif kind == DIRECT_WAIT:
+                    for block in range(blocks):
+                        self._poll(stream, lambda address=op[1] + 8 * block:
+                                   _read_u64(address) >= base + op[2])
+                elif kind == DIRECT_COPY:
+                    _, dst, src, nbytes = op
+                    for block in range(blocks):
+                        start, stop = block_range(nbytes, blocks, block)
+                        _move(dst + start, src + start, stop - start)
+                else:
+                    assert kind == DIRECT_REDUCE
+                    _, output, inputs, count = op
+                    for block in range(blocks):
+                        start, stop = block_range(count * itemsize, blocks, block)
+                        if start == stop:
+                            continue
+                        views = [read(address + start, stop - start).view(np_dtype)
+                                 for address in inputs]
+                        result = reduce_arrays(views, program.op, np_dtype, None, program.scale)
+                        _move(output + start, result.ctypes.data, stop - start)
+            if _read_u64(counter) == epoch:  # not over an abort value
+                ctypes.c_uint64.from_address(counter).value = epoch + 1
+        stream.enqueue(run)
 
     # -- out of band ---------------------------------------------------------------------
     def peek(self, address: Any, count: int) -> List[int]:

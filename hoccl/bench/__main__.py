@@ -112,7 +112,7 @@ def sweep(args: argparse.Namespace):
                     record = dict(collective=collective, form=form, bytes=nbytes,
                                   library=lib.name, time_us=micros, algbw=algbw,
                                   busbw=algbw * bus_factor(collective, n), wrong=wrong,
-                                  iters=iters, sms=lib.sms_for(collective))
+                                  iters=iters, sms=lib.sms_for(collective, nbytes))
                     records.append(record)
                     ranks.say(f"  {collective:14s} {form:3s} {human(nbytes):>5s} {lib.name:11s} "
                               f"{micros:10.1f} us {record['busbw']:7.1f} GB/s  wrong {wrong}")
@@ -144,7 +144,7 @@ def graph_record(lib, ranks, collective, form, nbytes, buffers, dtype, streams, 
     algbw = nbytes / (micros * 1e-6) / 1e9
     record = dict(collective=collective, form=form, bytes=nbytes, library=name, time_us=micros,
                   algbw=algbw, busbw=algbw * bus_factor(collective, n), wrong=wrong,
-                  iters=20 * replays, sms=lib.sms_for(collective))
+                  iters=20 * replays, sms=lib.sms_for(collective, nbytes))
     ranks.say(f"  {collective:14s} {form:3s} {human(nbytes):>5s} {name:11s} "
               f"{micros:10.1f} us {record['busbw']:7.1f} GB/s  wrong {wrong}")
     return record

@@ -159,8 +159,9 @@ class Library:
     sms = ""  # how many SMs it occupies, in words
     ranks: Any = None  # the Ranks it runs on
 
-    def sms_for(self, collective: str) -> str:
-        """``sms`` for one collective (where a library uses SMs differently per call)."""
+    def sms_for(self, collective: str, nbytes: int = 0) -> str:
+        """``sms`` for one collective of ``nbytes`` (where a library uses SMs differently
+        per call)."""
         return self.sms
 
     def supports(self, collective: str, form: str) -> bool:
@@ -196,7 +197,9 @@ class Hoccl(Library):
         self.defaults = {"max_sms": comm.max_sms, "copy_sms": comm.copy_sms,
                          "chunk_bytes": comm.options.chunk_bytes,
                          "one_shot_bytes": comm.options.one_shot_bytes,
-                         "pull_bytes": comm.options.pull_bytes}
+                         "pull_bytes": comm.options.pull_bytes,
+                         "kernel_bytes": comm.options.kernel_bytes,
+                         "kernel_sms": comm.options.kernel_sms}
         sums = settings.get("max_sms", self.defaults["max_sms"])
         copies = settings.get("copy_sms", self.defaults["copy_sms"])
         moves = "0" if self.route == "peer" else f"≤ {copies} for the own block out of place"
@@ -207,6 +210,17 @@ class Hoccl(Library):
         self.sums_only = bool(settings) and set(settings) <= {"max_sms", "chunk_bytes",
                                                               "pull_bytes"}
         self.all_reduce_only = set(settings) == {"one_shot_bytes"}
+
+    def sms_for(self, collective: str, nbytes: int = 0) -> str:
+        """A call of ``nbytes`` (the largest buffer) that runs as a direct kernel says so,
+        with its blocks (one per SM)."""
+        from ..sched.algorithms import KERNEL_BLOCK_BYTES, KERNEL_COLLECTIVES, KERNEL_MAX_BLOCKS
+        limit = self.settings.get("kernel_bytes", self.defaults["kernel_bytes"])
+        if collective in KERNEL_COLLECTIVES and 0 < nbytes <= limit:
+            cap = self.settings.get("kernel_sms", self.defaults["kernel_sms"])
+            blocks = max(1, min(cap, KERNEL_MAX_BLOCKS, -(-nbytes // KERNEL_BLOCK_BYTES)))
+            return f"direct kernel: {blocks} SMs (no copy engine)"
+        return self.sms
 
     def supports(self, collective: str, form: str) -> bool:
         if self.moves_only:
@@ -300,7 +314,7 @@ class Nccl4py(Library):
     def supports(self, collective, form):
         return not self.zero or collective in ("all_gather", "all_to_all", "broadcast")
 
-    def sms_for(self, collective: str) -> str:
+    def sms_for(self, collective: str, nbytes: int = 0) -> str:
         if self.zero and collective == "broadcast":
             return "CTA policy ZERO (NCCL uses zero CTAs where it can)"
         return self.sms

@@ -14,19 +14,25 @@ Stream memory operations are buffered per lane and flushed as one batched call b
 the lane's next copy, kernel or event (``cuStreamBatchMemOp`` keeps their order);
 consecutive independent copies on one lane become one batch.  A rank's whole
 collective on two GPUs is then a handful of driver calls.
+
+A direct-kernel plan (``Plan.kernel_blocks``) binds to one ``DirectProgram`` instead:
+its signals and waits address the pads' direct-kernel slots, and the whole program is
+one launch (``Device.direct``) on lane 0.
 """
 
 from __future__ import annotations
 
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
-from ..backends._base import MemOp, SmCaps
+from ..backends._base import (DIRECT_COPY, DIRECT_REDUCE, DIRECT_SIGNAL, DIRECT_WAIT,
+                              DirectProgram, MemOp, SmCaps)
 from ..sched.plan import After, Copy, Mark, Plan, Reduce, Signal, Wait
 
 __all__ = ["Executor", "compile_program"]
 
-# compiled op kinds (_RESET: a graph slot back to 0, after its last wait in a captured call)
-_COPY, _LOCAL_COPY, _SIGNAL, _WAIT, _REDUCE, _MARK, _AFTER, _RESET = range(8)
+# compiled op kinds (_RESET: a graph slot back to 0, after its last wait in a captured call;
+# _DIRECT: a whole direct-kernel program)
+_COPY, _LOCAL_COPY, _SIGNAL, _WAIT, _REDUCE, _MARK, _AFTER, _RESET, _DIRECT = range(9)
 _COMPILED: Dict[Tuple[int, int], Tuple[Plan, tuple]] = {}
 
 
@@ -99,6 +105,15 @@ def compile_program(plan: Plan, rank: int) -> Tuple[tuple, ...]:
     return compiled
 
 
+def direct_kind(plan: Plan) -> Tuple[str, str]:
+    """The (dtype, op) of a direct-kernel plan's kernel: its reductions', else any."""
+    for program in plan.programs:
+        for step in program:
+            if isinstance(step, Reduce):
+                return step.dtype, step.op
+    return "uint8", "sum"
+
+
 class Executor:
     """Issues plans for one rank.
 
@@ -125,6 +140,8 @@ class Executor:
         same lane (``hoccl.sched.replay``), so that every replay starts from zeros."""
         pad = self.pad
         program = compile_program(plan, self.rank)
+        if plan.kernel_blocks:
+            return ((_DIRECT, 0, self._direct(plan, program, addresses)),)
         offset = pad.graph_offset if captured else 0
         last: Dict[int, int] = {}  # slot -> index of its last wait
         if captured:
@@ -153,6 +170,33 @@ class Executor:
                 arg = (tuple(at(ref) for ref in inputs), at(output), count, dtype, op, scale)
             bound.append((kind, lane_index, arg))
         return tuple(bound)
+
+    def _direct(self, plan: Plan, program: Tuple[tuple, ...],
+                addresses: Dict[Tuple[int, str], Any]) -> DirectProgram:
+        """``program`` (a direct-kernel plan's, every step on lane 0) as one DirectProgram.
+        Its values need no base and no graph slots: the kernel adds its own epoch."""
+        pad = self.pad
+
+        def at(ref):
+            return addresses[(ref[0], ref[1])] + ref[2]
+
+        ops: List[tuple] = []
+        dtype, op, scale = "uint8", "sum", None
+        for kind, _, arg in program:
+            if kind == _SIGNAL:
+                peer, slot, value = arg
+                ops.append((DIRECT_SIGNAL, pad.kernel_remote(peer, slot), value))
+            elif kind == _WAIT:
+                slot, value = arg
+                ops.append((DIRECT_WAIT, pad.kernel_local(slot), value))
+            elif kind == _COPY or kind == _LOCAL_COPY:
+                ops.extend((DIRECT_COPY, at(dst), at(src), nbytes) for dst, src, nbytes in arg)
+            elif kind == _REDUCE:
+                inputs, output, count, dtype, op, scale = arg
+                ops.append((DIRECT_REDUCE, at(output), tuple(at(ref) for ref in inputs), count))
+            else:
+                raise ValueError(f"bind: a direct-kernel plan has no {kind} steps")
+        return DirectProgram(plan.kernel_blocks, pad.kernel_counter, tuple(ops), dtype, op, scale)
 
     def issue(self, items: Sequence[Tuple[Plan, Tuple[tuple, ...], int, Any]],
               value: int, callers: Optional[Sequence[Any]] = None) -> None:
@@ -238,6 +282,9 @@ class Executor:
             self.streams.ensure_lanes(total)
         # marks, joins, entries, and a captured call's exit
         self.streams.reserve_events(marks + total + len(plans))
+        for plan in plans:
+            if plan.kernel_blocks:
+                self.device.prepare_direct(*direct_kind(plan))
 
     def _steps(self, program: Tuple[tuple, ...], base: int, first: int, pending: List[list],
                flush: Any, marks: Dict[Tuple[int, int], Any], item: int, lanes: List[Any],
@@ -255,6 +302,10 @@ class Executor:
                 continue
             if kind == _RESET:
                 pending[lane_index].append((MemOp.WRITE, arg, 0))
+                continue
+            if kind == _DIRECT:
+                flush(lane_index)
+                device.direct(lanes[lane_index], arg)
                 continue
             flush(lane_index)
             lane = lanes[lane_index]

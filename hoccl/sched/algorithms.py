@@ -13,6 +13,7 @@ ranks can wait for each other's readiness (no deadlock whatever the interleaving
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
@@ -21,11 +22,18 @@ from .._errors import InvalidArgumentError
 from .plan import (CHANNELS, DONE, GATHERED, PAIR_DONE, PAIR_READY, READY, After, BufferSpec,
                    BufRef, Copy, Mark, Plan, Reduce, Signal, Step, Wait)
 
-__all__ = ["Shape", "Options", "build_plan", "COLLECTIVES", "split"]
+__all__ = ["Shape", "Options", "build_plan", "COLLECTIVES", "KERNEL_COLLECTIVES",
+           "KERNEL_MAX_BLOCKS", "split", "kernel_bytes_of"]
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast",
                "reduce", "gather", "scatter", "sendrecv", "barrier")
 SELF_ROUTES = ("peer", "local")
+#: the collectives a direct kernel runs (``Options.kernel_bytes``)
+KERNEL_COLLECTIVES = ("all_gather", "all_to_all", "broadcast", "reduce_scatter", "all_reduce")
+#: most blocks (SMs) a direct kernel takes: each has a signal slot of its own per channel
+KERNEL_MAX_BLOCKS = 32
+#: bytes of the largest buffer per block of a direct kernel, before ``kernel_sms`` caps it
+KERNEL_BLOCK_BYTES = 32 << 10
 
 
 class Shape(NamedTuple):
@@ -73,12 +81,23 @@ class Options:
     before it (no copy-engine step, no scratch; the kernel's SMs move that data), and
     tells each peer when it is done reading; 0 (the default) turns it off.  One-shot
     all_reduces keep their push.
+
+    ``kernel_bytes``: an all_gather, all_to_all, broadcast, reduce_scatter or all_reduce
+    whose largest buffer is at most this many bytes runs as one *direct kernel* per rank
+    (``_direct``): it signals its peers, reads their buffers where they lie (over NVLink)
+    into its own output, summing where the collective reduces, and signals again, on
+    at most ``kernel_sms`` SMs and with no copy-engine step at all.  Small messages are
+    bound by latency, not bandwidth, and one kernel launch (one graph node) is what a
+    copy engine's start-up and a chain of stream memory operations cannot match; 0 (the
+    default) turns it off.
     """
     copy_lanes: Optional[int] = None
     chunk_bytes: int = 32 << 20
     self_route: str = "local"
     one_shot_bytes: int = 0
     pull_bytes: int = 0
+    kernel_bytes: int = 0
+    kernel_sms: int = 16
 
     def __post_init__(self) -> None:
         if self.self_route not in SELF_ROUTES:
@@ -90,7 +109,10 @@ class Options:
         if self.copy_lanes is not None and not _positive_int(self.copy_lanes):
             raise InvalidArgumentError(f"copy_lanes must be None or a positive int; "
                                        f"got {self.copy_lanes!r}")
-        for name in ("one_shot_bytes", "pull_bytes"):
+        if not _positive_int(self.kernel_sms) or self.kernel_sms > KERNEL_MAX_BLOCKS:
+            raise InvalidArgumentError(f"kernel_sms must be an int in [1, {KERNEL_MAX_BLOCKS}]; "
+                                       f"got {self.kernel_sms!r}")
+        for name in ("one_shot_bytes", "pull_bytes", "kernel_bytes"):
             value = getattr(self, name)
             if not (_positive_int(value) or value == 0) or isinstance(value, bool):
                 raise InvalidArgumentError(f"{name} must be an int >= 0; got {value!r}")
@@ -507,6 +529,115 @@ def _sendrecv(b: _Builder) -> Plan:
     return b.plan(participants=(sender, receiver), pair=(sender, receiver))
 
 
+def kernel_bytes_of(shape: Shape) -> int:
+    """The largest buffer of ``shape``'s collective on any rank: what ``kernel_bytes`` bounds."""
+    n, nb = shape.world_size, shape.count * shape.itemsize
+    if shape.collective in ("all_gather", "all_to_all", "reduce_scatter"):
+        return n * nb
+    return nb
+
+
+def _direct(b: _Builder) -> Plan:
+    """One direct kernel per rank, every step on lane 0 (``Options.kernel_bytes``).
+
+    Each rank signals READY to the peers that will touch its memory, waits for READY
+    from the peers whose memory it will touch, moves data, signals DONE to those, and
+    waits for DONE from the former.  Data goes where it is needed by whoever holds it:
+    all_gather, all_to_all and broadcast store their blocks into the peers' outputs
+    (over NVLink from the kernel's SMs); all_reduce stores its input into every peer's
+    scratch and each rank sums its own (after the DONEs), in rank order on every rank so
+    that all of them round alike; reduce_scatter reads the peers' blocks where they lie
+    (a peer's input is ``send`` in both of its forms).  A rank names a peer's buffer
+    only by a name that is the same in the peer's in-place and out-of-place forms, so
+    ranks that differ in form still agree.
+
+    The kernel runs this program in every one of its ``kernel_blocks`` blocks, each on
+    its share of every data step (``block_range``), each signalling a slot of its own;
+    a wait waits for every block of the peer.  That is this plan's order exactly, so
+    ``verify`` and ``simulate`` speak for the kernel."""
+    s, n = b.shape, b.n
+    nb = s.count * s.itemsize
+    kind, root = s.collective, s.root
+    for r in range(n):
+        peers = _peers(r, n)
+        ready_to: Sequence[int] = peers    # ranks that touch r's memory
+        ready_from: Sequence[int] = peers  # ranks whose memory r touches
+        data: List[Step] = []              # before r's DONE signals
+        after: List[Step] = []             # after its DONE waits (what peers wrote)
+        if kind == "all_gather":
+            if s.in_place:
+                b.buffer(r, "recv", n * nb, inputs=[(r * nb, (r + 1) * nb)],
+                         outputs=[(p * nb, (p + 1) * nb) for p in range(n) if p != r])
+                src = BufRef(r, "recv", r * nb)
+            else:
+                b.buffer(r, "send", nb, inputs=[(0, nb)])
+                b.buffer(r, "recv", n * nb, outputs=[(0, n * nb)])
+                src = BufRef(r, "send", 0)
+            data = [Copy(0, src, BufRef(p, "recv", r * nb), nb) for p in peers + [r]]
+        elif kind == "all_to_all":
+            b.buffer(r, "send", n * nb, inputs=[(0, n * nb)])
+            b.buffer(r, "recv", n * nb, outputs=[(0, n * nb)])
+            data = [Copy(0, BufRef(r, "send", p * nb), BufRef(p, "recv", r * nb), nb)
+                    for p in peers + [r]]
+        elif kind == "broadcast":
+            if r == root:
+                if s.in_place:
+                    b.buffer(r, "recv", nb, inputs=[(0, nb)])
+                    src = BufRef(r, "recv", 0)
+                else:
+                    b.buffer(r, "send", nb, inputs=[(0, nb)])
+                    b.buffer(r, "recv", nb, outputs=[(0, nb)])
+                    src = BufRef(r, "send", 0)
+                data = [Copy(0, src, BufRef(p, "recv", 0), nb) for p in peers + [r]]
+                ready_to = ()
+            else:
+                b.buffer(r, "recv", nb, outputs=[(0, nb)])
+                ready_to, ready_from = (root,), ()
+        elif kind == "reduce_scatter":
+            total = n * nb
+            if s.in_place:
+                b.buffer(r, "send", total, inputs=[(0, total)], outputs=[(r * nb, (r + 1) * nb)])
+                out = BufRef(r, "send", r * nb)
+            else:
+                b.buffer(r, "send", total, inputs=[(0, total)])
+                b.buffer(r, "recv", nb, outputs=[(0, nb)])
+                out = BufRef(r, "recv", 0)
+            if s.count:
+                data = [Reduce(0, tuple(BufRef(q, "send", r * nb) for q in range(n)), out,
+                               s.count, s.dtype, s.op, s.scale)]
+        else:  # all_reduce
+            if s.in_place:
+                b.buffer(r, "recv", nb, inputs=[(0, nb)], outputs=[(0, nb)])
+                own = BufRef(r, "recv", 0)
+            else:
+                b.buffer(r, "send", nb, inputs=[(0, nb)])
+                b.buffer(r, "recv", nb, outputs=[(0, nb)])
+                own = BufRef(r, "send", 0)
+            b.buffer(r, "scratch", (n - 1) * nb)
+            # rank q's input lands in slot (q - r - 1) % n of r's scratch
+            data = [Copy(0, own, BufRef(p, "scratch", ((r - p - 1) % n) * nb), nb) for p in peers]
+            if s.count:
+                after = [Reduce(0, tuple(own if q == r else
+                                         BufRef(r, "scratch", ((q - r - 1) % n) * nb)
+                                         for q in range(n)),
+                                BufRef(r, "recv", 0), s.count, s.dtype, s.op, s.scale)]
+        for p in ready_to:
+            b.signal(r, 0, p, READY, 1)
+        for p in ready_from:
+            b.wait(r, 0, p, READY, 1)
+        b.programs[r].extend(step for step in data
+                             if not isinstance(step, Copy) or (step.nbytes and step.src != step.dst))
+        for p in ready_from:
+            b.signal(r, 0, p, DONE, 1)
+        for p in ready_to:
+            b.wait(r, 0, p, DONE, 1)
+        b.programs[r].extend(after)
+    plan = b.plan()
+    blocks = max(1, min(b.options.kernel_sms, KERNEL_MAX_BLOCKS,
+                        -(-kernel_bytes_of(s) // KERNEL_BLOCK_BYTES)))
+    return dataclasses.replace(plan, lanes=1, options=plan.options + (("kernel_blocks", blocks),))
+
+
 _ALGORITHMS = {
     "all_gather": _all_gather, "all_to_all": _all_to_all,
     "broadcast": _rooted_copy, "gather": _rooted_copy, "scatter": _rooted_copy,
@@ -526,4 +657,7 @@ def build_plan(shape: Shape, options: Options = Options()) -> Plan:
                          f"got {options.self_route!r}")
     if shape.world_size < 1:
         raise ValueError(f"build_plan: world_size must be >= 1, got {shape.world_size}")
+    if (shape.collective in KERNEL_COLLECTIVES and shape.world_size > 1
+            and kernel_bytes_of(shape) <= options.kernel_bytes):
+        return _direct(_Builder(shape, options))
     return _ALGORITHMS[shape.collective](_Builder(shape, options))

@@ -158,8 +158,20 @@ class Plan:
         """Pad slots a rank needs for this plan."""
         return self.world_size * CHANNELS
 
+    @property
+    def kernel_blocks(self) -> int:
+        """Blocks (SMs) of the direct kernel that runs every rank's program, or 0: a plan
+        whose steps each go to their own stream operation (``algorithms._direct``)."""
+        for name, value in self.options:
+            if name == "kernel_blocks":
+                return int(value)  # type: ignore[call-overload]
+        return 0
+
     def uses_sms(self, rank: int) -> bool:
-        """True when ``rank``'s program has a step that runs on SMs (a reduction or a same-rank copy)."""
+        """True when ``rank``'s program has a step that runs on SMs (a reduction or a same-rank
+        copy, or any step of a direct kernel)."""
+        if self.kernel_blocks and self.programs[rank]:
+            return True
         return any(isinstance(step, Reduce) or
                    (isinstance(step, Copy) and step.src.rank == step.dst.rank == rank)
                    for step in self.programs[rank])

@@ -35,6 +35,38 @@ def test_every_collective_every_dtype_small_and_odd_sizes(gpu_comms, gpu_options
                                          root=root, in_place=in_place, seed=seed)
 
 
+DIRECT = ("all_gather", "all_to_all", "broadcast", "reduce_scatter", "all_reduce")
+
+
+@pytest.mark.parametrize("collective", DIRECT)
+def test_direct_kernel_every_dtype_op_and_form(gpu_comms, gpu_options, collective):
+    """``kernel_bytes``: one direct kernel per rank (peers' memory over NVLink from SMs,
+    signals in the pads' kernel slots), odd sizes (elements after the last 16-byte vector,
+    one block's share misaligned) up to several blocks, every dtype, op and form, a
+    scaled sum; then 200 calls in a row (the epoch advancing by one each), all exact."""
+    gpu_options(kernel_bytes=1 << 20, kernel_sms=8)
+    n, seed = gpu_comms[0].world_size, 7000
+    for dtype in DTYPES:
+        for count in (0, 1, 17, 1001, 65537 // n):
+            for in_place in ([False, True] if collective in IN_PLACE_FORMS else [False]):
+                for root in (sorted({0, n - 1}) if collective == "broadcast" else [0]):
+                    for op in (("sum", "prod", "max", "min", "avg") if collective in REDUCING
+                               else ("sum",)):
+                        seed += 1
+                        check_collective(gpu_comms, collective, count=count, dtype=dtype, op=op,
+                                         root=root, in_place=in_place, seed=seed)
+    if collective in REDUCING:
+        check_collective(gpu_comms, collective, count=4099, dtype="bfloat16", scale=0.125,
+                         in_place=True, seed=seed + 1)
+    epochs = [comm._engine.device.peek(comm._engine.pad.kernel_counter, 1)[0]
+              for comm in gpu_comms]
+    assert len(set(epochs)) == 1 and epochs[0] >= 10, epochs
+    for repeat in range(200):
+        check_collective(gpu_comms, collective, count=4096, dtype="float32", seed=seed + 2 + repeat)
+    after = [comm._engine.device.peek(comm._engine.pad.kernel_counter, 1)[0] for comm in gpu_comms]
+    assert after == [epochs[0] + 200] * n, (epochs, after)
+
+
 @pytest.mark.parametrize("collective", ["all_reduce", "reduce_scatter", "all_gather", "all_to_all"])
 def test_megabyte_sums_and_own_blocks_every_dtype_and_op(gpu_comms, collective):
     """Sums and own-block copies of ~10 MiB with the default 32 MiB chunks: the kernels'

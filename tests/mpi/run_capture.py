@@ -280,12 +280,16 @@ def main():
     parser.add_argument("--replays", type=int, default=1000)
     parser.add_argument("--pull-bytes", type=int, default=0,
                         help="Options.pull_bytes: captured reductions read the peers' inputs")
+    parser.add_argument("--kernel-bytes", type=int, default=0,
+                        help="Options.kernel_bytes: captured calls run as direct kernels")
     args = parser.parse_args()
     results = []
     for name, check in (("replays", replays), ("capture on one rank", capture_on_one_rank)):
         comm = hoccl.init(backend=args.backend, timeout=30)
         if args.pull_bytes:
             comm.set_options(pull_bytes=args.pull_bytes)
+        if args.kernel_bytes:
+            comm.set_options(kernel_bytes=args.kernel_bytes)
         try:
             outcome, ok = check(comm, args), True
         except Exception:

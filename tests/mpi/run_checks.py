@@ -156,11 +156,16 @@ def main():
     parser.add_argument("--pull-bytes", type=int, default=0,
                         help="Options.pull_bytes: reductions up to this many bytes read the "
                              "peers' inputs where they lie")
+    parser.add_argument("--kernel-bytes", type=int, default=0,
+                        help="Options.kernel_bytes: collectives up to this many bytes run as "
+                             "one direct kernel per rank")
     args = parser.parse_args()
     world = MPI.COMM_WORLD
     comm = hoccl.init(backend=args.backend, timeout=120)
     if args.pull_bytes:
         comm.set_options(pull_bytes=args.pull_bytes)
+    if args.kernel_bytes:
+        comm.set_options(kernel_bytes=args.kernel_bytes)
     fault = args.plant_fault
     dtypes = args.dtypes.split(",")
     counts = [int(c) for c in args.counts.split(",") if fault is None or int(c) >= 2]
@@ -196,6 +201,8 @@ def main():
             label += f" registered ({fast} calls or more on each rank without an exchange)"
         if args.pull_bytes:
             label += f" pull_bytes={args.pull_bytes}"
+        if args.kernel_bytes:
+            label += f" kernel_bytes={args.kernel_bytes}"
         if fault is not None:
             label += f" fault={fault}"
             for collective, results in outcomes.items():

@@ -58,11 +58,14 @@ def main():
     parser.add_argument("scenario", choices=["mismatch", "dead", "absent", "killed", "early",
                                              "abort"])
     parser.add_argument("--backend", default=None)
+    parser.add_argument("--kernel-bytes", type=int, default=0,
+                        help="Options.kernel_bytes: the calls run as direct kernels")
     args = parser.parse_args()
     world = MPI.COMM_WORLD
     # "killed" keeps the default timeout: a dead peer must be seen long before it
     dies = args.scenario in ("dead", "killed", "early")
-    comm = hoccl.init(backend=args.backend, timeout=300 if dies else 5)
+    comm = hoccl.init(backend=args.backend, timeout=300 if dies else 5,
+                      kernel_bytes=args.kernel_bytes)
     arrays = array_module_for(comm.backend, "float32")
     r = comm.rank
 
