@@ -281,6 +281,33 @@ print(f"{'agree' if same else 'DIFFER'}: {len(runs[0])} and {len(runs[1])} steps
 PY
 )")
 fi
+if [ "$what" = direct ]; then
+  # the direct kernels (Options.kernel_bytes): exact checks plain and on registered
+  # buffers, 1000 graph replays with eager calls between, an abort releasing a kernel
+  # that waits for its peer, then small messages with and without them (with two ranks
+  # on one GPU the ranks' kernels take turns on it: the times say nothing there)
+  if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+    step direct-local 200 python3 -m pytest -q -x -p no:cacheprovider --timeout=150 \
+      tests/gpu/test_gpu_collectives.py -k direct
+  fi
+  step direct-checks 150 $MPIRUN python3 tests/mpi/run_checks.py --backend cuda \
+    --kernel-bytes 1048576 --counts 0,1,17,100003
+  step direct-registered 120 $MPIRUN python3 tests/mpi/run_checks.py --backend cuda \
+    --registered --kernel-bytes 1048576 --counts 0,17,100003
+  step direct-capture 150 $MPIRUN python3 tests/mpi/run_capture.py --backend cuda \
+    --replays ${REPLAYS:-1000} --kernel-bytes 1048576
+  step direct-abort 60 $MPIRUN --mca orte_abort_on_non_zero_status 0 \
+    python3 tests/mpi/run_failures.py abort --backend cuda --kernel-bytes 1048576
+  step direct-profile 60 $MPIRUN python3 tools/profile_call.py --size 1M --registered \
+    --kernel-bytes 16M --iters 300
+  step direct-bench 250 $MPIRUN python3 -m hoccl.bench --sizes ${BENCH_SIZES:-8K,64K,256K,1M} \
+    --forms in --collectives all_gather,all_reduce,reduce_scatter,broadcast \
+    --libraries ${DIRECT_LIBRARIES:-hoccl-reg,hoccl-reg+kernel_bytes=16M} --graph \
+    --out "$OUT/direct-bench"
+  step direct-bench-a2a 120 $MPIRUN python3 -m hoccl.bench --sizes ${BENCH_SIZES:-8K,64K,256K,1M} \
+    --collectives all_to_all --libraries ${DIRECT_LIBRARIES:-hoccl-reg,hoccl-reg+kernel_bytes=16M} \
+    --graph --out "$OUT/direct-bench-a2a"
+fi
 if [ "$what" = registered ]; then
   # registered buffers: every collective on registered memory against numpy, the
   # divergence checks, the GPU tier for the changed call path, split on GPUs (the stale

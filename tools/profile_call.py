@@ -35,14 +35,17 @@ def main() -> None:
     parser.add_argument("--collective", default="all_gather",
                         choices=("all_gather", "all_reduce", "reduce_scatter"),
                         help="all_gather and all_reduce in place, reduce_scatter out of place")
+    parser.add_argument("--kernel-bytes", default="0",
+                        help="Options.kernel_bytes (calls up to it run as direct kernels)")
     parser.add_argument("--registered", action="store_true",
                         help="the buffer registered with hoccl.empty (no descriptor exchange)")
     args = parser.parse_args()
     nbytes = parse_size(args.size)
     if args.local:
-        comms = hoccl.init_local(list(range(torch.cuda.device_count())), backend="cuda")
+        comms = hoccl.init_local(list(range(torch.cuda.device_count())), backend="cuda",
+                                 kernel_bytes=parse_size(args.kernel_bytes))
     else:
-        comms = [hoccl.init(backend="cuda")]
+        comms = [hoccl.init(backend="cuda", kernel_bytes=parse_size(args.kernel_bytes))]
         torch.cuda.set_device(comms[0].device)
     n = comms[0].world_size
     calls = []
