@@ -115,14 +115,19 @@ class SignalPad:
         return self.device.peek(self.address, 2 * self.slots)
 
     def aborted_by(self) -> Optional[int]:
-        """The peer whose abort value is in this pad, if one is."""
+        """The peer whose abort value is in this pad (its slots, or its direct kernels'),
+        if one is."""
         try:
             words = self.words()
+            kernel = self.device.peek(self.kernel_local(0), self.slots * KERNEL_MAX_BLOCKS)
         except HocclError:
             return None
         for slot, word in enumerate(words):
             if word >= ABORT_VALUE:
                 return (slot % self.slots) // CHANNELS
+        for index, word in enumerate(kernel):
+            if word >= ABORT_VALUE:
+                return (index // KERNEL_MAX_BLOCKS) // CHANNELS
         return None
 
     def poison(self, host_word: Any, warn: bool) -> None:

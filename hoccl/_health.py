@@ -16,6 +16,7 @@ from typing import Callable, List, Optional
 
 from ._engine import Call, Engine
 from ._errors import AbortedError, HocclError, HocclTimeoutError, PeerDeadError
+from .backends._base import DIRECT_VALUE_BITS
 from .sched.plan import Wait
 
 __all__ = ["Health"]
@@ -220,7 +221,23 @@ class Health:
         if aborted is not None:
             return f"{head}: rank {aborted} aborted the communicator"
         missing, peers = [], set()
-        for step in oldest.plan.programs[self.rank]:
+        blocks = oldest.plan.kernel_blocks
+        if blocks:  # a direct kernel: its own slots, one per block, values over its epoch
+            try:
+                epoch = engine.device.peek(engine.pad.kernel_counter, 1)[0]
+                for step in oldest.plan.programs[self.rank]:
+                    if not isinstance(step, Wait):
+                        continue
+                    have = min(engine.device.peek(engine.pad.kernel_local(step.slot), blocks))
+                    need = (epoch << DIRECT_VALUE_BITS) + step.value
+                    if have < need:
+                        peer, channel = engine.pad.describe(step.slot)
+                        peers.add(peer)
+                        missing.append(f"rank {peer} {channel} (direct kernel: have {have}, "
+                                       f"need {need})")
+            except HocclError as error:
+                return f"{head}; the direct kernel's slots could not be read: {error}"
+        for step in () if blocks else oldest.plan.programs[self.rank]:
             if isinstance(step, Wait) and words[step.slot] < oldest.base + step.value:
                 peer, channel = engine.pad.describe(step.slot)
                 peers.add(peer)

@@ -16,7 +16,7 @@ communication-heavy.  Libraries:
 Any hoccl library may carry settings, as in the other benchmarks:
 ``hoccl-hooks+max_sms=32+chunk_bytes=128M`` runs on a hoccl group of its own made with
 those settings (``hoccl.torch.Options``: max_sms, copy_sms, chunk_bytes, copy_lanes,
-one_shot_bytes, pull_bytes; sizes may say K, M or G).
+one_shot_bytes, pull_bytes, kernel_bytes, kernel_sms; sizes may say K, M or G).
 
 Per shape and library it prints the median step time, tokens/s (global), the ratio to
 the baseline, and the exposed communication per step, from a torch.profiler trace of a
@@ -366,7 +366,8 @@ def parse_library(name: str, baseline: str) -> Tuple[str, Dict[str, Any]]:
 
 
 #: the hoccl.torch.Options settings a library name may carry
-SETTINGS = ("max_sms", "copy_sms", "chunk_bytes", "copy_lanes", "one_shot_bytes", "pull_bytes")
+SETTINGS = ("max_sms", "copy_sms", "chunk_bytes", "copy_lanes", "one_shot_bytes", "pull_bytes",
+            "kernel_bytes", "kernel_sms")
 
 
 def hoccl_groups(names: Sequence[str], baseline: str, max_sms: int) -> Dict[str, Any]:

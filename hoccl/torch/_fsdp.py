@@ -113,11 +113,11 @@ class ReduceScatter(_Hooked, _ReduceScatter):
     the reduction kernel multiplies by f as it rounds (no pass of its own); with a tensor
     f, a temporary copy of the input is scaled first.
 
-    ``registered``: buffers of at most the communicator's ``pull_bytes`` (the sizes whose
-    reduce-scatters read the peers' inputs where they lie) come from a ``RegisteredPool``
-    (``pool``), so those calls go without a descriptor exchange; larger ones, and every
-    one when ``pull_bytes`` is 0 (the default: peers push into hoccl's scratch, which
-    needs no registered buffer), are plain torch tensors."""
+    ``registered``: buffers of at most the communicator's ``pull_bytes`` or
+    ``kernel_bytes`` (the sizes whose reduce-scatters read the peers' inputs where they
+    lie) come from a ``RegisteredPool`` (``pool``), so those calls go without a descriptor
+    exchange; larger ones, and every one when both are 0 (the default: peers push into
+    hoccl's scratch, which needs no registered buffer), are plain torch tensors."""
 
     def __init__(self, comm: Any, *, registered: bool = True):
         super().__init__(comm)
@@ -125,9 +125,10 @@ class ReduceScatter(_Hooked, _ReduceScatter):
 
     def allocate(self, size: Sequence[Any], *, dtype: torch.dtype,
                  device: torch.device) -> torch.Tensor:
-        pull_bytes = getattr(getattr(self.comm, "options", None), "pull_bytes", 0)
+        options = getattr(self.comm, "options", None)
+        pulled = max(getattr(options, "pull_bytes", 0), getattr(options, "kernel_bytes", 0))
         nbytes = math.prod(int(extent) for extent in size) * dtype.itemsize
-        if self.pool is None or nbytes > pull_bytes:
+        if self.pool is None or nbytes > pulled:
             return super().allocate(size, dtype=dtype, device=device)
         return self.pool.allocate(size, dtype=dtype, device=device)
 

@@ -1,0 +1,144 @@
+"""Direct kernels (``Options.kernel_bytes``) on the host backend, which runs their protocol
+as the GPU kernel does: one signal slot per block, waits on every block's slot, each
+block's share of every data step, and an epoch kept in the rank's pad.
+
+The plans themselves are verified and simulated in test_sched_plans.py; the MPI tier
+(test_mpi.py) runs them across processes, captured, and through failures."""
+
+import time
+
+import numpy as np
+import pytest
+
+import hoccl
+from hoccl._errors import HocclTimeoutError, InvalidArgumentError
+from hoccl.backends._kernels import block_range
+from hoccl.sched import Options, Shape, build_plan
+from hoccl.sched.algorithms import KERNEL_COLLECTIVES, KERNEL_MAX_BLOCKS
+from hoccl.testing import check_collective
+
+IN_PLACE = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
+REDUCING = ("reduce_scatter", "all_reduce")
+
+
+def _epochs(comms):
+    return [comm._engine.device.peek(comm._engine.pad.kernel_counter, 2) for comm in comms]
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("collective", KERNEL_COLLECTIVES)
+def test_every_form_dtype_and_op_exact(world_size, collective):
+    comms = hoccl.init_local(world_size, backend="host", kernel_bytes=1 << 20, kernel_sms=4)
+    try:
+        seed, calls = 0, 0
+        for dtype in ("float32", "bfloat16", "int32", "uint8", "float64"):
+            for count in (0, 1, 17, 1000):
+                for in_place in ((False, True) if collective in IN_PLACE else (False,)):
+                    for root in ((0, world_size - 1) if collective == "broadcast" else (0,)):
+                        for op in (("sum", "max", "avg", "prod", "min") if collective in REDUCING
+                                   else ("sum",)):
+                            seed += 1
+                            calls += 1
+                            check_collective(comms, collective, count=count, dtype=dtype,
+                                             op=op, root=root, in_place=in_place, seed=seed)
+        if collective in REDUCING:
+            check_collective(comms, collective, count=333, dtype="bfloat16", scale=0.25,
+                             seed=seed + 1)
+            calls += 1
+        # every call was one direct kernel on every rank: the epochs agree, no block is
+        # left counted
+        assert _epochs(comms) == [[calls, 0]] * world_size
+    finally:
+        for comm in comms:
+            comm.close()
+
+
+@pytest.mark.parametrize("collective", ["all_gather", "reduce_scatter", "all_reduce"])
+def test_ranks_may_differ_in_form(collective):
+    """Rank 0 in place, rank 1 out of place: a rank names a peer's buffer only by a name
+    both forms share (outputs, ``send`` of a reduce_scatter, scratch), so they agree."""
+    comms = hoccl.init_local(2, backend="host", kernel_bytes=1 << 20)
+    rng = np.random.default_rng(3)
+    count = 37
+    try:
+        if collective == "all_gather":
+            blocks = [rng.standard_normal(count).astype(np.float32) for _ in range(2)]
+            full = np.concatenate(blocks)
+            recv0 = np.full(2 * count, -7, np.float32)
+            recv0[:count] = blocks[0]
+            recv1 = np.full(2 * count, -7, np.float32)
+            comms[0].all_gather(recv0[:count], recv0)
+            comms[1].all_gather(blocks[1].copy(), recv1)
+            expected = [full, full]
+        elif collective == "reduce_scatter":
+            inputs = [rng.integers(-9, 9, 2 * count).astype(np.float32) for _ in range(2)]
+            total = inputs[0] + inputs[1]
+            recv0 = inputs[0].copy()
+            recv1 = np.full(count, -7, np.float32)
+            comms[0].reduce_scatter(recv0, recv0[:count])
+            comms[1].reduce_scatter(inputs[1].copy(), recv1)
+            expected = [total[:count], total[count:]]
+            recv0 = recv0[:count]
+        else:
+            inputs = [rng.integers(-9, 9, count).astype(np.float32) for _ in range(2)]
+            recv0 = inputs[0].copy()
+            recv1 = np.full(count, -7, np.float32)
+            comms[0].all_reduce(recv0, recv0)
+            comms[1].all_reduce(inputs[1].copy(), recv1)
+            expected = [inputs[0] + inputs[1]] * 2
+        for comm in comms:
+            comm.synchronize()
+        np.testing.assert_array_equal(recv0, expected[0])
+        np.testing.assert_array_equal(recv1, expected[1])
+    finally:
+        for comm in comms:
+            comm.close()
+
+
+def test_threshold_blocks_and_options():
+    """``kernel_bytes`` bounds the largest buffer; blocks grow with it up to
+    ``kernel_sms``; other collectives and one rank never take the kernel."""
+    options = Options(kernel_bytes=64 << 10, kernel_sms=4)
+    small = build_plan(Shape("all_gather", 2, 8 << 10, "float32", 4), options)
+    assert small.kernel_blocks == 2 and small.lanes == 1 and small.uses_sms(0)
+    large = build_plan(Shape("all_gather", 2, (8 << 10) + 1, "float32", 4), options)
+    assert large.kernel_blocks == 0
+    assert build_plan(Shape("all_reduce", 2, 16 << 10, "float32", 4), options).kernel_blocks == 2
+    capped = Options(kernel_bytes=1 << 20, kernel_sms=4)
+    assert build_plan(Shape("all_reduce", 2, 1 << 18, "float32", 4), capped).kernel_blocks == 4
+    assert build_plan(Shape("reduce", 2, 16, "float32", 4), options).kernel_blocks == 0
+    assert build_plan(Shape("all_gather", 1, 16, "float32", 4), options).kernel_blocks == 0
+    assert build_plan(Shape("all_gather", 2, 16, "float32", 4), Options()).kernel_blocks == 0
+    for bad in (0, KERNEL_MAX_BLOCKS + 1, True):
+        with pytest.raises(InvalidArgumentError, match="kernel_sms"):
+            Options(kernel_sms=bad)
+    with pytest.raises(InvalidArgumentError, match="kernel_bytes"):
+        Options(kernel_bytes=-1)
+
+
+def test_block_shares_cover_every_byte_once_in_whole_16_byte_units():
+    for nbytes in (0, 1, 15, 16, 17, 1000, 4096, 65537):
+        for blocks in (1, 2, 3, 7, 32):
+            shares = [block_range(nbytes, blocks, block) for block in range(blocks)]
+            assert shares[0][0] == 0 and shares[-1][1] == nbytes
+            for (_, stop), (start, _) in zip(shares, shares[1:]):
+                assert stop == start and start % 16 == 0
+
+
+def test_a_kernel_waiting_for_a_peer_times_out_naming_the_missing_signal():
+    """Rank 1's stream never reaches the call within the timeout: rank 0's kernel waits
+    for rank 1's READY in its kernel slots; the timeout names them, and every rank is
+    released (no hang)."""
+    comms = hoccl.init_local(2, backend="host", timeout=2, kernel_bytes=1 << 20)
+    held = comms[1].device_handle.create_stream()
+    held.enqueue(lambda: time.sleep(5))
+    send = [np.full(8, r + 1, np.float32) for r in range(2)]
+    recv = [np.zeros(16, np.float32) for _ in range(2)]
+    comms[0].all_gather(send[0], recv[0])
+    comms[1].all_gather(send[1], recv[1], stream=held)
+    started = time.monotonic()
+    with pytest.raises(HocclTimeoutError, match=r"rank 1 READY \(direct kernel: have 0, need 1\)"):
+        comms[0].synchronize()
+    assert time.monotonic() - started < 30
+    for comm in comms:
+        comm.close()
