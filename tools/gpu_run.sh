@@ -281,6 +281,14 @@ print(f"{'agree' if same else 'DIFFER'}: {len(runs[0])} and {len(runs[1])} steps
 PY
 )")
 fi
+if [ "$what" = figures-direct ]; then
+  # 2 x H200: the direct kernels checked (one process on both GPUs, then mpirun), then
+  # issue 14's sizes eager and in CUDA graphs beside every NCCL mode, judged at the end
+  what=direct
+  DIRECT_LIBRARIES=${DIRECT_LIBRARIES:-hoccl-reg+kernel_bytes=16M,hoccl-reg+kernel_bytes=16M+kernel_sms=32,nccl,nccl4py,nccl-zero}
+  BENCH_SIZES=${BENCH_SIZES:-8K,64K,256K,1M,4M}
+  judge=1
+fi
 if [ "$what" = direct ]; then
   # the direct kernels (Options.kernel_bytes): exact checks plain and on registered
   # buffers, 1000 graph replays with eager calls between, an abort releasing a kernel
@@ -363,7 +371,7 @@ if [ "$what" = tp ] || [ "$what" = all ]; then
   step tp-plant-fault 150 $TRUN python3 -m hoccl.bench.tp --quick --plant-fault \
     --out "$OUT/tp-plant-fault"
 fi
-case "$what" in figures-*)
+case "$what${judge:+-judged}" in figures-*|*-judged)
   # the open issues' criteria, judged from this run's JSON (tools/criteria.py)
   python3 tools/criteria.py "$OUT" --json "$OUT/criteria.json" > "$OUT/criteria.md" 2>&1
   summary+=("criteria       $(grep -c '| met |' "$OUT/criteria.md") met, $(grep -c 'NOT met' "$OUT/criteria.md") not met (criteria.md)") ;;
