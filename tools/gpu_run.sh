@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The device machine's session: GPU tests (one process, and mpirun -np 2), then the
-# benchmarks against NCCL.  Usage: bash tools/gpu_run.sh [tests|profile|bench|overlap|compare|torch|fsdp|hier|hierdiag|final|registered|onegpu|validate|dryrun|quickreg|figures-a|figures-b|figures-c|figures-d|levers|tp|all] [pytest args]
+# benchmarks against NCCL.  Usage: bash tools/gpu_run.sh [tests|profile|bench|overlap|compare|torch|fsdp|hier|hierdiag|final|registered|onegpu|validate|dryrun|quickreg|figures-a|figures-b|figures-c|figures-d|figures-direct|figures-wide|direct|levers|tp|all] [pytest args]
 # torch: the torch.distributed backend's checks, DDP/FSDP2/HSDP training against NCCL (hoccl
 # the default process group, then NCCL), the FSDP2 example on NCCL and on hoccl, and
 # python -m hoccl.bench.train (one process per shape).
@@ -280,6 +280,15 @@ print(f"{'agree' if same else 'DIFFER'}: {len(runs[0])} and {len(runs[1])} steps
       f"largest relative difference {worst:.1e}")
 PY
 )")
+fi
+if [ "$what" = figures-wide ]; then
+  # 2 x H200: the training step where the GPUs' communication, not the host, bounds it
+  # (few wide layers), and a 7B model's tensor-parallel layer (hidden 4096, ffn 11008),
+  # each beside NCCL (and torch's async-TP) in the same run
+  TRAIN_LIBRARIES=${TRAIN_LIBRARIES:-nccl,hoccl-hooks+max_sms=32+chunk_bytes=128M,hoccl-hooks+pull_bytes=2G+max_sms=16+chunk_bytes=1G}
+  train_shapes wide
+  step tp-7b 240 $TRUN python3 -m hoccl.bench.tp --hidden 4096 --ffn 11008 \
+    --libraries hoccl,hoccl+max_sms=4,nccl,async-tp --out "$OUT/tp-7b"
 fi
 if [ "$what" = figures-direct ]; then
   # 2 x H200: the direct kernels checked (one process on both GPUs, then mpirun), then

@@ -79,6 +79,9 @@ SHAPES = {
     "compute": ModelShape(dim=4096, layers=16, heads=32, seq=2048, batch=2),
     "comm": ModelShape(dim=4096, layers=16, heads=32, seq=512, batch=1),
     "large": ModelShape(dim=5120, layers=12, heads=40, seq=1024, batch=1),
+    # few wide layers: the same parameters as "comm" in a quarter of the calls, each four
+    # times larger, so the step is bound by the GPUs' communication, not by the host
+    "wide": ModelShape(dim=8192, layers=4, heads=64, seq=512, batch=1),
     "tiny": ModelShape(dim=64, layers=2, heads=4, seq=32, batch=2, vocab=256),
 }
 
