@@ -154,6 +154,11 @@ def test_reduce_scatter_hook_registers_only_the_sizes_that_pull():
         assert hook.pool.shadow(small) is not None and hook.pool.shadow(large) is None
         assert hook.pool.stats["registered"] == 1 and len(only.windows) == 1
         assert ReduceScatter(only, registered=False).pool is None
+        # a direct kernel reads its peers' inputs too: sizes up to kernel_bytes register
+        only.set_options(pull_bytes=0, kernel_bytes=2048)
+        direct = hook.allocate((512,), dtype=torch.float32, device=CPU)  # 2048 bytes
+        above = hook.allocate((513,), dtype=torch.float32, device=CPU)
+        assert hook.pool.shadow(direct) is not None and hook.pool.shadow(above) is None
         hook.pool.close()
     finally:
         only.close()

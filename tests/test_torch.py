@@ -48,6 +48,16 @@ def test_every_torch_distributed_op_on_the_hoccl_backend(ranks):
 
 
 @pytest.mark.mpi
+def test_every_torch_distributed_op_with_direct_kernels():
+    """The same ops on a default group whose small collectives run as direct kernels
+    (``pg_options`` with ``kernel_bytes``)."""
+    code, output = launch(2, PROGRAMS / "run_backend.py", "--kernel-bytes", str(1 << 20))
+    assert code == 0, output[-6000:]
+    assert re.search(r"torch ranks=2 backend=hoccl cpu kernel_bytes=1048576: \d+ passed, "
+                     r"0 failed", output), output[-6000:]
+
+
+@pytest.mark.mpi
 @pytest.mark.parametrize("ranks, default, flags", [
     (2, "hoccl", []), (3, "hoccl", []),
     # HSDP only (DDP and FSDP2 at 4 ranks would add a minute); the default process group

@@ -411,10 +411,15 @@ def other_cases():
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--kernel-bytes", type=int, default=0,
+                        help="the group's kernel_bytes: small collectives as direct kernels")
     args = parser.parse_args()
     if args.device == "cuda":
         common.use_device(torch.device("cuda", RANK % torch.cuda.device_count()))
-    dist.init_process_group("hoccl", rank=RANK, world_size=WORLD, timeout=timedelta(seconds=60))
+    options = (hoccl.torch.Options(settings={"kernel_bytes": args.kernel_bytes})
+               if args.kernel_bytes else None)
+    dist.init_process_group("hoccl", rank=RANK, world_size=WORLD, timeout=timedelta(seconds=60),
+                            pg_options=options)
     assert dist.get_backend() == "hoccl"
     passed = failed = 0
     for name, case in [*cases(), *other_cases()]:
@@ -427,7 +432,8 @@ def main():
     totals = torch.tensor([passed, failed], device=common.DEVICE)
     dist.all_reduce(totals)
     if RANK == 0:
-        print(f"torch ranks={WORLD} backend=hoccl {args.device}: {totals[0]} passed, "
+        label = f" kernel_bytes={args.kernel_bytes}" if args.kernel_bytes else ""
+        print(f"torch ranks={WORLD} backend=hoccl {args.device}{label}: {totals[0]} passed, "
               f"{totals[1]} failed",
               flush=True)
     dist.destroy_process_group()
