@@ -127,6 +127,10 @@ class Executor:
         self.streams = streams
         self.pad = pad
         self.sms = sms  # the communicator's caps (its device may serve other communicators)
+        #: per plan (by id, the plan kept so the id stays its): the marks its program
+        #: records and its direct kernel's (dtype, op), for ``reserve``
+        self._needs: Dict[int, Tuple[Plan, int, Optional[Tuple[str, str]]]] = {}
+        self._direct_ready: set = set()  # direct kernels prepared on the device
 
     def bind(self, plan: Plan, addresses: Dict[Tuple[int, str], Any],
              captured: bool = False) -> Tuple[tuple, ...]:
@@ -272,19 +276,30 @@ class Executor:
         synchronize the context, and once a caller's stream waits for a call that is not
         yet issued, such a driver call would wait for itself (FSDP2's first backward
         reduce-scatter, which needs a second lane, hung so)."""
-        plans = list(plans)
-        _, total = _families(plans)
-        marks = sum(1 for plan in plans
-                    for kind, _, _ in compile_program(plan, self.rank) if kind == _MARK)
+        widths: Dict[tuple, int] = {}
+        marks = count = 0
+        for plan in plans:
+            entry = self._needs.get(id(plan))
+            if entry is None or entry[0] is not plan:
+                entry = (plan, sum(1 for kind, _, _ in compile_program(plan, self.rank)
+                                   if kind == _MARK),
+                         direct_kind(plan) if plan.kernel_blocks else None)
+                if len(self._needs) >= 1024:
+                    self._needs.clear()
+                self._needs[id(plan)] = entry
+            widths[plan.pair] = max(widths.get(plan.pair, 0), plan.lanes)
+            marks += entry[1]
+            count += 1
+            if entry[2] is not None and entry[2] not in self._direct_ready:
+                self.device.prepare_direct(*entry[2])
+                self._direct_ready.add(entry[2])
+        total = max(sum(widths.values()), 1)  # as ``_families`` counts them
         if captured:
             self.streams.ensure_capture_lanes(total)
         else:
             self.streams.ensure_lanes(total)
         # marks, joins, entries, and a captured call's exit
-        self.streams.reserve_events(marks + total + len(plans))
-        for plan in plans:
-            if plan.kernel_blocks:
-                self.device.prepare_direct(*direct_kind(plan))
+        self.streams.reserve_events(marks + total + count)
 
     def _steps(self, program: Tuple[tuple, ...], base: int, first: int, pending: List[list],
                flush: Any, marks: Dict[Tuple[int, int], Any], item: int, lanes: List[Any],
