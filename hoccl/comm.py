@@ -439,14 +439,20 @@ class Communicator:
             engine.closed = True
         self._health.stop()
         # after an abort, a caller stream held by the user's work may still reach this
-        # rank's fences (and its lanes then run on): never free memory it will touch
+        # rank's fences (and its lanes then run on): never free memory it will touch.
+        # Nor memory the peers may write: their waits were released by the abort's poison,
+        # and their lanes may still copy into this rank's scratch, its buffers of the calls
+        # in flight and its registered windows
         bound = min(self._health.timeout, _DRAIN_SECONDS)
         leak = not engine.drained(bound)
         if leak:
             log.warning("rank %d close: the caller's stream of an unfinished call has not "
                         "reached it within %g s; keeping this communicator's device memory "
                         "and the call's buffers for the life of the process", self.rank, bound)
+        leak = leak or engine.aborted
+        if leak:
             _KEPT.extend(call.keepalive for call in engine.inflight)
+            _KEPT.extend(window.owner for window in engine.windows)
         engine.close_streams()
         self._group.leave(engine, leak)  # frees the device once no local peer can write to it
         _OPEN.discard(self)

@@ -190,8 +190,9 @@ def test_watchdog_does_not_count_the_wait_for_other_ranks_calls(init_local):
 def test_close_after_abort_keeps_memory_that_a_held_caller_stream_will_still_touch(
         init_local, monkeypatch, caplog, gate_opens):
     """An aborted call whose caller stream is still held (by the user's own work) reaches
-    its fences later: close waits a bounded time for it, then keeps the devices' memory
-    instead of freeing what that stream will write into."""
+    its fences later: close waits a bounded time for it, and says so when it does not.
+    Either way an aborted communicator keeps its devices' memory: the abort's poison
+    released its peers' waits, and their lanes may still write into it."""
     monkeypatch.setattr(sys.modules["hoccl.comm"], "_DRAIN_SECONDS", 2.0 if gate_opens else 0.3)
     comms, gate = _all_reduce_with_rank_1_held(init_local, timeout=60)
     comms[0].abort("test abort")
@@ -208,7 +209,7 @@ def test_close_after_abort_keeps_memory_that_a_held_caller_stream_will_still_tou
         for comm in comms:
             comm.close()
     assert time.monotonic() - started < 5
-    assert leaks == [not gate_opens] * 2
+    assert leaks == [True] * 2
     assert ("keeping this communicator's device memory" in caplog.text) is not gate_opens
     gate.set()
 

@@ -419,7 +419,8 @@ _DIRECT = r"""
 // peer's pad after every thread of the block finished the earlier steps; a wait spins
 // until every block's slot of the peer reaches it (threads 0..blocks-1, one slot each).
 // ``epoch`` is this rank's count of direct kernels, kept in device memory so that a
-// graph replays with fresh values; the last block to finish advances it.
+// graph replays with fresh values; the last block to finish advances it.  A wait released
+// by an abort's value (>= 2**62) ends the block: nothing more moves.
 enum DirectKind { DIRECT_SIGNAL = 0, DIRECT_WAIT = 1, DIRECT_COPY = 2, DIRECT_REDUCE = 3 };
 
 struct DirectOp {
@@ -546,6 +547,7 @@ static __device__ __forceinline__ void direct_reduce(const DirectArgs& args, con
 template <class D, int OP>
 static __device__ __forceinline__ void direct_body(const DirectArgs& args) {
     __shared__ unsigned long long epoch;
+    __shared__ int poisoned;
     if (threadIdx.x == 0) epoch = *reinterpret_cast<volatile unsigned long long*>(args.counter);
     __syncthreads();
     if (epoch >= (1ull << 46)) return;  // aborted (the pad holds the abort value)
@@ -560,13 +562,20 @@ static __device__ __forceinline__ void direct_body(const DirectArgs& args) {
                               base + op.c);
             }
         } else if (op.kind == DIRECT_WAIT) {
+            if (threadIdx.x == 0) poisoned = 0;
+            __syncthreads();
             if (threadIdx.x < gridDim.x) {
                 const unsigned long long* slot =
                     reinterpret_cast<const unsigned long long*>(op.a) + threadIdx.x;
-                while (load_acquire(slot) < base + op.c) {
+                unsigned long long seen;
+                while ((seen = load_acquire(slot)) < base + op.c) {
                 }
+                if (seen >= (1ull << 62)) poisoned = 1;
             }
             __syncthreads();
+            // released by an abort's value, not by the peer: move nothing more (the peer's
+            // memory may already be someone else's)
+            if (poisoned) return;
         } else {
             unsigned long long start, stop;
             share(op.kind == DIRECT_COPY ? op.c : op.c * sizeof(typename D::T), start, stop);

@@ -307,8 +307,10 @@ def _release(owned: _Owned) -> None:
         attempt(driver.cuEventDestroy, event)
     for stream in owned.streams:
         attempt(driver.cuStreamDestroy, stream)
-    for pad in owned.pads:
-        attempt(driver.cuMemFree, pad)
+    # pads are never freed: a peer that aborts later pokes its poison into this rank's
+    # pad through its mapping, and must never land in memory given to something else
+    # (a pad is a few KiB per communicator)
+    _KEPT_PADS.extend(owned.pads)
     for word in owned.host_words:
         attempt(driver.cuMemFreeHost, word._host_address)
         word._host_address = 0
@@ -369,6 +371,7 @@ CudaIpcDescriptor = collections.namedtuple(
 # -- the device ----------------------------------------------------------------------------
 _ACTIVE = threading.local()  # the context hoccl last made current on this thread
 _ABANDONED: List[Any] = []   # handles of devices closed with stuck work: never freed
+_KEPT_PADS: List[int] = []   # signal pads of closed devices (see ``_release``)
 
 
 def device_count() -> int:

@@ -89,6 +89,9 @@ def _read_u64(address: int) -> int:
 
 
 _ABANDONED: List[Dict[int, np.ndarray]] = []  # memory of devices closed with stuck work
+#: signal pads, never freed: a peer that aborts after this rank closed still pokes its
+#: poison into the pad (from its process), which must not land in reused memory
+_PADS: List[np.ndarray] = []
 
 
 class _Aborted(Exception):
@@ -253,7 +256,7 @@ class HostDevice(Device):
 
     def alloc_pad(self, slots: int) -> int:
         array = np.zeros(slots, dtype=np.uint64)
-        self._memory[array.ctypes.data] = array
+        _PADS.append(array)
         return array.ctypes.data
 
     def alloc_host_word(self) -> HostWord:
@@ -348,6 +351,8 @@ class HostDevice(Device):
                     for block in range(blocks):
                         self._poll(stream, lambda address=op[1] + 8 * block:
                                    _read_u64(address) >= base + op[2])
+                    if any(_read_u64(op[1] + 8 * block) >= 1 << 62 for block in range(blocks)):
+                        return  # released by an abort: nothing more moves
                 elif kind == DIRECT_COPY:
                     _, dst, src, nbytes = op
                     for block in range(blocks):
