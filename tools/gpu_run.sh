@@ -313,8 +313,12 @@ if [ "$what" = direct ]; then
     --registered --kernel-bytes 1048576 --counts 0,17,100003
   step direct-capture 150 $MPIRUN python3 tests/mpi/run_capture.py --backend cuda \
     --replays ${REPLAYS:-1000} --kernel-bytes 1048576
-  step direct-abort 60 $MPIRUN --mca orte_abort_on_non_zero_status 0 \
-    python3 tests/mpi/run_failures.py abort --backend cuda --kernel-bytes 1048576
+  for scenario in abort absent mismatch; do
+    step "direct-$scenario" 60 $MPIRUN --mca orte_abort_on_non_zero_status 0 \
+      python3 tests/mpi/run_failures.py $scenario --backend cuda --kernel-bytes 1048576
+  done
+  # diverging registered calls abort: the memory the peers may still write is kept
+  step registered-mpirun 120 $MPIRUN python3 tests/mpi/run_registered.py --backend cuda
   step direct-profile 60 $MPIRUN python3 tools/profile_call.py --size 1M --registered \
     --kernel-bytes 16M --iters 300
   step direct-bench 250 $MPIRUN python3 -m hoccl.bench --sizes ${BENCH_SIZES:-8K,64K,256K,1M} \
