@@ -582,9 +582,18 @@ class CudaDevice(Device):
         return [int(word) for word in words]
 
     def poke(self, writes: Sequence[Tuple[Any, int]]) -> None:
+        """Runs of consecutive words go in one copy each (an abort pokes a whole pad)."""
+        runs: List[Tuple[int, List[int]]] = []
         for address, value in writes:
-            word = (ctypes.c_uint64 * 1)(value)
-            self._out_of_band(driver.cuMemcpyHtoDAsync, int(address), ctypes.addressof(word), 8)
+            address = int(address)
+            if runs and runs[-1][0] + 8 * len(runs[-1][1]) == address:
+                runs[-1][1].append(value)
+            else:
+                runs.append((address, [value]))
+        for address, values in runs:
+            words = (ctypes.c_uint64 * len(values))(*values)
+            self._out_of_band(driver.cuMemcpyHtoDAsync, address, ctypes.addressof(words),
+                              8 * len(values))
 
     # -- memory ------------------------------------------------------------------------------
     def alloc(self, nbytes: int) -> int:

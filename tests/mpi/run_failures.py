@@ -159,7 +159,11 @@ def main():
             else:
                 try:
                     comm.synchronize()
-                    print(f"rank {r}: FAILED synchronize returned", flush=True)
+                    pad = comm._engine.pad
+                    print(f"rank {r}: FAILED synchronize returned; pad {pad.words()} kernel "
+                          f"{comm._engine.device.peek(pad.kernel_counter, 2)} "
+                          f"{comm._engine.device.peek(pad.kernel_local(0), 10 * 32)}",
+                          flush=True)
                 except hoccl.HocclError as error:
                     waited = time.monotonic() - started
                     ok = waited < 20 and "rank 0 aborted" in str(error)
