@@ -295,7 +295,8 @@ if [ "$what" = figures-direct ]; then
   # issue 14's sizes eager and in CUDA graphs beside every NCCL mode, judged at the end
   what=direct
   DIRECT_LIBRARIES=${DIRECT_LIBRARIES:-hoccl-reg+kernel_bytes=16M,hoccl-reg+kernel_bytes=16M+kernel_sms=32,nccl,nccl4py,nccl-zero}
-  BENCH_SIZES=${BENCH_SIZES:-8K,64K,256K,1M,4M}
+  BENCH_SIZES=${BENCH_SIZES:-64K,256K,1M,4M}
+  REPLAYS=${REPLAYS:-300}
   judge=1
 fi
 if [ "$what" = direct ]; then
@@ -328,6 +329,10 @@ if [ "$what" = direct ]; then
   step direct-bench-a2a 120 $MPIRUN python3 -m hoccl.bench --sizes ${BENCH_SIZES:-8K,64K,256K,1M} \
     --collectives all_to_all --libraries ${DIRECT_LIBRARIES:-hoccl-reg,hoccl-reg+kernel_bytes=16M} \
     --graph --out "$OUT/direct-bench-a2a"
+  if [ -n "${judge:-}" ]; then  # and 1 GiB in place against NCCL's zero-SM mode
+    step bench-1g 100 $MPIRUN python3 -m hoccl.bench --sizes 1G --collectives all_gather \
+      --forms in --libraries hoccl,hoccl-reg,nccl4py,nccl-zero --out "$OUT/bench-1g"
+  fi
 fi
 if [ "$what" = registered ]; then
   # registered buffers: every collective on registered memory against numpy, the
