@@ -40,7 +40,7 @@ from .backends._base import Device, SmCaps
 from .p2p import Executor
 from .sched import Options, Shape, build_plan, verify
 from .sched.algorithms import KERNEL_MAX_BLOCKS
-from .sched.plan import CHANNEL_NAMES, CHANNELS, Plan
+from .sched.plan import CHANNEL_NAMES, CHANNELS, RING, Plan
 from .sched.replay import replay_problem
 from .streams import StreamManager
 
@@ -298,6 +298,12 @@ class Engine:
         #: each peer's reduction scratch as last described by the peer (``learn``), and a
         #: count of changes to what ``_fast_peers`` depends on (windows, that knowledge)
         self._peer_scratch: Dict[int, PeerBuffer] = {}
+        self._peer_ring: Dict[int, PeerBuffer] = {}
+        #: the direct kernels' double-buffered staging (``plan.RING``): (address, half);
+        #: a ring is never freed before close (a peer one call ahead may store into it,
+        #: a graph may replay it), a larger one replaces it for later calls
+        self._ring: Tuple[Any, int] = (None, 0)
+        self._rings: List[Any] = []
         self.layout_epoch = 0
         #: calls issued without asking the peers (``ProcessGroup.complete``)
         self.issued_fast = 0
@@ -379,6 +385,9 @@ class Engine:
             if buffer_name == "scratch":
                 local[buffer_name] = self._scratch_of(nbytes)
                 sizes[buffer_name] = nbytes
+            elif buffer_name == RING:  # both halves: peers learn the half from the size
+                local[buffer_name], half = self._ring_of(nbytes)
+                sizes[buffer_name] = 2 * half
             else:
                 buffer = buffers[buffer_name]
                 assert buffer is not None
@@ -414,7 +423,7 @@ class Engine:
         shared: Dict[str, PeerBuffer] = {}
         for buffer_name in template.shared:
             found = (windows.find(local[buffer_name], sizes[buffer_name])
-                     if windows and buffer_name != "scratch" else None)
+                     if windows and buffer_name not in ("scratch", RING) else None)
             where = ((WINDOW, found[0].index, found[1]) if found is not None
                      else self.device.export(local[buffer_name]))
             shared[buffer_name] = PeerBuffer(where, sizes[buffer_name])
@@ -455,6 +464,12 @@ class Engine:
                         return None
                     theirs[buffer_name] = known
                     continue
+                if buffer_name == RING:  # its size holds both halves
+                    known = self._peer_ring.get(peer)
+                    if known is None or known.nbytes // 2 < needed:
+                        return None
+                    theirs[buffer_name] = known
+                    continue
                 if buffer_name not in local:
                     return None
                 found = self.windows.find(local[buffer_name], sizes[buffer_name])
@@ -484,15 +499,16 @@ class Engine:
         calls that may be issued without asking (``_fast_peers``)."""
         for call in calls:
             for peer, shared in call.peers.items():
-                scratch = shared.get("scratch")
-                if scratch is None:
-                    continue
-                known = self._peer_scratch.get(peer)
-                if (known is not None and known.where == scratch.where
-                        and scratch.nbytes <= known.nbytes):
-                    continue  # the same allocation, known to be at least this large
-                self._peer_scratch[peer] = scratch
-                self.layout_epoch += 1
+                for name, table in (("scratch", self._peer_scratch), (RING, self._peer_ring)):
+                    buffer = shared.get(name)
+                    if buffer is None:
+                        continue
+                    known = table.get(peer)
+                    if (known is not None and known.where == buffer.where
+                            and buffer.nbytes <= known.nbytes):
+                        continue  # the same allocation, known to be at least this large
+                    table[peer] = buffer
+                    self.layout_epoch += 1
 
     def _template(self, shape: Shape) -> CallTemplate:
         plan = self.plan(shape)
@@ -664,7 +680,8 @@ class Engine:
         for peer, shared in call.peers.items():
             for buffer_name, buffer in shared.items():
                 needed = plan.buffer(peer, buffer_name).nbytes
-                if buffer.nbytes < needed or not self._in_window(call, peer, buffer, needed):
+                held = buffer.nbytes // 2 if buffer_name == RING else buffer.nbytes
+                if held < needed or not self._in_window(call, peer, buffer, needed):
                     raise MismatchError(
                         f"{call.name}: rank {peer}'s {buffer_name} holds {buffer.nbytes} bytes "
                         f"but rank {self.rank}'s plan for this call reaches {needed} bytes into "
@@ -685,7 +702,15 @@ class Engine:
                 else:
                     addresses[(peer, buffer_name)] = (self.device.import_(buffer.where)
                                                       if imported else buffer.where)
+                if buffer_name == RING:  # a ring: its address and the size of a half
+                    addresses[(peer, buffer_name)] = (addresses[(peer, buffer_name)],
+                                                      buffer.nbytes // 2)
+        if RING in call.local:
+            addresses[(self.rank, RING)] = (call.local[RING], self._ring_halves(call))
         return addresses
+
+    def _ring_halves(self, call: Call) -> int:
+        return call.shared[RING].nbytes // 2 if RING in call.shared else self._ring[1]
 
     def _in_window(self, call: Call, peer: int, buffer: PeerBuffer, needed: int) -> bool:
         """Whether ``needed`` bytes from a window reference lie in the peer's window (true
@@ -748,6 +773,16 @@ class Engine:
         if call.entry is not None:
             self.streams.release(call.entry)
             call.entry = None
+
+    def _ring_of(self, nbytes: int) -> Tuple[Any, int]:
+        """A ring of two halves of at least ``nbytes`` each: (address, half)."""
+        address, half = self._ring
+        if half < nbytes:
+            half = max(nbytes, 2 * half, 64 << 10)
+            address = self.device.alloc(2 * half)
+            self._rings.append(address)
+            self._ring = (address, half)
+        return address, half
 
     def _scratch_of(self, nbytes: int) -> Any:
         address, size = self._scratch

@@ -108,6 +108,8 @@ def test_threshold_blocks_and_options():
     assert build_plan(Shape("all_reduce", 2, 1 << 18, "float32", 4), capped).kernel_blocks == 4
     assert build_plan(Shape("reduce", 2, 16, "float32", 4), options).kernel_blocks == 0
     assert build_plan(Shape("all_gather", 1, 16, "float32", 4), options).kernel_blocks == 0
+    assert build_plan(Shape("all_gather", 8, 16, "float32", 4), options).kernel_blocks == 1
+    assert build_plan(Shape("all_gather", 9, 16, "float32", 4), options).kernel_blocks == 0
     assert build_plan(Shape("all_gather", 2, 16, "float32", 4), Options()).kernel_blocks == 0
     for bad in (0, KERNEL_MAX_BLOCKS + 1, True):
         with pytest.raises(InvalidArgumentError, match="kernel_sms"):
@@ -127,8 +129,8 @@ def test_block_shares_cover_every_byte_once_in_whole_16_byte_units():
 
 def test_a_kernel_waiting_for_a_peer_times_out_naming_the_missing_signal():
     """Rank 1's stream never reaches the call within the timeout: rank 0's kernel waits
-    for rank 1's READY in its kernel slots; the timeout names them, and every rank is
-    released (no hang)."""
+    for rank 1's DONE (rank 1 never stored into rank 0's ring) in its kernel slots; the
+    timeout names them, and every rank is released (no hang)."""
     comms = hoccl.init_local(2, backend="host", timeout=2, kernel_bytes=1 << 20)
     held = comms[1].device_handle.create_stream()
     held.enqueue(lambda: time.sleep(5))
@@ -137,8 +139,46 @@ def test_a_kernel_waiting_for_a_peer_times_out_naming_the_missing_signal():
     comms[0].all_gather(send[0], recv[0])
     comms[1].all_gather(send[1], recv[1], stream=held)
     started = time.monotonic()
-    with pytest.raises(HocclTimeoutError, match=r"rank 1 READY \(direct kernel: have 0, need 1\)"):
+    with pytest.raises(HocclTimeoutError, match=r"rank 1 DONE \(direct kernel: have 0, need 1\)"):
         comms[0].synchronize()
     assert time.monotonic() - started < 30
     for comm in comms:
         comm.close()
+
+
+@pytest.mark.parametrize("collective", ["all_reduce", "all_gather", "broadcast"])
+def test_back_to_back_calls_with_one_rank_running_ahead(collective):
+    """Calls without a synchronize between them, rank 1's stream delayed before each: rank
+    0 runs up to one call ahead and stores into rank 1's ring while rank 1 still reads the
+    other half (the epoch's parity); every output exact."""
+    comms = hoccl.init_local(2, backend="host", kernel_bytes=1 << 20, kernel_sms=2)
+    rng = np.random.default_rng(11)
+    lagging = comms[1].device_handle.default_stream
+    count, calls = 300, 40
+    try:
+        sends = [[rng.integers(-50, 50, count).astype(np.float32) for _ in range(2)]
+                 for _ in range(calls)]
+        recvs = [[np.full(2 * count if collective == "all_gather" else count, -7, np.float32)
+                  for _ in range(2)] for _ in range(calls)]
+        for call in range(calls):
+            lagging.enqueue(lambda: time.sleep(0.002))
+            for rank, comm in enumerate(comms):
+                send, recv = sends[call][rank], recvs[call][rank]
+                if collective == "all_reduce":
+                    comm.all_reduce(send, recv)
+                elif collective == "all_gather":
+                    comm.all_gather(send, recv)
+                else:
+                    comm.broadcast(send, recv, 0)
+        for comm in comms:
+            comm.synchronize()
+        for call in range(calls):
+            a, b = sends[call]
+            expected = {"all_reduce": a + b, "all_gather": np.concatenate([a, b]),
+                        "broadcast": a}[collective]
+            for rank in range(2):
+                np.testing.assert_array_equal(recvs[call][rank], expected, f"call {call}")
+        assert _epochs(comms) == [[calls, 0]] * 2
+    finally:
+        for comm in comms:
+            comm.close()

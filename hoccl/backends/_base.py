@@ -81,9 +81,12 @@ class DirectProgram:
     far) and the blocks of the running kernel that finished.  ``ops``: tuples
     ``(DIRECT_SIGNAL, slot, value)`` (``slot``: block 0's slot of the channel in the
     peer's pad; block ``b`` writes ``slot + 8 * b``), ``(DIRECT_WAIT, slot, value)`` (own
-    pad: every block's slot must reach the value), ``(DIRECT_COPY, dst, src, nbytes)`` and
-    ``(DIRECT_REDUCE, output, inputs, count)`` (``dtype``, ``op``, ``scale``; avg divides
-    by the number of inputs).  ``packed`` is the backend's encoding, made once."""
+    pad: every block's slot must reach the value), ``(DIRECT_COPY, dst, src, nbytes,
+    dst_shift, src_shift)`` and ``(DIRECT_REDUCE, output, ((input, shift), ...), count,
+    output_shift)`` (``dtype``, ``op``, ``scale``; avg divides by the number of inputs).
+    An address with a nonzero shift lies in a double-buffered ring (``plan.RING``): in a
+    kernel of odd epoch it means ``address + shift`` (the ring's second half).
+    ``packed`` is the backend's encoding, made once."""
     blocks: int
     counter: Any
     ops: Tuple[tuple, ...]

@@ -427,8 +427,15 @@ struct DirectOp {
     unsigned long long a;   // signal: the peer's slot (block 0's); wait: own slot; copy/reduce: dst
     unsigned long long b;   // copy: src; reduce: index of the first input in ``inputs``
     unsigned long long c;   // signal/wait: value; copy: bytes; reduce: elements
+    unsigned long long sa;  // copy/reduce: added to a in odd epochs (a ring's second half)
+    unsigned long long sb;  // copy: added to b in odd epochs
     unsigned int kind;
     unsigned int n;         // reduce: inputs
+};
+
+struct DirectInput {
+    unsigned long long address;
+    unsigned long long shift;  // added in odd epochs
 };
 
 struct DirectArgs {
@@ -439,7 +446,7 @@ struct DirectArgs {
     unsigned int unused;
     double scale;
     DirectOp ops[HOCCL_DIRECT_OPS];
-    const void* inputs[HOCCL_DIRECT_INPUTS];
+    DirectInput inputs[HOCCL_DIRECT_INPUTS];
 };
 
 static __device__ __forceinline__ unsigned long long load_acquire(const unsigned long long* p) {
@@ -487,20 +494,27 @@ static __device__ __forceinline__ void direct_copy(char* dst, const char* src,
     else direct_copy_as<unsigned char>(dst, src, nbytes);
 }
 
+template <class T>
+static __device__ __forceinline__ const T* direct_input(const DirectArgs& args, unsigned int i,
+                                                        unsigned long long odd) {
+    return reinterpret_cast<const T*>(args.inputs[i].address + odd * args.inputs[i].shift);
+}
+
 template <class D, int OP>
 static __device__ __forceinline__ void direct_reduce(const DirectArgs& args, const DirectOp& op,
                                                      unsigned long long start,
-                                                     unsigned long long stop) {
+                                                     unsigned long long stop,
+                                                     unsigned long long odd) {
     typedef typename D::T T;
     typedef typename D::A A;
     typedef Lanes<D> L;
     constexpr int N = L::N;
     const unsigned int n = op.n;
     const unsigned long long first = start / sizeof(T), count = (stop - start) / sizeof(T);
-    T* out = reinterpret_cast<T*>(op.a) + first;
+    T* out = reinterpret_cast<T*>(op.a + odd * op.sa) + first;
     unsigned long long bits = (unsigned long long)out | (stop - start);
     for (unsigned int i = 0; i < n; ++i)
-        bits |= (unsigned long long)(static_cast<const T*>(args.inputs[op.b + i]) + first);
+        bits |= (unsigned long long)(direct_input<T>(args, op.b + i, odd) + first);
     if ((bits & 15) == 0) {
         // U vectors per thread, each input's U loads in flight together (a peer's input
         // is a round trip over NVLink away)
@@ -509,8 +523,8 @@ static __device__ __forceinline__ void direct_reduce(const DirectArgs& args, con
         for (unsigned long long v = threadIdx.x; v < vectors; v += U * blockDim.x) {
             A acc[U][N];
             for (unsigned int i = 0; i < n; ++i) {
-                const uint4* in = reinterpret_cast<const uint4*>(
-                    static_cast<const T*>(args.inputs[op.b + i]) + first);
+                const uint4* in =
+                    reinterpret_cast<const uint4*>(direct_input<T>(args, op.b + i, odd) + first);
                 uint4 x[U];
 #pragma unroll
                 for (int u = 0; u < U; ++u)
@@ -537,9 +551,9 @@ static __device__ __forceinline__ void direct_reduce(const DirectArgs& args, con
         return;
     }
     for (unsigned long long e = threadIdx.x; e < count; e += blockDim.x) {
-        A acc = D::load((static_cast<const T*>(args.inputs[op.b]) + first)[e]);
+        A acc = D::load((direct_input<T>(args, op.b, odd) + first)[e]);
         for (unsigned int i = 1; i < n; ++i)
-            acc = combine<D, OP>(acc, D::load((static_cast<const T*>(args.inputs[op.b + i]) + first)[e]));
+            acc = combine<D, OP>(acc, D::load((direct_input<T>(args, op.b + i, odd) + first)[e]));
         out[e] = D::store(finish<D, OP>(acc, args));
     }
 }
@@ -552,6 +566,7 @@ static __device__ __forceinline__ void direct_body(const DirectArgs& args) {
     __syncthreads();
     if (epoch >= (1ull << 46)) return;  // aborted (the pad holds the abort value)
     const unsigned long long base = epoch << 16;
+    const unsigned long long odd = epoch & 1;  // the rings' half this call uses
     for (unsigned int i = 0; i < args.num_ops; ++i) {
         const DirectOp& op = args.ops[i];
         if (op.kind == DIRECT_SIGNAL) {
@@ -581,10 +596,11 @@ static __device__ __forceinline__ void direct_body(const DirectArgs& args) {
             share(op.kind == DIRECT_COPY ? op.c : op.c * sizeof(typename D::T), start, stop);
             if (start < stop) {
                 if (op.kind == DIRECT_COPY)
-                    direct_copy(reinterpret_cast<char*>(op.a) + start,
-                                reinterpret_cast<const char*>(op.b) + start, stop - start);
+                    direct_copy(reinterpret_cast<char*>(op.a + odd * op.sa) + start,
+                                reinterpret_cast<const char*>(op.b + odd * op.sb) + start,
+                                stop - start);
                 else
-                    direct_reduce<D, OP>(args, op, start, stop);
+                    direct_reduce<D, OP>(args, op, start, stop, odd);
             }
         }
     }

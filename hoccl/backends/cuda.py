@@ -164,7 +164,13 @@ class _CopyArgs(ctypes.Structure):
 class _DirectOp(ctypes.Structure):
     """Mirror of ``DirectOp`` in ``_kernels``."""
     _fields_ = [("a", ctypes.c_uint64), ("b", ctypes.c_uint64), ("c", ctypes.c_uint64),
+                ("sa", ctypes.c_uint64), ("sb", ctypes.c_uint64),
                 ("kind", ctypes.c_uint32), ("n", ctypes.c_uint32)]
+
+
+class _DirectInput(ctypes.Structure):
+    """Mirror of ``DirectInput`` in ``_kernels``."""
+    _fields_ = [("address", ctypes.c_uint64), ("shift", ctypes.c_uint64)]
 
 
 class _DirectArgs(ctypes.Structure):
@@ -176,7 +182,7 @@ class _DirectArgs(ctypes.Structure):
                 ("unused", ctypes.c_uint32),
                 ("scale", ctypes.c_double),
                 ("ops", _DirectOp * _kernels.DIRECT_OPS),
-                ("inputs", ctypes.c_uint64 * _kernels.DIRECT_INPUTS)]
+                ("inputs", _DirectInput * _kernels.DIRECT_INPUTS)]
 
 
 def _pack_direct(program: DirectProgram) -> Tuple[_DirectArgs, Any]:
@@ -189,25 +195,27 @@ def _pack_direct(program: DirectProgram) -> Tuple[_DirectArgs, Any]:
     args.counter = int(program.counter)
     args.num_ops = len(ops)
     divisor = 1
-    inputs: List[int] = []
+    inputs: List[Tuple[int, int]] = []
     for index, op in enumerate(ops):
         entry = args.ops[index]
         entry.kind = op[0]
         if op[0] in (DIRECT_SIGNAL, DIRECT_WAIT):
             entry.a, entry.c = int(op[1]), op[2]
         elif op[0] == DIRECT_COPY:
-            entry.a, entry.b, entry.c = int(op[1]), int(op[2]), op[3]
+            entry.a, entry.b, entry.c, entry.sa, entry.sb = (int(op[1]), int(op[2]), op[3],
+                                                             op[4], op[5])
         else:
             assert op[0] == DIRECT_REDUCE
-            entry.a, entry.b, entry.c, entry.n = int(op[1]), len(inputs), op[3], len(op[2])
-            inputs.extend(int(address) for address in op[2])
+            entry.a, entry.b, entry.c, entry.n, entry.sa = (int(op[1]), len(inputs), op[3],
+                                                            len(op[2]), op[4])
+            inputs.extend((int(address), shift) for address, shift in op[2])
             divisor = len(op[2])
     if len(inputs) > _kernels.DIRECT_INPUTS:
         raise InvalidArgumentError(f"direct: a direct kernel reads at most "
                                    f"{_kernels.DIRECT_INPUTS} inputs, the plan has "
                                    f"{len(inputs)}; lower kernel_bytes")
-    for index, address in enumerate(inputs):
-        args.inputs[index] = address
+    for index, (address, shift) in enumerate(inputs):
+        args.inputs[index].address, args.inputs[index].shift = address, shift
     args.divisor = divisor
     args.scaled = program.scale is not None
     args.scale = 1.0 if program.scale is None else program.scale

@@ -339,6 +339,7 @@ class HostDevice(Device):
             if epoch >= 1 << 46:  # aborted
                 return
             base = epoch << DIRECT_VALUE_BITS
+            odd = epoch & 1  # the rings' half this call uses
             for op in program.ops:
                 kind = op[0]
                 if kind == DIRECT_SIGNAL:
@@ -354,19 +355,22 @@ class HostDevice(Device):
                     if any(_read_u64(op[1] + 8 * block) >= 1 << 62 for block in range(blocks)):
                         return  # released by an abort: nothing more moves
                 elif kind == DIRECT_COPY:
-                    _, dst, src, nbytes = op
+                    _, dst, src, nbytes, dst_shift, src_shift = op
+                    dst, src = dst + odd * dst_shift, src + odd * src_shift
                     for block in range(blocks):
                         start, stop = block_range(nbytes, blocks, block)
                         _move(dst + start, src + start, stop - start)
                 else:
                     assert kind == DIRECT_REDUCE
-                    _, output, inputs, count = op
+                    _, output, inputs, count, out_shift = op
+                    output = output + odd * out_shift
+                    addresses = [address + odd * shift for address, shift in inputs]
                     for block in range(blocks):
                         start, stop = block_range(count * itemsize, blocks, block)
                         if start == stop:
                             continue
                         views = [read(address + start, stop - start).view(np_dtype)
-                                 for address in inputs]
+                                 for address in addresses]
                         result = reduce_arrays(views, program.op, np_dtype, None, program.scale)
                         _move(output + start, result.ctypes.data, stop - start)
             if _read_u64(counter) == epoch:  # not over an abort value

@@ -26,7 +26,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from ..backends._base import (DIRECT_COPY, DIRECT_REDUCE, DIRECT_SIGNAL, DIRECT_WAIT,
                               DirectProgram, MemOp, SmCaps)
-from ..sched.plan import After, Copy, Mark, Plan, Reduce, Signal, Wait
+from ..sched.plan import RING, After, Copy, Mark, Plan, Reduce, Signal, Wait
 
 __all__ = ["Executor", "compile_program"]
 
@@ -178,11 +178,16 @@ class Executor:
     def _direct(self, plan: Plan, program: Tuple[tuple, ...],
                 addresses: Dict[Tuple[int, str], Any]) -> DirectProgram:
         """``program`` (a direct-kernel plan's, every step on lane 0) as one DirectProgram.
-        Its values need no base and no graph slots: the kernel adds its own epoch."""
+        Its values need no base and no graph slots: the kernel adds its own epoch.  An
+        address in a ring (``plan.RING``: ``addresses`` holds its base and the size of a
+        half) carries that size as its shift, which the kernel adds in odd epochs."""
         pad = self.pad
 
-        def at(ref):
-            return addresses[(ref[0], ref[1])] + ref[2]
+        def at(ref) -> Tuple[Any, int]:
+            if ref[1] == RING:
+                base, half = addresses[(ref[0], ref[1])]
+                return base + ref[2], half
+            return addresses[(ref[0], ref[1])] + ref[2], 0
 
         ops: List[tuple] = []
         dtype, op, scale = "uint8", "sum", None
@@ -194,10 +199,15 @@ class Executor:
                 slot, value = arg
                 ops.append((DIRECT_WAIT, pad.kernel_local(slot), value))
             elif kind == _COPY or kind == _LOCAL_COPY:
-                ops.extend((DIRECT_COPY, at(dst), at(src), nbytes) for dst, src, nbytes in arg)
+                for dst, src, nbytes in arg:
+                    (dst_address, dst_shift), (src_address, src_shift) = at(dst), at(src)
+                    ops.append((DIRECT_COPY, dst_address, src_address, nbytes, dst_shift,
+                                src_shift))
             elif kind == _REDUCE:
                 inputs, output, count, dtype, op, scale = arg
-                ops.append((DIRECT_REDUCE, at(output), tuple(at(ref) for ref in inputs), count))
+                out_address, out_shift = at(output)
+                ops.append((DIRECT_REDUCE, out_address, tuple(at(ref) for ref in inputs), count,
+                            out_shift))
             else:
                 raise ValueError(f"bind: a direct-kernel plan has no {kind} steps")
         return DirectProgram(plan.kernel_blocks, pad.kernel_counter, tuple(ops), dtype, op, scale)

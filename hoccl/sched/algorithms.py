@@ -16,14 +16,14 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 from .._errors import InvalidArgumentError
-from .plan import (CHANNELS, DONE, GATHERED, PAIR_DONE, PAIR_READY, READY, After, BufferSpec,
-                   BufRef, Copy, Mark, Plan, Reduce, Signal, Step, Wait)
+from .plan import (CHANNELS, DONE, GATHERED, PAIR_DONE, PAIR_READY, READY, RING, After,
+                   BufferSpec, BufRef, Copy, Mark, Plan, Reduce, Signal, Step, Wait)
 
 __all__ = ["Shape", "Options", "build_plan", "COLLECTIVES", "KERNEL_COLLECTIVES",
-           "KERNEL_MAX_BLOCKS", "split", "kernel_bytes_of"]
+           "KERNEL_MAX_BLOCKS", "KERNEL_MAX_RANKS", "split", "kernel_bytes_of"]
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast",
                "reduce", "gather", "scatter", "sendrecv", "barrier")
@@ -32,6 +32,9 @@ SELF_ROUTES = ("peer", "local")
 KERNEL_COLLECTIVES = ("all_gather", "all_to_all", "broadcast", "reduce_scatter", "all_reduce")
 #: most blocks (SMs) a direct kernel takes: each has a signal slot of its own per channel
 KERNEL_MAX_BLOCKS = 32
+#: the largest world a direct kernel serves (one NVLink domain; its steps, about four per
+#: peer, travel in the kernel's arguments)
+KERNEL_MAX_RANKS = 8
 #: bytes of the largest buffer per block of a direct kernel, before ``kernel_sms`` caps it
 KERNEL_BLOCK_BYTES = 32 << 10
 
@@ -83,10 +86,11 @@ class Options:
     all_reduces keep their push.
 
     ``kernel_bytes``: an all_gather, all_to_all, broadcast, reduce_scatter or all_reduce
-    whose largest buffer is at most this many bytes runs as one *direct kernel* per rank
-    (``_direct``): it signals its peers, reads their buffers where they lie (over NVLink)
-    into its own output, summing where the collective reduces, and signals again, on
-    at most ``kernel_sms`` SMs and with no copy-engine step at all.  Small messages are
+    of at most ``KERNEL_MAX_RANKS`` ranks whose largest buffer is at most this many bytes
+    runs as one *direct kernel* per rank (``_direct``): it stores what each peer needs into
+    the peer's staging ring (over NVLink), signals it, waits for its own ring to be
+    filled, and copies or sums from it into its output, on at most ``kernel_sms`` SMs and
+    with no copy-engine step at all.  Small messages are
     bound by latency, not bandwidth, and one kernel launch (one graph node) is what a
     copy engine's start-up and a chain of stream memory operations cannot match; 0 (the
     default) turns it off.
@@ -540,59 +544,74 @@ def kernel_bytes_of(shape: Shape) -> int:
 def _direct(b: _Builder) -> Plan:
     """One direct kernel per rank, every step on lane 0 (``Options.kernel_bytes``).
 
-    Each rank signals READY to the peers that will touch its memory, waits for READY
-    from the peers whose memory it will touch, moves data, signals DONE to those, and
-    waits for DONE from the former.  Data goes where it is needed by whoever holds it:
-    all_gather, all_to_all and broadcast store their blocks into the peers' outputs
-    (over NVLink from the kernel's SMs); all_reduce stores its input into every peer's
-    scratch and each rank sums its own (after the DONEs), in rank order on every rank so
-    that all of them round alike; reduce_scatter reads the peers' blocks where they lie
-    (a peer's input is ``send`` in both of its forms).  A rank names a peer's buffer
-    only by a name that is the same in the peer's in-place and out-of-place forms, so
-    ranks that differ in form still agree.
+    Each rank stores what its peers need into their ``RING`` (the kernel's SMs write
+    over NVLink; no READY first: the ring is double-buffered, see ``plan.RING``),
+    signals DONE to them, waits for DONE from the ranks that store into its own ring,
+    then finishes locally: copies its ring into its output (all_gather, all_to_all,
+    broadcast) or sums its input and its ring in rank order, so that every rank rounds
+    alike (reduce_scatter, all_reduce).  One one-way signal per peer, where a handshake
+    into the peers' own buffers would take two.  A broadcast's root, which hears from
+    nobody else, waits for a second DONE from each receiver, sent once it has read its
+    ring: no rank is ever two calls ahead of a rank it stores into.  A rank names only
+    its peers' rings, so ranks that differ in form (in place or not) agree.
 
     The kernel runs this program in every one of its ``kernel_blocks`` blocks, each on
     its share of every data step (``block_range``), each signalling a slot of its own;
     a wait waits for every block of the peer.  That is this plan's order exactly, so
-    ``verify`` and ``simulate`` speak for the kernel."""
+    ``verify`` and ``simulate`` speak for the kernel (all but the ring's parity, which
+    spans calls)."""
     s, n = b.shape, b.n
     nb = s.count * s.itemsize
     kind, root = s.collective, s.root
+
+    def slot(sender: int, receiver: int) -> int:
+        """Where ``sender``'s block lies in ``receiver``'s ring."""
+        return ((sender - receiver - 1) % n) * nb
+
     for r in range(n):
         peers = _peers(r, n)
-        ready_to: Sequence[int] = peers    # ranks that touch r's memory
-        ready_from: Sequence[int] = peers  # ranks whose memory r touches
-        data: List[Step] = []              # before r's DONE signals
-        after: List[Step] = []             # after its DONE waits (what peers wrote)
+        pushes: List[Copy] = []   # into the peers' rings, before the DONE signals
+        finish: List[Union[Copy, Reduce]] = []  # from the own ring, after the DONE waits
+        targets: Sequence[int] = peers   # ranks whose ring r stores into
+        sources: Sequence[int] = peers   # ranks that store into r's ring
+        ring = (n - 1) * nb
         if kind == "all_gather":
             if s.in_place:
                 b.buffer(r, "recv", n * nb, inputs=[(r * nb, (r + 1) * nb)],
                          outputs=[(p * nb, (p + 1) * nb) for p in range(n) if p != r])
-                src = BufRef(r, "recv", r * nb)
+                own = BufRef(r, "recv", r * nb)
             else:
                 b.buffer(r, "send", nb, inputs=[(0, nb)])
                 b.buffer(r, "recv", n * nb, outputs=[(0, n * nb)])
-                src = BufRef(r, "send", 0)
-            data = [Copy(0, src, BufRef(p, "recv", r * nb), nb) for p in peers + [r]]
+                own = BufRef(r, "send", 0)
+            pushes = [Copy(0, own, BufRef(p, RING, slot(r, p)), nb) for p in peers]
+            finish = [Copy(0, BufRef(r, RING, slot(q, r)), BufRef(r, "recv", q * nb), nb)
+                      for q in peers]
+            finish.append(Copy(0, own, BufRef(r, "recv", r * nb), nb))
         elif kind == "all_to_all":
             b.buffer(r, "send", n * nb, inputs=[(0, n * nb)])
             b.buffer(r, "recv", n * nb, outputs=[(0, n * nb)])
-            data = [Copy(0, BufRef(r, "send", p * nb), BufRef(p, "recv", r * nb), nb)
-                    for p in peers + [r]]
+            pushes = [Copy(0, BufRef(r, "send", p * nb), BufRef(p, RING, slot(r, p)), nb)
+                      for p in peers]
+            finish = [Copy(0, BufRef(r, RING, slot(q, r)), BufRef(r, "recv", q * nb), nb)
+                      for q in peers]
+            finish.append(Copy(0, BufRef(r, "send", r * nb), BufRef(r, "recv", r * nb), nb))
         elif kind == "broadcast":
             if r == root:
                 if s.in_place:
                     b.buffer(r, "recv", nb, inputs=[(0, nb)])
-                    src = BufRef(r, "recv", 0)
+                    own = BufRef(r, "recv", 0)
                 else:
                     b.buffer(r, "send", nb, inputs=[(0, nb)])
                     b.buffer(r, "recv", nb, outputs=[(0, nb)])
-                    src = BufRef(r, "send", 0)
-                data = [Copy(0, src, BufRef(p, "recv", 0), nb) for p in peers + [r]]
-                ready_to = ()
+                    own = BufRef(r, "send", 0)
+                pushes = [Copy(0, own, BufRef(p, RING, 0), nb) for p in peers]
+                finish = [Copy(0, own, BufRef(r, "recv", 0), nb)]
+                sources, ring = (), 0
             else:
                 b.buffer(r, "recv", nb, outputs=[(0, nb)])
-                ready_to, ready_from = (root,), ()
+                finish = [Copy(0, BufRef(r, RING, 0), BufRef(r, "recv", 0), nb)]
+                targets, sources, ring = (), (root,), nb
         elif kind == "reduce_scatter":
             total = n * nb
             if s.in_place:
@@ -602,9 +621,12 @@ def _direct(b: _Builder) -> Plan:
                 b.buffer(r, "send", total, inputs=[(0, total)])
                 b.buffer(r, "recv", nb, outputs=[(0, nb)])
                 out = BufRef(r, "recv", 0)
+            pushes = [Copy(0, BufRef(r, "send", p * nb), BufRef(p, RING, slot(r, p)), nb)
+                      for p in peers]
             if s.count:
-                data = [Reduce(0, tuple(BufRef(q, "send", r * nb) for q in range(n)), out,
-                               s.count, s.dtype, s.op, s.scale)]
+                finish = [Reduce(0, tuple(BufRef(r, "send", r * nb) if q == r else
+                                          BufRef(r, RING, slot(q, r)) for q in range(n)),
+                                 out, s.count, s.dtype, s.op, s.scale)]
         else:  # all_reduce
             if s.in_place:
                 b.buffer(r, "recv", nb, inputs=[(0, nb)], outputs=[(0, nb)])
@@ -613,25 +635,25 @@ def _direct(b: _Builder) -> Plan:
                 b.buffer(r, "send", nb, inputs=[(0, nb)])
                 b.buffer(r, "recv", nb, outputs=[(0, nb)])
                 own = BufRef(r, "send", 0)
-            b.buffer(r, "scratch", (n - 1) * nb)
-            # rank q's input lands in slot (q - r - 1) % n of r's scratch
-            data = [Copy(0, own, BufRef(p, "scratch", ((r - p - 1) % n) * nb), nb) for p in peers]
+            pushes = [Copy(0, own, BufRef(p, RING, slot(r, p)), nb) for p in peers]
             if s.count:
-                after = [Reduce(0, tuple(own if q == r else
-                                         BufRef(r, "scratch", ((q - r - 1) % n) * nb)
-                                         for q in range(n)),
-                                BufRef(r, "recv", 0), s.count, s.dtype, s.op, s.scale)]
-        for p in ready_to:
-            b.signal(r, 0, p, READY, 1)
-        for p in ready_from:
-            b.wait(r, 0, p, READY, 1)
-        b.programs[r].extend(step for step in data
-                             if not isinstance(step, Copy) or (step.nbytes and step.src != step.dst))
-        for p in ready_from:
+                finish = [Reduce(0, tuple(own if q == r else BufRef(r, RING, slot(q, r))
+                                          for q in range(n)),
+                                 BufRef(r, "recv", 0), s.count, s.dtype, s.op, s.scale)]
+        b.buffer(r, RING, ring)
+        b.programs[r].extend(step for step in pushes if step.nbytes)
+        for p in targets:
             b.signal(r, 0, p, DONE, 1)
-        for p in ready_to:
+        for p in sources:
             b.wait(r, 0, p, DONE, 1)
-        b.programs[r].extend(after)
+        b.programs[r].extend(step for step in finish
+                             if not isinstance(step, Copy) or (step.nbytes and step.src != step.dst))
+        if kind == "broadcast" and n > 1:  # the root hears that its receivers read their rings
+            if r == root:
+                for p in peers:
+                    b.wait(r, 0, p, GATHERED, 1)
+            else:
+                b.signal(r, 0, root, GATHERED, 1)
     plan = b.plan()
     blocks = max(1, min(b.options.kernel_sms, KERNEL_MAX_BLOCKS,
                         -(-kernel_bytes_of(s) // KERNEL_BLOCK_BYTES)))
@@ -657,7 +679,7 @@ def build_plan(shape: Shape, options: Options = Options()) -> Plan:
                          f"got {options.self_route!r}")
     if shape.world_size < 1:
         raise ValueError(f"build_plan: world_size must be >= 1, got {shape.world_size}")
-    if (shape.collective in KERNEL_COLLECTIVES and shape.world_size > 1
+    if (shape.collective in KERNEL_COLLECTIVES and 1 < shape.world_size <= KERNEL_MAX_RANKS
             and kernel_bytes_of(shape) <= options.kernel_bytes):
         return _direct(_Builder(shape, options))
     return _ALGORITHMS[shape.collective](_Builder(shape, options))

@@ -28,7 +28,7 @@ from typing import Optional, Tuple, Union
 
 __all__ = ["BufRef", "Copy", "Signal", "Wait", "Reduce", "Mark", "After", "Step",
            "BufferSpec", "Plan", "READY", "DONE", "GATHERED", "PAIR_READY", "PAIR_DONE",
-           "CHANNELS", "CHANNEL_NAMES", "OPS"]
+           "CHANNELS", "CHANNEL_NAMES", "OPS", "RING"]
 
 # Signal channels: a pad slot is ``sender * CHANNELS + channel`` in the receiver's pad, so
 # every slot has exactly one writer (one rank, one lane) and its values only grow.
@@ -39,6 +39,14 @@ PAIR_READY = 3  # send/recv: the receiver's buffer is free (own per-pair sequenc
 PAIR_DONE = 4   # send/recv: the sender's copy has landed
 CHANNELS = 5
 CHANNEL_NAMES = ("READY", "DONE", "GATHERED", "PAIR_READY", "PAIR_DONE")
+
+#: A direct kernel's staging buffer (``algorithms._direct``): its peers store into it
+#: without waiting for its READY.  It has two halves, and each call uses the half of its
+#: direct-kernel epoch's parity (the executor adds the offset on the device), so a peer
+#: that is one call ahead writes the other half; no peer can be two calls ahead, because
+#: every rank waits in every call for a signal from each rank it stores into.  ``verify``
+#: exempts it from the READY rule (that argument spans calls); every other rule holds.
+RING = "ring"
 
 #: The reduction operators a ``Reduce`` step may name, which every backend computes:
 #: "avg" is the sum divided by the number of inputs.  The one list of them in hoccl.

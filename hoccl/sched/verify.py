@@ -34,7 +34,8 @@ On that order ``verify`` checks, per ``(rank, buffer)`` with interval sweeps:
   or written by a write that happens before the read (the race rule makes that
   write the unique last one);
 * fences: an access by rank ``r`` to rank ``q``'s memory (``q != r``) happens after
-  ``ENTRY(q)`` through some step of ``q`` (``q``'s READY: its buffer is free) and
+  ``ENTRY(q)`` through some step of ``q`` (``q``'s READY: its buffer is free; not for a
+  direct kernel's double-buffered ``RING``, see ``plan.RING``) and
   before ``EXIT(q)`` (``q`` waited for the DONE: the caller may reuse the buffer).
 
 Cost: building and closing the graph is O(V + E) big-int operations on bitsets of
@@ -48,8 +49,8 @@ from typing import Dict, List, NoReturn, Optional, Sequence, Tuple
 
 from .._dtypes import ITEMSIZE
 from .._errors import PlanError
-from .plan import (CHANNEL_NAMES, CHANNELS, OPS, After, BufferSpec, BufRef, Copy, Mark, Plan,
-                   Reduce, Signal, Wait)
+from .plan import (CHANNEL_NAMES, CHANNELS, OPS, RING, After, BufferSpec, BufRef, Copy, Mark,
+                   Plan, Reduce, Signal, Wait)
 
 __all__ = ["verify"]
 
@@ -379,7 +380,7 @@ class _Verifier:
         owner = ref.rank
         if owner == self.node_rank[node]:
             return
-        if not self.ancestors[node] & self.bit[self.entry[owner]]:
+        if ref.buffer != RING and not self.ancestors[node] & self.bit[self.entry[owner]]:
             self.fail(f"touches rank {owner}'s {ref.buffer!r} but no step of rank {owner} "
                       f"happens before it: it may run before rank {owner}'s caller reached the "
                       f"collective (a READY wait is missing)", node)
