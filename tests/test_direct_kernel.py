@@ -5,6 +5,7 @@ block's share of every data step, and an epoch kept in the rank's pad.
 The plans themselves are verified and simulated in test_sched_plans.py; the MPI tier
 (test_mpi.py) runs them across processes, captured, and through failures."""
 
+import threading
 import time
 
 import numpy as np
@@ -147,21 +148,33 @@ def test_a_kernel_waiting_for_a_peer_times_out_naming_the_missing_signal():
 
 
 @pytest.mark.parametrize("collective", ["all_reduce", "all_gather", "broadcast"])
-def test_back_to_back_calls_with_one_rank_running_ahead(collective):
-    """Calls without a synchronize between them, rank 1's stream delayed before each: rank
-    0 runs up to one call ahead and stores into rank 1's ring while rank 1 still reads the
-    other half (the epoch's parity); every output exact."""
+def test_back_to_back_calls_with_one_rank_running_ahead(monkeypatch, collective):
+    """Calls without a synchronize between them; rank 1 reads its ring slowly (its lane's
+    reads out of the ring sleep first), so rank 0 runs a call ahead and stores into rank
+    1's ring while rank 1 still reads the other half (the epoch's parity: with one half
+    only, the all_reduce and all_gather cases fail; a broadcast's root waits for its
+    receivers anyway); every output exact."""
+    import hoccl.backends.host as host
     comms = hoccl.init_local(2, backend="host", kernel_bytes=1 << 20, kernel_sms=2)
+    comms[1].device_handle.default_stream  # noqa: B018 - made before its lane is found
+    slow = set()
+
+    def slowed(function):
+        def wrapper(*args, **kwargs):
+            if threading.current_thread() in slow:
+                time.sleep(0.003)
+            return function(*args, **kwargs)
+        return wrapper
+    monkeypatch.setattr(host, "reduce_arrays", slowed(host.reduce_arrays))
+    monkeypatch.setattr(host, "block_range", slowed(host.block_range))
     rng = np.random.default_rng(11)
-    lagging = comms[1].device_handle.default_stream
-    count, calls = 300, 40
+    count, calls = 300, 12
     try:
         sends = [[rng.integers(-50, 50, count).astype(np.float32) for _ in range(2)]
                  for _ in range(calls)]
         recvs = [[np.full(2 * count if collective == "all_gather" else count, -7, np.float32)
                   for _ in range(2)] for _ in range(calls)]
         for call in range(calls):
-            lagging.enqueue(lambda: time.sleep(0.002))
             for rank, comm in enumerate(comms):
                 send, recv = sends[call][rank], recvs[call][rank]
                 if collective == "all_reduce":
@@ -170,6 +183,8 @@ def test_back_to_back_calls_with_one_rank_running_ahead(collective):
                     comm.all_gather(send, recv)
                 else:
                     comm.broadcast(send, recv, 0)
+            if call == 0:  # rank 1's lane exists now
+                slow.add(comms[1]._engine.streams.lanes[0]._thread)
         for comm in comms:
             comm.synchronize()
         for call in range(calls):

@@ -96,8 +96,8 @@ def check_repeated_calls(comm, seed):
         comm.synchronize()
         assert_exact(f"repeated all_gather round {round_}: rank {rank}", np.concatenate(data),
                      arrays.to_numpy(full, "float32"))
-    if n == 1:
-        return
+    if n == 1 or comm.options.kernel_bytes >= n * count * 4:
+        return  # a direct kernel's peers touch only hoccl's ring, never this buffer
     engine = comm._engine
     prepare = engine.prepare
 
