@@ -427,8 +427,8 @@ class Engine:
             where = ((WINDOW, found[0].index, found[1]) if found is not None
                      else self.device.export(local[buffer_name]))
             shared[buffer_name] = PeerBuffer(where, sizes[buffer_name])
-        if not windows:
-            return shared, None
+        if not windows and not template.plan.kernel_blocks:  # a direct kernel's peers touch
+            return shared, None                                # only the rings
         layout = (id(template.plan), tuple(local.values()), self.layout_epoch)
         entry = self._fast.get(layout)
         if entry is None or entry[0] is not template.plan:

@@ -203,6 +203,8 @@ def main():
             label += f" pull_bytes={args.pull_bytes}"
         if args.kernel_bytes:
             label += f" kernel_bytes={args.kernel_bytes}"
+            if not args.registered:  # a direct kernel's peers touch only the rings
+                label += f" ({fast} calls or more on each rank without an exchange)"
         if fault is not None:
             label += f" fault={fault}"
             for collective, results in outcomes.items():
