@@ -444,9 +444,11 @@ class Engine:
 
         A peer's buffer of a name that this rank holds in a window is taken to be at the
         same offset of the peer's window of the same index (the registered call is
-        symmetric), bounded by what the peer registered; a peer's scratch is the one it
-        last described, if that is large enough for this plan.  The peers' descriptions,
-        which still come, are checked against this later (``ProcessGroup``)."""
+        symmetric), bounded by what the peer registered; a peer's scratch (or a direct
+        kernel's ring, ``plan.RING``: the only buffer of a peer a direct kernel touches,
+        so its calls need no window) is the one it last described, if that is large
+        enough for this plan.  The peers' descriptions, which still come, are checked
+        against this later (``ProcessGroup``)."""
         if plan.collective not in SYMMETRIC:
             return None
         peers: Dict[int, Dict[str, PeerBuffer]] = {}
