@@ -197,3 +197,25 @@ def test_back_to_back_calls_with_one_rank_running_ahead(monkeypatch, collective)
     finally:
         for comm in comms:
             comm.close()
+
+
+def test_verify_rejects_a_ring_writer_that_never_hears_from_the_rings_owner():
+    """A broadcast's root stores into the receivers' rings and would otherwise hear from
+    nobody: without its waits for their second signal it could run two calls ahead and
+    overwrite a half still being read; verify says so."""
+    from dataclasses import replace
+
+    from hoccl._errors import PlanError
+    from hoccl.sched import verify
+    from hoccl.sched.plan import GATHERED, CHANNELS, Wait
+    plan = build_plan(Shape("broadcast", 3, 5, "float32", 4, root=0),
+                      Options(kernel_bytes=1 << 20))
+    verify(plan)
+    root = [step for step in plan.programs[0]
+            if not (isinstance(step, Wait) and step.slot % CHANNELS == GATHERED)]
+    assert len(root) == len(plan.programs[0]) - 2
+    receivers = [tuple(step for step in program if step.__class__.__name__ != "Signal"
+                       or step.slot % CHANNELS != GATHERED) for program in plan.programs[1:]]
+    mutant = replace(plan, programs=(tuple(root), *receivers))
+    with pytest.raises(PlanError, match="hears from rank 1 nowhere in the call"):
+        verify(mutant)

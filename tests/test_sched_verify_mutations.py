@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from hoccl._errors import PlanError
 from hoccl.sched import (COLLECTIVES, After, BufferSpec, BufRef, Copy, Mark, Options, Plan,
                          Reduce, Shape, Signal, Wait, build_plan, simulate, verify)
-from hoccl.sched.plan import CHANNELS, DONE, GATHERED, PAIR_DONE, PAIR_READY, READY
+from hoccl.sched.plan import CHANNELS, DONE, GATHERED, PAIR_DONE, PAIR_READY, READY, RING
 from test_sched_plans import IN_PLACE_FORMS, REDUCING, ROOTED, Case, reference
 
 
@@ -148,9 +148,10 @@ def drop_copy(plan: Plan) -> Iterator[Plan]:
 
 
 def duplicate_output_copy(plan: Plan) -> Iterator[Plan]:
-    """A Copy into a caller's buffer issued twice (scratch may legally be rewritten)."""
+    """A Copy into a caller's buffer issued twice (scratch, and a direct kernel's ring,
+    may legally be rewritten)."""
     for rank, index, copy in _steps(plan, Copy):
-        if copy.dst.buffer != "scratch":
+        if copy.dst.buffer not in ("scratch", RING):
             yield _inserting(plan, rank, index + 1, copy)
 
 
@@ -175,6 +176,11 @@ def signal_before_copy(plan: Plan) -> Iterator[Plan]:
         program = plan.programs[rank]
         before = _lane_predecessor(program, index)
         if before is None or not isinstance(program[before], Copy):
+            continue
+        if plan.kernel_blocks and program[before].dst.rank != signal.peer:
+            # a direct kernel signals after all of its stores: moving a signal before a
+            # store into another rank's ring, or before a receiver's read of its own ring
+            # (a broadcast's second signal only has to come in the same call), is harmless
             continue
         last = signal.value == max(_signalled(plan, signal.peer, signal.slot))
         if last or (plan.collective in REDUCING and signal.slot % CHANNELS == DONE):
@@ -214,6 +220,13 @@ PLAN_CONFIGS = [
     for collective in ("all_reduce", "reduce_scatter", "reduce")
     for world_size in (2, 3, 6)
     for in_place in (False, True)
+] + [
+    # direct kernels (Options.kernel_bytes): stores into the peers' rings, one DONE each
+    (collective, world_size, in_place, "kernel")
+    for collective in ("all_gather", "all_reduce", "reduce_scatter", "all_to_all", "broadcast")
+    for world_size in (2, 3, 6)
+    for in_place in (False, True)
+    if not (in_place and collective == "all_to_all")
 ]
 
 
@@ -223,6 +236,8 @@ def _plan(collective: str, world_size: int, in_place: bool, route: str) -> Plan:
                   peer=0, in_place=in_place)
     if route == "pull":
         return build_plan(shape, Options(chunk_bytes=8, pull_bytes=1 << 20))
+    if route == "kernel":
+        return build_plan(shape, Options(kernel_bytes=1 << 20))
     return build_plan(shape, Options(chunk_bytes=8, self_route=route))
 
 

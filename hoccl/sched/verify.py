@@ -35,7 +35,8 @@ On that order ``verify`` checks, per ``(rank, buffer)`` with interval sweeps:
   write the unique last one);
 * fences: an access by rank ``r`` to rank ``q``'s memory (``q != r``) happens after
   ``ENTRY(q)`` through some step of ``q`` (``q``'s READY: its buffer is free; not for a
-  direct kernel's double-buffered ``RING``, see ``plan.RING``) and
+  direct kernel's double-buffered ``RING``, see ``plan.RING``: there the writer must hear
+  from the ring's owner somewhere in the call instead) and
   before ``EXIT(q)`` (``q`` waited for the DONE: the caller may reuse the buffer).
 
 Cost: building and closing the graph is O(V + E) big-int operations on bitsets of
@@ -380,6 +381,11 @@ class _Verifier:
         owner = ref.rank
         if owner == self.node_rank[node]:
             return
+        if ref.buffer == RING and not (self.ancestors[self.exit[self.node_rank[node]]]
+                                       & self.bit[self.entry[owner]]):
+            self.fail(f"stores into rank {owner}'s ring but hears from rank {owner} nowhere in "
+                      f"the call: it could run two calls ahead and overwrite the half rank "
+                      f"{owner} still reads (see plan.RING)", node)
         if ref.buffer != RING and not self.ancestors[node] & self.bit[self.entry[owner]]:
             self.fail(f"touches rank {owner}'s {ref.buffer!r} but no step of rank {owner} "
                       f"happens before it: it may run before rank {owner}'s caller reached the "
