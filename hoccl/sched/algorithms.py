@@ -551,8 +551,8 @@ def _direct(b: _Builder) -> Plan:
     broadcast) or sums its input and its ring in rank order, so that every rank rounds
     alike (reduce_scatter, all_reduce).  One one-way signal per peer, where a handshake
     into the peers' own buffers would take two.  A broadcast's root, which hears from
-    nobody else, waits for a second DONE from each receiver, sent once it has read its
-    ring: no rank is ever two calls ahead of a rank it stores into.  A rank names only
+    nobody else, waits for a signal each receiver sends as its kernel starts: no rank is
+    ever two calls ahead of a rank it stores into.  A rank names only
     its peers' rings, so ranks that differ in form (in place or not) agree.
 
     The kernel runs this program in every one of its ``kernel_blocks`` blocks, each on
@@ -641,6 +641,10 @@ def _direct(b: _Builder) -> Plan:
                                           for q in range(n)),
                                  BufRef(r, "recv", 0), s.count, s.dtype, s.op, s.scale)]
         b.buffer(r, RING, ring)
+        if kind == "broadcast" and n > 1 and r != root:
+            # the root hears from each receiver once per call: at the receiver's start, so
+            # that the root never waits for a round trip (see plan.RING)
+            b.signal(r, 0, root, GATHERED, 1)
         b.programs[r].extend(step for step in pushes if step.nbytes)
         for p in targets:
             b.signal(r, 0, p, DONE, 1)
@@ -648,12 +652,9 @@ def _direct(b: _Builder) -> Plan:
             b.wait(r, 0, p, DONE, 1)
         b.programs[r].extend(step for step in finish
                              if not isinstance(step, Copy) or (step.nbytes and step.src != step.dst))
-        if kind == "broadcast" and n > 1:  # the root hears that its receivers read their rings
-            if r == root:
-                for p in peers:
-                    b.wait(r, 0, p, GATHERED, 1)
-            else:
-                b.signal(r, 0, root, GATHERED, 1)
+        if kind == "broadcast" and n > 1 and r == root:
+            for p in peers:
+                b.wait(r, 0, p, GATHERED, 1)
     plan = b.plan()
     blocks = max(1, min(b.options.kernel_sms, KERNEL_MAX_BLOCKS,
                         -(-kernel_bytes_of(s) // KERNEL_BLOCK_BYTES)))
