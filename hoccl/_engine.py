@@ -301,9 +301,9 @@ class Engine:
         self._peer_ring: Dict[int, PeerBuffer] = {}
         #: the direct kernels' double-buffered staging (``plan.RING``): (address, half);
         #: a ring is never freed before close (a peer one call ahead may store into it,
-        #: a graph may replay it), a larger one replaces it for later calls
+        #: a graph may replay it: the device frees it), a larger one replaces it for
+        #: later calls
         self._ring: Tuple[Any, int] = (None, 0)
-        self._rings: List[Any] = []
         self.layout_epoch = 0
         #: calls issued without asking the peers (``ProcessGroup.complete``)
         self.issued_fast = 0
@@ -782,7 +782,6 @@ class Engine:
         if half < nbytes:
             half = max(nbytes, 2 * half, 64 << 10)
             address = self.device.alloc(2 * half)
-            self._rings.append(address)
             self._ring = (address, half)
         return address, half
 

@@ -214,12 +214,12 @@ class Hoccl(Library):
     def sms_for(self, collective: str, nbytes: int = 0) -> str:
         """A call of ``nbytes`` (the largest buffer) that runs as a direct kernel says so,
         with its blocks (one per SM)."""
-        from ..sched.algorithms import KERNEL_BLOCK_BYTES, KERNEL_COLLECTIVES, KERNEL_MAX_BLOCKS
+        from ..sched.algorithms import KERNEL_COLLECTIVES, KERNEL_MAX_RANKS, kernel_blocks_for
         limit = self.settings.get("kernel_bytes", self.defaults["kernel_bytes"])
-        if collective in KERNEL_COLLECTIVES and 0 < nbytes <= limit:
+        if (collective in KERNEL_COLLECTIVES and 0 < nbytes <= limit
+                and self.ranks.world_size <= KERNEL_MAX_RANKS):
             cap = self.settings.get("kernel_sms", self.defaults["kernel_sms"])
-            blocks = max(1, min(cap, KERNEL_MAX_BLOCKS, -(-nbytes // KERNEL_BLOCK_BYTES)))
-            return f"direct kernel: {blocks} SMs (no copy engine)"
+            return f"direct kernel: {kernel_blocks_for(nbytes, cap)} SMs (no copy engine)"
         return self.sms
 
     def supports(self, collective: str, form: str) -> bool:

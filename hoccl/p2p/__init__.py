@@ -128,9 +128,8 @@ class Executor:
         self.pad = pad
         self.sms = sms  # the communicator's caps (its device may serve other communicators)
         #: per plan (by id, the plan kept so the id stays its): the marks its program
-        #: records and its direct kernel's (dtype, op), for ``reserve``
-        self._needs: Dict[int, Tuple[Plan, int, Optional[Tuple[str, str]]]] = {}
-        self._direct_ready: set = set()  # direct kernels prepared on the device
+        #: records, for ``reserve`` (which also has its direct kernel loaded, once)
+        self._needs: Dict[int, Tuple[Plan, int]] = {}
 
     def bind(self, plan: Plan, addresses: Dict[Tuple[int, str], Any],
              captured: bool = False) -> Tuple[tuple, ...]:
@@ -291,18 +290,16 @@ class Executor:
         for plan in plans:
             entry = self._needs.get(id(plan))
             if entry is None or entry[0] is not plan:
+                if plan.kernel_blocks:  # the device loads each kernel once
+                    self.device.prepare_direct(*direct_kind(plan))
                 entry = (plan, sum(1 for kind, _, _ in compile_program(plan, self.rank)
-                                   if kind == _MARK),
-                         direct_kind(plan) if plan.kernel_blocks else None)
+                                   if kind == _MARK))
                 if len(self._needs) >= 1024:
                     self._needs.clear()
                 self._needs[id(plan)] = entry
             widths[plan.pair] = max(widths.get(plan.pair, 0), plan.lanes)
             marks += entry[1]
             count += 1
-            if entry[2] is not None and entry[2] not in self._direct_ready:
-                self.device.prepare_direct(*entry[2])
-                self._direct_ready.add(entry[2])
         total = max(sum(widths.values()), 1)  # as ``_families`` counts them
         if captured:
             self.streams.ensure_capture_lanes(total)

@@ -23,7 +23,8 @@ from .plan import (CHANNELS, DONE, GATHERED, PAIR_DONE, PAIR_READY, READY, RING,
                    BufferSpec, BufRef, Copy, Mark, Plan, Reduce, Signal, Step, Wait)
 
 __all__ = ["Shape", "Options", "build_plan", "COLLECTIVES", "KERNEL_COLLECTIVES",
-           "KERNEL_MAX_BLOCKS", "KERNEL_MAX_RANKS", "split", "kernel_bytes_of"]
+           "KERNEL_MAX_BLOCKS", "KERNEL_MAX_RANKS", "split", "kernel_bytes_of",
+           "kernel_blocks_for"]
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast",
                "reduce", "gather", "scatter", "sendrecv", "barrier")
@@ -277,19 +278,24 @@ def _peers(rank: int, n: int) -> List[int]:
 
 
 # ---------------------------------------------------------------------------------------
+def _gather_buffers(b: _Builder, r: int) -> BufRef:
+    """Rank ``r``'s buffers of an all_gather, and where its own block lies: in place, its
+    block of ``recv``; out of place, ``send``."""
+    n, nb = b.n, b.shape.count * b.shape.itemsize
+    if b.shape.in_place:
+        b.buffer(r, "recv", n * nb, inputs=[(r * nb, (r + 1) * nb)],
+                 outputs=[(p * nb, (p + 1) * nb) for p in range(n) if p != r])
+        return BufRef(r, "recv", r * nb)
+    b.buffer(r, "send", nb, inputs=[(0, nb)])
+    b.buffer(r, "recv", n * nb, outputs=[(0, n * nb)])
+    return BufRef(r, "send", 0)
+
+
 def _all_gather(b: _Builder) -> Plan:
     s, n = b.shape, b.n
     nb = s.count * s.itemsize
     for r in range(n):
-        own_bytes = (r * nb, (r + 1) * nb)
-        if s.in_place:
-            b.buffer(r, "recv", n * nb, inputs=[own_bytes],
-                     outputs=[(p * nb, (p + 1) * nb) for p in range(n) if p != r])
-            src = BufRef(r, "recv", r * nb)
-        else:
-            b.buffer(r, "send", nb, inputs=[(0, nb)])
-            b.buffer(r, "recv", n * nb, outputs=[(0, n * nb)])
-            src = BufRef(r, "send", 0)
+        src = _gather_buffers(b, r)
         peers = _peers(r, n)
         b.ready_all(r, peers)
         own = BufRef(r, "recv", r * nb)
@@ -541,6 +547,12 @@ def kernel_bytes_of(shape: Shape) -> int:
     return nb
 
 
+def kernel_blocks_for(nbytes: int, kernel_sms: int) -> int:
+    """Blocks (SMs) of a direct kernel whose largest buffer is ``nbytes``: one per
+    ``KERNEL_BLOCK_BYTES``, at most ``kernel_sms``."""
+    return max(1, min(kernel_sms, KERNEL_MAX_BLOCKS, -(-nbytes // KERNEL_BLOCK_BYTES)))
+
+
 def _direct(b: _Builder) -> Plan:
     """One direct kernel per rank, every step on lane 0 (``Options.kernel_bytes``).
 
@@ -576,14 +588,7 @@ def _direct(b: _Builder) -> Plan:
         sources: Sequence[int] = peers   # ranks that store into r's ring
         ring = (n - 1) * nb
         if kind == "all_gather":
-            if s.in_place:
-                b.buffer(r, "recv", n * nb, inputs=[(r * nb, (r + 1) * nb)],
-                         outputs=[(p * nb, (p + 1) * nb) for p in range(n) if p != r])
-                own = BufRef(r, "recv", r * nb)
-            else:
-                b.buffer(r, "send", nb, inputs=[(0, nb)])
-                b.buffer(r, "recv", n * nb, outputs=[(0, n * nb)])
-                own = BufRef(r, "send", 0)
+            own = _gather_buffers(b, r)
             pushes = [Copy(0, own, BufRef(p, RING, slot(r, p)), nb) for p in peers]
             finish = [Copy(0, BufRef(r, RING, slot(q, r)), BufRef(r, "recv", q * nb), nb)
                       for q in peers]
@@ -656,8 +661,7 @@ def _direct(b: _Builder) -> Plan:
             for p in peers:
                 b.wait(r, 0, p, GATHERED, 1)
     plan = b.plan()
-    blocks = max(1, min(b.options.kernel_sms, KERNEL_MAX_BLOCKS,
-                        -(-kernel_bytes_of(s) // KERNEL_BLOCK_BYTES)))
+    blocks = kernel_blocks_for(kernel_bytes_of(s), b.options.kernel_sms)
     return dataclasses.replace(plan, lanes=1, options=plan.options + (("kernel_blocks", blocks),))
 
 
