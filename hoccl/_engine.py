@@ -226,6 +226,9 @@ class Call:
     fenced: bool = False
     #: captured into a CUDA graph (``Executor.issue`` with callers): not numbered, not in flight
     captured: bool = False
+    #: a direct kernel launched on the caller's stream itself (``Executor.issue_on_caller``):
+    #: no entry event, no fence; the kernel writes the completion value
+    on_caller: bool = False
     base: int = 0              # the signal base it was issued with
     entry: Any = None          # event marking the caller's position at call time
     issued_at: float = 0.0     # when its steps were enqueued (the watchdog's clock)
@@ -282,6 +285,13 @@ class Engine:
         self.streams = StreamManager(device, self.pad.completion, self.host_word.address)
         self.executor = Executor(rank, device, self.streams, self.pad, sms)
         self.calls = 0                  # completion value of the latest enqueued call
+        #: the latest completion value some caller streams are known to wait for, and
+        #: those streams (by ``_stream_key``): a direct kernel on one of them needs no wait
+        #: for the previous call (``_issue_on_caller``)
+        self._ordered: Tuple[int, set] = (0, set())
+        #: the value of the latest call run on its caller's stream that lane 0 has not been
+        #: ordered after yet: its next completion write waits for it first
+        self._lanes_after = 0
         self._collectives = 0           # collectives enqueued (the matching key)
         self._pair_calls: Dict[Tuple[int, ...], int] = {}
         self._signal_base = 0
@@ -304,6 +314,8 @@ class Engine:
         #: a graph may replay it: the device frees it), a larger one replaces it for
         #: later calls
         self._ring: Tuple[Any, int] = (None, 0)
+        #: the export descriptors of the scratch and the ring (``_own_export``)
+        self._exports: Dict[int, Any] = {}
         self.layout_epoch = 0
         #: calls issued without asking the peers (``ProcessGroup.complete``)
         self.issued_fast = 0
@@ -422,8 +434,11 @@ class Engine:
         windows = self.windows
         shared: Dict[str, PeerBuffer] = {}
         for buffer_name in template.shared:
-            found = (windows.find(local[buffer_name], sizes[buffer_name])
-                     if windows and buffer_name not in ("scratch", RING) else None)
+            if buffer_name in ("scratch", RING):  # this rank's own: exported once
+                where = self._own_export(local[buffer_name])
+                shared[buffer_name] = PeerBuffer(where, sizes[buffer_name])
+                continue
+            found = windows.find(local[buffer_name], sizes[buffer_name]) if windows else None
             where = ((WINDOW, found[0].index, found[1]) if found is not None
                      else self.device.export(local[buffer_name]))
             shared[buffer_name] = PeerBuffer(where, sizes[buffer_name])
@@ -437,6 +452,16 @@ class Engine:
                 self._fast.clear()
             self._fast[layout] = entry
         return shared, entry[1]
+
+    def _own_export(self, address: Any) -> Any:
+        """The export descriptor of this rank's scratch or ring at ``address``: made once
+        per allocation (forgotten when either is replaced, so that a later allocation at
+        the same address is exported afresh)."""
+        key = int(address)
+        where = self._exports.get(key)
+        if where is None:
+            where = self._exports[key] = self.device.export(address)
+        return where
 
     def _fast_peers(self, plan: Plan, local: Dict[str, Any], sizes: Dict[str, int]
                     ) -> Optional[Dict[int, Dict[str, PeerBuffer]]]:
@@ -543,8 +568,13 @@ class Engine:
         self._count(call)
         self.calls += 1
         call.value = self.calls
-        call.entry = self.streams.fence_in(call.caller, call.value, wait=fence)
-        call.fenced = fence
+        if call.on_caller:  # the kernel itself keeps the caller's place (``issue``)
+            call.fenced = True
+        else:
+            call.entry = self.streams.fence_in(call.caller, call.value, wait=fence)
+            call.fenced = fence
+            if fence:
+                self._note_ordered(call.value, (call.caller,))
         done = self.completed
         with self.lock:  # the watchdog reads the deque
             inflight = self.inflight
@@ -561,7 +591,8 @@ class Engine:
         with self.device.relaxed_capture():
             self.executor.reserve([call.plan], captured=True)
         self._count(call)
-        call.entry = self.streams.fence_in(call.caller, 0, wait=False)
+        if not call.on_caller:  # else the kernel is captured on the caller's stream itself
+            call.entry = self.streams.fence_in(call.caller, 0, wait=False)
         call.fenced = True
 
     def _count(self, call: Call) -> None:
@@ -579,8 +610,18 @@ class Engine:
         self.executor.reserve([held.plan for held in self.held()])  # see ``enqueue``
         for call in calls:
             call.fenced = True
-        for caller in _callers(calls):
+        callers = _callers(calls)
+        for caller in callers:
             self.streams.fence_out(caller, last)
+        self._note_ordered(last, callers)
+
+    def _note_ordered(self, value: int, callers: Sequence[Any]) -> None:
+        """``callers`` now wait for completion ``value`` before their later work."""
+        keys = {_stream_key(caller) for caller in callers}
+        if value > self._ordered[0]:
+            self._ordered = (value, keys)
+        elif value == self._ordered[0]:
+            self._ordered[1].update(keys)
 
     def issue(self, calls: Sequence[Call], imported: bool) -> None:
         """Enqueue the steps of ``calls`` (one, or one rank's calls of a ``hoccl.group()``,
@@ -602,6 +643,10 @@ class Engine:
             for call in calls:
                 self.release(call)
             raise
+        if calls[0].on_caller:
+            assert len(calls) == 1, "a call on its caller's stream is never in a group"
+            self._issue_on_caller(calls[0], programs[0])
+            return
         unfenced = [call for call in calls if not call.fenced]
         if unfenced:
             self.fence_callers(unfenced)
@@ -621,12 +666,30 @@ class Engine:
                           self.rank, plan.collective, call.value, base, plan.lanes,
                           len(plan.programs[self.rank]), plan.uses_sms(self.rank))
         now = time.monotonic()  # the device methods make their context current themselves
-        self.executor.issue(items, max(call.value for call in calls))
+        self.executor.issue(items, max(call.value for call in calls), after=self._lanes_after)
+        self._lanes_after = 0
         with self.lock:
             for call in calls:
                 call.issued_at = now
                 call.issued = True
                 self._unissued.pop(call.value, None)
+
+    def _issue_on_caller(self, call: Call, program: tuple) -> None:
+        """A direct kernel's eager call, launched on the caller's stream: the launch is
+        the whole call on the device.  Completion values must still be reached in call
+        order, so a caller's stream not yet known to wait for the previous call's value
+        waits for it first, and the lanes' next completion write waits for this call's."""
+        value, key = call.value, _stream_key(call.caller)
+        ordered, streams = self._ordered
+        after = value - 1 if value > 1 and not (ordered == value - 1 and key in streams) else 0
+        now = time.monotonic()
+        self.executor.issue_on_caller(program, call.caller, value, after)
+        self._ordered = (value, {key})
+        self._lanes_after = value
+        with self.lock:
+            call.issued_at = now
+            call.issued = True
+            self._unissued.pop(call.value, None)
 
     def _issue_captured(self, calls: Sequence[Call], imported: bool) -> None:
         """``issue`` for calls captured into a graph: graph slots that reset, no signal
@@ -642,6 +705,11 @@ class Engine:
             for call in calls:
                 self.release(call)
             raise
+        if calls[0].on_caller:  # one kernel node in the graph, writing no completion
+            assert len(calls) == 1, "a call on its caller's stream is never in a group"
+            self.executor.issue_on_caller(programs[0], calls[0].caller, 0, 0)
+            calls[0].issued = True
+            return
         self.executor.issue([(call.plan, program, 0, call.entry)
                              for call, program in zip(calls, programs)], 0,
                             callers=_callers(calls))
@@ -740,7 +808,9 @@ class Engine:
             return
         self.device.activate()
         self.streams.ensure_lanes(1)
-        self.device.memops(self.streams.lanes[0], self.streams.completion_writes(call.value))
+        self.device.memops(self.streams.lanes[0],
+                           self.streams.completion_writes(call.value, self._lanes_after))
+        self._lanes_after = 0
         with self.lock:
             call.issued_at = time.monotonic()
             call.issued = True
@@ -783,6 +853,7 @@ class Engine:
             half = max(nbytes, 2 * half, 64 << 10)
             address = self.device.alloc(2 * half)
             self._ring = (address, half)
+            self._exports.clear()
         return address, half
 
     def _scratch_of(self, nbytes: int) -> Any:
@@ -794,6 +865,7 @@ class Engine:
                 self._retired.append(address)  # earlier calls may still use it; freed on sync
             address = self.device.alloc(nbytes)
             self._scratch = (address, nbytes)
+            self._exports.clear()
         return address
 
     # -- teardown -------------------------------------------------------------------------
@@ -802,10 +874,19 @@ class Engine:
         within ``timeout`` s (then nothing queued will touch this rank's memory again)."""
         with self.lock:
             entries = [call.entry for call in self.inflight if call.entry is not None]
-        if not entries and not self.aborted:
+            # a kernel on its caller's stream has run once its completion value is written
+            last = max((call.value for call in self.inflight if call.on_caller), default=0)
+        if not entries and not last and not self.aborted:
             return True
+        deadline = time.monotonic() + timeout
+        delay = 0.0
+        while self.completed < last:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(delay)
+            delay = min(delay * 2 + 1e-5, 0.01)
         self.device.activate()
-        return self.streams.drained(entries, timeout)
+        return self.streams.drained(entries, max(0.0, deadline - time.monotonic()))
 
     def close_streams(self) -> None:
         self.device.activate()

@@ -542,8 +542,11 @@ class Communicator:
             raise InvalidArgumentError(f"{name}: a call captured into a CUDA graph cannot be "
                                        f"inside hoccl.group() yet")
         # across processes the call returns only once issued: its caller is fenced then,
-        # after the peers' buffers are mapped (``Engine.issue``); in one process the call
-        # is held until every rank made it, so its caller is fenced now
+        # after the peers' buffers are mapped (``Engine.issue``), or, a direct kernel's
+        # call, the kernel itself is launched on it; in one process the call is held until
+        # every rank made it, so its caller is fenced now
+        if held is None and self._group.exported and call.plan.kernel_blocks:
+            call.on_caller = True
         engine.enqueue(call, fence=held is None and not self._group.exported)
         self._health.start_watchdog()
         log.debug("rank %d %s %s key=%s", self.rank, name, shape, call.key)

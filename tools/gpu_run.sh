@@ -320,8 +320,17 @@ if [ "$what" = direct ]; then
   done
   # diverging registered calls abort: the memory the peers may still write is kept
   step registered-mpirun 120 $MPIRUN python3 tests/mpi/run_registered.py --backend cuda
-  step direct-profile 60 $MPIRUN python3 tools/profile_call.py --size 1M --registered \
-    --kernel-bytes 16M --iters 300
+  # the host's cost per call, timed in bursts (with two ranks on one GPU the device
+  # cannot keep up): a direct kernel on the caller's stream, then the copy engines
+  for collective in all_gather all_reduce; do
+    step "direct-profile-$collective" 60 $MPIRUN python3 tools/profile_call.py --size 1M \
+      --registered --kernel-bytes 16M --iters 1000 --burst 50 --collective $collective
+  done
+  step direct-profile-ce 60 $MPIRUN python3 tools/profile_call.py --size 1M --registered \
+    --iters 1000 --burst 50
+  [ "${DIRECT_BENCH:-1}" = 0 ] && what=none
+fi
+if [ "$what" = direct ]; then
   step direct-bench 250 $MPIRUN python3 -m hoccl.bench --sizes ${BENCH_SIZES:-8K,64K,256K,1M} \
     --forms in --collectives all_gather,all_reduce,reduce_scatter,broadcast \
     --libraries ${DIRECT_LIBRARIES:-hoccl-reg,hoccl-reg+kernel_bytes=16M} --graph \

@@ -77,6 +77,11 @@ class CallPathDevice(HostDevice):
     def reduce(self, stream, output, inputs, count, dtype, op):
         pass
 
+    def direct(self, stream, program, value=0):
+        if value:  # the kernel's end: the call's completion words
+            ctypes.c_uint64.from_address(int(program.completion)).value = value
+            ctypes.c_uint64.from_address(int(program.host_word)).value = value
+
 
 def in_place_call(comm, collective, nbytes, registered=False):
     """A function making one in-place call of ``collective`` (float32, ``nbytes`` in the
@@ -123,17 +128,21 @@ def main() -> None:
                         help="a host device whose streams do no work: the call path alone")
     parser.add_argument("--registered", action="store_true",
                         help="buffers registered with hoccl.empty: no descriptor exchange")
+    parser.add_argument("--kernel-bytes", default="0",
+                        help="Options.kernel_bytes: calls up to it run as direct kernels")
     args = parser.parse_args()
     nbytes = parse_size(args.size)
     if args.no_stream_work:
         # hoccl.init opens its device through this name
         hoccl.open_device = lambda backend, ordinal, **settings: CallPathDevice(**settings)
-    comm = hoccl.init(backend="host")
+    comm = hoccl.init(backend="host", kernel_bytes=parse_size(args.kernel_bytes))
     world = MPI.COMM_WORLD
     if comm.rank == 0:
         work = "no stream work" if args.no_stream_work else "streams on worker threads"
         if args.registered:
             work += ", registered buffers"
+        if comm.options.kernel_bytes:
+            work += f", kernel_bytes={args.kernel_bytes}"
         print(f"host backend ({work}), {comm.world_size} ranks, {args.size} in place, float32, "
               f"{args.iters} calls per round, {args.repeats} rounds", flush=True)
         print(f"{'collective':16s} {'median':>8s} {'min':>8s}   rounds (µs/call, slowest rank)")

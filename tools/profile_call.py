@@ -37,6 +37,10 @@ def main() -> None:
                         help="all_gather and all_reduce in place, reduce_scatter out of place")
     parser.add_argument("--kernel-bytes", default="0",
                         help="Options.kernel_bytes (calls up to it run as direct kernels)")
+    parser.add_argument("--burst", type=int, default=0,
+                        help="time the calls in bursts of this many, synchronizing between "
+                             "bursts (the synchronization not timed): the host's own cost "
+                             "when the device cannot keep up, as with two ranks on one GPU")
     parser.add_argument("--registered", action="store_true",
                         help="the buffer registered with hoccl.empty (no descriptor exchange)")
     args = parser.parse_args()
@@ -75,7 +79,19 @@ def main() -> None:
         comm.synchronize()
     barrier = (lambda: None) if args.local else __import__("mpi4py.MPI").MPI.COMM_WORLD.Barrier
     barrier()
-    host = per_call(run, args.iters) / len(comms)
+    if args.burst:
+        spent = 0.0
+        for _ in range(-(-args.iters // args.burst)):
+            start = time.perf_counter()
+            for _ in range(args.burst):
+                run()
+            spent += time.perf_counter() - start
+            for comm in comms:
+                comm.synchronize()
+            barrier()
+        host = spent / (-(-args.iters // args.burst) * args.burst) * 1e6 / len(comms)
+    else:
+        host = per_call(run, args.iters) / len(comms)
     for comm in comms:
         comm.synchronize()
     where = "one process" if args.local else f"rank {comms[0].rank}"
@@ -133,12 +149,15 @@ def main() -> None:
 
     barrier()
     profile = cProfile.Profile()
-    profile.enable()
-    for _ in range(args.iters):
-        run()
-    for comm in comms:
-        comm.synchronize()
-    profile.disable()
+    burst = args.burst or args.iters
+    for _ in range(-(-args.iters // burst)):
+        profile.enable()
+        for _ in range(burst):
+            run()
+        profile.disable()
+        for comm in comms:
+            comm.synchronize()
+        barrier()
     if comms[0].rank == 0:
         text = io.StringIO()
         pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(25)

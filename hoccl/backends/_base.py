@@ -86,6 +86,8 @@ class DirectProgram:
     output_shift)`` (``dtype``, ``op``, ``scale``; avg divides by the number of inputs).
     An address with a nonzero shift lies in a double-buffered ring (``plan.RING``): in a
     kernel of odd epoch it means ``address + shift`` (the ring's second half).
+    ``completion`` and ``host_word``: the rank's completion words, which a launch with a
+    value writes when the kernel ends (``Device.direct``).
     ``packed`` is the backend's encoding, made once."""
     blocks: int
     counter: Any
@@ -93,6 +95,8 @@ class DirectProgram:
     dtype: str = "uint8"
     op: str = "sum"
     scale: Optional[float] = None
+    completion: Any = None
+    host_word: Any = None
     packed: Any = None
 
 
@@ -260,8 +264,10 @@ class Device(abc.ABC):
         module: loading one may synchronize the device, so it happens before any caller
         waits for the call)."""
 
-    def direct(self, stream: Any, program: DirectProgram) -> None:
-        """Run ``program`` (a direct kernel) on ``stream``, after its earlier work."""
+    def direct(self, stream: Any, program: DirectProgram, value: int = 0) -> None:
+        """Run ``program`` (a direct kernel) on ``stream``, after its earlier work; with a
+        ``value``, the kernel's end writes it into the program's completion words (the
+        device's at least that value, never lowering an abort's; the host's only then)."""
         raise NotImplementedError(f"direct: the {self.backend} backend runs no direct kernels")
 
     # -- out of band (diagnosis and abort) --------------------------------------------------

@@ -419,8 +419,10 @@ _DIRECT = r"""
 // peer's pad after every thread of the block finished the earlier steps; a wait spins
 // until every block's slot of the peer reaches it (threads 0..blocks-1, one slot each).
 // ``epoch`` is this rank's count of direct kernels, kept in device memory so that a
-// graph replays with fresh values; the last block to finish advances it.  A wait released
-// by an abort's value (>= 2**62) ends the block: nothing more moves.
+// graph replays with fresh values; the last block to finish advances it and, for an eager
+// call (``value`` > 0), writes the rank's completion words: the kernel then runs on the
+// caller's stream with no stream operation around it.  A wait released by an abort's value
+// (>= 2**62) ends the block: nothing more moves.
 enum DirectKind { DIRECT_SIGNAL = 0, DIRECT_WAIT = 1, DIRECT_COPY = 2, DIRECT_REDUCE = 3 };
 
 struct DirectOp {
@@ -440,6 +442,9 @@ struct DirectInput {
 
 struct DirectArgs {
     unsigned long long* counter;   // [0] epoch (>= 2**62: aborted), [1] blocks finished
+    unsigned long long* completion;  // the rank's completion word (device memory)
+    unsigned long long* host_word;   // its copy the host reads (mapped host memory)
+    unsigned long long value;        // the call's completion value; 0: write none
     unsigned int num_ops;
     unsigned int divisor;          // avg
     unsigned int scaled;           // sum times ``scale``
@@ -610,6 +615,12 @@ static __device__ __forceinline__ void direct_body(const DirectArgs& args) {
         if (atomicAdd(args.counter + 1, 1ull) == gridDim.x - 1) {
             args.counter[1] = 0;
             atomicCAS(args.counter, epoch, epoch + 1);  // not over an abort value
+            if (args.value) {  // every block's work is visible (their fences, the counter)
+                __threadfence_system();
+                // never below an abort value, in either word
+                if (atomicMax(args.completion, args.value) < (1ull << 62))
+                    store_release(args.host_word, args.value);
+            }
         }
     }
 }

@@ -176,6 +176,9 @@ class _DirectInput(ctypes.Structure):
 class _DirectArgs(ctypes.Structure):
     """Mirror of ``DirectArgs`` in ``_kernels``."""
     _fields_ = [("counter", ctypes.c_uint64),
+                ("completion", ctypes.c_uint64),
+                ("host_word", ctypes.c_uint64),
+                ("value", ctypes.c_uint64),
                 ("num_ops", ctypes.c_uint32),
                 ("divisor", ctypes.c_uint32),
                 ("scaled", ctypes.c_uint32),
@@ -193,6 +196,8 @@ def _pack_direct(program: DirectProgram) -> Tuple[_DirectArgs, Any]:
                                    f"steps, the plan has {len(ops)}; lower kernel_bytes")
     args = _DirectArgs()
     args.counter = int(program.counter)
+    args.completion = int(program.completion or 0)
+    args.host_word = int(program.host_word or 0)
     args.num_ops = len(ops)
     divisor = 1
     inputs: List[Tuple[int, int]] = []
@@ -862,12 +867,14 @@ class CudaDevice(Device):
             _ACTIVE.context = None  # cupy restored its own current device: set ours again
             self._owned.direct[key] = (module, function)
 
-    def direct(self, stream: Any, program: DirectProgram) -> None:
+    def direct(self, stream: Any, program: DirectProgram, value: int = 0) -> None:
         """One launch of the direct kernel: ``program.blocks`` blocks, its steps packed
-        once into the argument struct (passed by value: the driver copies it)."""
+        once into the argument struct (passed by value: the driver copies it during the
+        call, so the call's completion value is set in place)."""
         packed = program.packed
         if packed is None:
             packed = program.packed = _pack_direct(program)
+        packed[0].value = value
         entry = self._owned.direct.get((program.dtype, program.op))
         if entry is None:  # prepared by ``Executor.reserve``; here only if that was skipped
             self.prepare_direct(program.dtype, program.op)

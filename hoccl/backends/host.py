@@ -320,7 +320,7 @@ class HostDevice(Device):
         if count:
             stream.enqueue(run)
 
-    def direct(self, stream: HostStream, program: DirectProgram) -> None:
+    def direct(self, stream: HostStream, program: DirectProgram, value: int = 0) -> None:
         """The direct kernel's protocol on the host: every block's signal slot, waits for
         every block's, each block's share of each data step (``block_range``), and the
         epoch in the rank's pad.  The blocks go step by step together (block 0's share,
@@ -375,6 +375,12 @@ class HostDevice(Device):
                         _move(output + start, result.ctypes.data, stop - start)
             if _read_u64(counter) == epoch:  # not over an abort value
                 ctypes.c_uint64.from_address(counter).value = epoch + 1
+            # the kernel's last block: the call's completion words (not after an abort)
+            if value and not (self._aborted.is_set() or stream.aborted.is_set()):
+                completion = ctypes.c_uint64.from_address(int(program.completion))
+                if completion.value < 1 << 62:  # not over an abort value
+                    completion.value = max(completion.value, value)
+                    ctypes.c_uint64.from_address(int(program.host_word)).value = value
         stream.enqueue(run)
 
     # -- out of band ---------------------------------------------------------------------

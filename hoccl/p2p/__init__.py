@@ -209,13 +209,29 @@ class Executor:
                             out_shift))
             else:
                 raise ValueError(f"bind: a direct-kernel plan has no {kind} steps")
-        return DirectProgram(plan.kernel_blocks, pad.kernel_counter, tuple(ops), dtype, op, scale)
+        return DirectProgram(plan.kernel_blocks, pad.kernel_counter, tuple(ops), dtype, op, scale,
+                             self.streams.completion, self.streams.host_word)
+
+    def issue_on_caller(self, program: Tuple[tuple, ...], caller: Any, value: int,
+                        after: int) -> None:
+        """A direct-kernel plan's program (``bind``) as one launch on the caller's stream
+        itself: no lane, no event, no stream operation.  ``value`` (an eager call) is
+        written into the completion words by the kernel's end (0: a call captured into
+        a graph writes none); ``after``: a completion value the caller's stream must
+        reach first (the previous call's, when this stream is not yet ordered after it),
+        so that completion values keep growing in call order."""
+        ((kind, _, direct),) = program
+        assert kind == _DIRECT
+        if after:
+            self.device.wait_value(caller, self.streams.completion, after)
+        self.device.direct(caller, direct, value)
 
     def issue(self, items: Sequence[Tuple[Plan, Tuple[tuple, ...], int, Any]],
-              value: int, callers: Optional[Sequence[Any]] = None) -> None:
+              value: int, callers: Optional[Sequence[Any]] = None, after: int = 0) -> None:
         """Enqueue each ``(plan, program, base, entry)`` of ``items`` (``program``: the
         plan's steps for this rank from ``bind``) and end with the completion value
-        ``value``.
+        ``value`` (once the completion word has reached ``after``: a call whose direct
+        kernel ran on its caller's stream, not on the lanes, ``issue_on_caller``).
 
         Each plan's lanes wait for its caller's ``entry`` event, then run its steps
         (signal values offset by ``base``).  Several items (a ``hoccl.group()``) run
@@ -265,7 +281,7 @@ class Executor:
                 device.record(lanes[lane_index], event)
                 device.wait_event(lanes[0], event)
             if not captured:
-                pending[0].extend(streams.completion_writes(value))
+                pending[0].extend(streams.completion_writes(value, after))
             flush(0)
             if captured:
                 end = streams.event()

@@ -16,6 +16,12 @@ The exit is a wait on a value rather than on an event, so the call may return
 before its copies are issued (a peer's buffers may not be known yet) and still keep
 its place on the caller's stream; lane 0 joins every other lane and runs the calls
 in order, so completion values only grow.
+
+A direct kernel's call across processes (``Executor.issue_on_caller``) is one launch on
+the caller's stream that writes the completion value itself; a stream not yet ordered
+after the previous call waits for its value first, and lane 0's next completion write
+waits for the kernel's (``completion_writes`` with ``after``), so values still grow in
+call order.
 """
 
 from __future__ import annotations
@@ -87,9 +93,12 @@ class StreamManager:
         """Make ``caller`` wait for ``completion >= value`` before its later work."""
         self.device.wait_value(caller, self.completion, value)
 
-    def completion_writes(self, value: int) -> list:
-        """The memops lane 0 ends with: release the caller and tell the host."""
-        return [(MemOp.WRITE, self.completion, value), (MemOp.WRITE, self.host_word, value)]
+    def completion_writes(self, value: int, after: int = 0) -> list:
+        """The memops lane 0 ends with: release the caller and tell the host (``after``:
+        first wait for the completion word to reach it, the value of an earlier call that
+        ran on its caller's stream rather than on the lanes)."""
+        writes = [(MemOp.WRITE, self.completion, value), (MemOp.WRITE, self.host_word, value)]
+        return [(MemOp.WAIT, self.completion, after)] + writes if after else writes
 
     def drained(self, entries: Iterable[Any], timeout: float) -> bool:
         """Whether, within ``timeout`` s, every caller stream has reached its call (the

@@ -42,14 +42,21 @@ def _held_stream(comm, seconds):
         return stream
     import cupy
     with cupy.cuda.Device(comm.device):
+        # timed by the global nanosecond timer: an SM's cycle counter is not one clock
+        # across a preemption (two processes' contexts taking turns on one GPU may move
+        # the block to another SM, whose counter is far ahead)
         spin = cupy.RawKernel(r"""
-            extern "C" __global__ void spin(long long cycles) {
-                long long start = clock64();
-                while (clock64() - start < cycles) { }
+            static __device__ unsigned long long now() {
+                unsigned long long t;
+                asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+                return t;
+            }
+            extern "C" __global__ void spin(unsigned long long nanoseconds) {
+                const unsigned long long start = now();
+                while (now() - start < nanoseconds) { }
             }""", "spin")
         stream = cupy.cuda.Stream(non_blocking=True)
-        rate = cupy.cuda.runtime.getDeviceProperties(comm.device)["clockRate"]
-        spin((1,), (1,), (np.int64(seconds * rate * 1000),), stream=stream)
+        spin((1,), (1,), (np.uint64(seconds * 1e9),), stream=stream)
         return stream
 
 
