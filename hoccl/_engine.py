@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import hashlib
 import logging
 import threading
 import time
@@ -37,6 +38,7 @@ from ._buffers import Buffer
 from ._errors import AbortedError, HocclError, InvalidArgumentError, MismatchError
 from ._windows import WINDOW, Windows, window_ref
 from .backends._base import Device, SmCaps
+from .backends._kernels import DIRECT_WORDS
 from .p2p import Executor
 from .sched import Options, Shape, build_plan, verify
 from .sched.algorithms import KERNEL_MAX_BLOCKS
@@ -62,8 +64,10 @@ class SignalPad:
     same slots for calls captured into CUDA graphs: each is put back to 0 after its last
     wait, ``hoccl.sched.replay``), then one *completion* word that this rank's lane 0
     writes when a call ends and its callers' streams wait on; then the direct kernels'
-    part (``Plan.kernel_blocks``): their epoch and finished-block count, and per slot
-    ``KERNEL_MAX_BLOCKS`` words, one for each block of the sender's kernel.
+    part (``Plan.kernel_blocks``): their epoch and finished-block count, per slot
+    ``KERNEL_MAX_BLOCKS`` words, one for each block of the sender's kernel, and two
+    copies (even and odd epochs) of those words for the signatures of the calls the
+    senders' kernels signalled from (``signature_shift``, ``signature_half``).
     """
 
     def __init__(self, device: Device, rank: int, world_size: int):
@@ -73,8 +77,12 @@ class SignalPad:
         self.slots = world_size * CHANNELS
         #: where a slot's graph twin is: ``slot + graph_offset``
         self.graph_offset = self.slots
-        self.words_total = 2 * self.slots + 1 + 2 + self.slots * KERNEL_MAX_BLOCKS
+        kernel_words = self.slots * KERNEL_MAX_BLOCKS
+        self.words_total = 2 * self.slots + 1 + 2 + 3 * kernel_words
         self.address = device.alloc_pad(self.words_total)
+        #: bytes from a direct kernel's signal word to its signature twin of even epochs,
+        #: and from that to the odd epochs' twin
+        self.signature_shift = self.signature_half = 8 * kernel_words
         self.completion = self.address + 8 * 2 * self.slots
         #: the direct kernels' epoch and finished-block count (``DirectProgram.counter``)
         self.kernel_counter = self.completion + 8
@@ -244,6 +252,9 @@ class Call:
 #: others' are), and send/recv name different buffers on the two sides
 SYMMETRIC = frozenset({"all_gather", "reduce_scatter", "all_reduce", "all_to_all", "barrier"})
 
+# a direct kernel writes and waits for every one of a slot's words (``_kernels``)
+assert DIRECT_WORDS == KERNEL_MAX_BLOCKS, "the pad's kernel words are the kernel's signal words"
+
 _VERIFIED: Dict[int, Plan] = {}
 _CACHED = 1024  # call templates and bound programs an engine keeps (then it starts afresh)
 
@@ -282,7 +293,11 @@ class Engine:
         self.sms = sms
         self.pad = SignalPad(device, rank, world_size)
         self.host_word = device.alloc_host_word()
-        self.streams = StreamManager(device, self.pad.completion, self.host_word.address)
+        #: written by a direct kernel that found a peer making another call (the call's
+        #: value; ``1 << 61`` from a graph's replay): ``diverged``
+        self.error_word = device.alloc_host_word()
+        self.streams = StreamManager(device, self.pad.completion, self.host_word.address,
+                                     self.error_word.address)
         self.executor = Executor(rank, device, self.streams, self.pad, sms)
         self.calls = 0                  # completion value of the latest enqueued call
         #: the latest completion value some caller streams are known to wait for, and
@@ -292,6 +307,9 @@ class Engine:
         #: the value of the latest call run on its caller's stream that lane 0 has not been
         #: ordered after yet: its next completion write waits for it first
         self._lanes_after = 0
+        #: (value, name, signature) of the latest direct calls on callers' streams, to
+        #: name the one a kernel found a peer's other call beside (``diverged_call``)
+        self._direct_calls: Deque[Tuple[int, str, tuple]] = collections.deque(maxlen=256)
         self._collectives = 0           # collectives enqueued (the matching key)
         self._pair_calls: Dict[Tuple[int, ...], int] = {}
         self._signal_base = 0
@@ -341,6 +359,18 @@ class Engine:
     def completed(self) -> int:
         """The completion value of the latest finished call (read from host memory)."""
         return self.host_word.value
+
+    def diverged_call(self) -> Optional[Tuple[int, str, tuple]]:
+        """(value, name, signature) of a direct call whose kernel found a peer's kernel
+        signalling from another call (the error word: ``DirectProgram``), value 0 and
+        unknown name for a graph's replay; None if none did."""
+        value = self.error_word.value
+        if not value:
+            return None
+        for known in self._direct_calls:
+            if known[0] == value:
+                return known
+        return (0 if value >= 1 << 61 else value, "", ())
 
     def mark_aborted(self, reason: str) -> bool:
         """Make later calls raise; False if this rank was already aborted or closed."""
@@ -474,8 +504,8 @@ class Engine:
         so its calls need no window) is the one it last described, if that is large
         enough for this plan.  The peers' descriptions, which still come, are checked
         against this later (``ProcessGroup``)."""
-        if plan.collective not in SYMMETRIC:
-            return None
+        if plan.collective not in SYMMETRIC and not plan.kernel_blocks:
+            return None  # a direct kernel's peers touch only the rings, whatever its kind
         peers: Dict[int, Dict[str, PeerBuffer]] = {}
         for peer in plan.participants:
             if peer == self.rank:
@@ -686,6 +716,7 @@ class Engine:
         self.executor.issue_on_caller(program, call.caller, value, after)
         self._ordered = (value, {key})
         self._lanes_after = value
+        self._direct_calls.append((value, call.name, call.signature))
         with self.lock:
             call.issued_at = now
             call.issued = True
@@ -737,7 +768,9 @@ class Engine:
         if entry is None or entry[0] is not plan:
             self._check_bounds(call)
             entry = (plan, self.executor.bind(plan, self._addresses(call, imported),
-                                              captured=call.captured))
+                                              captured=call.captured,
+                                              signature=_digest(call.signature)
+                                              if plan.kernel_blocks else 0))
             if len(self._programs) >= _CACHED:
                 self._programs.clear()
             self._programs[layout] = entry
@@ -847,10 +880,17 @@ class Engine:
             call.entry = None
 
     def _ring_of(self, nbytes: int) -> Tuple[Any, int]:
-        """A ring of two halves of at least ``nbytes`` each: (address, half)."""
+        """A ring of two halves of at least ``nbytes`` each: (address, half).
+
+        The first is as large as any direct kernel of the options may need (an
+        all_reduce of ``kernel_bytes``: a block from each peer), so that once the peers
+        have learned it (the first direct call's exchange) every later direct call goes
+        without a message on every rank alike, even when the ranks' calls differ (which
+        their kernels then see, ``DirectProgram.signature``)."""
         address, half = self._ring
         if half < nbytes:
-            half = max(nbytes, 2 * half, 64 << 10)
+            largest = (self.world_size - 1) * self.options.kernel_bytes
+            half = max(nbytes, 2 * half, largest, 64 << 10)
             address = self.device.alloc(2 * half)
             self._ring = (address, half)
             self._exports.clear()
@@ -913,6 +953,13 @@ class Engine:
         self.share.leave(leak)
 
 
+def _digest(signature: tuple) -> int:
+    """A nonzero 64-bit digest of a call's signature, the same in every process (Python's
+    ``hash`` of a string is not)."""
+    digest = hashlib.blake2b(repr(signature).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") or 1
+
+
 def _callers(calls: Sequence[Call]) -> List[Any]:
     """The distinct caller streams of ``calls``, in call order."""
     callers: Dict[Any, Any] = {}
@@ -925,5 +972,5 @@ def _stream_key(stream: Any) -> Any:
     """Streams compare by handle (CUDA handles are ints); host streams by identity."""
     try:
         return int(stream)
-    except TypeError:
+    except (TypeError, ValueError):
         return id(stream)

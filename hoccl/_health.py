@@ -17,6 +17,7 @@ from typing import Callable, List, Optional
 from ._engine import Call, Engine
 from ._errors import AbortedError, HocclError, HocclTimeoutError, PeerDeadError
 from .backends._base import DIRECT_VALUE_BITS
+from .sched.algorithms import KERNEL_MAX_BLOCKS
 from .sched.plan import Wait
 
 __all__ = ["Health"]
@@ -222,13 +223,15 @@ class Health:
             return f"{head}: rank {aborted} aborted the communicator"
         missing, peers = [], set()
         blocks = oldest.plan.kernel_blocks
-        if blocks:  # a direct kernel: its own slots, one per block, values over its epoch
+        if blocks:  # a direct kernel: its own slots' words (all written by any kernel),
+            # values over its epoch
             try:
                 epoch = engine.device.peek(engine.pad.kernel_counter, 1)[0]
                 for step in oldest.plan.programs[self.rank]:
                     if not isinstance(step, Wait):
                         continue
-                    have = min(engine.device.peek(engine.pad.kernel_local(step.slot), blocks))
+                    have = min(engine.device.peek(engine.pad.kernel_local(step.slot),
+                                                  KERNEL_MAX_BLOCKS))
                     need = (epoch << DIRECT_VALUE_BITS) + step.value
                     if have < need:
                         peer, channel = engine.pad.describe(step.slot)

@@ -113,6 +113,18 @@ def _disagreement(call: "Call", rank: int, peer: int, theirs: Tuple) -> str:
             f"called {_describe(theirs)}")
 
 
+def _silent(call: "Call") -> bool:
+    """Whether ``call`` goes without a message to its peers: a direct kernel's eager call
+    on its caller's stream whose peers' rings are known (``Call.fast``).  Its peers touch
+    nothing of this rank's but its ring, within the size they learned, and its kernel
+    compares the call's signature with theirs on the device (``DirectProgram``): a peer
+    making another call is reported by both ranks' next call or synchronize
+    (``Communicator._diverged``).  Both sides of a call always agree on this: it depends
+    on the call and on what each learned of the other's ring in the calls before, the
+    same on every rank while their sequences of calls agree."""
+    return call.on_caller and call.fast is not None and not call.captured
+
+
 def _describe(signature: Tuple) -> str:
     return "(" + ", ".join(f"{key}={value!r}" for key, value in signature) + ")"
 
@@ -466,6 +478,8 @@ class ProcessGroup:
         deadline = time.monotonic() + self.timeout
         fast = all(call.fast is not None for call in calls)  # as ``complete`` decides
         for call in calls:
+            if _silent(call):
+                continue
             description = self._description(call)
             # issued without asking: what this rank took each peer's buffers to be, for the
             # peer to check before it issues its own (``_misplaced``)
@@ -534,6 +548,8 @@ class ProcessGroup:
                 raise DivergedError(f"{error}; the peers may have run the call, so the "
                                     f"communicator is aborted") from None
             for call in calls:
+                if _silent(call):
+                    continue
                 for peer, used in self._used(call.peers).items():
                     self._unchecked[peer].append((call.key, call.name, call.signature, used))
             engine.issued_fast += len(calls)

@@ -29,7 +29,7 @@ from ._errors import (AbortedError, DivergedError, HocclError, HocclTimeoutError
                       InvalidArgumentError, MismatchError)
 from ._health import Health
 from ._windows import Window
-from .bootstrap import Group
+from .bootstrap import _ABORTED, Group, _describe
 from .sched import Shape
 
 __all__ = ["Communicator", "group", "group_start", "group_end"]
@@ -339,6 +339,8 @@ class Communicator:
                 self._group.check()  # a peer that aborted on a divergence: say so
                 raise
             self._group.settle("synchronize")
+        if self._engine.error_word.value:
+            self._diverged("synchronize")
 
     @property
     def calls(self) -> int:
@@ -493,6 +495,22 @@ class Communicator:
         if self._engine.aborted:
             raise self._engine.abort_error(f"{name}: the communicator was aborted: "
                                            f"{self._engine.abort_reason}")
+        if self._engine.error_word.value:  # a host read: no driver call
+            self._diverged(name)
+
+    def _diverged(self, name: str) -> None:
+        """A direct kernel found a peer's kernel signalling from another call: abort and
+        raise DivergedError naming the call."""
+        found = self._engine.diverged_call()
+        assert found is not None
+        value, call, signature = found
+        what = (f"its {call} {_describe(signature)} (call {value})" if call
+                else "a direct kernel replayed from a CUDA graph")
+        reason = (f"{name}: rank {self.rank} ran {what} as a direct kernel while a peer's kernel "
+                  f"signalled from a call with other arguments: the ranks' sequences of calls "
+                  f"differ, and that call's output was not written; {_ABORTED}")
+        self._health.abort(reason)
+        raise DivergedError(reason)
 
     def _buffers(self, name: str, optional: Tuple[str, ...] = (),
                  **arrays: Any) -> List[Buffer]:

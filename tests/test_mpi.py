@@ -245,6 +245,20 @@ def test_direct_kernels_on_callers_streams_keep_call_order(ranks):
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("scenario", ["silent", "count", "blocks", "collective"])
+def test_direct_kernel_calls_go_without_messages_and_their_kernels_compare(scenario):
+    """run_direct_divergence.py: once the peers' rings are known, direct calls of every
+    kind send no message and are exact; ranks whose calls then differ (in count, in block
+    count, in collective) are told by their kernels, and both raise DivergedError at
+    once with their outputs unwritten, instead of waiting for a timeout."""
+    returncode, output = _run_program(2, "run_direct_divergence.py", scenario, "--backend",
+                                      "host")
+    lines = [line for line in output.splitlines() if line.startswith(("rank 0: ", "rank 1: "))]
+    assert returncode == 0 and len(lines) == 2 and all(": OK " in line for line in lines), \
+        output[-4000:]
+
+
+@pytest.mark.mpi
 def test_captured_direct_kernels_replay():
     """run_capture.py with ``kernel_bytes``: captured direct kernels replayed, eager
     calls between (one epoch for both), a capture on one rank raising everywhere."""

@@ -318,6 +318,11 @@ if [ "$what" = direct ]; then
     step "direct-$scenario" 60 $MPIRUN --mca orte_abort_on_non_zero_status 0 \
       python3 tests/mpi/run_failures.py $scenario --backend cuda --kernel-bytes 1048576
   done
+  # direct calls without messages; ranks whose calls differ told by their kernels
+  for scenario in silent count blocks collective; do
+    step "direct-diverge-$scenario" 60 $MPIRUN --mca orte_abort_on_non_zero_status 0 \
+      python3 tests/mpi/run_direct_divergence.py $scenario --backend cuda
+  done
   # diverging registered calls abort: the memory the peers may still write is kept
   step registered-mpirun 120 $MPIRUN python3 tests/mpi/run_registered.py --backend cuda
   # the host's cost per call, timed in bursts (with two ranks on one GPU the device
@@ -407,4 +412,4 @@ tar czf /tmp/gpu-run.tgz -C "$OUT" . && mv /tmp/gpu-run.tgz "$OUT/gpu-run.tgz"
 cat "$OUT/gpus.txt"
 printf '%s\n' "${summary[@]}"
 [ -f "$OUT/criteria.md" ] && grep -E '\| (met|NOT met) \|' "$OUT/criteria.md" | cut -d'|' -f2-5 | cut -c1-220
-grep -h "^rank [0-9]: " "$OUT"/fail-*.log 2>/dev/null | cut -c1-160
+grep -h "^rank [0-9]: " "$OUT"/fail-*.log "$OUT"/direct-*.log 2>/dev/null | grep -v " µs$" | cut -c1-160

@@ -34,6 +34,7 @@ import numpy as np
 from mpi4py import MPI
 
 import hoccl
+import hoccl._build
 from hoccl.backends.host import HostDevice, RemotePtr
 from hoccl.bench._harness import parse_size
 
@@ -64,7 +65,7 @@ class CallPathDevice(HostDevice):
     def copy(self, stream, dst, src, nbytes):
         pass
 
-    def local_copy(self, stream, dst, src, nbytes):
+    def local_copy(self, stream, dst, src, nbytes, sms=None):
         pass
 
     def write_value(self, stream, address, value):
@@ -74,7 +75,7 @@ class CallPathDevice(HostDevice):
     def wait_value(self, stream, address, value):
         pass
 
-    def reduce(self, stream, output, inputs, count, dtype, op):
+    def reduce(self, stream, output, inputs, count, dtype, op, **extras):
         pass
 
     def direct(self, stream, program, value=0):
@@ -133,8 +134,8 @@ def main() -> None:
     args = parser.parse_args()
     nbytes = parse_size(args.size)
     if args.no_stream_work:
-        # hoccl.init opens its device through this name
-        hoccl.open_device = lambda backend, ordinal, **settings: CallPathDevice(**settings)
+        # hoccl.init opens its device through this name (hoccl._build)
+        hoccl._build.open_device = lambda backend, ordinal, **settings: CallPathDevice(**settings)
     comm = hoccl.init(backend="host", kernel_bytes=parse_size(args.kernel_bytes))
     world = MPI.COMM_WORLD
     if comm.rank == 0:

@@ -87,7 +87,11 @@ class DirectProgram:
     An address with a nonzero shift lies in a double-buffered ring (``plan.RING``): in a
     kernel of odd epoch it means ``address + shift`` (the ring's second half).
     ``completion`` and ``host_word``: the rank's completion words, which a launch with a
-    value writes when the kernel ends (``Device.direct``).
+    value writes when the kernel ends (``Device.direct``).  ``signature``: a digest of
+    the call (what every rank must agree on; 0: unchecked), written beside each signal
+    into its twin ``signature_shift`` bytes on (``signature_half`` more in odd epochs)
+    and compared by each wait; a difference writes the call's value (``1 << 61`` for a
+    launch without one) into the ``error`` word and stops the data steps.
     ``packed`` is the backend's encoding, made once."""
     blocks: int
     counter: Any
@@ -97,6 +101,10 @@ class DirectProgram:
     scale: Optional[float] = None
     completion: Any = None
     host_word: Any = None
+    error: Any = None
+    signature: int = 0
+    signature_shift: int = 0
+    signature_half: int = 0
     packed: Any = None
 
 

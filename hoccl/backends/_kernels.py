@@ -39,7 +39,7 @@ from ._base import DTYPES, OPS
 
 __all__ = ["MAX_INPUTS", "TUNING", "COPY_WIDTHS", "reduce_kernel_name", "copy_kernel_name",
            "source", "templates", "compile_options", "reduce_launches", "DIRECT_OPS",
-           "DIRECT_INPUTS", "DIRECT_THREADS", "direct_kernel_name", "direct_source",
+           "DIRECT_INPUTS", "DIRECT_THREADS", "DIRECT_WORDS", "direct_kernel_name", "direct_source",
            "block_range", "direct_compile_options"]
 
 #: inputs one reduce launch combines; more are chained by the caller.
@@ -396,6 +396,10 @@ DIRECT_OPS = 48
 DIRECT_INPUTS = 64
 #: threads per block of the direct kernel (one block per SM)
 DIRECT_THREADS = 512
+#: signal words per slot: a kernel of any block count writes them all (block ``b`` the
+#: words ``b, b + blocks, ...``) and a wait waits for them all, so that ranks whose kernels
+#: differ in blocks (calls that differ) still meet (``sched.algorithms.KERNEL_MAX_BLOCKS``)
+DIRECT_WORDS = 32
 
 
 def direct_kernel_name(dtype: str, op: str) -> str:
@@ -415,11 +419,17 @@ def block_range(nbytes: int, blocks: int, block: int) -> tuple:
 _DIRECT = r"""
 // ---- the direct kernel: a whole small collective in one launch ---------------------------
 // Every block runs the same list of steps on its own share of each data step
-// (block_range).  A signal writes (epoch << 16) + value into the block's own slot of the
-// peer's pad after every thread of the block finished the earlier steps; a wait spins
-// until every block's slot of the peer reaches it (threads 0..blocks-1, one slot each).
+// (block_range).  A signal writes (epoch << 16) + value into the block's own words of the
+// slot in the peer's pad (words b, b + blocks, ... of HOCCL_DIRECT_WORDS) after every
+// thread of the block finished the earlier steps; a wait spins until every word of the
+// peer's slot reaches it (one thread per word).
 // ``epoch`` is this rank's count of direct kernels, kept in device memory so that a
-// graph replays with fresh values; the last block to finish advances it and, for an eager
+// graph replays with fresh values.  Before each signal a block also writes the call's
+// signature (a digest of what every rank must agree on) into the signal word's twin for
+// the epoch's parity; a wait then compares every block's twin with its own: a peer that
+// made another call is seen on the device, the kernel writes the call's value into the
+// rank's ``error`` word and moves no more data (its signals and waits go on).
+// The last block to finish advances the epoch and, for an eager
 // call (``value`` > 0), writes the rank's completion words: the kernel then runs on the
 // caller's stream with no stream operation around it.  A wait released by an abort's value
 // (>= 2**62) ends the block: nothing more moves.
@@ -445,6 +455,10 @@ struct DirectArgs {
     unsigned long long* completion;  // the rank's completion word (device memory)
     unsigned long long* host_word;   // its copy the host reads (mapped host memory)
     unsigned long long value;        // the call's completion value; 0: write none
+    unsigned long long* error;       // mapped host word: the value of a call whose peer differed
+    unsigned long long signature;    // the call's digest; 0: not checked
+    unsigned long long sig_shift;    // bytes from a signal word to its signature twin (even epochs)
+    unsigned long long sig_half;     // and on to the odd epochs' twin
     unsigned int num_ops;
     unsigned int divisor;          // avg
     unsigned int scaled;           // sum times ``scale``
@@ -567,6 +581,8 @@ template <class D, int OP>
 static __device__ __forceinline__ void direct_body(const DirectArgs& args) {
     __shared__ unsigned long long epoch;
     __shared__ int poisoned;
+    __shared__ int differs;
+    bool moving = true;  // false once a peer was seen making another call
     if (threadIdx.x == 0) epoch = *reinterpret_cast<volatile unsigned long long*>(args.counter);
     __syncthreads();
     if (epoch >= (1ull << 46)) return;  // aborted (the pad holds the abort value)
@@ -576,27 +592,44 @@ static __device__ __forceinline__ void direct_body(const DirectArgs& args) {
         const DirectOp& op = args.ops[i];
         if (op.kind == DIRECT_SIGNAL) {
             __syncthreads();
-            if (threadIdx.x == 0) {
+            const unsigned int w = blockIdx.x + threadIdx.x * gridDim.x;  // this thread's word
+            if (w < HOCCL_DIRECT_WORDS) {
+                unsigned long long* word = reinterpret_cast<unsigned long long*>(op.a) + w;
+                *reinterpret_cast<volatile unsigned long long*>(
+                    reinterpret_cast<char*>(word) + args.sig_shift + odd * args.sig_half) =
+                    args.signature;
                 __threadfence_system();
-                store_release(reinterpret_cast<unsigned long long*>(op.a) + blockIdx.x,
-                              base + op.c);
+                store_release(word, base + op.c);
             }
         } else if (op.kind == DIRECT_WAIT) {
-            if (threadIdx.x == 0) poisoned = 0;
+            if (threadIdx.x == 0) poisoned = differs = 0;
             __syncthreads();
-            if (threadIdx.x < gridDim.x) {
+            if (threadIdx.x < HOCCL_DIRECT_WORDS) {
                 const unsigned long long* slot =
                     reinterpret_cast<const unsigned long long*>(op.a) + threadIdx.x;
                 unsigned long long seen;
                 while ((seen = load_acquire(slot)) < base + op.c) {
                 }
                 if (seen >= (1ull << 62)) poisoned = 1;
+                else if (args.signature &&
+                         *reinterpret_cast<const volatile unsigned long long*>(
+                             reinterpret_cast<const char*>(slot) + args.sig_shift +
+                             odd * args.sig_half) != args.signature)
+                    differs = 1;
             }
             __syncthreads();
             // released by an abort's value, not by the peer: move nothing more (the peer's
             // memory may already be someone else's)
             if (poisoned) return;
-        } else {
+            if (differs && moving) {  // every block read the same twins: all stop moving
+                moving = false;
+                if (threadIdx.x == 0 && blockIdx.x == 0) {
+                    __threadfence_system();
+                    *reinterpret_cast<volatile unsigned long long*>(args.error) =
+                        args.value ? args.value : (1ull << 61);
+                }
+            }
+        } else if (moving) {
             unsigned long long start, stop;
             share(op.kind == DIRECT_COPY ? op.c : op.c * sizeof(typename D::T), start, stop);
             if (start < stop) {
@@ -638,4 +671,5 @@ def direct_source(dtype: str, op: str) -> str:
 
 def direct_compile_options() -> list:
     return compile_options() + [f"-DHOCCL_DIRECT_OPS={DIRECT_OPS}",
+                                f"-DHOCCL_DIRECT_WORDS={DIRECT_WORDS}",
                                 f"-DHOCCL_DIRECT_INPUTS={DIRECT_INPUTS}"]

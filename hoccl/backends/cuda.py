@@ -179,6 +179,10 @@ class _DirectArgs(ctypes.Structure):
                 ("completion", ctypes.c_uint64),
                 ("host_word", ctypes.c_uint64),
                 ("value", ctypes.c_uint64),
+                ("error", ctypes.c_uint64),
+                ("signature", ctypes.c_uint64),
+                ("sig_shift", ctypes.c_uint64),
+                ("sig_half", ctypes.c_uint64),
                 ("num_ops", ctypes.c_uint32),
                 ("divisor", ctypes.c_uint32),
                 ("scaled", ctypes.c_uint32),
@@ -198,6 +202,9 @@ def _pack_direct(program: DirectProgram) -> Tuple[_DirectArgs, Any]:
     args.counter = int(program.counter)
     args.completion = int(program.completion or 0)
     args.host_word = int(program.host_word or 0)
+    args.error = int(program.error or 0)
+    args.signature = program.signature
+    args.sig_shift, args.sig_half = program.signature_shift, program.signature_half
     args.num_ops = len(ops)
     divisor = 1
     inputs: List[Tuple[int, int]] = []

@@ -28,7 +28,7 @@ from .._dtypes import numpy_dtype, reduce_arrays
 from .._errors import HocclError, HocclTimeoutError, InvalidArgumentError
 from ._base import (DIRECT_COPY, DIRECT_REDUCE, DIRECT_SIGNAL, DIRECT_VALUE_BITS, DIRECT_WAIT,
                     Device, DirectProgram, HostWord, check_reduce_extras)
-from ._kernels import block_range
+from ._kernels import DIRECT_WORDS, block_range
 
 __all__ = ["HostDevice", "HostStream", "RemotePtr", "open_device"]
 
@@ -340,20 +340,33 @@ class HostDevice(Device):
                 return
             base = epoch << DIRECT_VALUE_BITS
             odd = epoch & 1  # the rings' half this call uses
+            twin = program.signature_shift + odd * program.signature_half
+            moving = True  # until a peer is seen making another call
             for op in program.ops:
                 kind = op[0]
                 if kind == DIRECT_SIGNAL:
-                    for block in range(blocks):
-                        word = np.array([base + op[2]], dtype=np.uint64)
+                    # every word of the slot (block b's are b, b + blocks, ...), each after
+                    # the call's signature in its twin
+                    words = np.array([program.signature, base + op[2]], dtype=np.uint64)
+                    for word in range(DIRECT_WORDS):
                         if self._aborted.is_set() or stream.aborted.is_set():
                             raise _Aborted()
-                        _move(op[1] + 8 * block, word.ctypes.data, 8)
+                        _move(op[1] + 8 * word + twin, words.ctypes.data, 8)
+                        _move(op[1] + 8 * word, words.ctypes.data + 8, 8)
                 elif kind == DIRECT_WAIT:
-                    for block in range(blocks):
-                        self._poll(stream, lambda address=op[1] + 8 * block:
+                    for word in range(DIRECT_WORDS):
+                        self._poll(stream, lambda address=op[1] + 8 * word:
                                    _read_u64(address) >= base + op[2])
-                    if any(_read_u64(op[1] + 8 * block) >= 1 << 62 for block in range(blocks)):
+                    if any(_read_u64(op[1] + 8 * word) >= 1 << 62 for word in range(DIRECT_WORDS)):
                         return  # released by an abort: nothing more moves
+                    if moving and program.signature and any(
+                            _read_u64(op[1] + 8 * word + twin) != program.signature
+                            for word in range(DIRECT_WORDS)):
+                        moving = False  # a peer made another call: no more data moves
+                        ctypes.c_uint64.from_address(int(program.error)).value = (
+                            value if value else 1 << 61)
+                elif not moving:
+                    continue
                 elif kind == DIRECT_COPY:
                     _, dst, src, nbytes, dst_shift, src_shift = op
                     dst, src = dst + odd * dst_shift, src + odd * src_shift

@@ -132,7 +132,7 @@ class Executor:
         self._needs: Dict[int, Tuple[Plan, int]] = {}
 
     def bind(self, plan: Plan, addresses: Dict[Tuple[int, str], Any],
-             captured: bool = False) -> Tuple[tuple, ...]:
+             captured: bool = False, signature: int = 0) -> Tuple[tuple, ...]:
         """This rank's compiled steps of ``plan`` with every address resolved:
         ``addresses[(rank, name)]`` are the buffers' bases, slots become addresses in
         this rank's pad (waits) or a peer's (signals).  Signal values stay relative to
@@ -140,11 +140,14 @@ class Executor:
 
         ``captured`` (a call captured into a CUDA graph, ``issue`` with callers): the graph
         slots instead, and after the last wait on each slot a reset of it to 0 on the
-        same lane (``hoccl.sched.replay``), so that every replay starts from zeros."""
+        same lane (``hoccl.sched.replay``), so that every replay starts from zeros.
+
+        ``signature``: a direct kernel's digest of the call, which its peers' kernels
+        compare with theirs (``DirectProgram``; 0: unchecked)."""
         pad = self.pad
         program = compile_program(plan, self.rank)
         if plan.kernel_blocks:
-            return ((_DIRECT, 0, self._direct(plan, program, addresses)),)
+            return ((_DIRECT, 0, self._direct(plan, program, addresses, signature)),)
         offset = pad.graph_offset if captured else 0
         last: Dict[int, int] = {}  # slot -> index of its last wait
         if captured:
@@ -175,7 +178,7 @@ class Executor:
         return tuple(bound)
 
     def _direct(self, plan: Plan, program: Tuple[tuple, ...],
-                addresses: Dict[Tuple[int, str], Any]) -> DirectProgram:
+                addresses: Dict[Tuple[int, str], Any], signature: int) -> DirectProgram:
         """``program`` (a direct-kernel plan's, every step on lane 0) as one DirectProgram.
         Its values need no base and no graph slots: the kernel adds its own epoch.  An
         address in a ring (``plan.RING``: ``addresses`` holds its base and the size of a
@@ -210,7 +213,9 @@ class Executor:
             else:
                 raise ValueError(f"bind: a direct-kernel plan has no {kind} steps")
         return DirectProgram(plan.kernel_blocks, pad.kernel_counter, tuple(ops), dtype, op, scale,
-                             self.streams.completion, self.streams.host_word)
+                             self.streams.completion, self.streams.host_word,
+                             self.streams.error_word, signature, pad.signature_shift,
+                             pad.signature_half)
 
     def issue_on_caller(self, program: Tuple[tuple, ...], caller: Any, value: int,
                         after: int) -> None:

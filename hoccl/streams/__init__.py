@@ -37,7 +37,8 @@ __all__ = ["StreamManager"]
 class StreamManager:
     """Lanes, an event pool and the entry/completion words of one rank."""
 
-    def __init__(self, device: Device, completion_address: Any, host_word_address: Any):
+    def __init__(self, device: Device, completion_address: Any, host_word_address: Any,
+                 error_word_address: Any = None):
         self.device = device
         self.lanes: List[Any] = []
         #: lanes of calls captured into CUDA graphs: while a capture is open, the lanes it
@@ -47,6 +48,8 @@ class StreamManager:
         self._all_events: List[Any] = []
         self.completion = completion_address
         self.host_word = host_word_address
+        #: where a direct kernel that met a peer's other call writes that call's value
+        self.error_word = error_word_address
 
     def ensure_lanes(self, count: int) -> None:
         while len(self.lanes) < count:

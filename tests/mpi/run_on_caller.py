@@ -50,7 +50,6 @@ def main() -> None:
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
 
-    rng = np.random.default_rng(11 + r)
     checks = []
     for round_ in range(12):
         # small (direct kernel) or large (copy engines), on either stream, the first
