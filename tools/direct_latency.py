@@ -23,7 +23,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from cuda.bindings import driver  # noqa: E402
 
-from hoccl._engine import SignalPad  # noqa: E402
+from hoccl._engine import SignalPad, _digest  # noqa: E402
+from hoccl.streams import StreamManager  # noqa: E402
 from hoccl.backends import cuda as backend  # noqa: E402
 from hoccl.backends._base import SmCaps  # noqa: E402
 from hoccl.bench._harness import human, parse_size  # noqa: E402
@@ -76,7 +77,10 @@ def measure(device, pads, executors, streams, collective: str, nbytes: int, bloc
             tensors[(rank, spec.name)] = tensor
             addresses[(rank, spec.name)] = ((tensor.data_ptr(), spec.nbytes)
                                             if spec.name == RING else tensor.data_ptr())
-    programs = [executors[rank].bind(plan, addresses)[0][2] for rank in range(N)]
+    # with a signature, as a communicator binds them: the kernels compare it on the device
+    signature = _digest((("shape", repr(shape)),))
+    programs = [executors[rank].bind(plan, addresses, signature=signature)[0][2]
+                for rank in range(N)]
     # fresh small integers (exact in bfloat16 sums), then one call each, checked
     rng = np.random.default_rng(seed)
     inputs = {}
@@ -177,7 +181,13 @@ def main() -> None:
     pads = [SignalPad(device, rank, N) for rank in range(N)]
     for pad in pads:
         pad.connect([other.address for other in pads])
-    executors = [Executor(rank, device, None, pads[rank], SmCaps(8, 8)) for rank in range(N)]
+    # each rank's completion and error words as a communicator has them (the launches
+    # here carry no completion value: only a mismatch would write the error word)
+    executors = [Executor(rank, device,
+                          StreamManager(device, pads[rank].completion,
+                                        device.alloc_host_word().address,
+                                        device.alloc_host_word().address),
+                          pads[rank], SmCaps(8, 8)) for rank in range(N)]
     streams = [device.create_stream() for _ in range(N)]
     records = []
     print(f"direct kernels, 2 ranks on one GPU ({torch.cuda.get_device_name(0)}), bfloat16, "
