@@ -320,7 +320,7 @@ class Engine:
         self._pinned: set = set()
         self._kept: List[Any] = []
         self._templates: Dict[Shape, CallTemplate] = {}
-        self._programs: Dict[tuple, Tuple[Plan, tuple]] = {}  # see _program
+        self._programs: Dict[tuple, Tuple[Plan, tuple, Any]] = {}  # see _program
         #: registered buffers (``Communicator.register``)
         self.windows = Windows()
         #: each peer's reduction scratch as last described by the peer (``learn``), and a
@@ -593,8 +593,12 @@ class Engine:
             self._enqueue_captured(call)
             return
         # Every lane and event the calls not yet issued will take, made before the fence:
-        # no driver call that may synchronize the context runs while a caller waits.
-        self.executor.reserve([held.plan for held in self.held()] + [call.plan])
+        # no driver call that may synchronize the context runs while a caller waits.  A
+        # call on its caller's stream takes none: only its kernel, loaded once.
+        if call.on_caller:
+            self.executor.load(call.plan)
+        else:
+            self.executor.reserve([held.plan for held in self.held()] + [call.plan])
         self._count(call)
         self.calls += 1
         call.value = self.calls
@@ -762,15 +766,19 @@ class Engine:
         # that the id cannot pass to another plan while the entry lives.  The bounds below
         # depend on nothing but the key (the peers' sizes are in it; a window's size
         # cannot change while its index is known), so a found entry has passed them.
+        # peers told without asking (``call.fast``) are one dict per layout, from the
+        # engine's cache: known by its id, and kept in the entry like the plan
+        fast = call.peers if call.peers is call.fast else None
         layout = (id(plan), call.captured, tuple(call.local.values()),
+                  id(fast) if fast is not None else
                   tuple((peer, tuple(shared.items())) for peer, shared in call.peers.items()))
         entry = self._programs.get(layout)
-        if entry is None or entry[0] is not plan:
+        if entry is None or entry[0] is not plan or entry[2] is not fast:
             self._check_bounds(call)
             entry = (plan, self.executor.bind(plan, self._addresses(call, imported),
                                               captured=call.captured,
                                               signature=_digest(call.signature)
-                                              if plan.kernel_blocks else 0))
+                                              if plan.kernel_blocks else 0), fast)
             if len(self._programs) >= _CACHED:
                 self._programs.clear()
             self._programs[layout] = entry

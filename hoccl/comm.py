@@ -567,7 +567,8 @@ class Communicator:
             call.on_caller = True
         engine.enqueue(call, fence=held is None and not self._group.exported)
         self._health.start_watchdog()
-        log.debug("rank %d %s %s key=%s", self.rank, name, shape, call.key)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("rank %d %s %s key=%s", self.rank, name, shape, call.key)
         if held is not None:
             held.append((self, call))
             return

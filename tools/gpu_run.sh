@@ -294,7 +294,7 @@ if [ "$what" = figures-direct ]; then
   # 2 x H200: the direct kernels checked (one process on both GPUs, then mpirun), then
   # issue 14's sizes eager and in CUDA graphs beside every NCCL mode, judged at the end
   what=direct
-  DIRECT_LIBRARIES=${DIRECT_LIBRARIES:-hoccl-reg+kernel_bytes=16M,hoccl-reg+kernel_bytes=16M+kernel_sms=32,nccl,nccl4py,nccl-zero}
+  DIRECT_LIBRARIES=${DIRECT_LIBRARIES:-hoccl-reg,hoccl-reg+kernel_bytes=16M,hoccl-reg+kernel_bytes=16M+kernel_sms=32,nccl,nccl4py,nccl-zero}
   BENCH_SIZES=${BENCH_SIZES:-64K,256K,1M,4M}
   REPLAYS=${REPLAYS:-300}
   judge=1

@@ -345,23 +345,25 @@ class HostDevice(Device):
             for op in program.ops:
                 kind = op[0]
                 if kind == DIRECT_SIGNAL:
-                    # every word of the slot (block b's are b, b + blocks, ...), each after
-                    # the call's signature in its twin
-                    words = np.array([program.signature, base + op[2]], dtype=np.uint64)
-                    for word in range(DIRECT_WORDS):
-                        if self._aborted.is_set() or stream.aborted.is_set():
-                            raise _Aborted()
-                        _move(op[1] + 8 * word + twin, words.ctypes.data, 8)
-                        _move(op[1] + 8 * word, words.ctypes.data + 8, 8)
+                    # every word of the slot (block b's are b, b + blocks, ...), after the
+                    # call's signature in every twin
+                    if self._aborted.is_set() or stream.aborted.is_set():
+                        raise _Aborted()
+                    twins = np.full(DIRECT_WORDS, program.signature, dtype=np.uint64)
+                    words = np.full(DIRECT_WORDS, base + op[2], dtype=np.uint64)
+                    _move(op[1] + twin, twins.ctypes.data, twins.nbytes)
+                    _move(op[1], words.ctypes.data, words.nbytes)
                 elif kind == DIRECT_WAIT:
-                    for word in range(DIRECT_WORDS):
-                        self._poll(stream, lambda address=op[1] + 8 * word:
-                                   _read_u64(address) >= base + op[2])
-                    if any(_read_u64(op[1] + 8 * word) >= 1 << 62 for word in range(DIRECT_WORDS)):
+                    slot = np.ctypeslib.as_array(
+                        (ctypes.c_uint64 * DIRECT_WORDS).from_address(op[1]))
+                    self._poll(stream, lambda slot=slot, need=base + op[2]:
+                               int(slot.min()) >= need)
+                    if int(slot.max()) >= 1 << 62:
                         return  # released by an abort: nothing more moves
-                    if moving and program.signature and any(
-                            _read_u64(op[1] + 8 * word + twin) != program.signature
-                            for word in range(DIRECT_WORDS)):
+                    seen = np.ctypeslib.as_array(
+                        (ctypes.c_uint64 * DIRECT_WORDS).from_address(op[1] + twin))
+                    if moving and program.signature and bool(
+                            (seen != np.uint64(program.signature)).any()):
                         moving = False  # a peer made another call: no more data moves
                         ctypes.c_uint64.from_address(int(program.error)).value = (
                             value if value else 1 << 61)

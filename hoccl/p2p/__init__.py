@@ -298,6 +298,12 @@ class Executor:
             for event in marks.values():
                 streams.release(event)
 
+    def load(self, plan: Plan) -> None:
+        """Have ``plan``'s direct kernel loaded (once per plan: ``reserve`` does it too)."""
+        entry = self._needs.get(id(plan))
+        if entry is None or entry[0] is not plan:
+            self.reserve([plan])
+
     def reserve(self, plans: Iterable[Plan], captured: bool = False) -> None:
         """Create now every lane and event that issuing ``plans`` together will take
         (``captured``: the capture lanes).
