@@ -209,6 +209,7 @@ class PeerBuffer(NamedTuple):
 class CallTemplate(NamedTuple):
     """What every call of one shape has in common on this rank, worked out once per shape
     and options: a repeated call only fills in its addresses."""
+    shape: Shape
     plan: Plan
     options: Options           # the options the plan was built with
     signature: tuple           # what every participant must agree on
@@ -244,6 +245,7 @@ class Call:
     #: the peers' buffers as this rank can tell them without asking (registered windows,
     #: see ``hoccl._windows``): the call may be issued at once; None if it cannot
     fast: Optional[Dict[int, Dict[str, PeerBuffer]]] = None
+    shape: Any = None          # the Shape it was prepared for (``Engine.repeat``)
 
 
 #: the collectives whose every rank plays the same part, so that a peer's buffer of a name
@@ -338,6 +340,9 @@ class Engine:
         #: calls issued without asking the peers (``ProcessGroup.complete``)
         self.issued_fast = 0
         self._fast: Dict[tuple, Tuple[Plan, Optional[Dict[int, Dict[str, PeerBuffer]]]]] = {}
+        #: direct calls issued without asking, by shape, for their repeats (``repeat``)
+        self._repeats: Dict[Shape, Tuple[Optional[CallTemplate], Dict[str, Any], Any, tuple,
+                                         int]] = {}
         self.inflight: Deque[Call] = collections.deque()  # enqueued, in call order
         #: the calls of ``inflight`` not issued yet, by number (``held``: scanning the
         #: deque, which holds every call the device has not finished, cost each call a
@@ -447,6 +452,7 @@ class Engine:
         signature = template.signature + (("captured", True),) if captured else template.signature
         call = Call(name, plan, key, signature, local, shared, arrays, caller, self)
         call.fast = fast
+        call.shape = template.shape
         if captured:
             call.captured = True
             if "scratch" in local:  # a graph may use it for ever: never freed before close
@@ -578,7 +584,7 @@ class Engine:
         changed = _changed_options(self.options)
         if changed:  # ranks planning with other options would run other plans
             signature += (("options", changed),)
-        template = CallTemplate(plan, self.options, signature, used,
+        template = CallTemplate(shape, plan, self.options, signature, used,
                                 tuple(name for name in plan.shared(self.rank) if name in names))
         if len(self._templates) >= _CACHED:
             self._templates.clear()
@@ -680,6 +686,8 @@ class Engine:
         if calls[0].on_caller:
             assert len(calls) == 1, "a call on its caller's stream is never in a group"
             self._issue_on_caller(calls[0], programs[0])
+            if calls[0].fast is not None and calls[0].peers is calls[0].fast:
+                self._remember(calls[0], programs[0])
             return
         unfenced = [call for call in calls if not call.fenced]
         if unfenced:
@@ -707,6 +715,58 @@ class Engine:
                 call.issued_at = now
                 call.issued = True
                 self._unissued.pop(call.value, None)
+
+    def _remember(self, call: Call, program: tuple) -> None:
+        """Keep what a direct call issued without asking its peers was made of, so that a
+        repeat of it (``repeat``) skips the path."""
+        if len(self._repeats) >= _CACHED:
+            self._repeats.clear()
+        self._repeats[call.shape] = (self._templates.get(call.shape), call.local, call.fast,
+                                     program, self.layout_epoch)
+
+    def repeat(self, name: str, shape: Shape, buffers: Dict[str, Optional[Buffer]],
+               stream: Any) -> Optional[Call]:
+        """A repeat of a direct call that went on its caller's stream without asking its
+        peers (``_remember``): the same shape, the same buffers at the same addresses, the
+        same options, rings and windows.  Issued at once, with what the first call worked
+        out: the template, the peers' rings, the bound program.  None when it is not one
+        (then ``prepare``): another buffer, a stream being captured, anything changed."""
+        memo = self._repeats.get(shape)
+        if memo is None:
+            return None
+        template, local, fast, program, epoch = memo
+        if (epoch != self.layout_epoch or template is None
+                or template.options is not self.options
+                or self._templates.get(shape) is not template):
+            return None
+        assert template is not None
+        for buffer_name, address in local.items():
+            if buffer_name != RING:
+                buffer = buffers.get(buffer_name)
+                if buffer is None or buffer.address != address:
+                    return None
+        arrays = tuple(buffer.owner for buffer in buffers.values() if buffer is not None)
+        self.device.activate()
+        caller = self.device.resolve_stream(stream, arrays)
+        if self.device.capturing(caller):
+            return None
+        call = Call(name, template.plan, ("coll", self._collectives), template.signature, local,
+                    {}, arrays, caller, self)
+        call.fast = call.peers = fast
+        call.shape = shape
+        call.on_caller = call.fenced = True
+        self._collectives += 1
+        self.calls += 1
+        call.value = self.calls
+        done = self.completed
+        with self.lock:  # as ``enqueue``
+            inflight = self.inflight
+            while inflight and inflight[0].issued and inflight[0].value <= done:
+                self._retire(inflight.popleft())
+            inflight.append(call)
+        self._issue_on_caller(call, program)
+        self.issued_fast += 1
+        return call
 
     def _issue_on_caller(self, call: Call, program: tuple) -> None:
         """A direct kernel's eager call, launched on the caller's stream: the launch is
@@ -902,6 +962,7 @@ class Engine:
             address = self.device.alloc(2 * half)
             self._ring = (address, half)
             self._exports.clear()
+            self.layout_epoch += 1  # programs bound to the old ring must not repeat
         return address, half
 
     def _scratch_of(self, nbytes: int) -> Any:

@@ -553,6 +553,9 @@ class Communicator:
         """Prepare (may fail: nothing enqueued), enqueue (the caller's stream is fenced),
         then hand to the group — now, or at the end of the enclosing ``hoccl.group()``."""
         engine = self._engine
+        if self._group.exported and not getattr(_GROUPS, "depth", 0) \
+                and engine.repeat(name, shape, buffers, stream) is not None:
+            return  # a direct call repeated: issued at once, as the first one was
         call = engine.prepare(name, shape, buffers, stream, exported=self._group.exported)
         self._usable(name)  # the watchdog may have aborted meanwhile
         held = _held_calls()

@@ -10,6 +10,10 @@ count      then rank 0 calls all_reduce of 1000 elements, rank 1 of 1001: each r
 blocks     the same with counts whose kernels differ in blocks (1000 and 200000): no
            rank waits for a block its peer does not have
 collective rank 0 calls all_gather, rank 1 all_reduce, of the same bytes
+repeat     40 calls alternating between an all_reduce and an all_gather on the same
+           arrays, fresh values each time, every output exact: the repeats go on the
+           shortest path (``Engine.repeat``); then rank 0 repeats the all_reduce while rank
+           1 calls one of another count: both raise DivergedError
 Each rank prints ``rank R: OK <what happened>`` or ``rank R: FAILED ...``.
 """
 
@@ -27,9 +31,21 @@ from hoccl.testing import array_module_for, poison
 KERNEL_BYTES = 1 << 20
 
 
+def _fill(array, values: np.ndarray) -> None:
+    """``values`` into ``array`` where it lies (numpy, cupy or torch), its address kept."""
+    if isinstance(array, np.ndarray):
+        array[...] = values
+    elif hasattr(array, "set"):  # cupy
+        array.set(values)
+    else:
+        import torch
+        array.copy_(torch.from_numpy(values))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("scenario", choices=["silent", "count", "blocks", "collective"])
+    parser.add_argument("scenario", choices=["silent", "count", "blocks", "collective",
+                                             "repeat"])
     parser.add_argument("--backend", default=None)
     args = parser.parse_args()
     world = MPI.COMM_WORLD
@@ -76,6 +92,41 @@ def main() -> None:
             got = arrays.to_numpy(out, "float32")
             wrong += int(not np.array_equal(got.view(np.uint32), expected.view(np.uint32)))
         silent = sent[0] - before
+        repeats = [0]
+        original_repeat = comm._engine.repeat
+
+        def counting_repeat(*repeat_args):
+            call = original_repeat(*repeat_args)
+            repeats[0] += call is not None
+            return call
+        comm._engine.repeat = counting_repeat
+        if args.scenario == "repeat":
+            total = arrays.asarray(poison(1000, "float32"), comm.device)
+            full = arrays.asarray(poison(640 * n, "float32"), comm.device)
+            own = full[r * 640:(r + 1) * 640]
+            for index in range(40):
+                if index % 2 == 0:
+                    _fill(total, numbers(1000, 7 * index + r))
+                    comm.all_reduce(total, total)
+                    expected = sum(numbers(1000, 7 * index + peer).astype(np.float64)
+                                   for peer in range(n)).astype(np.float32)
+                    comm.synchronize()
+                    got = arrays.to_numpy(total, "float32")
+                    wrong += int(not np.allclose(got, expected, rtol=1e-5, atol=1e-5))
+                else:
+                    _fill(own, numbers(640, 7 * index + r))
+                    comm.all_gather(own, full)
+                    comm.synchronize()
+                    expected = np.concatenate([numbers(640, 7 * index + peer)
+                                               for peer in range(n)])
+                    got = arrays.to_numpy(full, "float32")
+                    wrong += int(not np.array_equal(got.view(np.uint32), expected.view(np.uint32)))
+            if wrong or repeats[0] < 36:
+                print(f"rank {r}: FAILED 40 calls on the same arrays: {wrong} wrong, "
+                      f"{repeats[0]} repeats", flush=True)
+                raise SystemExit
+            print(f"rank {r}: 40 calls on the same arrays: 0 wrong, {repeats[0]} repeats",
+                  flush=True)
         if args.scenario == "silent":
             ok = wrong == 0 and silent == 0 and comm._engine.issued_fast >= 50
             print(f"rank {r}: {'OK' if ok else 'FAILED'} 50 direct calls, {wrong} wrong, "
@@ -83,7 +134,17 @@ def main() -> None:
                   flush=True)
         else:
             world.Barrier()
-            if args.scenario == "count":
+            if args.scenario == "repeat":  # rank 0 repeats, rank 1 calls another count
+                if r == 0:
+                    count, out = 1000, total
+                    _fill(total, numbers(1000, r))
+                    comm.all_reduce(total, total)
+                else:
+                    count = 1001
+                    send = arrays.asarray(numbers(count, r), comm.device)
+                    out = arrays.asarray(poison(count, "float32"), comm.device)
+                    comm.all_reduce(send, out)
+            elif args.scenario == "count":
                 count = 1000 + r
                 send = arrays.asarray(numbers(count, r), comm.device)
                 out = arrays.asarray(poison(count, "float32"), comm.device)
@@ -107,8 +168,10 @@ def main() -> None:
             except hoccl.DivergedError as error:
                 waited = time.monotonic() - started
                 text = str(error)
+                before = (numbers(1000, 0) if args.scenario == "repeat" and r == 0
+                          else poison(count, "float32"))
                 untouched = np.array_equal(arrays.to_numpy(out, "float32").view(np.uint32),
-                                           poison(count, "float32").view(np.uint32))
+                                           before.view(np.uint32))
                 ok = (text.startswith("synchronize:") and "direct kernel" in text
                       and untouched and comm.aborted and waited < 20)
                 print(f"rank {r}: {'OK' if ok else 'FAILED'} DivergedError after "
