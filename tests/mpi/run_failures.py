@@ -13,8 +13,9 @@ killed     after a call both made, rank 1 is killed (SIGKILL) before a call rank
            rank 0's call raises naming rank 1's exited process within 5 s, with the
            default 300 s timeout.  Launch with the MPI's keep-going flag.
 early      rank 1 is killed before any call: the same.
-abort      rank 0's stream is held (a long kernel) so rank 1's all_reduce waits for it;
-           rank 0 aborts; rank 1's wait is released and it learns of the abort
+abort      after a first call both finished, rank 0's stream is held (a long kernel) so
+           rank 1's all_reduce waits for it; rank 0 aborts; rank 1's wait is released and
+           it learns of the abort
            (AbortedError naming rank 0) within its timeout, without hanging.
 Each surviving rank prints ``rank R: OK <what happened>`` or ``rank R: FAILED ...``.
 """
@@ -155,6 +156,11 @@ def main():
                       f"{waited:.2f} s: {error}", flush=True)
         else:  # abort
             out = buffer(1 << 16, 0.0)
+            # a first call, finished: the held call below then needs no exchange (which
+            # waits for the peer's arrival, eating into the hold) and returns at once
+            comm.all_reduce(buffer(1 << 16), out)
+            comm.synchronize()
+            world.Barrier()
             stream = _held_stream(comm, seconds=3) if r == 0 else None
             comm.all_reduce(buffer(1 << 16), out, stream=stream)
             world.Barrier()
