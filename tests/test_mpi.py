@@ -253,10 +253,9 @@ def test_direct_kernel_calls_go_without_messages_and_their_kernels_compare(scena
     once with their outputs unwritten, instead of waiting for a timeout."""
     returncode, output = _run_program(2, "run_direct_divergence.py", scenario, "--backend",
                                       "host")
-    verdicts = [line for line in output.splitlines()
-                if line.startswith(("rank 0: ", "rank 1: ")) and (": OK " in line or "FAILED" in line)]
-    assert returncode == 0 and len(verdicts) == 2 and all(": OK " in line for line in verdicts), \
-        output[-4000:]
+    # the two processes' lines may run together in the captured output: count verdicts
+    passed = {rank for rank in (0, 1) if f"rank {rank}: OK " in output}
+    assert returncode == 0 and passed == {0, 1} and ": FAILED" not in output, output[-4000:]
 
 
 @pytest.mark.mpi
