@@ -505,6 +505,7 @@ class Communicator:
         assert found is not None
         value, call, signature = found
         what = (f"its {call} {_describe(signature)} (call {value})" if call
+                else f"its call {value}" if value
                 else "a direct kernel replayed from a CUDA graph")
         reason = (f"{name}: rank {self.rank} ran {what} as a direct kernel while a peer's kernel "
                   f"signalled from a call with other arguments: the ranks' sequences of calls "
