@@ -319,7 +319,7 @@ if [ "$what" = direct ]; then
       python3 tests/mpi/run_failures.py $scenario --backend cuda --kernel-bytes 1048576
   done
   # direct calls without messages; ranks whose calls differ told by their kernels
-  for scenario in silent count blocks collective repeat; do
+  for scenario in silent count blocks collective repeat replay; do
     step "direct-diverge-$scenario" 60 $MPIRUN --mca orte_abort_on_non_zero_status 0 \
       python3 tests/mpi/run_direct_divergence.py $scenario --backend cuda
   done

@@ -14,6 +14,10 @@ repeat     40 calls alternating between an all_reduce and an all_gather on the s
            arrays, fresh values each time, every output exact: the repeats go on the
            shortest path (``Engine.repeat``); then rank 0 repeats the all_reduce while rank
            1 calls one of another count: both raise DivergedError
+replay     (cuda only) both ranks capture two CUDA graphs, an all_reduce of 1000 elements
+           and one of 1001; rank 0 replays the first, rank 1 the second: the replayed
+           kernels see each other's signatures, and both ranks raise DivergedError naming
+           a replay, their outputs unwritten
 Each rank prints ``rank R: OK <what happened>`` or ``rank R: FAILED ...``.
 """
 
@@ -45,7 +49,7 @@ def _fill(array, values: np.ndarray) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("scenario", choices=["silent", "count", "blocks", "collective",
-                                             "repeat"])
+                                             "repeat", "replay"])
     parser.add_argument("--backend", default=None)
     args = parser.parse_args()
     world = MPI.COMM_WORLD
@@ -134,7 +138,25 @@ def main() -> None:
                   flush=True)
         else:
             world.Barrier()
-            if args.scenario == "repeat":  # rank 0 repeats, rank 1 calls another count
+            if args.scenario == "replay":  # graphs of other counts replayed on the ranks
+                import torch
+                device = torch.device("cuda", comm.device)
+                tensors = [torch.zeros(count, device=device) for count in (1000, 1001)]
+                for tensor in tensors:  # the kernels loaded, the rings known
+                    comm.all_reduce(tensor, tensor)
+                comm.synchronize()
+                capture = torch.cuda.Stream(device=device)
+                graphs = [torch.cuda.CUDAGraph() for _ in tensors]
+                for graph, tensor in zip(graphs, tensors):
+                    with torch.cuda.graph(graph, stream=capture):
+                        comm.all_reduce(tensor, tensor)
+                world.Barrier()
+                count = (1000, 1001)[r]
+                out = tensors[r]
+                out.copy_(torch.from_numpy(numbers(count, r)))
+                graphs[r].replay()
+                torch.cuda.synchronize(device)
+            elif args.scenario == "repeat":  # rank 0 repeats, rank 1 calls another count
                 if r == 0:
                     count, out = 1000, total
                     _fill(total, numbers(1000, r))
@@ -169,11 +191,14 @@ def main() -> None:
                 waited = time.monotonic() - started
                 text = str(error)
                 before = (numbers(1000, 0) if args.scenario == "repeat" and r == 0
+                          else numbers(count, r) if args.scenario == "replay"
                           else poison(count, "float32"))
-                untouched = np.array_equal(arrays.to_numpy(out, "float32").view(np.uint32),
-                                           before.view(np.uint32))
+                got = (out.cpu().numpy() if args.scenario == "replay"
+                       else arrays.to_numpy(out, "float32"))
+                untouched = np.array_equal(got.view(np.uint32), before.view(np.uint32))
                 ok = (text.startswith("synchronize:") and "direct kernel" in text
-                      and untouched and comm.aborted and waited < 20)
+                      and untouched and comm.aborted and waited < 20
+                      and ("replayed from a CUDA graph" in text) == (args.scenario == "replay"))
                 print(f"rank {r}: {'OK' if ok else 'FAILED'} DivergedError after "
                       f"{waited:.2f} s, output untouched: {untouched}: {text}", flush=True)
             # the communicator is aborted: the next call says so
