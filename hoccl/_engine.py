@@ -605,9 +605,7 @@ class Engine:
             self.executor.load(call.plan)
         else:
             self.executor.reserve([held.plan for held in self.held()] + [call.plan])
-        self._count(call)
-        self.calls += 1
-        call.value = self.calls
+        self._number(call)
         if call.on_caller:  # the kernel itself keeps the caller's place (``issue``)
             call.fenced = True
         else:
@@ -615,6 +613,17 @@ class Engine:
             call.fenced = fence
             if fence:
                 self._note_ordered(call.value, (call.caller,))
+        self._in_flight(call)
+
+    def _number(self, call: Call) -> None:
+        """Advance ``call``'s key sequence and give it the next completion value."""
+        self._count(call)
+        self.calls += 1
+        call.value = self.calls
+
+    def _in_flight(self, call: Call) -> None:
+        """Put ``call`` in flight (not issued yet), retiring the calls the device has
+        finished."""
         done = self.completed
         with self.lock:  # the watchdog reads the deque
             inflight = self.inflight
@@ -622,6 +631,14 @@ class Engine:
                 self._retire(inflight.popleft())  # finished: its buffers may go
             inflight.append(call)
             self._unissued[call.value] = call
+
+    def _issued(self, calls: Sequence[Call], now: float) -> None:
+        """``calls`` are on the device since ``now`` (the watchdog's clock)."""
+        with self.lock:
+            for call in calls:
+                call.issued_at = now
+                call.issued = True
+                self._unissued.pop(call.value, None)
 
     def _enqueue_captured(self, call: Call) -> None:
         """A call captured into a graph: matched like any other (its key counts), but not
@@ -710,11 +727,7 @@ class Engine:
         now = time.monotonic()  # the device methods make their context current themselves
         self.executor.issue(items, max(call.value for call in calls), after=self._lanes_after)
         self._lanes_after = 0
-        with self.lock:
-            for call in calls:
-                call.issued_at = now
-                call.issued = True
-                self._unissued.pop(call.value, None)
+        self._issued(calls, now)
 
     def _remember(self, call: Call, program: tuple) -> None:
         """Keep what a direct call issued without asking its peers was made of, so that a
@@ -755,15 +768,8 @@ class Engine:
         call.fast = call.peers = fast
         call.shape = shape
         call.on_caller = call.fenced = True
-        self._collectives += 1
-        self.calls += 1
-        call.value = self.calls
-        done = self.completed
-        with self.lock:  # as ``enqueue``
-            inflight = self.inflight
-            while inflight and inflight[0].issued and inflight[0].value <= done:
-                self._retire(inflight.popleft())
-            inflight.append(call)
+        self._number(call)
+        self._in_flight(call)
         self._issue_on_caller(call, program)
         self.issued_fast += 1
         return call
@@ -781,10 +787,7 @@ class Engine:
         self._ordered = (value, {key})
         self._lanes_after = value
         self._direct_calls.append((value, call.name, call.signature))
-        with self.lock:
-            call.issued_at = now
-            call.issued = True
-            self._unissued.pop(call.value, None)
+        self._issued((call,), now)
 
     def _issue_captured(self, calls: Sequence[Call], imported: bool) -> None:
         """``issue`` for calls captured into a graph: graph slots that reset, no signal
@@ -912,10 +915,7 @@ class Engine:
         self.device.memops(self.streams.lanes[0],
                            self.streams.completion_writes(call.value, self._lanes_after))
         self._lanes_after = 0
-        with self.lock:
-            call.issued_at = time.monotonic()
-            call.issued = True
-            self._unissued.pop(call.value, None)
+        self._issued((call,), time.monotonic())
 
     def finish(self) -> None:
         """After every enqueued call has completed: retire them, free retired scratch."""
@@ -987,15 +987,8 @@ class Engine:
             last = max((call.value for call in self.inflight if call.on_caller), default=0)
         if not entries and not last and not self.aborted:
             return True
-        deadline = time.monotonic() + timeout
-        delay = 0.0
-        while self.completed < last:
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(delay)
-            delay = min(delay * 2 + 1e-5, 0.01)
         self.device.activate()
-        return self.streams.drained(entries, max(0.0, deadline - time.monotonic()))
+        return self.streams.drained(entries, timeout, until=lambda: self.completed >= last)
 
     def close_streams(self) -> None:
         self.device.activate()

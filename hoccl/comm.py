@@ -554,7 +554,7 @@ class Communicator:
         """Prepare (may fail: nothing enqueued), enqueue (the caller's stream is fenced),
         then hand to the group — now, or at the end of the enclosing ``hoccl.group()``."""
         engine = self._engine
-        if self._group.exported and not getattr(_GROUPS, "depth", 0) \
+        if self._group.exported and _held_calls() is None \
                 and engine.repeat(name, shape, buffers, stream) is not None:
             return  # a direct call repeated: issued at once, as the first one was
         call = engine.prepare(name, shape, buffers, stream, exported=self._group.exported)

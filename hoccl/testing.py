@@ -39,7 +39,9 @@ was never written, and the checker says so.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+import sys
+import traceback
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -48,7 +50,7 @@ from .backends._kernels import MAX_INPUTS
 
 __all__ = ["expected", "reduced", "random_array", "poison", "is_poison", "assert_exact",
            "check_collective", "check_interleaved", "PlantedFault", "FAULTS", "ArrayModule", "RegisteredArrays",
-           "array_module_for",
+           "array_module_for", "run_or_abort",
            "IN_PLACE_FORMS", "POISON_BITS"]
 
 #: collectives that have an in-place form
@@ -69,6 +71,18 @@ IN_PLACE_FORMS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "re
 POISON_BITS = {"float16": 0x7DA5, "bfloat16": 0x7FA5, "float32": 0x7FA5A5A5,
                "float64": 0x7FF5A5A5A5A5A5A5, "int8": 0xA5, "uint8": 0xA5,
                "int32": 0xA5A5A5A5, "int64": 0xA5A5A5A5A5A5A5A5}
+
+def run_or_abort(main: Callable[[], Any]) -> None:
+    """Run an MPI program's ``main``; if it raises, print the error and abort every rank
+    (``MPI_Abort``), so that no peer is left waiting in a collective for ever."""
+    try:
+        main()
+    except Exception:
+        traceback.print_exc()
+        sys.stdout.flush()
+        from mpi4py import MPI
+        MPI.COMM_WORLD.Abort(1)
+
 
 #: the planted faults ``PlantedFault`` knows
 FAULTS = ("flip", "shift", "unwritten")

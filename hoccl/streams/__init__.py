@@ -27,7 +27,7 @@ call order.
 from __future__ import annotations
 
 import time
-from typing import Any, Iterable, List
+from typing import Any, Callable, Iterable, List
 
 from ..backends._base import Device, MemOp
 
@@ -103,11 +103,13 @@ class StreamManager:
         writes = [(MemOp.WRITE, self.completion, value), (MemOp.WRITE, self.host_word, value)]
         return [(MemOp.WAIT, self.completion, after)] + writes if after else writes
 
-    def drained(self, entries: Iterable[Any], timeout: float) -> bool:
+    def drained(self, entries: Iterable[Any], timeout: float,
+                until: Callable[[], bool] = lambda: True) -> bool:
         """Whether, within ``timeout`` s, every caller stream has reached its call (the
-        ``entries``) and every lane is idle: then no queued work of this rank will touch
-        its pad, scratch or mappings again.  After an abort a caller stream can be held
-        by the user's own work for ever; teardown must then keep the memory."""
+        ``entries``), ``until()`` holds (the kernels run on callers' streams have written
+        their completion values) and every lane is idle: then no queued work of this rank
+        will touch its pad, scratch or mappings again.  After an abort a caller stream can
+        be held by the user's own work for ever; teardown must then keep the memory."""
         marks = []
         for lane in self.lanes:
             event = self.event()
@@ -117,13 +119,14 @@ class StreamManager:
         deadline = time.monotonic() + timeout
         delay = 0.0
         try:
-            while waiting:
+            while True:
                 waiting = [event for event in waiting if not self.device.done(event)]
-                if waiting and time.monotonic() > deadline:
+                if not waiting and until():
+                    return True
+                if time.monotonic() > deadline:
                     return False
                 time.sleep(delay)
                 delay = min(delay * 2 + 1e-5, 0.01)
-            return True
         finally:
             for event in marks:
                 self.release(event)

@@ -5,13 +5,12 @@ ranks on one GPU hung so).  The host device's calls are logged in order and chec
 no ``import_`` between a fence of the caller's stream and the end of the issue; every
 call still fenced before it returns; results exact.  Prints ``fence order: ok``."""
 
-import sys
 
 import numpy as np
 from mpi4py import MPI
 
 import hoccl
-from hoccl.testing import assert_exact, random_array
+from hoccl.testing import assert_exact, random_array, run_or_abort
 
 
 def main():
@@ -76,10 +75,4 @@ def main():
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except Exception:
-        import traceback
-        traceback.print_exc()
-        sys.stdout.flush()
-        MPI.COMM_WORLD.Abort(1)
+    run_or_abort(main)

@@ -18,7 +18,7 @@ import numpy as np
 from mpi4py import MPI
 
 import hoccl
-from hoccl.testing import assert_exact, random_array
+from hoccl.testing import assert_exact, random_array, run_or_abort
 
 KERNEL_BYTES = 64 << 10
 
@@ -99,10 +99,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except Exception:
-        import traceback
-        traceback.print_exc()
-        sys.stdout.flush()
-        MPI.COMM_WORLD.Abort(1)
+    run_or_abort(main)
