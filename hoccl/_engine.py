@@ -235,8 +235,9 @@ class Call:
     fenced: bool = False
     #: captured into a CUDA graph (``Executor.issue`` with callers): not numbered, not in flight
     captured: bool = False
-    #: a direct kernel launched on the caller's stream itself (``Executor.issue_on_caller``):
-    #: no entry event, no fence; the kernel writes the completion value
+    #: run on the caller's stream itself (``Executor.issue_on_caller``): a direct kernel, or
+    #: a one-lane plan's memory operations and copies; no entry event, no fence, the
+    #: call's last step writes the completion value
     on_caller: bool = False
     base: int = 0              # the signal base it was issued with
     entry: Any = None          # event marking the caller's position at call time
@@ -246,6 +247,7 @@ class Call:
     #: see ``hoccl._windows``): the call may be issued at once; None if it cannot
     fast: Optional[Dict[int, Dict[str, PeerBuffer]]] = None
     shape: Any = None          # the Shape it was prepared for (``Engine.repeat``)
+    program: Any = None        # a repeat's bound program (``Engine.repeat``)
 
 
 #: the collectives whose every rank plays the same part, so that a peer's buffer of a name
@@ -341,8 +343,8 @@ class Engine:
         self.issued_fast = 0
         self._fast: Dict[tuple, Tuple[Plan, Optional[Dict[int, Dict[str, PeerBuffer]]]]] = {}
         #: direct calls issued without asking, by shape, for their repeats (``repeat``)
-        self._repeats: Dict[Shape, Tuple[Optional[CallTemplate], Dict[str, Any], Any, tuple,
-                                         int]] = {}
+        self._repeats: Dict[Shape, Tuple[Optional[CallTemplate], Dict[str, Any],
+                                         Dict[str, PeerBuffer], Any, tuple, int]] = {}
         self.inflight: Deque[Call] = collections.deque()  # enqueued, in call order
         #: the calls of ``inflight`` not issued yet, by number (``held``: scanning the
         #: deque, which holds every call the device has not finished, cost each call a
@@ -600,13 +602,13 @@ class Engine:
             return
         # Every lane and event the calls not yet issued will take, made before the fence:
         # no driver call that may synchronize the context runs while a caller waits.  A
-        # call on its caller's stream takes none: only its kernel, loaded once.
+        # call on its caller's stream takes none (a direct one: its kernel, loaded once).
         if call.on_caller:
             self.executor.load(call.plan)
         else:
             self.executor.reserve([held.plan for held in self.held()] + [call.plan])
         self._number(call)
-        if call.on_caller:  # the kernel itself keeps the caller's place (``issue``)
+        if call.on_caller:  # its steps themselves keep the caller's place (``issue``)
             call.fenced = True
         else:
             call.entry = self.streams.fence_in(call.caller, call.value, wait=fence)
@@ -712,13 +714,7 @@ class Engine:
         items = []
         for call, program in zip(calls, programs):
             plan = call.plan
-            if plan.pair:
-                base = self._pair_base.get(plan.pair, 0)
-                self._pair_base[plan.pair] = base + plan.max_value
-            else:
-                base = self._signal_base
-                self._signal_base += plan.max_value
-            call.base = base
+            base = self._base(call)
             items.append((plan, program, base, call.entry))
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("rank %d issue %s call %d base %d lanes %d steps %d sms=%s",
@@ -729,25 +725,42 @@ class Engine:
         self._lanes_after = 0
         self._issued(calls, now)
 
+    def _base(self, call: Call) -> int:
+        """``call``'s signal base: its sequence's values so far (the collectives', or its
+        pair's in one direction); the next call of the sequence starts past its values."""
+        plan = call.plan
+        if plan.pair:
+            base = self._pair_base.get(plan.pair, 0)
+            self._pair_base[plan.pair] = base + plan.max_value
+        else:
+            base = self._signal_base
+            self._signal_base += plan.max_value
+        call.base = base
+        return base
+
     def _remember(self, call: Call, program: tuple) -> None:
-        """Keep what a direct call issued without asking its peers was made of, so that a
-        repeat of it (``repeat``) skips the path."""
+        """Keep what a call issued on its caller's stream without asking its peers was made
+        of, so that a repeat of it (``repeat``) skips the path."""
+        if call.plan.pair:
+            return  # a repeat is keyed in the collectives' sequence
         if len(self._repeats) >= _CACHED:
             self._repeats.clear()
-        self._repeats[call.shape] = (self._templates.get(call.shape), call.local, call.fast,
-                                     program, self.layout_epoch)
+        self._repeats[call.shape] = (self._templates.get(call.shape), call.local, call.shared,
+                                     call.fast, program, self.layout_epoch)
 
     def repeat(self, name: str, shape: Shape, buffers: Dict[str, Optional[Buffer]],
                stream: Any) -> Optional[Call]:
-        """A repeat of a direct call that went on its caller's stream without asking its
-        peers (``_remember``): the same shape, the same buffers at the same addresses, the
-        same options, rings and windows.  Issued at once, with what the first call worked
-        out: the template, the peers' rings, the bound program.  None when it is not one
-        (then ``prepare``): another buffer, a stream being captured, anything changed."""
+        """A repeat of a call that went on its caller's stream without asking its peers
+        (``_remember``): the same shape, the same buffers at the same addresses, the same
+        options, rings and windows.  Made with what the first call worked out (the
+        template, what the peers are told, their buffers, the bound program), for
+        ``issue_repeat`` once its message (a copy-engine call's; a direct kernel's goes
+        without) is posted.  None when it is not one (then ``prepare``): another buffer, a
+        stream being captured, anything changed."""
         memo = self._repeats.get(shape)
         if memo is None:
             return None
-        template, local, fast, program, epoch = memo
+        template, local, shared, fast, program, epoch = memo
         if (epoch != self.layout_epoch or template is None
                 or template.options is not self.options
                 or self._templates.get(shape) is not template):
@@ -764,29 +777,37 @@ class Engine:
         if self.device.capturing(caller):
             return None
         call = Call(name, template.plan, ("coll", self._collectives), template.signature, local,
-                    {}, arrays, caller, self)
+                    shared, arrays, caller, self)
         call.fast = call.peers = fast
         call.shape = shape
         call.on_caller = call.fenced = True
-        self._number(call)
-        self._in_flight(call)
-        self._issue_on_caller(call, program)
-        self.issued_fast += 1
+        call.program = program
         return call
 
+    def issue_repeat(self, call: Call) -> None:
+        """Number a call made by ``repeat`` and issue it on its caller's stream."""
+        self._number(call)
+        self._in_flight(call)
+        self._issue_on_caller(call, call.program)
+        self.issued_fast += 1
+
     def _issue_on_caller(self, call: Call, program: tuple) -> None:
-        """A direct kernel's eager call, launched on the caller's stream: the launch is
-        the whole call on the device.  Completion values must still be reached in call
-        order, so a caller's stream not yet known to wait for the previous call's value
-        waits for it first, and the lanes' next completion write waits for this call's."""
+        """An eager call on the caller's stream itself: a direct kernel's launch, or a
+        one-lane plan's memory operations and copies, is the whole call on the device.
+        Completion values must still be reached in call order, so a caller's stream not
+        yet known to wait for the previous call's value waits for it first, and the
+        lanes' next completion write waits for this call's."""
         value, key = call.value, _stream_key(call.caller)
         ordered, streams = self._ordered
         after = value - 1 if value > 1 and not (ordered == value - 1 and key in streams) else 0
+        direct = call.plan.kernel_blocks
+        base = 0 if direct else self._base(call)
         now = time.monotonic()
-        self.executor.issue_on_caller(program, call.caller, value, after)
+        self.executor.issue_on_caller(program, call.caller, value, after, base)
         self._ordered = (value, {key})
         self._lanes_after = value
-        self._direct_calls.append((value, call.name, call.signature))
+        if direct:
+            self._direct_calls.append((value, call.name, call.signature))
         self._issued((call,), now)
 
     def _issue_captured(self, calls: Sequence[Call], imported: bool) -> None:

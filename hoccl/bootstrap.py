@@ -76,6 +76,10 @@ class Group(Protocol):
         when the peers' calls arrive (``LocalGroup``).  A disagreement releases the
         participants' calls and raises ``MismatchError``."""
 
+    def repeat(self, call: "Call") -> None:
+        """Post and issue at once a repeat of a call issued without asking the peers
+        (``Engine.repeat``; only where ``exported``)."""
+
     def withdraw(self, call: "Call") -> None:
         """``call`` will never be issued (its rank closes): forget it."""
 
@@ -115,14 +119,15 @@ def _disagreement(call: "Call", rank: int, peer: int, theirs: Tuple) -> str:
 
 def _silent(call: "Call") -> bool:
     """Whether ``call`` goes without a message to its peers: a direct kernel's eager call
-    on its caller's stream whose peers' rings are known (``Call.fast``).  Its peers touch
+    (on its caller's stream) whose peers' rings are known (``Call.fast``).  Its peers touch
     nothing of this rank's but its ring, within the size they learned, and its kernel
     compares the call's signature with theirs on the device (``DirectProgram``): a peer
     making another call is reported by both ranks' next call or synchronize
     (``Communicator._diverged``).  Both sides of a call always agree on this: it depends
     on the call and on what each learned of the other's ring in the calls before, the
     same on every rank while their sequences of calls agree."""
-    return call.on_caller and call.fast is not None and not call.captured
+    return (call.on_caller and bool(call.plan.kernel_blocks) and call.fast is not None
+            and not call.captured)
 
 
 def _describe(signature: Tuple) -> str:
@@ -321,6 +326,9 @@ class LocalGroup:
                 loop = seen[seen.index(current):]
                 return [(member, waits[member][1], waits[member][0]) for member in loop]
         return []
+
+    def repeat(self, call: "Call") -> None:
+        raise AssertionError("repeat: calls in one process are never repeated at once")
 
     def withdraw(self, call: "Call") -> None:
         """``call``'s rank closes with it never issued: forget it (the other ranks'
@@ -548,10 +556,7 @@ class ProcessGroup:
                 raise DivergedError(f"{error}; the peers may have run the call, so the "
                                     f"communicator is aborted") from None
             for call in calls:
-                if _silent(call):
-                    continue
-                for peer, used in self._used(call.peers).items():
-                    self._unchecked[peer].append((call.key, call.name, call.signature, used))
+                self._expect(call)
             engine.issued_fast += len(calls)
             return
         received = self._receive(calls, time.monotonic() + self.timeout)
@@ -576,7 +581,26 @@ class ProcessGroup:
         engine.learn(calls)
         engine.issue(calls, imported=True)
 
+    def repeat(self, call: "Call") -> None:
+        """A repeat (``Engine.repeat``): its message goes first (a direct kernel's call
+        goes without), which checks what has come of the peers' descriptions of earlier
+        calls; then it is issued at once, and the peers' descriptions of it are checked
+        when they come, as for any call on registered buffers."""
+        silent = _silent(call)
+        if not silent:
+            self.post([call])
+        call.engine.issue_repeat(call)
+        if not silent:
+            self._expect(call)
+
     # -- calls issued without the peers' descriptions ---------------------------------
+    def _expect(self, call: "Call") -> None:
+        """``call`` was issued without its peers' descriptions: check them when they come."""
+        if _silent(call):
+            return
+        for peer, used in self._used(call.peers).items():
+            self._unchecked[peer].append((call.key, call.name, call.signature, used))
+
     def _ready(self, peer: int) -> bool:
         """Whether ``peer``'s next message for a call still to be matched has come (the
         checks of calls issued without it are taken first)."""

@@ -356,6 +356,22 @@ class Communicator:
             raise AbortedError(f"finished: the communicator was aborted: {engine.abort_reason}")
         return engine.closed or engine.completed >= mark
 
+    def order_after(self, mark: int, *, stream: Any = None) -> None:
+        """Make ``stream`` (None: the default stream) wait, on the device, until every
+        call this rank made up to ``mark`` (a value of ``calls``) has finished: one stream
+        memory operation, no SM, no host wait; what an event recorded after the call
+        would give, without the event.  Raises AbortedError after an abort."""
+        self._usable("order_after")
+        engine = self._engine
+        if mark > engine.calls:
+            raise InvalidArgumentError(f"order_after: mark {mark} is past this rank's "
+                                       f"{engine.calls} calls so far")
+        if mark <= 0:
+            return
+        engine.device.activate()
+        caller = engine.device.resolve_stream(stream, ())
+        engine.device.wait_value(caller, engine.streams.completion, mark)
+
     def abort(self, reason: str = "") -> None:
         """Release every stream-side wait of this communicator and make later calls raise.
 
@@ -554,9 +570,16 @@ class Communicator:
         """Prepare (may fail: nothing enqueued), enqueue (the caller's stream is fenced),
         then hand to the group — now, or at the end of the enclosing ``hoccl.group()``."""
         engine = self._engine
-        if self._group.exported and _held_calls() is None \
-                and engine.repeat(name, shape, buffers, stream) is not None:
-            return  # a direct call repeated: issued at once, as the first one was
+        if self._group.exported and _held_calls() is None:
+            repeated = engine.repeat(name, shape, buffers, stream)
+            if repeated is not None:  # issued at once, as the first one was
+                try:
+                    self._group.repeat(repeated)
+                except HocclError as error:  # an earlier call's check: nothing to match up
+                    self._fail([repeated], error)
+                    raise
+                self._health.start_watchdog()
+                return
         call = engine.prepare(name, shape, buffers, stream, exported=self._group.exported)
         self._usable(name)  # the watchdog may have aborted meanwhile
         held = _held_calls()
@@ -565,9 +588,12 @@ class Communicator:
                                        f"inside hoccl.group() yet")
         # across processes the call returns only once issued: its caller is fenced then,
         # after the peers' buffers are mapped (``Engine.issue``), or, a direct kernel's
-        # call, the kernel itself is launched on it; in one process the call is held until
-        # every rank made it, so its caller is fenced now
-        if held is None and self._group.exported and call.plan.kernel_blocks:
+        # call or a one-lane plan's, its steps are enqueued on the caller's stream itself;
+        # in one process the call is held until every rank made it, so its caller is
+        # fenced now
+        # (captured, only a direct kernel: one node of the graph)
+        if held is None and self._group.exported and (
+                call.plan.kernel_blocks or (call.plan.lanes == 1 and not call.captured)):
             call.on_caller = True
         engine.enqueue(call, fence=held is None and not self._group.exported)
         self._health.start_watchdog()

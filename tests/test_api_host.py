@@ -1,6 +1,7 @@
 """The public API on the host backend, every rank in this process (init_local)."""
 
 import gc
+import time
 
 import numpy as np
 import pytest
@@ -116,6 +117,29 @@ def test_buffers_stay_alive_after_the_caller_drops_them(init_local):
         comm.synchronize()
     for rank in range(2):
         assert_exact(f"all_gather: rank {rank}", np.concatenate(expected), outputs[rank])
+
+
+def test_order_after_holds_a_stream_until_the_calls_up_to_a_mark_finish(init_local):
+    comms = init_local(2, backend="host", chunk_bytes=64)
+    rng = np.random.default_rng(12)
+    data = [random_array(rng, 4096, "float32") for _ in range(2)]
+    outputs = [poison(8192, "float32") for _ in range(2)]
+    streams = [comm._engine.device.create_stream() for comm in comms]
+    seen = [None, None]
+    for rank in range(2):
+        comm = comms[rank]
+        comm.all_gather(data[rank], outputs[rank])
+        comm.order_after(comm.calls, stream=streams[rank])
+        streams[rank].enqueue(lambda rank=rank: seen.__setitem__(rank, outputs[rank].copy()))
+        if rank == 0:  # its call waits for rank 1's: so must the stream
+            time.sleep(0.1)
+            assert seen[0] is None, "the stream ran before the call it was ordered after"
+    for rank in range(2):
+        comms[rank].synchronize()
+        streams[rank].synchronize(10)
+        assert_exact(f"order_after: rank {rank}", np.concatenate(data), seen[rank])
+    with pytest.raises(hoccl.InvalidArgumentError, match=r"order_after: mark 2 is past .* 1 "):
+        comms[0].order_after(2, stream=streams[0])
 
 
 def _untouched(call, *outputs):

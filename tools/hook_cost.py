@@ -1,6 +1,6 @@
 """Host time of one FSDP2 all-gather hook call, piece by piece, on GPUs.
 
-Run: ``mpirun -np 2 python tools/hook_cost.py [--size 64M] [--iters 300]``
+Run: ``mpirun -np 2 python tools/hook_cost.py [--size 64M] [--iters 300] [--burst 50]``
 
 Calls ``hoccl.torch.AllGather`` (registered memory, in place, as FSDP2 does) back to back
 on FSDP2's pattern of streams, and times on the host: the whole hook call, hoccl's
@@ -24,6 +24,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--size", default="64M", help="bytes of the all-gather output")
     parser.add_argument("--iters", type=int, default=300)
+    parser.add_argument("--burst", type=int, default=0,
+                        help="time the calls in bursts of this many, synchronizing between "
+                             "bursts (not timed): the host's own cost where the GPU cannot "
+                             "keep up (two ranks on one GPU)")
     parser.add_argument("--async-op", action="store_true",
                         help="async_op=True (the call on the group's side stream, then wait)")
     args = parser.parse_args()
@@ -67,11 +71,14 @@ def main() -> None:
     for key in spent:
         spent[key] = 0.0
     start = time.perf_counter()
-    for _ in range(args.iters):
+    burst = args.burst or args.iters
+    for index in range(args.iters):
+        if index and index % burst == 0:
+            torch.cuda.synchronize()
         begin = time.perf_counter()
         call()
         spent["hook"] += time.perf_counter() - begin
-    host = time.perf_counter() - start
+    host = spent["hook"] if args.burst else time.perf_counter() - start
     torch.cuda.synchronize()
     total = time.perf_counter() - start
     print(f"rank {rank}: {args.size} in-place all-gather through the FSDP hook "

@@ -102,7 +102,8 @@ class AllGather(_Hooked, _AllGather):
         output, slot = shadowed
         found = pool.shadow(input_tensor)
         input = found[0] if found is not None and found[1] is slot else input_tensor
-        work = self._count(lambda: all_gather_into(self.launcher, output, input, async_op))
+        work = self._count(lambda: all_gather_into(self.launcher, output, input, async_op,
+                                                   mark=not async_op))
         pool.used(slot, work)
         self._timed(start)
         return work if async_op else None
@@ -146,7 +147,8 @@ class ReduceScatter(_Hooked, _ReduceScatter):
         output, input = (found[0] if found is not None else tensor
                          for found, tensor in zip(shadows, (output_tensor, input_tensor)))
         work = self._count(lambda: reduce_scatter_into(call, self.launcher, output, input,
-                                                       name, factor, async_op))
+                                                       name, factor, async_op,
+                                                       mark=not async_op))
         for found in shadows:
             if found is not None:
                 self.pool.used(found[1], work)  # type: ignore[union-attr]

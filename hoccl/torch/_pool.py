@@ -35,6 +35,7 @@ __all__ = ["RegisteredPool"]
 
 _ALIGN = 512  # bytes: slot offsets and sizes (every dtype's alignment, and DMA-friendly)
 _SLAB_BYTES = 64 << 20  # the smallest slab a pool registers
+_SHADOWS = 8  # shadows a slot keeps (FSDP2 makes two views of each: output, own block)
 
 
 def _usable() -> bool:
@@ -62,7 +63,10 @@ class _Slot:
     nbytes: int
     storage: Any = None    # weak reference to the storage of the tensor in it; None: never used
     stream: Any = None     # the CUDA stream it was last handed out on
-    work: Any = None       # the last hoccl call on it (a hoccl.torch Work)
+    work: Any = None       # the last hoccl call on it (a hoccl.torch Work or Mark)
+    #: the shadows made of it (``RegisteredPool.shadow``), by view: a repeated call on the
+    #: same view reuses its shadow (they hold nothing of the slot: no storage of its user's)
+    shadows: Dict[tuple, torch.Tensor] = field(default_factory=dict)
 
     def tensor(self, dtype: torch.dtype, device: torch.device, offset: int,
                size: Sequence[int], stride: Sequence[int]) -> Tuple[torch.Tensor, Any]:
@@ -178,12 +182,18 @@ class RegisteredPool:
         slot = self._at.get(tensor.untyped_storage().data_ptr())
         if slot is None or slot.free():
             return None
-        shadow, _ = slot.tensor(tensor.dtype, tensor.device, int(tensor.storage_offset()),
-                                tensor.size(), tensor.stride())
+        view = (tensor.dtype, tensor.storage_offset(), tensor.size(), tensor.stride())
+        shadow = slot.shadows.get(view)
+        if shadow is None:
+            if len(slot.shadows) >= _SHADOWS:
+                slot.shadows.clear()
+            shadow = slot.shadows[view] = slot.tensor(tensor.dtype, tensor.device, view[1],
+                                                      view[2], view[3])[0]
         return shadow, slot
 
     def used(self, slot: _Slot, work: Any) -> None:
-        """``work`` (a hoccl.torch Work) is the latest call on ``slot``'s memory."""
+        """``work`` (a hoccl.torch Work, or a synchronous call's Mark) is the latest call on
+        ``slot``'s memory."""
         slot.work = work
 
     def _carve(self, nbytes: int) -> _Slot:

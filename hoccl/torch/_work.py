@@ -20,7 +20,9 @@ from typing import Any, Callable, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["Launcher", "Work", "WorkList", "wait_host"]
+from .. import HocclError
+
+__all__ = ["Launcher", "Mark", "Work", "WorkList", "wait_host"]
 
 
 def wait_host(comm: Any, mark: int) -> None:
@@ -44,11 +46,12 @@ class Launcher:
 
     def run(self, issue: Callable[[Any], Optional[Callable[[], None]]],
             outputs: List[torch.Tensor], tensors: Sequence[torch.Tensor], async_op: bool, *,
-            blocking: bool = False) -> "Work":
+            blocking: bool = False, mark: bool = False) -> Any:
         """``issue(stream)`` makes the hoccl calls, and the torch ops they need first, on
         ``stream`` (None on the host backend); it may return torch work on the outputs
         that must follow them.  ``tensors`` are every tensor the call touches.
-        ``blocking`` Works make ``wait()`` block the host too (barrier).
+        ``blocking`` Works make ``wait()`` block the host too (barrier).  ``mark``: a
+        synchronous call whose caller needs no Work gets a ``Mark`` instead (no event).
 
         Temporaries are made inside ``issue``, on the stream that uses them.  On the host
         backend a synchronous or blocking call, or one with work to follow, waits for
@@ -68,16 +71,51 @@ class Launcher:
             stream.wait_stream(current)
             for tensor in tensors:  # the caching allocator must not reuse them before the call ends
                 tensor.record_stream(stream)
-        with torch.cuda.stream(stream):
+            with torch.cuda.stream(stream):
+                post = issue(stream)
+                if post is not None:
+                    post()
+        else:  # the stream is current already
             post = issue(stream)
             if post is not None:
                 post()
+            if mark:
+                return Mark(self, self.comm.calls)
         return Work(self, outputs, event=self.record(stream), stream=stream, blocking=blocking)
 
     def record(self, stream: "torch.cuda.Stream") -> "torch.cuda.Event":
         event = torch.cuda.Event()
         event.record(stream)
         return event
+
+
+class Mark:
+    """A synchronous call's place among its communicator's calls (``Communicator.calls``
+    after it), for what must order later work after the call but needs no Work (the
+    FSDP2 hooks' pool): ``block_current_stream()`` and ``is_completed()``, through the
+    communicator's completion word rather than an event."""
+
+    __slots__ = ("launcher", "value")
+
+    def __init__(self, launcher: Launcher, value: int):
+        self.launcher = launcher
+        self.value = value
+
+    def block_current_stream(self) -> None:
+        launcher = self.launcher
+        if launcher.device is None:
+            wait_host(launcher.comm, self.value)
+        else:
+            launcher.comm.order_after(self.value,
+                                      stream=torch.cuda.current_stream(launcher.device))
+
+    def is_completed(self) -> bool:
+        """Whether the call has finished (False after an abort: whatever the call's memory
+        is, it stays held)."""
+        try:
+            return self.launcher.comm.finished(self.value)
+        except HocclError:
+            return False
 
 
 class Work(dist.Work):
