@@ -350,30 +350,33 @@ if [ "$what" = direct ]; then
 fi
 if [ "$what" = caller ]; then
   # copy-engine calls of one lane on the caller's stream, and their repeats: the exact
-  # checks plain and registered, graph replays with eager calls between, abort and
-  # mismatch, hostile inputs, the registered divergence checks, the torch backend and
-  # training against NCCL, then the host's cost per call (in bursts) and per FSDP2 hook
+  # checks plain and registered, the host's cost per call (in bursts) and per FSDP2 hook
+  # (with BASELINE, a checkout of an earlier commit, the same from it in the same run),
+  # graph replays with eager calls between, abort and mismatch, the torch backend and
+  # training against NCCL, hostile inputs, the registered divergence checks
   step ce-checks 150 $MPIRUN python3 tests/mpi/run_checks.py --backend cuda --counts 0,1,17,100003
   step ce-registered 120 $MPIRUN python3 tests/mpi/run_checks.py --backend cuda --registered \
     --counts 0,17,100003
+  for tree in $PWD ${BASELINE:+$PWD/$BASELINE}; do
+    tag=$([ "$tree" = "$PWD" ] && echo new || echo base)
+    step "profile-ce-$tag" 60 env PYTHONPATH=$tree:$DEPS $MPIRUN python3 $tree/tools/profile_call.py \
+      --size 1M --registered --iters 1000 --burst 50
+    for size in 1M 64M; do
+      step "hook-cost-$size-$tag" 60 env PYTHONPATH=$tree:$DEPS $TRUN python3 tools/hook_cost.py \
+        --size $size --iters 300 --burst 20
+    done
+  done
+  step profile-direct 60 $MPIRUN python3 tools/profile_call.py --size 1M --registered \
+    --kernel-bytes 16M --iters 1000 --burst 50
   step ce-capture 150 $MPIRUN python3 tests/mpi/run_capture.py --backend cuda --replays ${REPLAYS:-300}
-  for scenario in abort mismatch absent; do
+  for scenario in abort mismatch; do
     step "ce-$scenario" 60 $MPIRUN --mca orte_abort_on_non_zero_status 0 \
       python3 tests/mpi/run_failures.py $scenario --backend cuda
   done
-  step ce-hostile 120 $MPIRUN python3 tests/mpi/run_hostile.py --backend cuda
-  step ce-registered-div 120 $MPIRUN python3 tests/mpi/run_registered.py --backend cuda
-  step direct-checks 150 $MPIRUN python3 tests/mpi/run_checks.py --backend cuda \
-    --registered --kernel-bytes 1048576 --counts 0,17,100003
   step torch-backend 150 $TRUN python3 tests/torch_programs/run_backend.py --device cuda
   step torch-training 200 $TRUN python3 tests/torch_programs/run_training.py --device cuda
-  step profile-ce 60 $MPIRUN python3 tools/profile_call.py --size 1M --registered \
-    --iters 1000 --burst 50
-  step profile-direct 60 $MPIRUN python3 tools/profile_call.py --size 1M --registered \
-    --kernel-bytes 16M --iters 1000 --burst 50
-  for size in 1M 64M; do
-    step "hook-cost-$size" 60 $TRUN python3 tools/hook_cost.py --size $size --iters 300 --burst 20
-  done
+  step ce-hostile 120 $MPIRUN python3 tests/mpi/run_hostile.py --backend cuda
+  step ce-registered-div 120 $MPIRUN python3 tests/mpi/run_registered.py --backend cuda
 fi
 if [ "$what" = registered ]; then
   # registered buffers: every collective on registered memory against numpy, the
