@@ -248,6 +248,7 @@ class Call:
     fast: Optional[Dict[int, Dict[str, PeerBuffer]]] = None
     shape: Any = None          # the Shape it was prepared for (``Engine.repeat``)
     program: Any = None        # a repeat's bound program (``Engine.repeat``)
+    memo: Any = None           # its shape and buffer addresses (``Engine.repeat``)
 
 
 #: the collectives whose every rank plays the same part, so that a peer's buffer of a name
@@ -343,8 +344,8 @@ class Engine:
         self.issued_fast = 0
         self._fast: Dict[tuple, Tuple[Plan, Optional[Dict[int, Dict[str, PeerBuffer]]]]] = {}
         #: direct calls issued without asking, by shape, for their repeats (``repeat``)
-        self._repeats: Dict[Shape, Tuple[Optional[CallTemplate], Dict[str, Any],
-                                         Dict[str, PeerBuffer], Any, tuple, int]] = {}
+        self._repeats: Dict[tuple, Tuple[Optional[CallTemplate], Dict[str, Any],
+                                         Dict[str, PeerBuffer], Any, tuple, bool, int]] = {}
         self.inflight: Deque[Call] = collections.deque()  # enqueued, in call order
         #: the calls of ``inflight`` not issued yet, by number (``held``: scanning the
         #: deque, which holds every call the device has not finished, cost each call a
@@ -455,6 +456,7 @@ class Engine:
         call = Call(name, plan, key, signature, local, shared, arrays, caller, self)
         call.fast = fast
         call.shape = template.shape
+        call.memo = _memo_key(template.shape, buffers)
         if captured:
             call.captured = True
             if "scratch" in local:  # a graph may use it for ever: never freed before close
@@ -705,9 +707,13 @@ class Engine:
         if calls[0].on_caller:
             assert len(calls) == 1, "a call on its caller's stream is never in a group"
             self._issue_on_caller(calls[0], programs[0])
-            if calls[0].fast is not None and calls[0].peers is calls[0].fast:
-                self._remember(calls[0], programs[0])
-            return
+        else:
+            self._issue_lanes(calls, programs)
+        if len(calls) == 1 and calls[0].fast is not None and calls[0].peers is calls[0].fast:
+            self._remember(calls[0], programs[0])
+
+    def _issue_lanes(self, calls: Sequence[Call], programs: Sequence[tuple]) -> None:
+        """``issue`` on the lanes: fence the callers not fenced yet, then the steps."""
         unfenced = [call for call in calls if not call.fenced]
         if unfenced:
             self.fence_callers(unfenced)
@@ -739,38 +745,33 @@ class Engine:
         return base
 
     def _remember(self, call: Call, program: tuple) -> None:
-        """Keep what a call issued on its caller's stream without asking its peers was made
-        of, so that a repeat of it (``repeat``) skips the path."""
-        if call.plan.pair:
+        """Keep what an eager collective issued without asking its peers was made of, so
+        that a repeat of it (``repeat``) skips the path."""
+        if call.plan.pair or call.memo is None:
             return  # a repeat is keyed in the collectives' sequence
         if len(self._repeats) >= _CACHED:
             self._repeats.clear()
-        self._repeats[call.shape] = (self._templates.get(call.shape), call.local, call.shared,
-                                     call.fast, program, self.layout_epoch)
+        self._repeats[call.memo] = (self._templates.get(call.shape), call.local, call.shared,
+                                    call.fast, program, call.on_caller, self.layout_epoch)
 
     def repeat(self, name: str, shape: Shape, buffers: Dict[str, Optional[Buffer]],
                stream: Any) -> Optional[Call]:
-        """A repeat of a call that went on its caller's stream without asking its peers
-        (``_remember``): the same shape, the same buffers at the same addresses, the same
-        options, rings and windows.  Made with what the first call worked out (the
-        template, what the peers are told, their buffers, the bound program), for
-        ``issue_repeat`` once its message (a copy-engine call's; a direct kernel's goes
-        without) is posted.  None when it is not one (then ``prepare``): another buffer, a
-        stream being captured, anything changed."""
-        memo = self._repeats.get(shape)
+        """A repeat of an eager collective issued without asking its peers (``_remember``):
+        the same shape on buffers at the same addresses, with the same options, scratch,
+        rings and windows (``layout_epoch`` counts their changes).  Made with what the
+        first call worked out (the template, what the peers are told, their buffers, the
+        bound program), for ``issue_repeat`` once its message (a copy-engine call's; a
+        direct kernel's goes without) is posted.  None when it is not one (then
+        ``prepare``): another buffer, a stream being captured, anything changed."""
+        memo = self._repeats.get(_memo_key(shape, buffers))
         if memo is None:
             return None
-        template, local, shared, fast, program, epoch = memo
+        template, local, shared, fast, program, on_caller, epoch = memo
         if (epoch != self.layout_epoch or template is None
                 or template.options is not self.options
                 or self._templates.get(shape) is not template):
             return None
         assert template is not None
-        for buffer_name, address in local.items():
-            if buffer_name != RING:
-                buffer = buffers.get(buffer_name)
-                if buffer is None or buffer.address != address:
-                    return None
         arrays = tuple(buffer.owner for buffer in buffers.values() if buffer is not None)
         self.device.activate()
         caller = self.device.resolve_stream(stream, arrays)
@@ -780,15 +781,20 @@ class Engine:
                     shared, arrays, caller, self)
         call.fast = call.peers = fast
         call.shape = shape
-        call.on_caller = call.fenced = True
+        call.on_caller = call.fenced = on_caller
         call.program = program
         return call
 
     def issue_repeat(self, call: Call) -> None:
-        """Number a call made by ``repeat`` and issue it on its caller's stream."""
-        self._number(call)
-        self._in_flight(call)
-        self._issue_on_caller(call, call.program)
+        """Number a call made by ``repeat`` and issue it: on its caller's stream, or on
+        the lanes (fenced at once: there is nothing of the peers' to map)."""
+        if call.on_caller:
+            self._number(call)
+            self._in_flight(call)
+            self._issue_on_caller(call, call.program)
+        else:
+            self.enqueue(call, fence=True)
+            self._issue_lanes([call], [call.program])
         self.issued_fast += 1
 
     def _issue_on_caller(self, call: Call, program: tuple) -> None:
@@ -996,6 +1002,7 @@ class Engine:
             address = self.device.alloc(nbytes)
             self._scratch = (address, nbytes)
             self._exports.clear()
+            self.layout_epoch += 1  # programs bound to the old scratch must not repeat
         return address
 
     # -- teardown -------------------------------------------------------------------------
@@ -1034,6 +1041,13 @@ class Engine:
             self._retired, self._kept, self._scratch = [], [], (None, 0)
             self._pinned.clear()
         self.share.leave(leak)
+
+
+def _memo_key(shape: Shape, buffers: Dict[str, Optional[Buffer]]) -> tuple:
+    """What a repeat (``Engine.repeat``) is known by: the shape and the buffers'
+    addresses."""
+    return (shape,) + tuple(None if buffer is None else buffer.address
+                            for buffer in buffers.values())
 
 
 def _digest(signature: tuple) -> int:

@@ -1,4 +1,4 @@
-"""Host time of one FSDP2 all-gather hook call, piece by piece, on GPUs.
+"""Host time of one FSDP2 all-gather (or reduce-scatter) hook call, piece by piece, on GPUs.
 
 Run: ``mpirun -np 2 python tools/hook_cost.py [--size 64M] [--iters 300] [--burst 50]``
 
@@ -28,6 +28,10 @@ def main() -> None:
                         help="time the calls in bursts of this many, synchronizing between "
                              "bursts (not timed): the host's own cost where the GPU cannot "
                              "keep up (two ranks on one GPU)")
+    parser.add_argument("--collective", choices=("all_gather", "reduce_scatter"),
+                        default="all_gather",
+                        help="reduce_scatter: FSDP2's gradient reduce-scatter (fp32, AVG) "
+                             "beside an all-gather hook's registered pool, as in training")
     parser.add_argument("--async-op", action="store_true",
                         help="async_op=True (the call on the group's side stream, then wait)")
     args = parser.parse_args()
@@ -38,9 +42,11 @@ def main() -> None:
     torch.cuda.set_device(rank % torch.cuda.device_count())
     dist.init_process_group("hoccl", rank=rank, world_size=world)
     group = dist.group.WORLD
-    hook = _fsdp.AllGather(group, registered=True)
+    gather = _fsdp.AllGather(group, registered=True)
+    hook = gather if args.collective == "all_gather" else _fsdp.ReduceScatter(group)
     comm = hook.comm
-    spent = {"hook": 0.0, "comm.all_gather": 0.0, "pool.shadow": 0.0, "Launcher.run": 0.0}
+    method = f"comm.{args.collective}"
+    spent = {"hook": 0.0, method: 0.0, "pool.shadow": 0.0, "Launcher.run": 0.0}
 
     def timed(name, function):
         def wrapper(*a, **k):
@@ -50,19 +56,33 @@ def main() -> None:
             finally:
                 spent[name] += time.perf_counter() - start
         return wrapper
-    comm.all_gather = timed("comm.all_gather", comm.all_gather)
+    setattr(comm, args.collective, timed(method, getattr(comm, args.collective)))
     hook.pool.shadow = timed("pool.shadow", hook.pool.shadow)
     _work.Launcher.run = timed("Launcher.run", _work.Launcher.run)
-    count = parse_size(args.size) // 2
-    block = count // world
+    cuda = torch.device("cuda")
     stream = torch.cuda.Stream()
-    output = hook.allocate((count,), dtype=torch.bfloat16, device=torch.device("cuda"))
-    output.zero_()
+    if args.collective == "all_gather":
+        count = parse_size(args.size) // 2
+        block = count // world
+        output = hook.allocate((count,), dtype=torch.bfloat16, device=cuda)
+        output.zero_()
+
+        def issue():
+            return hook(output, output[rank * block:(rank + 1) * block], group,
+                        async_op=args.async_op)
+    else:
+        gather.allocate((1 << 20,), dtype=torch.bfloat16, device=cuda)  # FSDP2's pool
+        count = parse_size(args.size) // 4
+        input = hook.allocate((count,), dtype=torch.float32, device=cuda)
+        input.normal_()
+        output = hook.allocate((count // world,), dtype=torch.float32, device=cuda)
+
+        def issue():
+            return hook(output, input, group, op=dist.ReduceOp.AVG, async_op=args.async_op)
 
     def call():
         with torch.cuda.stream(stream):
-            work = hook(output, output[rank * block:(rank + 1) * block], group,
-                        async_op=args.async_op)
+            work = issue()
             if work is not None:
                 work.wait()
     for _ in range(20):
@@ -81,7 +101,9 @@ def main() -> None:
     host = spent["hook"] if args.burst else time.perf_counter() - start
     torch.cuda.synchronize()
     total = time.perf_counter() - start
-    print(f"rank {rank}: {args.size} in-place all-gather through the FSDP hook "
+    what = ("in-place all-gather" if args.collective == "all_gather"
+            else "reduce-scatter (fp32, AVG)")
+    print(f"rank {rank}: {args.size} {what} through the FSDP hook "
           f"(async_op={args.async_op}), {args.iters} "
           f"calls: host {host / args.iters * 1e6:.1f} µs per call, with the GPU "
           f"{total / args.iters * 1e6:.1f}; " + ", ".join(

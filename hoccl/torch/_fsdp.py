@@ -41,6 +41,7 @@ class _Hooked:
         self.calls = 0              # calls made through this hook
         self.without_exchange = 0   # of which issued with no descriptor exchange
         self.host_seconds = 0.0     # the host's time inside the hook's calls, in all
+        self._checked: Any = None   # the last group found to match the communicator
 
     def _count(self, issue: Any) -> Any:
         engine = getattr(self.comm, "_engine", None)
@@ -59,12 +60,14 @@ class _Hooked:
         return torch.empty(*size, dtype=dtype, device=device)
 
     def _check(self, call: str, group: Optional[dist.ProcessGroup]) -> None:
-        if group is not None and (group.size(), group.rank()) != (self.comm.world_size,
-                                                                  self.comm.rank):
+        if group is None or group is self._checked:
+            return
+        if (group.size(), group.rank()) != (self.comm.world_size, self.comm.rank):
             raise InvalidArgumentError(
                 f"{call}: FSDP's group is rank {group.rank()} of {group.size()}, but the hoccl "
                 f"communicator is rank {self.comm.rank} of {self.comm.world_size}: give "
                 f"use_for_fsdp the communicator of the mesh FSDP shards over")
+        self._checked = group  # FSDP passes the same group every call
 
 
 class AllGather(_Hooked, _AllGather):

@@ -1,0 +1,160 @@
+"""Under mpirun: repeated copy-engine calls on registered buffers go the shortest path
+(``Engine.repeat``) and stay exact, on the caller's stream (one-lane plans) and on the
+lanes; a repeat is never made with a scratch buffer that has been replaced since.
+``python run_repeats.py [--backend B] [--rounds N]``.
+
+Every rank registers its buffers once (``hoccl.empty``) and makes, round after round,
+the same calls on them (all_gather and all_to_all, reduce_scatter and all_reduce in
+place and out of place, broadcast), with fresh values written into the inputs and the
+outputs poisoned before each round; every output is checked against numpy.  The repeats
+are counted.  Then a reduce_scatter of a larger count makes hoccl replace its reduction
+scratch; the next call of the smaller one must be planned afresh (not a repeat of a
+program bound to the old scratch, which is freed at the next synchronize) and exact, and
+the ones after it repeats again.  Prints ``repeats ranks=N: P passed, F failed``.
+"""
+
+import argparse
+import sys
+
+import numpy as np
+from mpi4py import MPI
+
+import hoccl
+from hoccl.testing import poison, reduced, run_or_abort
+
+COUNT = 3000  # elements per rank's block: float32
+
+
+def _fill(array, values: np.ndarray) -> None:
+    """``values`` into ``array`` where it lies (numpy, cupy or torch), its address kept."""
+    if isinstance(array, np.ndarray):
+        array[...] = values
+    elif hasattr(array, "set"):  # cupy
+        array.set(values)
+    else:
+        import torch
+        array.copy_(torch.from_numpy(values))
+
+
+def _numpy(array) -> np.ndarray:
+    if isinstance(array, np.ndarray):
+        return array.copy()
+    if hasattr(array, "get"):
+        return array.get()
+    return array.cpu().numpy()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--backend", default=None)
+    parser.add_argument("--rounds", type=int, default=12)
+    args = parser.parse_args()
+    comm = hoccl.init(backend=args.backend, timeout=60)
+    engine = comm._engine
+    n, r = comm.world_size, comm.rank
+    repeats, prepared = [0], [0]
+    original_repeat, original_prepare = engine.repeat, engine.prepare
+
+    def counting_repeat(*call_args):
+        call = original_repeat(*call_args)
+        repeats[0] += call is not None
+        return call
+
+    def counting_prepare(*call_args, **kwargs):
+        prepared[0] += 1
+        return original_prepare(*call_args, **kwargs)
+    engine.repeat, engine.prepare = counting_repeat, counting_prepare
+
+    def registered(count):
+        array = hoccl.empty(count, "float32", comm)
+        _fill(array, poison(count, "float32"))
+        return array
+
+    def numbers(count, seed):
+        return np.random.default_rng(seed).standard_normal(count).astype(np.float32)
+
+    full, send, total, out = (registered(COUNT * n), registered(COUNT * n),
+                              registered(COUNT * n), registered(COUNT))
+    own = full[r * COUNT:(r + 1) * COUNT]
+    failures = []
+
+    def check(what, want, got):
+        if not np.allclose(got, want, rtol=1e-5, atol=1e-5):
+            bad = int(np.sum(~np.isclose(got, want, rtol=1e-5, atol=1e-5)))
+            failures.append(f"{what}: {bad} of {want.size} elements wrong")
+
+    def round_(index):
+        """Every call once, on the same buffers, with fresh values."""
+        seed = 100 * index
+        blocks = [numbers(COUNT, seed + peer) for peer in range(n)]
+        inputs = [numbers(COUNT * n, seed + 50 + peer) for peer in range(n)]
+        _fill(full, poison(COUNT * n, "float32"))
+        _fill(own, blocks[r])
+        comm.all_gather(own, full)
+        comm.synchronize()
+        check(f"round {index} all_gather", np.concatenate(blocks), _numpy(full))
+        _fill(send, inputs[r])
+        _fill(total, poison(COUNT * n, "float32"))
+        comm.all_to_all(send, total)
+        comm.synchronize()
+        check(f"round {index} all_to_all",
+              np.concatenate([inputs[peer][r * COUNT:(r + 1) * COUNT] for peer in range(n)]),
+              _numpy(total))
+        _fill(out, poison(COUNT, "float32"))
+        comm.reduce_scatter(send, out, "sum")
+        comm.synchronize()
+        check(f"round {index} reduce_scatter",
+              reduced([inputs[peer][r * COUNT:(r + 1) * COUNT] for peer in range(n)], "sum"),
+              _numpy(out))
+        _fill(total, inputs[r])
+        comm.all_reduce(total, total, "max")
+        comm.synchronize()
+        check(f"round {index} all_reduce in place", reduced(inputs, "max"), _numpy(total))
+        _fill(full, poison(COUNT * n, "float32"))
+        if r == index % n:
+            _fill(full, inputs[r])
+        comm.broadcast(full, full, root=index % n)
+        comm.synchronize()
+        check(f"round {index} broadcast", inputs[index % n], _numpy(full))
+
+    for index in range(args.rounds):
+        round_(index)
+    calls = 5 * args.rounds
+    # the first round's reductions grow the scratch (which ends the first calls' memos);
+    # broadcast, rooted, is never issued without asking: every later symmetric call repeats
+    if repeats[0] < 4 * (args.rounds - 2):
+        failures.append(f"{repeats[0]} repeats in {calls} calls on the same buffers; expected "
+                        f"{4 * (args.rounds - 2)} or more")
+    # a larger reduce_scatter replaces the scratch; the smaller one is then planned afresh
+    big_send, big_out = registered(8 * COUNT * n), registered(8 * COUNT)
+    inputs = [numbers(8 * COUNT * n, 7000 + peer) for peer in range(n)]
+    _fill(big_send, inputs[r])
+    comm.reduce_scatter(big_send, big_out, "sum")
+    comm.synchronize()
+    check("larger reduce_scatter",
+          reduced([inputs[peer][r * 8 * COUNT:(r + 1) * 8 * COUNT] for peer in range(n)], "sum"),
+          _numpy(big_out))
+    before = prepared[0]
+    for index in range(3):
+        inputs = [numbers(COUNT * n, 9000 + 10 * index + peer) for peer in range(n)]
+        _fill(send, inputs[r])
+        _fill(out, poison(COUNT, "float32"))
+        comm.reduce_scatter(send, out, "sum")
+        comm.synchronize()
+        check(f"reduce_scatter after the scratch grew, call {index}",
+              reduced([inputs[peer][r * COUNT:(r + 1) * COUNT] for peer in range(n)], "sum"),
+              _numpy(out))
+    if prepared[0] - before != 1:
+        failures.append(f"after the scratch was replaced, {prepared[0] - before} of 3 calls were "
+                        f"planned afresh; expected 1 (then repeats)")
+    comm.close()
+    for failure in failures:
+        print(f"rank {r}: FAILED {failure}", flush=True)
+    failed = MPI.COMM_WORLD.allreduce(len(failures))
+    if r == 0:
+        print(f"repeats ranks={n}: {n * (calls + 4)} passed, {failed} failed", flush=True)
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    run_or_abort(main)
