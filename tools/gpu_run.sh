@@ -349,18 +349,20 @@ if [ "$what" = direct ]; then
   fi
 fi
 if [ "$what" = caller ]; then
-  # copy-engine calls of one lane on the caller's stream, and repeats of every eager
-  # collective on registered buffers: the exact checks plain and registered, the repeats
-  # checked round after round, the host's cost per call (in bursts) and per FSDP2 hook
-  # (with BASELINE, a checkout of an earlier commit, the same from it in the same run),
-  # graph replays with eager calls between, abort and mismatch, the torch backend, the
-  # training checks against a second hoccl group (NCCL refuses two ranks on one GPU; with
-  # two GPUs, against NCCL), hostile inputs, the registered divergence checks
+  # repeats of every eager collective on registered buffers (Engine.repeat), the FSDP2
+  # hooks' marks and shadows: the exact checks plain and registered, the repeats checked
+  # round after round, the training checks (against a second hoccl group: NCCL refuses
+  # two ranks on one GPU; with two GPUs, against NCCL), graph replays with eager calls
+  # between, then the host's cost per call (in bursts) and per FSDP2 hook, with
+  # BASELINE (a checkout of an earlier commit) the same from it in the same run
   reference=$([ "$(nvidia-smi -L | wc -l)" -ge 2 ] && echo nccl || echo hoccl)
   step ce-checks 150 $MPIRUN python3 tests/mpi/run_checks.py --backend cuda --counts 0,1,17,100003
   step ce-registered 120 $MPIRUN python3 tests/mpi/run_checks.py --backend cuda --registered \
     --counts 0,17,100003
   step ce-repeats 120 $MPIRUN python3 tests/mpi/run_repeats.py --backend cuda
+  step torch-training 240 $TRUN python3 tests/torch_programs/run_training.py --device cuda \
+    --reference $reference
+  step ce-capture 150 $MPIRUN python3 tests/mpi/run_capture.py --backend cuda --replays ${REPLAYS:-300}
   for tree in $PWD ${BASELINE:+$PWD/$BASELINE}; do
     tag=$([ "$tree" = "$PWD" ] && echo new || echo base)
     for collective in all_gather all_reduce; do
@@ -369,24 +371,10 @@ if [ "$what" = caller ]; then
         --collective $collective
     done
     for collective in all_gather reduce_scatter; do
-      for size in 1M 64M; do
-        step "hook-$collective-$size-$tag" 60 env PYTHONPATH=$tree:$DEPS $TRUN python3 \
-          tools/hook_cost.py --collective $collective --size $size --iters 300 --burst 20
-      done
+      step "hook-$collective-$tag" 60 env PYTHONPATH=$tree:$DEPS $TRUN python3 \
+        tools/hook_cost.py --collective $collective --size ${HOOK_SIZE:-1M} --iters 300 --burst 20
     done
   done
-  step profile-direct 60 $MPIRUN python3 tools/profile_call.py --size 1M --registered \
-    --kernel-bytes 16M --iters 1000 --burst 50
-  step torch-training 240 $TRUN python3 tests/torch_programs/run_training.py --device cuda \
-    --reference $reference
-  step ce-capture 150 $MPIRUN python3 tests/mpi/run_capture.py --backend cuda --replays ${REPLAYS:-300}
-  for scenario in abort mismatch; do
-    step "ce-$scenario" 60 $MPIRUN --mca orte_abort_on_non_zero_status 0 \
-      python3 tests/mpi/run_failures.py $scenario --backend cuda
-  done
-  step torch-backend 150 $TRUN python3 tests/torch_programs/run_backend.py --device cuda
-  step ce-hostile 120 $MPIRUN python3 tests/mpi/run_hostile.py --backend cuda
-  step ce-registered-div 120 $MPIRUN python3 tests/mpi/run_registered.py --backend cuda
 fi
 if [ "$what" = registered ]; then
   # registered buffers: every collective on registered memory against numpy, the

@@ -218,36 +218,18 @@ class Executor:
                              pad.signature_half)
 
     def issue_on_caller(self, program: Tuple[tuple, ...], caller: Any, value: int,
-                        after: int, base: int = 0) -> None:
-        """A one-lane plan's program (``bind``) on the caller's stream itself: no lane, no
-        entry event, no fence.  A direct kernel's is one launch; a copy-engine plan's
-        steps are its memory operations and copies, signal values offset by ``base``.
-        ``value`` (an eager call) is written into the completion words at the end (by
-        the kernel, or by the last memory operations; 0: a call captured into a graph
-        writes none); ``after``: a completion value the caller's stream must reach first
-        (the previous call's, when this stream is not yet ordered after it), so that
-        completion values keep growing in call order."""
-        if program and program[0][0] == _DIRECT:
-            ((_, _, direct),) = program
-            if after:
-                self.device.wait_value(caller, self.streams.completion, after)
-            self.device.direct(caller, direct, value)
-            return
-        pending: List[list] = [[(MemOp.WAIT, self.streams.completion, after)] if after else []]
-
-        def flush(lane_index: int) -> None:
-            if pending[lane_index]:
-                self.device.memops(caller, pending[lane_index])
-                pending[lane_index] = []
-        marks: Dict[Tuple[int, int], Any] = {}
-        try:
-            self._steps(program, base, 0, pending, flush, marks, 0, [caller], batch=True)
-            if value:
-                pending[0].extend(self.streams.completion_writes(value))
-            flush(0)
-        finally:
-            for event in marks.values():
-                self.streams.release(event)
+                        after: int) -> None:
+        """A direct-kernel plan's program (``bind``) as one launch on the caller's stream
+        itself: no lane, no event, no stream operation.  ``value`` (an eager call) is
+        written into the completion words by the kernel's end (0: a call captured into
+        a graph writes none); ``after``: a completion value the caller's stream must
+        reach first (the previous call's, when this stream is not yet ordered after it),
+        so that completion values keep growing in call order."""
+        ((kind, _, direct),) = program
+        assert kind == _DIRECT
+        if after:
+            self.device.wait_value(caller, self.streams.completion, after)
+        self.device.direct(caller, direct, value)
 
     def issue(self, items: Sequence[Tuple[Plan, Tuple[tuple, ...], int, Any]],
               value: int, callers: Optional[Sequence[Any]] = None, after: int = 0) -> None:
