@@ -235,8 +235,9 @@ class Call:
     fenced: bool = False
     #: captured into a CUDA graph (``Executor.issue`` with callers): not numbered, not in flight
     captured: bool = False
-    #: a direct kernel launched on the caller's stream itself (``Executor.issue_on_caller``):
-    #: no entry event, no fence; the kernel writes the completion value
+    #: run on the caller's stream itself (``Executor.issue_on_caller``): a direct kernel, or
+    #: a one-lane plan's memory operations and copies; no entry event, no fence, the
+    #: call's last step writes the completion value
     on_caller: bool = False
     base: int = 0              # the signal base it was issued with
     entry: Any = None          # event marking the caller's position at call time
@@ -603,13 +604,13 @@ class Engine:
             return
         # Every lane and event the calls not yet issued will take, made before the fence:
         # no driver call that may synchronize the context runs while a caller waits.  A
-        # call on its caller's stream takes none: only its kernel, loaded once.
+        # call on its caller's stream takes none (a direct one: its kernel, loaded once).
         if call.on_caller:
             self.executor.load(call.plan)
         else:
             self.executor.reserve([held.plan for held in self.held()] + [call.plan])
         self._number(call)
-        if call.on_caller:  # the kernel itself keeps the caller's place (``issue``)
+        if call.on_caller:  # its steps themselves keep the caller's place (``issue``)
             call.fenced = True
         else:
             call.entry = self.streams.fence_in(call.caller, call.value, wait=fence)
@@ -797,18 +798,23 @@ class Engine:
         self.issued_fast += 1
 
     def _issue_on_caller(self, call: Call, program: tuple) -> None:
-        """A direct kernel's eager call, launched on the caller's stream: the launch is
-        the whole call on the device.  Completion values must still be reached in call
-        order, so a caller's stream not yet known to wait for the previous call's value
-        waits for it first, and the lanes' next completion write waits for this call's."""
+        """An eager call on the caller's stream itself: a direct kernel's launch, or a
+        one-lane plan's memory operations and copies, is the whole call on the device.
+        Calls must still run in call order (their signals share the peers' slots, and
+        completion values only grow), so a caller's stream not yet known to wait for the
+        previous call's value waits for it first, and the lanes' next call waits for this
+        call's before its first step."""
         value, key = call.value, _stream_key(call.caller)
         ordered, streams = self._ordered
         after = value - 1 if value > 1 and not (ordered == value - 1 and key in streams) else 0
+        direct = call.plan.kernel_blocks
+        base = 0 if direct else self._base(call)
         now = time.monotonic()
-        self.executor.issue_on_caller(program, call.caller, value, after)
+        self.executor.issue_on_caller(program, call.caller, value, after, base)
         self._ordered = (value, {key})
         self._lanes_after = value
-        self._direct_calls.append((value, call.name, call.signature))
+        if direct:
+            self._direct_calls.append((value, call.name, call.signature))
         self._issued((call,), now)
 
     def _issue_captured(self, calls: Sequence[Call], imported: bool) -> None:

@@ -588,9 +588,12 @@ class Communicator:
                                        f"inside hoccl.group() yet")
         # across processes the call returns only once issued: its caller is fenced then,
         # after the peers' buffers are mapped (``Engine.issue``), or, a direct kernel's
-        # call, the kernel itself is launched on it; in one process the call is held until
-        # every rank made it, so its caller is fenced now
-        if held is None and self._group.exported and call.plan.kernel_blocks:
+        # call or a one-lane plan's, its steps are enqueued on the caller's stream itself;
+        # in one process the call is held until every rank made it, so its caller is
+        # fenced now
+        # (captured, only a direct kernel: one node of the graph)
+        if held is None and self._group.exported and (
+                call.plan.kernel_blocks or (call.plan.lanes == 1 and not call.captured)):
             call.on_caller = True
         engine.enqueue(call, fence=held is None and not self._group.exported)
         self._health.start_watchdog()

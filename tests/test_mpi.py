@@ -235,10 +235,10 @@ def test_direct_kernels_across_processes(ranks):
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("ranks", [2, 3])
-def test_direct_kernels_on_callers_streams_keep_call_order(ranks):
-    """run_on_caller.py: direct kernels launched on two caller streams of each rank,
-    between copy-engine calls on the lanes, one stream held back at times: outputs exact,
-    the completion word sampled throughout never goes down."""
+def test_calls_on_callers_streams_keep_call_order(ranks):
+    """run_on_caller.py: direct kernels and one-lane copy-engine calls on two caller
+    streams of each rank, between calls on the lanes, one stream held back at times:
+    outputs exact, the completion word sampled throughout never goes down."""
     returncode, output = _run_program(ranks, "run_on_caller.py")
     assert returncode == 0 and "on caller: " in output and " 0 failed" in output, \
         output[-4000:]

@@ -360,7 +360,7 @@ if [ "$what" = caller ]; then
   step ce-registered 120 $MPIRUN python3 tests/mpi/run_checks.py --backend cuda --registered \
     --counts 0,17,100003
   step ce-repeats 120 $MPIRUN python3 tests/mpi/run_repeats.py --backend cuda
-  step torch-training 240 $TRUN python3 tests/torch_programs/run_training.py --device cuda \
+  step torch-training 150 $TRUN python3 tests/torch_programs/run_training.py --device cuda \
     --reference $reference
   step ce-capture 150 $MPIRUN python3 tests/mpi/run_capture.py --backend cuda --replays ${REPLAYS:-300}
   for tree in $PWD ${BASELINE:+$PWD/$BASELINE}; do

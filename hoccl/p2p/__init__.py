@@ -218,25 +218,46 @@ class Executor:
                              pad.signature_half)
 
     def issue_on_caller(self, program: Tuple[tuple, ...], caller: Any, value: int,
-                        after: int) -> None:
-        """A direct-kernel plan's program (``bind``) as one launch on the caller's stream
-        itself: no lane, no event, no stream operation.  ``value`` (an eager call) is
-        written into the completion words by the kernel's end (0: a call captured into
-        a graph writes none); ``after``: a completion value the caller's stream must
-        reach first (the previous call's, when this stream is not yet ordered after it),
-        so that completion values keep growing in call order."""
-        ((kind, _, direct),) = program
-        assert kind == _DIRECT
-        if after:
-            self.device.wait_value(caller, self.streams.completion, after)
-        self.device.direct(caller, direct, value)
+                        after: int, base: int = 0) -> None:
+        """A one-lane plan's program (``bind``) on the caller's stream itself: no lane, no
+        entry event, no fence.  A direct kernel's is one launch; a copy-engine plan's
+        steps are its memory operations and copies, signal values offset by ``base``.
+        ``value`` (an eager call) is written into the completion words at the end (by
+        the kernel, or by the last memory operations; 0: a call captured into a graph
+        writes none); ``after``: a completion value the caller's stream must reach first
+        (the previous call's, when this stream is not yet ordered after it), so that
+        completion values keep growing in call order."""
+        if program and program[0][0] == _DIRECT:
+            ((_, _, direct),) = program
+            if after:
+                self.device.wait_value(caller, self.streams.completion, after)
+            self.device.direct(caller, direct, value)
+            return
+        pending: List[list] = [[(MemOp.WAIT, self.streams.completion, after)] if after else []]
+
+        def flush(lane_index: int) -> None:
+            if pending[lane_index]:
+                self.device.memops(caller, pending[lane_index])
+                pending[lane_index] = []
+        marks: Dict[Tuple[int, int], Any] = {}
+        try:
+            self._steps(program, base, 0, pending, flush, marks, 0, [caller], batch=True)
+            if value:
+                pending[0].extend(self.streams.completion_writes(value))
+            flush(0)
+        finally:
+            for event in marks.values():
+                self.streams.release(event)
 
     def issue(self, items: Sequence[Tuple[Plan, Tuple[tuple, ...], int, Any]],
               value: int, callers: Optional[Sequence[Any]] = None, after: int = 0) -> None:
         """Enqueue each ``(plan, program, base, entry)`` of ``items`` (``program``: the
         plan's steps for this rank from ``bind``) and end with the completion value
-        ``value`` (once the completion word has reached ``after``: a call whose direct
-        kernel ran on its caller's stream, not on the lanes, ``issue_on_caller``).
+        ``value``.  ``after``: the value of a call that ran on its caller's stream, not
+        on the lanes (``issue_on_caller``); every lane waits for the completion word to
+        reach it before its first step, so that this rank's signals into a peer's slot
+        keep their call order (a later call's value is never overwritten by an earlier
+        call's, which the peer would then wait past for ever) and completion values grow.
 
         Each plan's lanes wait for its caller's ``entry`` event, then run its steps
         (signal values offset by ``base``).  Several items (a ``hoccl.group()``) run
@@ -261,7 +282,8 @@ class Executor:
         else:
             streams.ensure_lanes(total)  # made by ``reserve`` already, unless it was skipped
             lanes = streams.lanes
-        pending: List[list] = [[] for _ in range(total)]
+        start = [(MemOp.WAIT, streams.completion, after)] if after and not captured else []
+        pending: List[list] = [list(start) for _ in range(total)]
         marks: Dict[Tuple[int, int], Any] = {}
 
         def flush(lane_index: int) -> None:
@@ -286,7 +308,7 @@ class Executor:
                 device.record(lanes[lane_index], event)
                 device.wait_event(lanes[0], event)
             if not captured:
-                pending[0].extend(streams.completion_writes(value, after))
+                pending[0].extend(streams.completion_writes(value))
             flush(0)
             if captured:
                 end = streams.event()

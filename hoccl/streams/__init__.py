@@ -17,11 +17,12 @@ before its copies are issued (a peer's buffers may not be known yet) and still k
 its place on the caller's stream; lane 0 joins every other lane and runs the calls
 in order, so completion values only grow.
 
-A direct kernel's call across processes (``Executor.issue_on_caller``) is one launch on
-the caller's stream that writes the completion value itself; a stream not yet ordered
-after the previous call waits for its value first, and lane 0's next completion write
-waits for the kernel's (``completion_writes`` with ``after``), so values still grow in
-call order.
+A direct kernel's call across processes, or a call whose plan takes one lane
+(``Executor.issue_on_caller``), runs on the caller's stream itself and writes the
+completion value at its end; a stream not yet ordered after the previous call waits for
+its value first, and the lanes of the next call wait for this one's before their first
+step (``Executor.issue`` with ``after``), so values still grow in call order and each
+rank's signals into a peer's slot land in call order.
 """
 
 from __future__ import annotations
