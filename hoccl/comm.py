@@ -588,10 +588,9 @@ class Communicator:
                                        f"inside hoccl.group() yet")
         # across processes the call returns only once issued: its caller is fenced then,
         # after the peers' buffers are mapped (``Engine.issue``), or, a direct kernel's
-        # call or a one-lane plan's, its steps are enqueued on the caller's stream itself;
-        # in one process the call is held until every rank made it, so its caller is
-        # fenced now
-        # (captured, only a direct kernel: one node of the graph)
+        # call or an eager one-lane plan's, its steps are enqueued on the caller's stream
+        # itself (a captured direct kernel: one node of the graph); in one process the
+        # call is held until every rank made it, so its caller is fenced now
         if held is None and self._group.exported and (
                 call.plan.kernel_blocks or (call.plan.lanes == 1 and not call.captured)):
             call.on_caller = True
