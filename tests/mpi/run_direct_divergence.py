@@ -30,20 +30,9 @@ import numpy as np
 from mpi4py import MPI
 
 import hoccl
-from hoccl.testing import array_module_for, poison
+from hoccl.testing import array_module_for, fill, poison
 
 KERNEL_BYTES = 1 << 20
-
-
-def _fill(array, values: np.ndarray) -> None:
-    """``values`` into ``array`` where it lies (numpy, cupy or torch), its address kept."""
-    if isinstance(array, np.ndarray):
-        array[...] = values
-    elif hasattr(array, "set"):  # cupy
-        array.set(values)
-    else:
-        import torch
-        array.copy_(torch.from_numpy(values))
 
 
 def main() -> None:
@@ -110,7 +99,7 @@ def main() -> None:
             own = full[r * 640:(r + 1) * 640]
             for index in range(40):
                 if index % 2 == 0:
-                    _fill(total, numbers(1000, 7 * index + r))
+                    fill(total, numbers(1000, 7 * index + r))
                     comm.all_reduce(total, total)
                     expected = sum(numbers(1000, 7 * index + peer).astype(np.float64)
                                    for peer in range(n)).astype(np.float32)
@@ -118,7 +107,7 @@ def main() -> None:
                     got = arrays.to_numpy(total, "float32")
                     wrong += int(not np.allclose(got, expected, rtol=1e-5, atol=1e-5))
                 else:
-                    _fill(own, numbers(640, 7 * index + r))
+                    fill(own, numbers(640, 7 * index + r))
                     comm.all_gather(own, full)
                     comm.synchronize()
                     expected = np.concatenate([numbers(640, 7 * index + peer)
@@ -159,7 +148,7 @@ def main() -> None:
             elif args.scenario == "repeat":  # rank 0 repeats, rank 1 calls another count
                 if r == 0:
                     count, out = 1000, total
-                    _fill(total, numbers(1000, r))
+                    fill(total, numbers(1000, r))
                     comm.all_reduce(total, total)
                 else:
                     count = 1001

@@ -20,28 +20,9 @@ import numpy as np
 from mpi4py import MPI
 
 import hoccl
-from hoccl.testing import poison, reduced, run_or_abort
+from hoccl.testing import fill, poison, reduced, run_or_abort, to_numpy
 
 COUNT = 3000  # elements per rank's block: float32
-
-
-def _fill(array, values: np.ndarray) -> None:
-    """``values`` into ``array`` where it lies (numpy, cupy or torch), its address kept."""
-    if isinstance(array, np.ndarray):
-        array[...] = values
-    elif hasattr(array, "set"):  # cupy
-        array.set(values)
-    else:
-        import torch
-        array.copy_(torch.from_numpy(values))
-
-
-def _numpy(array) -> np.ndarray:
-    if isinstance(array, np.ndarray):
-        return array.copy()
-    if hasattr(array, "get"):
-        return array.get()
-    return array.cpu().numpy()
 
 
 def main() -> None:
@@ -67,7 +48,7 @@ def main() -> None:
 
     def registered(count):
         array = hoccl.empty(count, "float32", comm)
-        _fill(array, poison(count, "float32"))
+        fill(array, poison(count, "float32"))
         return array
 
     def numbers(count, seed):
@@ -83,39 +64,42 @@ def main() -> None:
             bad = int(np.sum(~np.isclose(got, want, rtol=1e-5, atol=1e-5)))
             failures.append(f"{what}: {bad} of {want.size} elements wrong")
 
+    def reduce_scatter(what, send, out, inputs, count):
+        """A reduce_scatter of ``count`` elements per rank into a poisoned ``out``, checked."""
+        fill(out, poison(count, "float32"))
+        comm.reduce_scatter(send, out, "sum")
+        comm.synchronize()
+        check(what, reduced([inputs[peer][r * count:(r + 1) * count] for peer in range(n)],
+                            "sum"), to_numpy(out))
+
     def round_(index):
         """Every call once, on the same buffers, with fresh values."""
         seed = 100 * index
         blocks = [numbers(COUNT, seed + peer) for peer in range(n)]
         inputs = [numbers(COUNT * n, seed + 50 + peer) for peer in range(n)]
-        _fill(full, poison(COUNT * n, "float32"))
-        _fill(own, blocks[r])
+        fill(full, poison(COUNT * n, "float32"))
+        fill(own, blocks[r])
         comm.all_gather(own, full)
         comm.synchronize()
-        check(f"round {index} all_gather", np.concatenate(blocks), _numpy(full))
-        _fill(send, inputs[r])
-        _fill(total, poison(COUNT * n, "float32"))
+        check(f"round {index} all_gather", np.concatenate(blocks), to_numpy(full))
+        fill(send, inputs[r])
+        fill(total, poison(COUNT * n, "float32"))
         comm.all_to_all(send, total)
         comm.synchronize()
         check(f"round {index} all_to_all",
               np.concatenate([inputs[peer][r * COUNT:(r + 1) * COUNT] for peer in range(n)]),
-              _numpy(total))
-        _fill(out, poison(COUNT, "float32"))
-        comm.reduce_scatter(send, out, "sum")
-        comm.synchronize()
-        check(f"round {index} reduce_scatter",
-              reduced([inputs[peer][r * COUNT:(r + 1) * COUNT] for peer in range(n)], "sum"),
-              _numpy(out))
-        _fill(total, inputs[r])
+              to_numpy(total))
+        reduce_scatter(f"round {index} reduce_scatter", send, out, inputs, COUNT)
+        fill(total, inputs[r])
         comm.all_reduce(total, total, "max")
         comm.synchronize()
-        check(f"round {index} all_reduce in place", reduced(inputs, "max"), _numpy(total))
-        _fill(full, poison(COUNT * n, "float32"))
+        check(f"round {index} all_reduce in place", reduced(inputs, "max"), to_numpy(total))
+        fill(full, poison(COUNT * n, "float32"))
         if r == index % n:
-            _fill(full, inputs[r])
+            fill(full, inputs[r])
         comm.broadcast(full, full, root=index % n)
         comm.synchronize()
-        check(f"round {index} broadcast", inputs[index % n], _numpy(full))
+        check(f"round {index} broadcast", inputs[index % n], to_numpy(full))
 
     for index in range(args.rounds):
         round_(index)
@@ -128,22 +112,14 @@ def main() -> None:
     # a larger reduce_scatter replaces the scratch; the smaller one is then planned afresh
     big_send, big_out = registered(8 * COUNT * n), registered(8 * COUNT)
     inputs = [numbers(8 * COUNT * n, 7000 + peer) for peer in range(n)]
-    _fill(big_send, inputs[r])
-    comm.reduce_scatter(big_send, big_out, "sum")
-    comm.synchronize()
-    check("larger reduce_scatter",
-          reduced([inputs[peer][r * 8 * COUNT:(r + 1) * 8 * COUNT] for peer in range(n)], "sum"),
-          _numpy(big_out))
+    fill(big_send, inputs[r])
+    reduce_scatter("larger reduce_scatter", big_send, big_out, inputs, 8 * COUNT)
     before = prepared[0]
     for index in range(3):
         inputs = [numbers(COUNT * n, 9000 + 10 * index + peer) for peer in range(n)]
-        _fill(send, inputs[r])
-        _fill(out, poison(COUNT, "float32"))
-        comm.reduce_scatter(send, out, "sum")
-        comm.synchronize()
-        check(f"reduce_scatter after the scratch grew, call {index}",
-              reduced([inputs[peer][r * COUNT:(r + 1) * COUNT] for peer in range(n)], "sum"),
-              _numpy(out))
+        fill(send, inputs[r])
+        reduce_scatter(f"reduce_scatter after the scratch grew, call {index}", send, out,
+                       inputs, COUNT)
     if prepared[0] - before != 1:
         failures.append(f"after the scratch was replaced, {prepared[0] - before} of 3 calls were "
                         f"planned afresh; expected 1 (then repeats)")
