@@ -17,8 +17,12 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True)
 def _verify_plans(monkeypatch):
-    """Every plan a test runs is verified first (hoccl.sched.verify)."""
+    """Every plan a test runs is verified first (hoccl.sched.verify), and on the host
+    backend every signal and completion word is checked never to be lowered as it lands
+    (``HOCCL_HOST_CHECK_SIGNALS``; the MPI programs inherit both)."""
     monkeypatch.setenv("HOCCL_VERIFY", os.environ.get("HOCCL_VERIFY", "1"))
+    monkeypatch.setenv("HOCCL_HOST_CHECK_SIGNALS",
+                       os.environ.get("HOCCL_HOST_CHECK_SIGNALS", "1"))
 
 
 @pytest.fixture

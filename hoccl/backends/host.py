@@ -88,6 +88,23 @@ def _read_u64(address: int) -> int:
     return ctypes.c_uint64.from_address(address).value
 
 
+def _check_order(address: Any, value: int) -> None:
+    """Raise if writing ``value`` would lower the word at ``address``: a signal slot or a
+    completion word.  Only the rank that signals writes a slot's nonzero values (its
+    receiver only puts a graph slot back to 0), so a lower value means an earlier call's
+    signal landed after a later call's, and a peer would wait past it for ever.  Writes
+    of 0 (graph slots put back) and words holding an abort's value are left alone."""
+    if not value:
+        return
+    word = np.zeros(1, dtype=np.uint64)
+    _move(word.ctypes.data, address, 8)
+    current = int(word[0])
+    if value < current < 1 << 62:
+        raise HocclError(f"signal order: writing {value} over {current} at {address!r} would "
+                         f"lower the word: an earlier call's signal landed after a later "
+                         f"call's (HOCCL_HOST_CHECK_SIGNALS)")
+
+
 _ABANDONED: List[Dict[int, np.ndarray]] = []  # memory of devices closed with stuck work
 #: signal pads, never freed: a peer that aborts after this rank closed still pokes its
 #: poison into the pad (from its process), which must not land in reused memory
@@ -185,6 +202,10 @@ class HostDevice(Device):
         self._aborted = threading.Event()
         self._pid = os.getpid()
         self._closed = False
+        #: ``HOCCL_HOST_CHECK_SIGNALS=1`` (the CPU test tier sets it): every signal and
+        #: completion word this device writes is checked, as it lands, never to lower the
+        #: word (``_check_order``)
+        self._check_signals = os.environ.get("HOCCL_HOST_CHECK_SIGNALS") == "1"
 
     # -- streams and events ------------------------------------------------------------
     def create_stream(self) -> HostStream:
@@ -290,6 +311,8 @@ class HostDevice(Device):
         def write():
             # after an abort nothing is signalled any more: a late write would undo the poison
             if not (self._aborted.is_set() or stream.aborted.is_set()):
+                if self._check_signals:
+                    _check_order(address, value)
                 _move(address, word.ctypes.data, 8)
         stream.enqueue(write)
 
