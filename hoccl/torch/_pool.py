@@ -182,7 +182,7 @@ class RegisteredPool:
         slot = self._at.get(tensor.untyped_storage().data_ptr())
         if slot is None or slot.free():
             return None
-        view = (tensor.dtype, tensor.storage_offset(), tensor.size(), tensor.stride())
+        view = (tensor.dtype, int(tensor.storage_offset()), tensor.size(), tensor.stride())
         shadow = slot.shadows.get(view)
         if shadow is None:
             if len(slot.shadows) >= _SHADOWS:
