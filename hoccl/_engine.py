@@ -343,7 +343,8 @@ class Engine:
         #: calls issued without asking the peers (``ProcessGroup.complete``)
         self.issued_fast = 0
         self._fast: Dict[tuple, Tuple[Plan, Optional[Dict[int, Dict[str, PeerBuffer]]]]] = {}
-        #: direct calls issued without asking, by shape, for their repeats (``repeat``)
+        #: eager collectives issued without asking, by shape and buffer addresses
+        #: (``_memo_key``), for their repeats (``repeat``)
         self._repeats: Dict[tuple, Tuple[Optional[CallTemplate], Dict[str, Any],
                                          Dict[str, PeerBuffer], Any, tuple, bool, int]] = {}
         self.inflight: Deque[Call] = collections.deque()  # enqueued, in call order
