@@ -31,11 +31,11 @@ def _mpiexec():
     return found
 
 
-def _run_program(ranks, script, *args):
+def _run_program(ranks, script, *args, env=None):
     """``script`` (in tests/mpi) under mpiexec with ``args``; its exit status and output."""
     command = [_mpiexec(), "-n", str(ranks), sys.executable,
                str(Path(__file__).parent / "mpi" / script), *args]
-    env = {**os.environ, **MPI_ENV, "HOCCL_VERIFY": "1"}
+    env = {**os.environ, **MPI_ENV, "HOCCL_VERIFY": "1", **(env or {})}
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
     return result.returncode, result.stdout + result.stderr
 
@@ -234,12 +234,17 @@ def test_direct_kernels_across_processes(ranks):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("ranks", [2, 3])
-def test_calls_on_callers_streams_keep_call_order(ranks):
+@pytest.mark.parametrize("ranks, jitter", [(2, 0), (3, 0), (2, 0.1)])
+def test_calls_on_callers_streams_keep_call_order(ranks, jitter):
     """run_on_caller.py: direct kernels and one-lane copy-engine calls on two caller
     streams of each rank, between calls on the lanes, one stream held back at times:
-    outputs exact, the completion word sampled throughout never goes down."""
-    returncode, output = _run_program(ranks, "run_on_caller.py")
+    outputs exact, the completion word sampled throughout never goes down.  ``jitter``
+    (``HOCCL_HOST_JITTER``): every host stream sleeps up to that long before each item,
+    so the streams interleave in orders a machine rarely shows (a lane stalled between
+    its two completion writes while a call on another stream ran whole: the host's word
+    written in the wrong order went down, and the host waited for ever)."""
+    returncode, output = _run_program(ranks, "run_on_caller.py",
+                                      env={"HOCCL_HOST_JITTER": str(jitter)})
     assert returncode == 0 and "on caller: " in output and " 0 failed" in output, \
         output[-4000:]
 

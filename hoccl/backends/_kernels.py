@@ -650,9 +650,15 @@ static __device__ __forceinline__ void direct_body(const DirectArgs& args) {
             atomicCAS(args.counter, epoch, epoch + 1);  // not over an abort value
             if (args.value) {  // every block's work is visible (their fences, the counter)
                 __threadfence_system();
-                // never below an abort value, in either word
-                if (atomicMax(args.completion, args.value) < (1ull << 62))
+                // never over an abort value; the host's word first: a later call on another
+                // stream starts once the completion word has the value, and its own value
+                // in the host's word must not be overwritten by this one
+                if (*reinterpret_cast<volatile unsigned long long*>(args.completion)
+                        < (1ull << 62)) {
                     store_release(args.host_word, args.value);
+                    __threadfence_system();
+                    atomicMax(args.completion, args.value);
+                }
             }
         }
     }

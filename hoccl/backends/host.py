@@ -17,6 +17,7 @@ import ctypes
 import errno
 import os
 import queue
+import random
 import threading
 import time
 from dataclasses import dataclass
@@ -118,8 +119,11 @@ class _Aborted(Exception):
 class HostStream:
     """An in-order queue of work run by one worker thread (a host "stream")."""
 
-    def __init__(self, device: "HostDevice", name: str):
+    def __init__(self, device: "HostDevice", name: str, jitter: float = 0.0):
         self._device = device
+        #: ``HOCCL_HOST_JITTER``: at most this many seconds of sleep before each item, so
+        #: that the streams of a rank interleave in orders a loaded machine would rarely show
+        self._jitter = jitter
         self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
         self._idle = threading.Condition()
         self._pending = 0
@@ -141,6 +145,8 @@ class HostStream:
                 return
             try:
                 if self.error is None:
+                    if self._jitter:
+                        time.sleep(random.random() * self._jitter)
                     work()
             except _Aborted:
                 pass
@@ -206,10 +212,11 @@ class HostDevice(Device):
         #: completion word this device writes is checked, as it lands, never to lower the
         #: word (``_check_order``)
         self._check_signals = os.environ.get("HOCCL_HOST_CHECK_SIGNALS") == "1"
+        self._jitter = float(os.environ.get("HOCCL_HOST_JITTER") or 0)
 
     # -- streams and events ------------------------------------------------------------
     def create_stream(self) -> HostStream:
-        stream = HostStream(self, f"hoccl-host-lane-{len(self._streams)}")
+        stream = HostStream(self, f"hoccl-host-lane-{len(self._streams)}", self._jitter)
         self._streams.append(stream)
         return stream
 
@@ -413,12 +420,15 @@ class HostDevice(Device):
                         _move(output + start, result.ctypes.data, stop - start)
             if _read_u64(counter) == epoch:  # not over an abort value
                 ctypes.c_uint64.from_address(counter).value = epoch + 1
-            # the kernel's last block: the call's completion words (not after an abort)
+            # the kernel's last block: the call's completion words (not after an abort),
+            # the host's first (``StreamManager.completion_writes``)
             if value and not (self._aborted.is_set() or stream.aborted.is_set()):
                 completion = ctypes.c_uint64.from_address(int(program.completion))
                 if completion.value < 1 << 62:  # not over an abort value
-                    completion.value = max(completion.value, value)
+                    if self._check_signals:
+                        _check_order(int(program.host_word), value)
                     ctypes.c_uint64.from_address(int(program.host_word)).value = value
+                    completion.value = max(completion.value, value)
         stream.enqueue(run)
 
     # -- out of band ---------------------------------------------------------------------

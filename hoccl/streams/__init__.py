@@ -98,10 +98,13 @@ class StreamManager:
         self.device.wait_value(caller, self.completion, value)
 
     def completion_writes(self, value: int, after: int = 0) -> list:
-        """The memops lane 0 ends with: release the caller and tell the host (``after``:
+        """The memops lane 0 ends with: tell the host, then release the caller (``after``:
         first wait for the completion word to reach it, the value of an earlier call that
-        ran on its caller's stream rather than on the lanes)."""
-        writes = [(MemOp.WRITE, self.completion, value), (MemOp.WRITE, self.host_word, value)]
+        ran on its caller's stream rather than on the lanes).  The host's word goes first:
+        a later call on another stream starts once the completion word has the value and
+        writes its own into the host's word; written second, this call's could land after
+        it and lower it, and the host would wait for the later call for ever."""
+        writes = [(MemOp.WRITE, self.host_word, value), (MemOp.WRITE, self.completion, value)]
         return [(MemOp.WAIT, self.completion, after)] + writes if after else writes
 
     def drained(self, entries: Iterable[Any], timeout: float,
