@@ -459,8 +459,21 @@ def _reducing(b: _Builder) -> Plan:
         return BufRef(rank, "recv", element_in_block * item)
 
     chunks = [_chunks(size * item, b.options.chunk_bytes, item) for _, size in owned]
-    reduce_lane = b.side_lane(0)
-    gather_lane = b.side_lane(1) if kind == "all_reduce" and not one_shot else None
+    # one lane where a second would overlap nothing: a pull has no copies to overlap its
+    # sums (an all_reduce's gather copies follow its only sum), and a single chunk's sum
+    # waits for the peer's copy anyway (lanes of their own keep copies to several peers
+    # apart).  A one-lane plan runs on the caller's stream itself (``Communicator``):
+    # no entry event, no join, no exit fence.
+    single = all(len(pieces) <= 1 for pieces in chunks)
+    gathers = kind == "all_reduce" and not one_shot
+    gather_lane: Optional[int]
+    if (pull and (not gathers or single)) or (single and b.copy_lanes == 1):
+        b.copy_lanes = 1
+        reduce_lane = 0
+        gather_lane = 0 if gathers else None
+    else:
+        reduce_lane = b.side_lane(0)
+        gather_lane = b.side_lane(1) if gathers else None
 
     for r in range(n):
         # owners this rank must feed, and its own readiness to be fed
@@ -473,7 +486,7 @@ def _reducing(b: _Builder) -> Plan:
         else:
             # pushed: our scratch is free for the feeders; pulled: our input is readable
             b.ready_all(r, owners if pull else feeders)
-        pushed = []  # (lane, mark) after this rank's pushes of its input
+        pushed = []  # marks after this rank's pushes of its input on other lanes
         for p in owners if not pull else ():
             lane = b.lane_of((p - r) % n)
             slot_at_p = (r - p - 1) % n  # our block's place in p's scratch
@@ -483,7 +496,7 @@ def _reducing(b: _Builder) -> Plan:
                 b.copy(r, lane, input_ref(r, start * item + offset),
                        BufRef(p, "scratch", slot_at_p * size * item + offset), nbytes)
                 b.signal(r, lane, p, DONE, index + 1)
-            if one_shot and s.in_place:
+            if one_shot and s.in_place and lane != reduce_lane:
                 pushed.append(b.mark(r, lane))
         if not owned[r][1]:
             continue
@@ -504,14 +517,16 @@ def _reducing(b: _Builder) -> Plan:
                           for q in range(n)]
             b.reduce(r, reduce_lane, inputs, output_ref(r, offset // item), nbytes // item)
             if gather_lane is not None and n > 1:
-                mark = b.mark(r, reduce_lane)
-                b.after(r, gather_lane, mark)
+                if gather_lane != reduce_lane:
+                    b.after(r, gather_lane, b.mark(r, reduce_lane))
                 for p in _peers(r, n):
                     b.copy(r, gather_lane, output_ref(r, offset // item),
                            BufRef(p, "recv", (start * item) + offset), nbytes)
                     b.signal(r, gather_lane, p, GATHERED, index + 1)
-        if pull:  # done reading the feeders' inputs: their exits wait for it (a graph
-            for p in feeders:  # replay's reset of their READY slot needs it too)
+        # done reading the feeders' inputs: their exits wait for it (a graph replay's reset
+        # of their READY slot needs it too); on one lane GATHERED, after the sum, says it
+        if pull and gather_lane != reduce_lane:
+            for p in feeders:
                 b.signal(r, reduce_lane, p, DONE, 1)
     return b.plan()
 

@@ -3,7 +3,8 @@ copy-engine plans of one lane) keep the completion values in call order.
 
 Each rank interleaves direct-kernel calls (at most ``kernel_bytes``) on two streams of its
 own with copy-engine calls (larger): all_gathers, on the callers' streams where their
-plans take one lane (two ranks), and all_reduces, on the lanes.  It holds the first
+plans take one lane (two ranks), and all_reduces in several chunks, pipelined on the
+lanes (a one-chunk all_reduce of two ranks takes one lane: the caller's stream).  It holds the first
 stream back for a while before some of its calls: a call on the other stream, or the
 lanes' next completion write, must then wait for the held call's value rather than
 overtake it.  A thread samples the host completion word throughout; it must never go
@@ -26,11 +27,13 @@ import hoccl
 from hoccl.testing import assert_exact, random_array, run_or_abort
 
 KERNEL_BYTES = 64 << 10
+CHUNK_BYTES = 32 << 10  # a large all_reduce's 80 KB block: 3 chunks
 
 
 def main() -> None:
     os.environ["HOCCL_HOST_CHECK_SIGNALS"] = "1"  # read by the host device as it opens
-    comm = hoccl.init(backend="host", timeout=60, kernel_bytes=KERNEL_BYTES)
+    comm = hoccl.init(backend="host", timeout=60, kernel_bytes=KERNEL_BYTES,
+                      chunk_bytes=CHUNK_BYTES)
     engine, device = comm._engine, comm._engine.device
     n, r = comm.world_size, comm.rank
     streams = [device.create_stream(), device.create_stream()]
