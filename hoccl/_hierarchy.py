@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -36,7 +37,7 @@ import numpy as np
 from ._buffers import Buffer, as_buffer
 from .backends._caller_stream import array_framework
 from ._dtypes import numpy_dtype, reduce_arrays
-from ._errors import AbortedError, HocclError, InvalidArgumentError
+from ._errors import AbortedError, HocclError, HocclTimeoutError, InvalidArgumentError
 from .bootstrap import Bootstrap, MPIBootstrap
 from .comm import Communicator, _held_calls
 from .sched import Shape
@@ -202,17 +203,49 @@ def _address(array: Any) -> Tuple[int, int]:
 # -- inter-host engines -------------------------------------------------------------------
 class _MpiEngine:
     """Collectives of an mpi4py communicator on host arrays; device arrays are staged
-    through host memory (the caller's stream is waited for first).  Blocking."""
+    through host memory (the caller's stream is waited for first).  Each step returns
+    when it is done: it is MPI's nonblocking form, tested until complete, so that it
+    ends in ``timeout`` seconds, or at ``abort()``, where a blocking MPI call would wait
+    for ever on a rank that never comes.  A step that ended so is still in MPI's hands
+    (MPI cannot cancel a collective): the engine takes no more calls."""
 
     name = "mpi"
 
-    def __init__(self, mpi_comm: Any, stream_waiter: Optional[Callable[[int], None]]):
+    def __init__(self, mpi_comm: Any, stream_waiter: Optional[Callable[[int], None]],
+                 timeout: float):
         from mpi4py import MPI
         self.MPI = MPI
         self.mpi = mpi_comm
         self.wait_stream = stream_waiter
+        self.timeout = timeout
         self._types: Dict[int, Any] = {}
         self._ops: Dict[Tuple[str, str], Any] = {}
+        self._broken = ""  # why the engine takes no more calls
+        self._aborted = ""
+
+    def _wait(self, request: Any, what: str) -> None:
+        """Test ``request`` until it completes, the timeout passes or the engine is
+        aborted."""
+        deadline = time.monotonic() + self.timeout
+        delay = 0.0
+        while not request.Test():
+            if self._aborted:
+                self._broken = f"{what} was left unfinished by an abort"
+                raise AbortedError(f"{what} across hosts (MPI): aborted: {self._aborted}")
+            if time.monotonic() > deadline:
+                self._broken = f"{what} did not finish within {self.timeout:g} s"
+                raise HocclTimeoutError(
+                    f"{what} across hosts (MPI, rank {self.mpi.rank} of {self.mpi.size} in "
+                    f"its group): not finished within {self.timeout:g} s: a rank did not "
+                    f"make the matching call, or is gone; MPI cannot take the step back, "
+                    f"so this communicator takes no more calls")
+            time.sleep(delay)
+            delay = min(delay * 2 + 1e-6, 1e-3)
+
+    def _usable(self, what: str) -> None:
+        if self._broken:
+            raise AbortedError(f"{what} across hosts (MPI): the engine takes no more calls: "
+                               f"{self._broken}")
 
     # buffers -------------------------------------------------------------------------
     def _type(self, itemsize: int) -> Any:
@@ -238,6 +271,7 @@ class _MpiEngine:
         """Run ``body(host_send, host_recv)`` on numpy arrays that keep the in-place
         relation of ``send`` and ``recv``; copy what it wrote back to the device."""
         arrays = [array for array in (send, recv) if array is not None]
+        self._usable("a step")
         if not arrays or isinstance(arrays[0], np.ndarray):
             body(send, recv)
             return
@@ -270,8 +304,9 @@ class _MpiEngine:
     def all_gather(self, send: Any, recv: Any, *, stream: Any = None) -> None:
         def body(s, r):
             inner = r[self.mpi.rank * s.size:(self.mpi.rank + 1) * s.size]
-            self.mpi.Allgather(self.MPI.IN_PLACE if self._same(s, inner) else self._spec(s),
-                               self._spec(r))
+            self._wait(self.mpi.Iallgather(
+                self.MPI.IN_PLACE if self._same(s, inner) else self._spec(s), self._spec(r)),
+                "all_gather")
         self._staged(send, recv, stream, body)
 
     def reduce_scatter(self, send: Any, recv: Any, op: str, *, stream: Any = None) -> None:
@@ -279,70 +314,80 @@ class _MpiEngine:
             own = s[self.mpi.rank * r.size:(self.mpi.rank + 1) * r.size]
             if self._same(own, r):  # MPI's in-place form would overwrite block 0 of s
                 result = np.empty_like(r)
-                self.mpi.Reduce_scatter_block(self._spec(s), self._spec(result),
-                                              self._op(op, s.dtype))
+                self._wait(self.mpi.Ireduce_scatter_block(self._spec(s), self._spec(result),
+                                                          self._op(op, s.dtype)),
+                           "reduce_scatter")
                 r[...] = result
                 return
-            self.mpi.Reduce_scatter_block(self._spec(s), self._spec(r), self._op(op, s.dtype))
+            self._wait(self.mpi.Ireduce_scatter_block(self._spec(s), self._spec(r),
+                                                      self._op(op, s.dtype)), "reduce_scatter")
         self._staged(send, recv, stream, body)
 
     def all_reduce(self, send: Any, recv: Any, op: str, *, stream: Any = None) -> None:
         def body(s, r):
-            self.mpi.Allreduce(self.MPI.IN_PLACE if self._same(s, r) else self._spec(s),
-                               self._spec(r), self._op(op, r.dtype))
+            self._wait(self.mpi.Iallreduce(
+                self.MPI.IN_PLACE if self._same(s, r) else self._spec(s), self._spec(r),
+                self._op(op, r.dtype)), "all_reduce")
         self._staged(send, recv, stream, body)
 
     def all_to_all(self, send: Any, recv: Any, *, stream: Any = None) -> None:
-        self._staged(send, recv, stream,
-                     lambda s, r: self.mpi.Alltoall(self._spec(s), self._spec(r)))
+        self._staged(send, recv, stream, lambda s, r: self._wait(
+            self.mpi.Ialltoall(self._spec(s), self._spec(r)), "all_to_all"))
 
     def broadcast(self, send: Any, recv: Any, root: int, *, stream: Any = None) -> None:
         def body(s, r):
             if s is not None and not self._same(s, r):
                 r[...] = s
-            self.mpi.Bcast(self._spec(r), root=root)
+            self._wait(self.mpi.Ibcast(self._spec(r), root=root), "broadcast")
         self._staged(send if self.mpi.rank == root else None, recv, stream, body)
 
     def reduce(self, send: Any, recv: Any, root: int, op: str, *, stream: Any = None) -> None:
         def body(s, r):
             in_place = self.mpi.rank == root and self._same(s, r)
-            self.mpi.Reduce(self.MPI.IN_PLACE if in_place else self._spec(s),
-                            self._spec(r) if r is not None else None, self._op(op, s.dtype),
-                            root=root)
+            self._wait(self.mpi.Ireduce(self.MPI.IN_PLACE if in_place else self._spec(s),
+                                        self._spec(r) if r is not None else None,
+                                        self._op(op, s.dtype), root=root), "reduce")
         self._staged(send, recv if self.mpi.rank == root else None, stream, body)
 
     def gather(self, send: Any, recv: Any, root: int, *, stream: Any = None) -> None:
         def body(s, r):
             at_root = self.mpi.rank == root
             in_place = at_root and self._same(s, r[root * s.size:(root + 1) * s.size])
-            self.mpi.Gather(self.MPI.IN_PLACE if in_place else self._spec(s),
-                            self._spec(r) if at_root else None, root=root)
+            self._wait(self.mpi.Igather(self.MPI.IN_PLACE if in_place else self._spec(s),
+                                        self._spec(r) if at_root else None, root=root),
+                       "gather")
         self._staged(send, recv if self.mpi.rank == root else None, stream, body)
 
     def scatter(self, send: Any, recv: Any, root: int, *, stream: Any = None) -> None:
         def body(s, r):
             at_root = self.mpi.rank == root
             in_place = at_root and self._same(r, s[root * r.size:(root + 1) * r.size])
-            self.mpi.Scatter(self._spec(s) if at_root else None,
-                             self.MPI.IN_PLACE if in_place else self._spec(r), root=root)
+            self._wait(self.mpi.Iscatter(self._spec(s) if at_root else None,
+                                         self.MPI.IN_PLACE if in_place else self._spec(r),
+                                         root=root), "scatter")
         self._staged(send if self.mpi.rank == root else None, recv, stream, body)
 
     def send(self, buf: Any, peer: int, *, stream: Any = None) -> None:
-        self._staged(buf, None, stream, lambda s, r: self.mpi.Send(self._spec(s), dest=peer))
+        self._staged(buf, None, stream, lambda s, r: self._wait(
+            self.mpi.Isend(self._spec(s), dest=peer), "send"))
 
     def recv(self, buf: Any, peer: int, *, stream: Any = None) -> None:
-        self._staged(None, buf, stream, lambda s, r: self.mpi.Recv(self._spec(r), source=peer))
+        self._staged(None, buf, stream, lambda s, r: self._wait(
+            self.mpi.Irecv(self._spec(r), source=peer), "recv"))
 
     def barrier(self, *, stream: Any = None) -> None:
+        self._usable("barrier")
         if self.wait_stream is not None and stream is not None:
             self.wait_stream(stream)
-        self.mpi.Barrier()
+        self._wait(self.mpi.Ibarrier(), "barrier")
 
     def synchronize(self) -> None:
         """Every MPI step returned when it was done."""
 
     def abort(self, reason: str = "") -> None:
-        """An MPI call in progress cannot be taken back; later calls are refused above."""
+        """A step in progress returns (its MPI request cannot be taken back: the engine
+        takes no more calls); later calls are refused above."""
+        self._aborted = reason or "abort() was called"
 
     def close(self) -> None:
         if self.mpi is not None and not self.MPI.Is_finalized():
@@ -667,8 +712,8 @@ class HierarchicalCommunicator(Communicator):
                 def waiter(stream: int) -> None:
                     from cuda.bindings import driver
                     handle.synchronize_stream(driver.CUstream(stream), host.timeout)
-            rail = _MpiEngine(mpi.Split(color=local, key=host_index), waiter)
-            world = _MpiEngine(mpi.Dup(), waiter)
+            rail = _MpiEngine(mpi.Split(color=local, key=host_index), waiter, host.timeout)
+            world = _MpiEngine(mpi.Dup(), waiter, host.timeout)
             label = "mpi (host-staged)" if backend == "cuda" else "mpi"
         else:
             assert device is not None  # nccl needs the cuda backend, which picked a GPU above
@@ -862,7 +907,11 @@ class HierarchicalCommunicator(Communicator):
             engine = self._levels[level]
             for step in steps:
                 assert isinstance(step, Call)
-                _issue(engine, step, region(step.send), region(step.recv), handle)
+                try:
+                    _issue(engine, step, region(step.send), region(step.recv), handle)
+                except HocclTimeoutError as error:  # a step left to its engine: no more calls
+                    self.abort(f"rank {self.rank}: {name}: {error}")
+                    raise
             if self._blocking:
                 engine.synchronize()
 

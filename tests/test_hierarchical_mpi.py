@@ -2,7 +2,7 @@
 collective, both forms, odd counts, several dtypes, ops and roots, against numpy
 (``tests/mpi/run_hierarchical.py``), on 2 hosts x 2, 3 x 1 and 2 x 3 ranks with hoccl
 itself between the hosts, on 2 x 2 with MPI between them, and one simulated host (the
-plain Communicator).  Plus the grouping of ranks into hosts, in one process."""
+plain Communicator); a step across hosts whose peer never comes ends in a timeout.  Plus the grouping of ranks into hosts, in one process."""
 
 import os
 import subprocess
@@ -41,6 +41,19 @@ def test_collectives_across_simulated_hosts_match_numpy(ranks, local_size, inter
     hosts = ranks // local_size
     assert f"ranks={ranks} hosts={hosts}x{local_size} backend=host" in output, output[-4000:]
     assert " 0 failed" in output and " 0 passed" not in output, output[-4000:]
+
+
+@pytest.mark.mpi
+def test_a_step_across_hosts_whose_peer_never_comes_times_out_instead_of_hanging():
+    """run_hierarchical_absent.py: MPI between two simulated hosts, rank 1 never calls;
+    rank 0's all_reduce raises HocclTimeoutError within its timeout, output untouched,
+    and its next call AbortedError at once."""
+    command = [_mpiexec(), "-n", "2", sys.executable,
+               str(SCRIPT.parent / "run_hierarchical_absent.py")]
+    env = {**os.environ, **MPI_ENV, "HOCCL_VERIFY": "1"}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
+    output = result.stdout + result.stderr
+    assert "absent across hosts: rank 0 OK" in output, output[-4000:]
 
 
 class NamedRanks:

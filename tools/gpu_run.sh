@@ -370,9 +370,12 @@ if [ "$what" = caller ]; then
         $tree/tools/profile_call.py --size 1M --registered --iters 1000 --burst 50 \
         --collective $collective
     done
-    for collective in all_gather reduce_scatter; do
-      step "hook-$collective-$tag" 60 env PYTHONPATH=$tree:$DEPS $TRUN python3 \
-        tools/hook_cost.py --collective $collective --size ${HOOK_SIZE:-1M} --iters 300 --burst 20
+    # the reduce-scatter pushed (the default) and pulled (pull_bytes)
+    for hook in all_gather reduce_scatter reduce_scatter:pull_bytes=64M; do
+      collective=${hook%%:*}; settings=${hook#"$collective"}; settings=${settings#:}
+      step "hook-$collective${settings:+-pull}-$tag" 60 env PYTHONPATH=$tree:$DEPS $TRUN \
+        python3 tools/hook_cost.py --collective $collective --size ${HOOK_SIZE:-1M} --iters 300 \
+        --burst 20 ${settings:+--settings $settings}
     done
   done
 fi

@@ -34,13 +34,21 @@ def main() -> None:
                              "beside an all-gather hook's registered pool, as in training")
     parser.add_argument("--async-op", action="store_true",
                         help="async_op=True (the call on the group's side stream, then wait)")
+    parser.add_argument("--settings", default="",
+                        help="the group's hoccl settings (pg_options), e.g. pull_bytes=64M; "
+                             "sizes may say K, M or G")
     args = parser.parse_args()
     rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", 0))
     world = int(os.environ.get("OMPI_COMM_WORLD_SIZE", 1))
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29561")
     torch.cuda.set_device(rank % torch.cuda.device_count())
-    dist.init_process_group("hoccl", rank=rank, world_size=world)
+    settings = {}
+    for item in filter(None, args.settings.split(",")):
+        key, _, value = item.partition("=")
+        settings[key] = parse_size(value)
+    dist.init_process_group("hoccl", rank=rank, world_size=world,
+                            pg_options=hoccl.torch.Options(settings=settings))
     group = dist.group.WORLD
     gather = _fsdp.AllGather(group, registered=True)
     hook = gather if args.collective == "all_gather" else _fsdp.ReduceScatter(group)
@@ -104,7 +112,8 @@ def main() -> None:
     what = ("in-place all-gather" if args.collective == "all_gather"
             else "reduce-scatter (fp32, AVG)")
     print(f"rank {rank}: {args.size} {what} through the FSDP hook "
-          f"(async_op={args.async_op}), {args.iters} "
+          f"(async_op={args.async_op}{', ' + args.settings if args.settings else ''}), "
+          f"{args.iters} "
           f"calls: host {host / args.iters * 1e6:.1f} µs per call, with the GPU "
           f"{total / args.iters * 1e6:.1f}; " + ", ".join(
               f"{name} {value / args.iters * 1e6:.1f}" for name, value in spent.items()),
