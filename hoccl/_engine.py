@@ -342,6 +342,7 @@ class Engine:
         self.layout_epoch = 0
         #: calls issued without asking the peers (``ProcessGroup.complete``)
         self.issued_fast = 0
+        self.direct_calls = 0  # eager calls issued as direct kernels (``_issue_on_caller``)
         self._fast: Dict[tuple, Tuple[Plan, Optional[Dict[int, Dict[str, PeerBuffer]]]]] = {}
         #: eager collectives issued without asking, by shape and buffer addresses
         #: (``_memo_key``), for their repeats (``repeat``)
@@ -816,6 +817,7 @@ class Engine:
         self._lanes_after = value
         if direct:
             self._direct_calls.append((value, call.name, call.signature))
+            self.direct_calls += 1
         self._issued((call,), now)
 
     def _issue_captured(self, calls: Sequence[Call], imported: bool) -> None:

@@ -233,7 +233,7 @@ class Executor:
                 self.device.wait_value(caller, self.streams.completion, after)
             self.device.direct(caller, direct, value)
             return
-        pending: List[list] = [[(MemOp.WAIT, self.streams.completion, after)] if after else []]
+        pending: List[list] = [self.streams.reach(after)]
 
         def flush(lane_index: int) -> None:
             if pending[lane_index]:
@@ -282,7 +282,7 @@ class Executor:
         else:
             streams.ensure_lanes(total)  # made by ``reserve`` already, unless it was skipped
             lanes = streams.lanes
-        start = [(MemOp.WAIT, streams.completion, after)] if after and not captured else []
+        start = streams.reach(0 if captured else after)
         pending: List[list] = [list(start) for _ in range(total)]
         marks: Dict[Tuple[int, int], Any] = {}
 

@@ -97,6 +97,12 @@ class StreamManager:
         """Make ``caller`` wait for ``completion >= value`` before its later work."""
         self.device.wait_value(caller, self.completion, value)
 
+    def reach(self, value: int) -> list:
+        """The memop that holds a stream until the completion word reaches ``value`` (a
+        call that ran on its caller's stream, which later calls must follow: their
+        signals share the peers' slots, and completion values only grow); none for 0."""
+        return [(MemOp.WAIT, self.completion, value)] if value else []
+
     def completion_writes(self, value: int, after: int = 0) -> list:
         """The memops lane 0 ends with: tell the host, then release the caller (``after``:
         first wait for the completion word to reach it, the value of an earlier call that
@@ -104,8 +110,8 @@ class StreamManager:
         a later call on another stream starts once the completion word has the value and
         writes its own into the host's word; written second, this call's could land after
         it and lower it, and the host would wait for the later call for ever."""
-        writes = [(MemOp.WRITE, self.host_word, value), (MemOp.WRITE, self.completion, value)]
-        return [(MemOp.WAIT, self.completion, after)] + writes if after else writes
+        return self.reach(after) + [(MemOp.WRITE, self.host_word, value),
+                                    (MemOp.WRITE, self.completion, value)]
 
     def drained(self, entries: Iterable[Any], timeout: float,
                 until: Callable[[], bool] = lambda: True) -> bool:

@@ -15,6 +15,7 @@ written, and ``wait()`` blocks until then.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, List, Optional, Sequence
 
 import torch
@@ -65,22 +66,19 @@ class Launcher:
                     post()
             return work
         current = torch.cuda.current_stream(self.device)
-        stream = current
+        stream, on_stream = current, contextlib.nullcontext()  # current already
         if async_op:
             stream = self.side_stream()
             stream.wait_stream(current)
             for tensor in tensors:  # the caching allocator must not reuse them before the call ends
                 tensor.record_stream(stream)
-            with torch.cuda.stream(stream):
-                post = issue(stream)
-                if post is not None:
-                    post()
-        else:  # the stream is current already
+            on_stream = torch.cuda.stream(stream)
+        with on_stream:
             post = issue(stream)
             if post is not None:
                 post()
-            if mark:
-                return Mark(self, self.comm.calls)
+        if mark and not async_op:
+            return Mark(self, self.comm.calls)
         return Work(self, outputs, event=self.record(stream), stream=stream, blocking=blocking)
 
     def record(self, stream: "torch.cuda.Stream") -> "torch.cuda.Event":

@@ -19,6 +19,8 @@ compared with the reference's:
 * both with explicit asynchronous prefetch (``unshard(async_op=True)``);
 * a gradient divide factor (reduce-scatter with PREMUL_SUM), against gloo given the
   same gradients by a loss scaled instead (gloo has no PREMUL_SUM);
+* the reduce-scatters pulled (``pull_bytes``), and every collective a direct kernel
+  (``kernel_bytes``), on groups of their own;
 * HSDP: FSDP2 on a 2-D DeviceMesh (replicate, shard) made by ``init_device_mesh`` with
   ``backend_override={"shard": "hoccl", "replicate": <the reference>}``, against the same
   mesh with both dimensions on the reference; every mesh shape R x S with R * S = N
@@ -53,6 +55,7 @@ DEVICE = torch.device("cpu")
 REFERENCE = None  # the group the runs are compared with: gloo, or NCCL on GPUs
 HOCCL = None  # the hoccl group of the same ranks
 PULLED = None  # a hoccl group whose reduce-scatters pull (Options.pull_bytes)
+DIRECT = None  # a hoccl group whose small collectives are direct kernels (kernel_bytes)
 MESHES: List[tuple] = []  # the (replicas, shards) of the HSDP runs
 
 
@@ -130,8 +133,14 @@ def fsdp(group, hooks=None, bf16=False, prefetch=False, divide=None, scale=1.0,
 
     def unshard_first(module):
         module[0].unshard(async_op=True).wait()
+    direct = DIRECT in (group, hooks)
+    engine = hoccl.torch.communicator(DIRECT)._engine if direct else None
+    kernels = engine.direct_calls if direct else 0
     run = train(model, scale=scale, prefetch=unshard_first if prefetch else None,
                 dtype=torch.bfloat16 if bf16 else torch.float32)
+    if direct:  # the model's every all-gather and reduce-scatter ran as a direct kernel
+        assert engine.direct_calls - kernels >= 20, \
+            f"{engine.direct_calls - kernels} direct kernels"
     if hooks is not None:
         # the all-gathers' outputs come from registered memory (use_for_fsdp's pool): none
         # exchanges descriptors; the reduce-scatters need only the peers' scratch: at most
@@ -247,6 +256,17 @@ def configurations():
         yield (f"FSDP2 with hoccl hooks, pulled reduce-scatters, {'bf16' if bf16 else 'fp32'}",
                lambda b=bf16: fsdp(REFERENCE, hooks=PULLED, bf16=b, pulled=True),
                reference(bf16=bf16, prefetch=False), 1e-2 if bf16 else 1e-6)
+    # a group whose small collectives run as direct kernels (Options.kernel_bytes: every
+    # call of this model): FSDP2 on it, and through the hooks (registered memory for the
+    # all-gathers' outputs and the reduce-scatters' inputs, read by the peers' kernels)
+    for bf16 in (False, True):
+        label = "bf16" if bf16 else "fp32"
+        yield (f"FSDP2 on hoccl, direct kernels, {label}",
+               lambda b=bf16: fsdp(DIRECT, bf16=b),
+               reference(bf16=bf16, prefetch=False), 1e-2 if bf16 else 1e-6)
+        yield (f"FSDP2 with hoccl hooks, direct kernels, {label}",
+               lambda b=bf16: fsdp(REFERENCE, hooks=DIRECT, bf16=b),
+               reference(bf16=bf16, prefetch=False), 1e-2 if bf16 else 1e-6)
     reference_backend = dist.get_backend(REFERENCE)
     for replicas, shards in MESHES:
         # Both runs all-reduce across the replicas on the reference backend; they differ
@@ -275,7 +295,7 @@ def mesh_shapes(text: str) -> List[tuple]:
 
 
 def main():
-    global DEVICE, REFERENCE, HOCCL, PULLED, MESHES
+    global DEVICE, REFERENCE, HOCCL, PULLED, DIRECT, MESHES
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--default-backend", choices=("hoccl", "reference"), default="hoccl",
@@ -304,6 +324,8 @@ def main():
         HOCCL, REFERENCE = dist.new_group(backend="hoccl"), world
     PULLED = dist.new_group(backend="hoccl", pg_options=hoccl.torch.Options(
         settings={"pull_bytes": 1 << 30}))
+    DIRECT = dist.new_group(backend="hoccl", pg_options=hoccl.torch.Options(
+        settings={"kernel_bytes": 1 << 20}))
     passed = failed = 0
     for name, run, reference_run, tolerance in configurations():
         if args.only not in name:
