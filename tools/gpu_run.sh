@@ -363,6 +363,14 @@ if [ "$what" = caller ]; then
   step torch-training 150 $TRUN python3 tests/torch_programs/run_training.py --device cuda \
     --reference $reference
   step ce-capture 150 $MPIRUN python3 tests/mpi/run_capture.py --backend cuda --replays ${REPLAYS:-300}
+  if [ -n "${CALLER_MORE:-}" ]; then
+    # the torch backend's ops with direct kernels; the hierarchy's steps over MPI (now
+    # nonblocking, with a timeout) on the CUDA backend, two simulated hosts of one GPU
+    step torch-backend-direct 150 $TRUN python3 tests/torch_programs/run_backend.py --device cuda \
+      --kernel-bytes 1048576
+    step hier-mpi 120 $MPIRUN python3 tests/mpi/run_hierarchical.py --backend cuda \
+      --inter-host mpi --local-size 1 --counts 0,1,17,100003
+  fi
   for tree in $PWD ${BASELINE:+$PWD/$BASELINE}; do
     tag=$([ "$tree" = "$PWD" ] && echo new || echo base)
     for collective in all_gather all_reduce; do
@@ -377,6 +385,14 @@ if [ "$what" = caller ]; then
         python3 tools/hook_cost.py --collective $collective --size ${HOOK_SIZE:-1M} --iters 300 \
         --burst 20 ${settings:+--settings $settings}
     done
+    if [ -n "${CALLER_TRAIN:-}" ]; then
+      # an FSDP2 step through the hooks, the host's time per step and per call (gloo the
+      # default group: NCCL refuses two ranks on one GPU; the step times say nothing here)
+      step "train-$tag" 240 env PYTHONPATH=$tree:$DEPS $TRUN python3 -m hoccl.bench.train \
+        --baseline gloo --shapes $CALLER_TRAIN \
+        --libraries hoccl-hooks,hoccl-hooks+pull_bytes=2G+chunk_bytes=1G --steps 3 --trials 3 \
+        --warmup 2 --profile-steps 1 --host-profile 2 --out "$OUT/train-$tag"
+    fi
   done
 fi
 if [ "$what" = registered ]; then
