@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The device machine's session: GPU tests (one process, and mpirun -np 2), then the
-# benchmarks against NCCL.  Usage: bash tools/gpu_run.sh [tests|profile|bench|overlap|compare|torch|fsdp|hier|hierdiag|final|registered|onegpu|validate|dryrun|quickreg|figures-a|figures-b|figures-c|figures-d|figures-direct|figures-wide|direct|caller|levers|tp|all] [pytest args]
+# benchmarks against NCCL.  Usage: bash tools/gpu_run.sh [tests|profile|bench|overlap|compare|torch|fsdp|hier|hierdiag|final|registered|onegpu|validate|dryrun|quickreg|figures-a|figures-b|figures-c|figures-d|figures-direct|figures-wide|direct|caller|placement|levers|tp|all] [pytest args]
 # torch: the torch.distributed backend's checks, DDP/FSDP2/HSDP training against NCCL (hoccl
 # the default process group, then NCCL), the FSDP2 example on NCCL and on hoccl, and
 # python -m hoccl.bench.train (one process per shape).
@@ -394,6 +394,23 @@ if [ "$what" = caller ]; then
         --warmup 2 --profile-steps 1 --host-profile 2 --out "$OUT/train-$tag"
     fi
   done
+fi
+if [ "$what" = placement ]; then
+  # where FSDP2's reduce-scatter hook calls go (the caller's stream or the lanes), pushed
+  # and pulled, small and as large as a d4096 layer's gradients; then an FSDP2 step's
+  # driver calls by function, pulled (two ranks on one GPU: the host's side only)
+  for size in 1M 872M; do
+    iters=$([ "$size" = 1M ] && echo 300 || echo 30); burst=$([ "$size" = 1M ] && echo 20 || echo 5)
+    for settings in "" "pull_bytes=2G,chunk_bytes=1G"; do
+      step "hook-rs-$size${settings:+-pull}" 90 $TRUN python3 tools/hook_cost.py \
+        --collective reduce_scatter --size $size --iters $iters --burst $burst \
+        ${settings:+--settings $settings}
+    done
+  done
+  step train-driver 240 $TRUN python3 tools/driver_profile.py -m hoccl.bench.train \
+    --baseline gloo --shapes ${CALLER_TRAIN:-4096:8:32:512:1} \
+    --libraries hoccl-hooks,hoccl-hooks+pull_bytes=2G+chunk_bytes=1G --steps 3 --trials 2 \
+    --warmup 2 --profile-steps 1 --out "$OUT/train-driver"
 fi
 if [ "$what" = registered ]; then
   # registered buffers: every collective on registered memory against numpy, the

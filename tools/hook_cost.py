@@ -55,6 +55,16 @@ def main() -> None:
     comm = hook.comm
     method = f"comm.{args.collective}"
     spent = {"hook": 0.0, method: 0.0, "pool.shadow": 0.0, "Launcher.run": 0.0}
+    # where the calls went: the caller's stream itself, or the lanes
+    executor, placed = comm._engine.executor, {"on the caller's stream": 0, "on the lanes": 0}
+
+    def counted(name, function):
+        def wrapper(*a, **k):
+            placed[name] += 1
+            return function(*a, **k)
+        return wrapper
+    executor.issue_on_caller = counted("on the caller's stream", executor.issue_on_caller)
+    executor.issue = counted("on the lanes", executor.issue)
 
     def timed(name, function):
         def wrapper(*a, **k):
@@ -98,6 +108,8 @@ def main() -> None:
     torch.cuda.synchronize()
     for key in spent:
         spent[key] = 0.0
+    for key in placed:
+        placed[key] = 0
     start = time.perf_counter()
     burst = args.burst or args.iters
     for index in range(args.iters):
@@ -116,7 +128,8 @@ def main() -> None:
           f"{args.iters} "
           f"calls: host {host / args.iters * 1e6:.1f} µs per call, with the GPU "
           f"{total / args.iters * 1e6:.1f}; " + ", ".join(
-              f"{name} {value / args.iters * 1e6:.1f}" for name, value in spent.items()),
+              f"{name} {value / args.iters * 1e6:.1f}" for name, value in spent.items())
+          + "; calls " + ", ".join(f"{count} {name}" for name, count in placed.items()),
           flush=True)
     dist.destroy_process_group()
 
