@@ -66,7 +66,8 @@ class Launcher:
                     post()
             return work
         current = torch.cuda.current_stream(self.device)
-        stream, on_stream = current, contextlib.nullcontext()  # current already
+        stream = current
+        on_stream: Any = contextlib.nullcontext()  # the stream is current already
         if async_op:
             stream = self.side_stream()
             stream.wait_stream(current)
