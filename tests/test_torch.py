@@ -26,13 +26,13 @@ def _free_port():
         return probe.getsockname()[1]
 
 
-def launch(ranks, *args, timeout=600):
+def launch(ranks, *args, timeout=600, env=None):
     """``mpiexec -n ranks python args...`` with torch's env:// rendezvous set up."""
     # one torch thread per process: the ranks share the machine's cores
     env = {**os.environ, **MPI_ENV, "HOCCL_VERIFY": "1", "OMP_NUM_THREADS": "1",
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
            "PYTHONPATH": os.pathsep.join([str(PROGRAMS), str(ROOT),
-                                          os.environ.get("PYTHONPATH", "")])}
+                                          os.environ.get("PYTHONPATH", "")]), **(env or {})}
     command = [_mpiexec(), "-n", str(ranks), sys.executable, *map(str, args)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
     return result.returncode, result.stdout + result.stderr
@@ -48,10 +48,14 @@ def test_every_torch_distributed_op_on_the_hoccl_backend(ranks):
 
 
 @pytest.mark.mpi
-def test_every_torch_distributed_op_with_direct_kernels():
+@pytest.mark.parametrize("jitter", [0, 0.002])
+def test_every_torch_distributed_op_with_direct_kernels(jitter):
     """The same ops on a default group whose small collectives run as direct kernels
-    (``pg_options`` with ``kernel_bytes``)."""
-    code, output = launch(2, PROGRAMS / "run_backend.py", "--kernel-bytes", str(1 << 20))
+    (``pg_options`` with ``kernel_bytes``); once with the host streams jittered
+    (``HOCCL_HOST_JITTER``), where a lane's completion writes landing after a later
+    call's on the caller's stream once left the host waiting for ever."""
+    code, output = launch(2, PROGRAMS / "run_backend.py", "--kernel-bytes", str(1 << 20),
+                          env={"HOCCL_HOST_JITTER": str(jitter)})
     assert code == 0, output[-6000:]
     assert re.search(r"torch ranks=2 backend=hoccl cpu kernel_bytes=1048576: \d+ passed, "
                      r"0 failed", output), output[-6000:]
