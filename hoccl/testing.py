@@ -50,7 +50,7 @@ from .backends._kernels import MAX_INPUTS
 
 __all__ = ["expected", "reduced", "random_array", "poison", "is_poison", "assert_exact",
            "check_collective", "check_interleaved", "PlantedFault", "FAULTS", "ArrayModule", "RegisteredArrays",
-           "array_module_for", "run_or_abort", "fill", "to_numpy",
+           "array_module_for", "run_or_abort",
            "IN_PLACE_FORMS", "POISON_BITS"]
 
 #: collectives that have an in-place form
@@ -112,27 +112,6 @@ def poison(count: int, dtype: str, bits: Optional[int] = None) -> np.ndarray:
     np_dtype = numpy_dtype(dtype)
     bits = POISON_BITS[dtype] if bits is None else bits
     return np.full(count, bits, dtype=f"u{np_dtype.itemsize}").view(np_dtype)
-
-
-def fill(array: Any, values: np.ndarray) -> None:
-    """``values`` into ``array`` where it lies (numpy, cupy or torch), its address kept (a
-    registered buffer stays the same buffer)."""
-    if isinstance(array, np.ndarray):
-        array[...] = values
-    elif hasattr(array, "set"):  # cupy
-        array.set(values)
-    else:
-        import torch
-        array.copy_(torch.from_numpy(values))
-
-
-def to_numpy(array: Any) -> np.ndarray:
-    """A numpy copy of ``array`` (numpy, cupy or torch; float32 and other numpy dtypes)."""
-    if isinstance(array, np.ndarray):
-        return array.copy()
-    if hasattr(array, "get"):  # cupy
-        return array.get()
-    return array.cpu().numpy()
 
 
 def is_poison(array: np.ndarray, bits: Optional[int] = None) -> np.ndarray:
@@ -258,6 +237,17 @@ class ArrayModule:
         else:
             tensor = torch.from_numpy(data.copy())
         return tensor.to(f"cuda:{device}")
+
+    def fill(self, array: Any, values: np.ndarray) -> None:
+        """``values`` into ``array`` where it lies, its address kept (a registered buffer
+        stays the same buffer)."""
+        if self.kind == "numpy":
+            array[...] = values
+        elif self.kind == "cupy":
+            array.set(values)
+        else:
+            import torch
+            array.copy_(torch.from_numpy(values))
 
     def to_numpy(self, array: Any, dtype: str) -> np.ndarray:
         if self.kind == "numpy":

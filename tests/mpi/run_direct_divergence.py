@@ -30,7 +30,7 @@ import numpy as np
 from mpi4py import MPI
 
 import hoccl
-from hoccl.testing import array_module_for, fill, poison
+from hoccl.testing import array_module_for, poison
 
 KERNEL_BYTES = 1 << 20
 
@@ -99,7 +99,7 @@ def main() -> None:
             own = full[r * 640:(r + 1) * 640]
             for index in range(40):
                 if index % 2 == 0:
-                    fill(total, numbers(1000, 7 * index + r))
+                    arrays.fill(total, numbers(1000, 7 * index + r))
                     comm.all_reduce(total, total)
                     expected = sum(numbers(1000, 7 * index + peer).astype(np.float64)
                                    for peer in range(n)).astype(np.float32)
@@ -107,7 +107,7 @@ def main() -> None:
                     got = arrays.to_numpy(total, "float32")
                     wrong += int(not np.allclose(got, expected, rtol=1e-5, atol=1e-5))
                 else:
-                    fill(own, numbers(640, 7 * index + r))
+                    arrays.fill(own, numbers(640, 7 * index + r))
                     comm.all_gather(own, full)
                     comm.synchronize()
                     expected = np.concatenate([numbers(640, 7 * index + peer)
@@ -148,7 +148,7 @@ def main() -> None:
             elif args.scenario == "repeat":  # rank 0 repeats, rank 1 calls another count
                 if r == 0:
                     count, out = 1000, total
-                    fill(total, numbers(1000, r))
+                    arrays.fill(total, numbers(1000, r))
                     comm.all_reduce(total, total)
                 else:
                     count = 1001

@@ -20,7 +20,7 @@ import numpy as np
 from mpi4py import MPI
 
 import hoccl
-from hoccl.testing import fill, poison, reduced, run_or_abort, to_numpy
+from hoccl.testing import array_module_for, poison, reduced, run_or_abort
 
 COUNT = 3000  # elements per rank's block: float32
 
@@ -33,6 +33,7 @@ def main() -> None:
     comm = hoccl.init(backend=args.backend, timeout=60)
     engine = comm._engine
     n, r = comm.world_size, comm.rank
+    arrays = array_module_for(comm.backend, "float32")
     repeats, prepared = [0], [0]
     original_repeat, original_prepare = engine.repeat, engine.prepare
 
@@ -48,7 +49,7 @@ def main() -> None:
 
     def registered(count):
         array = hoccl.empty(count, "float32", comm)
-        fill(array, poison(count, "float32"))
+        arrays.fill(array, poison(count, "float32"))
         return array
 
     def numbers(count, seed):
@@ -66,40 +67,43 @@ def main() -> None:
 
     def reduce_scatter(what, send, out, inputs, count):
         """A reduce_scatter of ``count`` elements per rank into a poisoned ``out``, checked."""
-        fill(out, poison(count, "float32"))
+        arrays.fill(out, poison(count, "float32"))
         comm.reduce_scatter(send, out, "sum")
         comm.synchronize()
         check(what, reduced([inputs[peer][r * count:(r + 1) * count] for peer in range(n)],
-                            "sum"), to_numpy(out))
+                            "sum"), arrays.to_numpy(out, "float32"))
 
     def round_(index):
         """Every call once, on the same buffers, with fresh values."""
         seed = 100 * index
         blocks = [numbers(COUNT, seed + peer) for peer in range(n)]
         inputs = [numbers(COUNT * n, seed + 50 + peer) for peer in range(n)]
-        fill(full, poison(COUNT * n, "float32"))
-        fill(own, blocks[r])
+        arrays.fill(full, poison(COUNT * n, "float32"))
+        arrays.fill(own, blocks[r])
         comm.all_gather(own, full)
         comm.synchronize()
-        check(f"round {index} all_gather", np.concatenate(blocks), to_numpy(full))
-        fill(send, inputs[r])
-        fill(total, poison(COUNT * n, "float32"))
+        check(f"round {index} all_gather", np.concatenate(blocks),
+              arrays.to_numpy(full, "float32"))
+        arrays.fill(send, inputs[r])
+        arrays.fill(total, poison(COUNT * n, "float32"))
         comm.all_to_all(send, total)
         comm.synchronize()
         check(f"round {index} all_to_all",
               np.concatenate([inputs[peer][r * COUNT:(r + 1) * COUNT] for peer in range(n)]),
-              to_numpy(total))
+              arrays.to_numpy(total, "float32"))
         reduce_scatter(f"round {index} reduce_scatter", send, out, inputs, COUNT)
-        fill(total, inputs[r])
+        arrays.fill(total, inputs[r])
         comm.all_reduce(total, total, "max")
         comm.synchronize()
-        check(f"round {index} all_reduce in place", reduced(inputs, "max"), to_numpy(total))
-        fill(full, poison(COUNT * n, "float32"))
+        check(f"round {index} all_reduce in place", reduced(inputs, "max"),
+              arrays.to_numpy(total, "float32"))
+        arrays.fill(full, poison(COUNT * n, "float32"))
         if r == index % n:
-            fill(full, inputs[r])
+            arrays.fill(full, inputs[r])
         comm.broadcast(full, full, root=index % n)
         comm.synchronize()
-        check(f"round {index} broadcast", inputs[index % n], to_numpy(full))
+        check(f"round {index} broadcast", inputs[index % n],
+              arrays.to_numpy(full, "float32"))
 
     for index in range(args.rounds):
         round_(index)
@@ -112,12 +116,12 @@ def main() -> None:
     # a larger reduce_scatter replaces the scratch; the smaller one is then planned afresh
     big_send, big_out = registered(8 * COUNT * n), registered(8 * COUNT)
     inputs = [numbers(8 * COUNT * n, 7000 + peer) for peer in range(n)]
-    fill(big_send, inputs[r])
+    arrays.fill(big_send, inputs[r])
     reduce_scatter("larger reduce_scatter", big_send, big_out, inputs, 8 * COUNT)
     before = prepared[0]
     for index in range(3):
         inputs = [numbers(COUNT * n, 9000 + 10 * index + peer) for peer in range(n)]
-        fill(send, inputs[r])
+        arrays.fill(send, inputs[r])
         reduce_scatter(f"reduce_scatter after the scratch grew, call {index}", send, out,
                        inputs, COUNT)
     if prepared[0] - before != 1:
