@@ -38,6 +38,7 @@ from ._buffers import Buffer, as_buffer
 from .backends._caller_stream import array_framework
 from ._dtypes import numpy_dtype, reduce_arrays
 from ._errors import AbortedError, HocclError, HocclTimeoutError, InvalidArgumentError
+from ._mailbox import wait_until
 from .bootstrap import Bootstrap, MPIBootstrap
 from .comm import Communicator, _held_calls
 from .sched import Shape
@@ -225,22 +226,21 @@ class _MpiEngine:
 
     def _wait(self, request: Any, what: str) -> None:
         """Test ``request`` until it completes, the timeout passes or the engine is
-        aborted."""
-        deadline = time.monotonic() + self.timeout
-        delay = 0.0
-        while not request.Test():
+        aborted (``wait_until``, which looks for the abort every 50 ms)."""
+        def aborted() -> None:
             if self._aborted:
                 self._broken = f"{what} was left unfinished by an abort"
                 raise AbortedError(f"{what} across hosts (MPI): aborted: {self._aborted}")
-            if time.monotonic() > deadline:
-                self._broken = f"{what} did not finish within {self.timeout:g} s"
-                raise HocclTimeoutError(
-                    f"{what} across hosts (MPI, rank {self.mpi.rank} of {self.mpi.size} in "
-                    f"its group): not finished within {self.timeout:g} s: a rank did not "
-                    f"make the matching call, or is gone; MPI cannot take the step back, "
-                    f"so this communicator takes no more calls")
-            time.sleep(delay)
-            delay = min(delay * 2 + 1e-6, 1e-3)
+        try:
+            wait_until(request.Test, time.monotonic() + self.timeout,
+                       lambda: f"{what} across hosts (MPI, rank {self.mpi.rank} of "
+                               f"{self.mpi.size} in its group): not finished within "
+                               f"{self.timeout:g} s: a rank did not make the matching call, or "
+                               f"is gone; MPI cannot take the step back, so this communicator "
+                               f"takes no more calls", check=aborted)
+        except HocclTimeoutError:
+            self._broken = f"{what} did not finish within {self.timeout:g} s"
+            raise
 
     def _usable(self, what: str) -> None:
         if self._broken:
