@@ -388,7 +388,9 @@ if [ "$what" = caller ]; then
     if [ -n "${CALLER_TRAIN:-}" ]; then
       # an FSDP2 step through the hooks, the host's time per step and per call (gloo the
       # default group: NCCL refuses two ranks on one GPU; the step times say nothing here)
-      step "train-$tag" 240 env PYTHONPATH=$tree:$DEPS $TRUN python3 -m hoccl.bench.train \
+      # (-P: without it `python -m` puts the working directory, this tree, ahead of
+      # PYTHONPATH, and the baseline's step would run this tree's hoccl)
+      step "train-$tag" 240 env PYTHONPATH=$tree:$DEPS $TRUN python3 -P -m hoccl.bench.train \
         --baseline gloo --shapes $CALLER_TRAIN \
         --libraries hoccl-hooks,hoccl-hooks+pull_bytes=2G+chunk_bytes=1G --steps 3 --trials 3 \
         --warmup 2 --profile-steps 1 --host-profile 2 --out "$OUT/train-$tag"
