@@ -1,15 +1,24 @@
-"""Host time of one FSDP2 all-gather (or reduce-scatter) hook call, piece by piece, on GPUs.
+"""Host time of one FSDP2 all-gather (or reduce-scatter) hook call, piece by piece.
 
-Run: ``mpirun -np 2 python tools/hook_cost.py [--size 64M] [--iters 300] [--burst 50]``
+Run: ``mpirun -np 2 python tools/hook_cost.py [--size 64M] [--iters 300] [--burst 50]
+[--device cpu] [--profile]``
 
 Calls ``hoccl.torch.AllGather`` (registered memory, in place, as FSDP2 does) back to back
 on FSDP2's pattern of streams, and times on the host: the whole hook call, hoccl's
 ``Communicator.all_gather`` inside it, the pool's shadows, and ``Launcher.run``'s torch
-work (stream switch, event, Work).  Each rank prints µs per call of each.
+work (stream switch, event, Work).  Each rank prints µs per call of each.  With ``--device
+cpu`` the tensors are CPU tensors and the calls run on the host backend (no GPU needed): the
+figures are then the Python side of the path, which the GPU shares, plus the host
+backend's worker threads.  ``--profile`` adds a cProfile of rank 0's timed calls, sorted by
+own time.
 """
 
 import argparse
+import contextlib
+import cProfile
+import io
 import os
+import pstats
 import time
 
 import torch
@@ -37,12 +46,18 @@ def main() -> None:
     parser.add_argument("--settings", default="",
                         help="the group's hoccl settings (pg_options), e.g. pull_bytes=64M; "
                              "sizes may say K, M or G")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                        help="cpu: CPU tensors on the host backend")
+    parser.add_argument("--profile", action="store_true",
+                        help="print a cProfile of rank 0's timed calls")
     args = parser.parse_args()
-    rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", 0))
-    world = int(os.environ.get("OMPI_COMM_WORLD_SIZE", 1))
+    rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMI_RANK", 0)))
+    world = int(os.environ.get("OMPI_COMM_WORLD_SIZE", os.environ.get("PMI_SIZE", 1)))
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29561")
-    torch.cuda.set_device(rank % torch.cuda.device_count())
+    gpu = args.device == "cuda"
+    if gpu:
+        torch.cuda.set_device(rank % torch.cuda.device_count())
     settings = {}
     for item in filter(None, args.settings.split(",")):
         key, _, value = item.partition("=")
@@ -77,8 +92,8 @@ def main() -> None:
     setattr(comm, args.collective, timed(method, getattr(comm, args.collective)))
     hook.pool.shadow = timed("pool.shadow", hook.pool.shadow)
     _work.Launcher.run = timed("Launcher.run", _work.Launcher.run)
-    cuda = torch.device("cuda")
-    stream = torch.cuda.Stream()
+    cuda = torch.device(args.device)
+    stream = torch.cuda.Stream() if gpu else None
     if args.collective == "all_gather":
         count = parse_size(args.size) // 2
         block = count // world
@@ -99,27 +114,35 @@ def main() -> None:
             return hook(output, input, group, op=dist.ReduceOp.AVG, async_op=args.async_op)
 
     def call():
-        with torch.cuda.stream(stream):
+        with torch.cuda.stream(stream) if gpu else contextlib.nullcontext():
             work = issue()
             if work is not None:
                 work.wait()
+    def hook_synchronize():
+        comm.synchronize()
+    synchronize = torch.cuda.synchronize if gpu else hook_synchronize
     for _ in range(20):
         call()
-    torch.cuda.synchronize()
+    synchronize()
     for key in spent:
         spent[key] = 0.0
     for key in placed:
         placed[key] = 0
+    profiler = cProfile.Profile() if args.profile and rank == 0 else None
     start = time.perf_counter()
     burst = args.burst or args.iters
     for index in range(args.iters):
         if index and index % burst == 0:
-            torch.cuda.synchronize()
+            synchronize()
         begin = time.perf_counter()
+        if profiler is not None:
+            profiler.enable()
         call()
+        if profiler is not None:
+            profiler.disable()
         spent["hook"] += time.perf_counter() - begin
     host = spent["hook"] if args.burst else time.perf_counter() - start
-    torch.cuda.synchronize()
+    synchronize()
     total = time.perf_counter() - start
     what = ("in-place all-gather" if args.collective == "all_gather"
             else "reduce-scatter (fp32, AVG)")
@@ -131,6 +154,10 @@ def main() -> None:
               f"{name} {value / args.iters * 1e6:.1f}" for name, value in spent.items())
           + "; calls " + ", ".join(f"{count} {name}" for name, count in placed.items()),
           flush=True)
+    if profiler is not None:
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
+        print(text.getvalue(), flush=True)
     dist.destroy_process_group()
 
 
