@@ -204,6 +204,21 @@ if [ "$what" = dryrun ]; then
   step tp-plant-fault 150 $TRUN python3 -m hoccl.bench.tp --quick --plant-fault --libraries hoccl \
     --out "$OUT/tp-plant-fault"
   fi
+  if [ -n "${DRY_MORE:-}" ]; then
+    # the hoccl parts of figures-direct and figures-wide: direct kernels eager and in
+    # graphs (the bench checks every result), the wide training shape on the hooks with
+    # the settings figures-wide compares (gloo the baseline: this checks that it runs and
+    # fits, two sharded copies of the model on one GPU), the 7B tensor-parallel layer
+    step direct-bench 150 $MPIRUN python3 -m hoccl.bench --sizes 64K,1M --forms in \
+      --collectives all_gather,all_reduce,reduce_scatter,broadcast \
+      --libraries hoccl-reg,hoccl-reg+kernel_bytes=16M,hoccl-reg+kernel_bytes=16M+kernel_sms=32 \
+      --graph --out "$OUT/direct-bench"
+    step train-wide 240 $TRUN python3 -m hoccl.bench.train --baseline gloo --shapes wide \
+      --libraries hoccl-hooks+max_sms=32+chunk_bytes=128M,hoccl-hooks+pull_bytes=2G+max_sms=16+chunk_bytes=1G \
+      --steps 2 --trials 1 --warmup 1 --profile-steps 1 --out "$OUT/train-wide"
+    step tp-7b 150 $TRUN python3 -m hoccl.bench.tp --quick --hidden 4096 --ffn 11008 \
+      --libraries hoccl,hoccl+max_sms=4 --out "$OUT/tp-7b"
+  fi
   # the host's time per call (no NCCL to compare with here; the parts are driver calls)
   step profile-reg 60 $MPIRUN python3 tools/profile_call.py --size 1M --registered --iters 300
   step profile 60 $MPIRUN python3 tools/profile_call.py --size 1M --iters 300
