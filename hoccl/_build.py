@@ -53,12 +53,13 @@ class Settings:
     for ``split``."""
 
     def __init__(self, *, timeout: float, verify_plans: bool, max_sms: int, copy_sms: int,
-                 options: Options):
+                 options: Options, fuse_sums: bool = True):
         self.timeout = timeout
         self.verify_plans = verify_plans
         self.max_sms = max_sms
         self.copy_sms = copy_sms
         self.options = options
+        self.fuse_sums = fuse_sums
 
     @classmethod
     def fresh(cls, call: str, world_size: int, timeout: Optional[float],
@@ -66,10 +67,12 @@ class Settings:
               options: dict) -> "Settings":
         check.positive_int(call, "max_sms", max_sms)
         check.positive_int(call, "copy_sms", copy_sms, optional=True)
+        options = dict(options)
+        fuse_sums = check.switch(call, "fuse_sums", options.pop("fuse_sums", True))
         return cls(timeout=check.timeout_setting(call, timeout, DEFAULT_TIMEOUT),
                    verify_plans=check.flag_setting(verify_plans, "HOCCL_VERIFY"),
                    max_sms=max_sms, copy_sms=copy_sms or default_copy_sms(world_size),
-                   options=check.plan_options(call, Options(), options))
+                   options=check.plan_options(call, Options(), options), fuse_sums=fuse_sums)
 
     @classmethod
     def inherited(cls, call: str, parent: Engine, parent_timeout: float,
@@ -77,7 +80,11 @@ class Settings:
                   max_sms: Optional[int], copy_sms: Optional[int], options: dict) -> "Settings":
         check.positive_int(call, "max_sms", max_sms, optional=True)
         check.positive_int(call, "copy_sms", copy_sms, optional=True)
-        return cls(timeout=(parent_timeout if timeout is None
+        options = dict(options)
+        fuse_sums = options.pop("fuse_sums", None)
+        fuse_sums = (parent.sms.fuse_sums if fuse_sums is None
+                     else check.switch(call, "fuse_sums", fuse_sums))
+        return cls(fuse_sums=fuse_sums, timeout=(parent_timeout if timeout is None
                             else check.timeout_setting(call, timeout, DEFAULT_TIMEOUT)),
                    verify_plans=parent.verify_plans if verify_plans is None else bool(verify_plans),
                    max_sms=parent.sms.max_sms if max_sms is None else max_sms,
@@ -87,7 +94,7 @@ class Settings:
     def engine(self, rank: int, world_size: int, share: DeviceShare, owns_device: bool) -> Engine:
         return Engine(rank=rank, world_size=world_size, share=share, options=self.options,
                       verify_plans=self.verify_plans, owns_device=owns_device,
-                      sms=SmCaps(self.max_sms, self.copy_sms))
+                      sms=SmCaps(self.max_sms, self.copy_sms, self.fuse_sums))
 
 
 def connect_local(shares: Sequence[DeviceShare], settings: Settings, owns_devices: bool

@@ -552,6 +552,12 @@ class Engine:
             peers[peer] = theirs
         return peers
 
+    def forget_programs(self) -> None:
+        """Bind every call afresh from now on, and repeat none made before: what a bound
+        program holds changed (``fuse_sums``)."""
+        self.layout_epoch += 1
+        self._programs.clear()
+
     def forget_window(self, window: Any) -> None:
         """Drop ``window`` (deregistered by every rank, its calls finished): the programs
         bound to its peers' mappings go, then the mappings no call made."""

@@ -21,7 +21,7 @@ from .sched.plan import OPS
 
 __all__ = ["ReduceOp", "positive_int", "reduce_op", "rank", "plan_options", "timeout_setting",
            "flag_setting", "same_dtype", "same_shape", "blocks", "disjoint", "in_place",
-           "on_device", "OPTION_NAMES"]
+           "on_device", "switch", "OPTION_NAMES"]
 
 #: the planning options ``init``, ``init_local`` and ``set_options`` accept
 OPTION_NAMES = tuple(field.name for field in dataclasses.fields(Options))
@@ -114,6 +114,14 @@ def timeout_setting(call: str, timeout: Any, default: float) -> float:
         raise InvalidArgumentError(f"{call}: {source} must be a positive number of seconds; "
                                    f"got {timeout!r}")
     return float(timeout)
+
+
+def switch(call: str, name: str, value: Any) -> bool:
+    """``value`` as a bool: True, False, 1 or 0 (what a settings string parses to)."""
+    if value is True or value is False or (type(value) is int and value in (0, 1)):
+        return bool(value)
+    raise InvalidArgumentError(f"{call}: {name} must be True or False (or 1 or 0); got "
+                               f"{value!r}")
 
 
 def flag_setting(value: Optional[bool], variable: str) -> bool:

@@ -78,6 +78,12 @@ class Communicator:
         return self._engine.sms.max_sms
 
     @property
+    def fuse_sums(self) -> bool:
+        """Whether a pushed reduction's chunk sums run as one launch per call
+        (``set_options``)."""
+        return self._engine.sms.fuse_sums
+
+    @property
     def copy_sms(self) -> int:
         """The most SMs the same-GPU copy of out-of-place own blocks takes."""
         return self._engine.sms.copy_sms
@@ -421,17 +427,26 @@ class Communicator:
             options=options))
 
     def set_options(self, **changes: Any) -> None:
-        """Change options for later calls: ``self_route``, ``chunk_bytes``, ``copy_lanes``
-        (planning), ``max_sms`` (the SM cap of reductions) and ``copy_sms`` (the SM cap
-        of the one same-GPU copy of out-of-place forms' own block)."""
+        """Change options for later calls: ``self_route``, ``chunk_bytes``, ``copy_lanes``,
+        ``one_shot_bytes``, ``pull_bytes``, ``kernel_bytes``, ``kernel_sms`` (planning),
+        ``max_sms`` (the SM cap of reductions), ``copy_sms`` (the SM cap of the one
+        same-GPU copy of out-of-place forms' own block) and ``fuse_sums`` (a pushed
+        reduction's chunk sums as one launch that waits for each chunk on the device)."""
         self._usable("set_options")
         caps = {name: changes.pop(name) for name in ("max_sms", "copy_sms") if name in changes}
         for name, value in caps.items():
             check.positive_int("set_options", name, value)
+        fuse = changes.pop("fuse_sums", None)
+        if fuse is not None:
+            fuse = check.switch("set_options", "fuse_sums", fuse)
         options = check.plan_options("set_options", self._engine.options, changes)
+        engine = self._engine
         for name, value in caps.items():
-            setattr(self._engine.sms, name, value)
-        self._engine.options = options
+            setattr(engine.sms, name, value)
+        if fuse is not None and fuse != engine.sms.fuse_sums:
+            engine.sms.fuse_sums = fuse
+            engine.forget_programs()  # bound programs hold the fused launches, or not
+        engine.options = options
 
     def close(self) -> None:
         """Wait for outstanding work (aborting it after ``timeout``), then release streams,

@@ -3,6 +3,7 @@ descriptor exchange, cross-process copies and signals; the same checks failing o
 planted fault; failures across processes."""
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -154,6 +155,26 @@ def test_split_children_under_mpiexec_run_collectives_beside_their_parent(ranks)
     returncode, output = _run_program(ranks, SPLIT.name, "--backend", "host")
     assert returncode == 0, output[-4000:]
     assert f"split ranks={ranks} backend=host: 8 passed, 0 failed" in output, output[-4000:]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("ranks,fuse", [(2, True), (3, True), (2, False)])
+def test_reductions_of_many_chunks_across_processes(ranks, fuse):
+    """run_checks.py with 64-byte chunks: a reduction's sums wait for dozens of chunks'
+    copies from the peers' processes, as one launch per rank (``fuse_sums``, whose waits
+    the launch keeps) or a stream wait and a launch per chunk; every stream sleeps up to
+    2 ms before each item (``HOCCL_HOST_JITTER``) and between a launch's chunks, so
+    copies land late and in many orders; exact against numpy."""
+    returncode, output = _run_checks(ranks, "--chunk-bytes", "64", "--counts", "0,17,1000",
+                                     "--dtypes", "float32,bfloat16,int32",
+                                     *(() if fuse else ("--no-fuse-sums",)),
+                                     env={"HOCCL_HOST_JITTER": "0.002",
+                                          "HOCCL_HOST_CHECK_SIGNALS": "1"})
+    assert returncode == 0, output[-4000:]
+    assert output.rstrip().endswith(" 0 failed"), output[-4000:]
+    found = re.search(r"fuse_sums=(\w+): (\d+) or more one-launch", output)
+    assert found and found.group(1) == str(fuse), output[-4000:]
+    assert (int(found.group(2)) > 0) == fuse, output[-4000:]
 
 
 @pytest.mark.mpi

@@ -25,7 +25,7 @@ import enum
 from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence, Tuple
 
-from .._dtypes import FLOATING, NAMES
+from .._dtypes import FLOATING, ITEMSIZE, NAMES
 from ..sched.plan import OPS as _PLAN_OPS
 
 __all__ = ["Device", "HostWord", "MemOp", "SmCaps", "DTYPES", "OPS", "check_reduce_extras",
@@ -62,6 +62,9 @@ class SmCaps:
     share a device but not their caps (``set_options`` changes one communicator's)."""
     max_sms: int
     copy_sms: int
+    #: a pushed reduction's chunk sums as one launch whose blocks wait for each chunk on
+    #: the device (``Device.reduce_chunks``), instead of a stream wait and a launch per chunk
+    fuse_sums: bool = True
 
 
 #: the steps of a ``DirectProgram`` (the values the CUDA kernel's ``DirectKind`` uses)
@@ -266,6 +269,27 @@ class Device(abc.ABC):
         the number of inputs (one input and a divisor: a division in place, as an average
         across hosts finishes).  A ``sum`` with ``scale`` is multiplied by it before the
         result is rounded to ``dtype`` (floating dtypes)."""
+
+    def reduce_chunks(self, stream: Any, flags: Sequence[Any], value: int, output: Any,
+                      inputs: Sequence[Any], count: int, last_count: int, chunks: int,
+                      stride: int, dtype: str, op: str, sms: Optional[int] = None,
+                      scale: Optional[float] = None) -> None:
+        """A pushed reduction's ``chunks`` chunks in one launch: chunk ``k`` is
+        ``reduce`` of the elements ``[k * stride, k * stride + count)`` (``last_count`` for
+        the last) of ``output`` and every input, once every 64-bit word at ``flags`` (own
+        memory, where the peers' copies signal) is ``>= value + k``.  A word at or above
+        an abort's value (2**62) ends it: nothing more is written.  ``stride * itemsize``
+        must be a multiple of 16, the inputs at most ``MAX_INPUTS`` and the flags at most
+        ``CHUNK_FLAGS`` (the executor fuses only such runs).  This default is what the
+        launch replaces: the waits and a reduction per chunk."""
+        itemsize = ITEMSIZE[dtype]
+        for k in range(chunks):
+            for flag in flags:
+                self.wait_value(stream, flag, value + k)
+            shift = k * stride * itemsize
+            self.reduce(stream, output + shift, [address + shift for address in inputs],
+                        last_count if k == chunks - 1 else count, dtype, op, sms=sms,
+                        scale=scale)
 
     def prepare_direct(self, dtype: str, op: str) -> None:
         """Load what ``direct`` will launch for programs of ``dtype`` and ``op`` (a kernel

@@ -37,13 +37,17 @@ from collections.abc import Sequence
 from .._errors import InvalidArgumentError
 from ._base import DTYPES, OPS
 
-__all__ = ["MAX_INPUTS", "TUNING", "COPY_WIDTHS", "reduce_kernel_name", "copy_kernel_name",
+__all__ = ["MAX_INPUTS", "CHUNK_FLAGS", "TUNING", "COPY_WIDTHS", "reduce_kernel_name", "copy_kernel_name",
+           "reduce_chunks_kernel_name",
            "source", "templates", "compile_options", "reduce_launches", "DIRECT_OPS",
            "DIRECT_INPUTS", "DIRECT_THREADS", "DIRECT_WORDS", "direct_kernel_name", "direct_source",
            "block_range", "direct_compile_options"]
 
 #: inputs one reduce launch combines; more are chained by the caller.
 MAX_INPUTS = 64
+#: most pad slots each chunk of a ``reduce_chunks`` launch waits on (one per peer that
+#: copies into it)
+CHUNK_FLAGS = 8
 #: how the kernels are built: ``*_threads`` per block (one block per SM in a capped grid);
 #: ``*_unroll`` 16-byte vectors each thread keeps in flight (per input for reduce, halved
 #: for 1-byte types).  Measured on H200 (bf16 sum of 2 inputs, 256 MiB, bytes read +
@@ -71,13 +75,17 @@ def reduce_kernel_name(dtype: str, op: str) -> str:
     return f"hoccl_reduce_{dtype}_{op}"
 
 
+def reduce_chunks_kernel_name(dtype: str, op: str) -> str:
+    return f"hoccl_reduce_chunks_{dtype}_{op}"
+
+
 def copy_kernel_name(width: int) -> str:
     return f"hoccl_copy_{width}"
 
 
 def compile_options() -> list:
     """NVRTC options (the compiler picks the GPU's architecture); no host headers needed."""
-    return (["-std=c++17", f"-DHOCCL_MAX_INPUTS={MAX_INPUTS}"]
+    return (["-std=c++17", f"-DHOCCL_MAX_INPUTS={MAX_INPUTS}", f"-DHOCCL_CHUNK_FLAGS={CHUNK_FLAGS}"]
             + [f"-DHOCCL_{name.upper()}={value}" for name, value in sorted(TUNING.items())])
 
 
@@ -235,8 +243,13 @@ struct Lanes {
 };
 
 // ---- output = op(inputs...) ----------------------------------------------------------
+// ``reduce_span``: the elements [at, at + count) of every input and the output, ``vectors``
+// whole 16-byte vectors of them after the head (``args.head`` elements, the same for every
+// span whose start is a whole number of vectors from the arguments' start).
 template <class D, int OP>
-static __device__ __forceinline__ void reduce_body(const ReduceArgs& args) {
+static __device__ __forceinline__ void reduce_span(const ReduceArgs& args, unsigned long long at,
+                                                   unsigned long long count,
+                                                   unsigned long long vectors) {
     typedef typename D::T T;
     typedef typename D::A A;
     typedef Lanes<D> L;
@@ -246,8 +259,7 @@ static __device__ __forceinline__ void reduce_body(const ReduceArgs& args) {
     const unsigned int n = args.num_inputs;
     const unsigned long long threads = (unsigned long long)gridDim.x * blockDim.x;
     const unsigned long long first = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
-    const unsigned long long head = args.head;
-    const unsigned long long vectors = args.vectors;
+    const unsigned long long head = at + args.head;
     uint4* out = reinterpret_cast<uint4*>(static_cast<T*>(args.output) + head);
 
     for (unsigned long long v = first; v < vectors; v += U * threads) {
@@ -297,15 +309,70 @@ static __device__ __forceinline__ void reduce_body(const ReduceArgs& args) {
     }
 
     // The head (before the first 16-byte boundary) and the tail (after the last vector).
-    const unsigned long long body_end = head + vectors * N;
-    const unsigned long long scalars = head + (args.count - body_end);
-    T* out_elements = static_cast<T*>(args.output);
+    const unsigned long long lead = args.head < count ? args.head : count;
+    const unsigned long long body_end = lead + vectors * N;
+    const unsigned long long scalars = lead + (count - body_end);
+    T* out_elements = static_cast<T*>(args.output) + at;
     for (unsigned long long k = first; k < scalars; k += threads) {
-        const unsigned long long e = k < head ? k : body_end + (k - head);
+        const unsigned long long e = at + (k < lead ? k : body_end + (k - lead));
         A acc = D::load(static_cast<const T*>(args.inputs[0])[e]);
         for (unsigned int i = 1; i < n; ++i)
             acc = combine<D, OP>(acc, D::load(static_cast<const T*>(args.inputs[i])[e]));
-        out_elements[e] = D::store(finish<D, OP>(acc, args));
+        out_elements[e - at] = D::store(finish<D, OP>(acc, args));
+    }
+}
+
+template <class D, int OP>
+static __device__ __forceinline__ void reduce_body(const ReduceArgs& args) {
+    reduce_span<D, OP>(args, 0, args.count, args.vectors);
+}
+
+// ---- a pushed reduction's chunks in one launch -------------------------------------------
+// Chunk k is the span at k * stride elements (``first`` describes chunk 0; the last chunk
+// may be shorter) and may be summed once every one of this rank's pad slots ``flags``
+// reaches ``value + k``: the peers' copy lanes signal each chunk's arrival there.  Thread
+// 0 of every block waits for them (acquire loads, so the chunk's bytes, copied before
+// the signals were written, are seen after them), the block's barrier passes that on,
+// and the block sums its share.  A value of an abort (>= 2**62) ends the block: nothing more is
+// written.  One launch per call instead of one per chunk: the blocks hold their SMs
+// for the whole call, and the host issues one launch instead of a wait and a launch per
+// chunk.
+struct ChunkArgs {
+    ReduceArgs first;
+    const unsigned long long* flags[HOCCL_CHUNK_FLAGS];
+    unsigned long long num_flags;
+    unsigned long long value;
+    unsigned long long chunks;
+    unsigned long long stride;        // elements from one chunk to the next (whole vectors)
+    unsigned long long last_count;    // the last chunk's elements
+    unsigned long long last_vectors;  // and its whole vectors after the head
+};
+
+static __device__ __forceinline__ unsigned long long chunk_flag(const unsigned long long* p) {
+    unsigned long long v;
+    asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+
+template <class D, int OP>
+static __device__ __forceinline__ void reduce_chunks_body(const ChunkArgs& c) {
+    __shared__ int aborted;
+    for (unsigned long long k = 0; k < c.chunks; ++k) {
+        if (threadIdx.x == 0) {
+            int stop = 0;
+            for (unsigned long long f = 0; f < c.num_flags; ++f) {
+                unsigned long long seen;
+                while ((seen = chunk_flag(c.flags[f])) < c.value + k) {}
+                stop |= seen >= (1ull << 62);
+            }
+            aborted = stop;
+        }
+        __syncthreads();
+        if (aborted) return;
+        const bool last = k + 1 == c.chunks;
+        reduce_span<D, OP>(c.first, k * c.stride, last ? c.last_count : c.first.count,
+                           last ? c.last_vectors : c.first.vectors);
+        __syncthreads();  // ``aborted`` is read by every thread before thread 0 writes it again
     }
 }
 
@@ -358,6 +425,12 @@ def source() -> str:
                 f'extern "C" __global__ void __launch_bounds__(HOCCL_REDUCE_THREADS)\n'
                 f"{reduce_kernel_name(dtype, op)}(const __grid_constant__ ReduceArgs args) "
                 f"{{ reduce_body<{_DTYPE_TRAITS[dtype]}, {_OP_ENUM[op]}>(args); }}\n")
+    for dtype in DTYPES:
+        for op in OPS:
+            kernels.append(
+                f'extern "C" __global__ void __launch_bounds__(HOCCL_REDUCE_THREADS)\n'
+                f"{reduce_chunks_kernel_name(dtype, op)}(const __grid_constant__ ChunkArgs args) "
+                f"{{ reduce_chunks_body<{_DTYPE_TRAITS[dtype]}, {_OP_ENUM[op]}>(args); }}\n")
     for width in COPY_WIDTHS:
         kernels.append(
             f'extern "C" __global__ void __launch_bounds__(HOCCL_COPY_THREADS)\n'

@@ -153,6 +153,18 @@ class _ReduceArgs(ctypes.Structure):
                 ("scale", ctypes.c_double)]
 
 
+class _ChunkArgs(ctypes.Structure):
+    """Mirror of ``ChunkArgs`` in ``_kernels``: ``reduce_chunks``'s one launch."""
+    _fields_ = [("first", _ReduceArgs),
+                ("flags", ctypes.c_void_p * _kernels.CHUNK_FLAGS),
+                ("num_flags", ctypes.c_uint64),
+                ("value", ctypes.c_uint64),
+                ("chunks", ctypes.c_uint64),
+                ("stride", ctypes.c_uint64),
+                ("last_count", ctypes.c_uint64),
+                ("last_vectors", ctypes.c_uint64)]
+
+
 class _CopyArgs(ctypes.Structure):
     """Mirror of ``CopyArgs`` in ``_kernels``."""
     _fields_ = [("dst", ctypes.c_void_p),
@@ -257,6 +269,9 @@ class _Kernels:
             try:
                 self.reduce = {(dtype, op): _function(module, _kernels.reduce_kernel_name(dtype, op))
                                for dtype in DTYPES for op in OPS}
+                self.reduce_chunks = {
+                    (dtype, op): _function(module, _kernels.reduce_chunks_kernel_name(dtype, op))
+                    for dtype in DTYPES for op in OPS}
                 self.copy = {width: _function(module, _kernels.copy_kernel_name(width))
                              for width in _kernels.COPY_WIDTHS}
             except cupy.cuda.compiler.CompileException as error:
@@ -959,6 +974,41 @@ class CudaDevice(Device):
             self._launch_reduce(kernels.reduce[dtype, kernel_op], stream, output, launch_inputs,
                                 count, itemsize, divisor, self.max_sms if sms is None else sms,
                                 scale if index == last else None)
+
+    def reduce_chunks(self, stream: Any, flags: Sequence[Any], value: int, output: Any,
+                      inputs: Sequence[Any], count: int, last_count: int, chunks: int,
+                      stride: int, dtype: str, op: str, sms: Optional[int] = None,
+                      scale: Optional[float] = None) -> None:
+        """``Device.reduce_chunks`` as one launch of ``hoccl_reduce_chunks_*``: its blocks
+        wait on the device for each chunk's signal (``_kernels.ChunkArgs``)."""
+        if dtype not in _ITEMSIZE or op not in OPS:
+            raise InvalidArgumentError(f"reduce_chunks: expected dtype in {DTYPES} and op in "
+                                       f"{OPS}, got {dtype!r}, {op!r}")
+        itemsize = _ITEMSIZE[dtype]
+        if (not inputs or len(inputs) > _kernels.MAX_INPUTS or (stride * itemsize) % 16
+                or not 0 < len(flags) <= _kernels.CHUNK_FLAGS):
+            raise InvalidArgumentError(
+                f"reduce_chunks: expected 1 to {_kernels.MAX_INPUTS} inputs, 1 to "
+                f"{_kernels.CHUNK_FLAGS} flags and a stride of whole 16-byte vectors, got "
+                f"{len(inputs)} inputs, {len(flags)} flags and {stride} elements of "
+                f"{itemsize} bytes")
+        check_reduce_extras(op, dtype, None, scale)
+        if not chunks or not count:
+            return
+        output = int(output)
+        inputs = [int(address) for address in inputs]
+        first, blocks, threads = self._reduce_arguments(
+            output, inputs, count, itemsize, len(inputs), self.max_sms if sms is None else sms,
+            scale)
+        if first.vectors:
+            lead = min(last_count, first.head)
+            last_vectors = (last_count - lead) * itemsize // 16
+        else:  # mutually misaligned: element by element, in every chunk alike
+            last_vectors = 0
+        args = _ChunkArgs(first, (ctypes.c_void_p * _kernels.CHUNK_FLAGS)(*map(int, flags)),
+                          len(flags), value, chunks, stride, last_count, last_vectors)
+        self._make_current()
+        self._launch(self._kernels().reduce_chunks[dtype, op], blocks, threads, stream, args)
 
     def _reduce_arguments(self, output: int, inputs: list, count: int, itemsize: int,
                           divisor: int, sms: int, scale: Optional[float] = None,

@@ -85,6 +85,25 @@ def _move(dst: Any, src: Any, nbytes: int) -> None:
         ctypes.memmove(dst, src, nbytes)
 
 
+def _reduce_now(output: Any, inputs: Sequence[Any], count: int, dtype: str, op: str,
+                divisor: Optional[int], scale: Optional[float]) -> None:
+    """``output = op(*inputs)`` now, on this thread (a host stream's reduction)."""
+    np_dtype = numpy_dtype(dtype)
+    nbytes = count * np_dtype.itemsize
+
+    def local(address: Any) -> np.ndarray:
+        if isinstance(address, RemotePtr):  # a peer's input, read where it lies
+            copied = np.empty(nbytes, dtype=np.uint8)
+            _move(copied.ctypes.data, address, nbytes)
+            return copied
+        return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(address))
+
+    views = [local(address).view(np_dtype) for address in inputs]
+    result = reduce_arrays(views, op, np_dtype, divisor, scale)
+    out = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(output))
+    out[...] = result.view(np.uint8)
+
+
 def _read_u64(address: int) -> int:
     return ctypes.c_uint64.from_address(address).value
 
@@ -332,22 +351,34 @@ class HostDevice(Device):
                dtype: str, op: str, divisor: Optional[int] = None,
                sms: Optional[int] = None, scale: Optional[float] = None) -> None:
         check_reduce_extras(op, dtype, divisor, scale)
-        np_dtype = numpy_dtype(dtype)
-        nbytes = count * np_dtype.itemsize
+        if count:
+            stream.enqueue(lambda: _reduce_now(output, inputs, count, dtype, op, divisor, scale))
 
-        def local(address: Any) -> np.ndarray:
-            if isinstance(address, RemotePtr):  # a peer's input, read where it lies
-                copied = np.empty(nbytes, dtype=np.uint8)
-                _move(copied.ctypes.data, address, nbytes)
-                return copied
-            return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(address))
+    def reduce_chunks(self, stream: HostStream, flags: Sequence[Any], value: int, output: Any,
+                      inputs: Sequence[Any], count: int, last_count: int, chunks: int,
+                      stride: int, dtype: str, op: str, sms: Optional[int] = None,
+                      scale: Optional[float] = None) -> None:
+        """One item, as the GPU's one launch: chunk by chunk, wait until every word at
+        ``flags`` reaches the chunk's value (an abort's value ends it), then sum the chunk.
+        Under ``HOCCL_HOST_JITTER`` it also sleeps between chunks, as a kernel's blocks may
+        be slow to run."""
+        check_reduce_extras(op, dtype, None, scale)
+        if any(isinstance(flag, RemotePtr) for flag in flags):
+            raise InvalidArgumentError("reduce_chunks: waits are on this rank's own pad")
+        itemsize = numpy_dtype(dtype).itemsize
 
         def run():
-            views = [local(address).view(np_dtype) for address in inputs]
-            result = reduce_arrays(views, op, np_dtype, divisor, scale)
-            out = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(output))
-            out[...] = result.view(np.uint8)
-        if count:
+            for k in range(chunks):
+                for flag in flags:
+                    self._poll(stream, lambda: _read_u64(flag) >= value + k)
+                if any(_read_u64(flag) >= 1 << 62 for flag in flags):
+                    return  # released by an abort: nothing more is written
+                if stream._jitter:
+                    time.sleep(random.random() * stream._jitter)
+                shift = k * stride * itemsize
+                _reduce_now(output + shift, [address + shift for address in inputs],
+                            last_count if k == chunks - 1 else count, dtype, op, None, scale)
+        if chunks and count:
             stream.enqueue(run)
 
     def direct(self, stream: HostStream, program: DirectProgram, value: int = 0) -> None:

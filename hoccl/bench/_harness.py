@@ -195,6 +195,7 @@ class Hoccl(Library):
         self.windows: List[Tuple[Any, Any]] = []
         self.route = route or comm.options.self_route
         self.defaults = {"max_sms": comm.max_sms, "copy_sms": comm.copy_sms,
+                         "fuse_sums": comm.fuse_sums,
                          "chunk_bytes": comm.options.chunk_bytes,
                          "one_shot_bytes": comm.options.one_shot_bytes,
                          "pull_bytes": comm.options.pull_bytes,
@@ -204,11 +205,13 @@ class Hoccl(Library):
         copies = settings.get("copy_sms", self.defaults["copy_sms"])
         moves = "0" if self.route == "peer" else f"≤ {copies} for the own block out of place"
         pulled = " (pulled: the peers' reads too)" if settings.get("pull_bytes") else ""
-        self.sms = f"moves: {moves} (in place: 0); sums{pulled}: ≤ {sums}"
+        per_chunk = "" if settings.get("fuse_sums", self.defaults["fuse_sums"]) else \
+            " (a launch per chunk)"
+        self.sms = f"moves: {moves} (in place: 0); sums{pulled}: ≤ {sums}{per_chunk}"
         # variants are measured only where what they change matters
         self.moves_only = route is not None or set(settings) == {"copy_sms"}
         self.sums_only = bool(settings) and set(settings) <= {"max_sms", "chunk_bytes",
-                                                              "pull_bytes"}
+                                                              "pull_bytes", "fuse_sums"}
         self.all_reduce_only = set(settings) == {"one_shot_bytes"}
 
     def sms_for(self, collective: str, nbytes: int = 0) -> str:

@@ -370,7 +370,7 @@ def parse_library(name: str, baseline: str) -> Tuple[str, Dict[str, Any]]:
 
 #: the hoccl.torch.Options settings a library name may carry
 SETTINGS = ("max_sms", "copy_sms", "chunk_bytes", "copy_lanes", "one_shot_bytes", "pull_bytes",
-            "kernel_bytes", "kernel_sms")
+            "kernel_bytes", "kernel_sms", "fuse_sums")
 
 
 def hoccl_groups(names: Sequence[str], baseline: str, max_sms: int) -> Dict[str, Any]:

@@ -15,6 +15,12 @@ the lane's next copy, kernel or event (``cuStreamBatchMemOp`` keeps their order)
 consecutive independent copies on one lane become one batch.  A rank's whole
 collective on two GPUs is then a handful of driver calls.
 
+A lane's run of chunk waits and sums (a pushed reduce_scatter or reduce: wait for chunk
+k's copies, sum chunk k, for every chunk) is one launch instead (``fuse_sums``, the
+default): its blocks wait on the device for each chunk's signal (``Device.reduce_chunks``).
+The plan is unchanged (the same waits, in the same order, now kept by the kernel), so
+ranks that fuse and ranks that do not still meet.
+
 A direct-kernel plan (``Plan.kernel_blocks``) binds to one ``DirectProgram`` instead:
 its signals and waits address the pads' direct-kernel slots, and the whole program is
 one launch (``Device.direct``) on lane 0.
@@ -24,16 +30,19 @@ from __future__ import annotations
 
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
+from .._dtypes import ITEMSIZE
 from ..backends._base import (DIRECT_COPY, DIRECT_REDUCE, DIRECT_SIGNAL, DIRECT_WAIT,
                               DirectProgram, MemOp, SmCaps)
+from ..backends._kernels import CHUNK_FLAGS, MAX_INPUTS
 from ..sched.plan import RING, After, Copy, Mark, Plan, Reduce, Signal, Wait
 
 __all__ = ["Executor", "compile_program"]
 
 # compiled op kinds (_RESET: a graph slot back to 0, after its last wait in a captured call;
-# _DIRECT: a whole direct-kernel program)
-_COPY, _LOCAL_COPY, _SIGNAL, _WAIT, _REDUCE, _MARK, _AFTER, _RESET, _DIRECT = range(9)
-_COMPILED: Dict[Tuple[int, int], Tuple[Plan, tuple]] = {}
+# _DIRECT: a whole direct-kernel program; _CHUNKS: a lane's run of chunk waits and sums as
+# one launch)
+_COPY, _LOCAL_COPY, _SIGNAL, _WAIT, _REDUCE, _MARK, _AFTER, _RESET, _DIRECT, _CHUNKS = range(10)
+_COMPILED: Dict[Tuple[int, int, bool], Tuple[Plan, tuple]] = {}
 
 
 def _overlap(a, a_bytes, b, b_bytes) -> bool:
@@ -64,11 +73,109 @@ def _families(plans: Iterable[Plan]) -> Tuple[Dict[tuple, int], int]:
     return firsts, max(total, 1)
 
 
-def compile_program(plan: Plan, rank: int) -> Tuple[tuple, ...]:
+def _chunk_runs(ops: List[list], rank: int) -> List[list]:
+    """``ops`` with every lane's run of two or more chunks that one launch can do
+    (``Device.reduce_chunks``) replaced by one ``_CHUNKS`` op where the run began.  A
+    chunk is a lane's waits on one or more slots (at most ``CHUNK_FLAGS``) for one value,
+    then a sum; the run's chunks wait on the same slots for consecutive values, and
+    their sums are alike (dtype, op, scale, inputs: at most ``MAX_INPUTS``, all in this
+    rank's own buffers), each a whole number of 16-byte vectors, at least its own length,
+    further along every buffer than the one before, with the same count (the last may be
+    shorter).  An output may share its buffer only with an input at its very place
+    (element-wise in place).  Other lanes' ops in between keep their places: a lane's
+    stream order is all that orders its steps."""
+    lanes: Dict[int, List[int]] = {}
+    for index, (_, lane, _) in enumerate(ops):
+        lanes.setdefault(lane, []).append(index)
+    replaced: Dict[int, Optional[list]] = {}  # index -> the fused op (None: dropped)
+    for indices in lanes.values():
+        position = 0
+        while position < len(indices):
+            run = _chunk_run([ops[index] for index in indices[position:]], rank)
+            if run is None:
+                position += 1
+                continue
+            fused, taken = run
+            replaced[indices[position]] = fused
+            for index in indices[position + 1:position + taken]:
+                replaced[index] = None
+            position += taken
+    if not replaced:
+        return ops
+    kept: List[list] = []
+    for index, op in enumerate(ops):
+        if index not in replaced:
+            kept.append(op)
+        elif replaced[index] is not None:
+            kept.append(replaced[index])  # type: ignore[arg-type]
+    return kept
+
+
+def _chunk(lane_ops: List[list], at: int) -> Optional[Tuple[tuple, int, tuple, int]]:
+    """``(slots, value, sum, ops taken)`` of the chunk at ``lane_ops[at]``: waits for one
+    value on distinct slots, then a sum; None if there is none there."""
+    slots: List[int] = []
+    value = None
+    while at + len(slots) < len(lane_ops) and lane_ops[at + len(slots)][0] == _WAIT:
+        slot, wanted = lane_ops[at + len(slots)][2]
+        if value is not None and wanted != value or slot in slots:
+            return None
+        slots.append(slot)
+        value = wanted
+    end = at + len(slots)
+    if (not slots or len(slots) > CHUNK_FLAGS or end >= len(lane_ops)
+            or lane_ops[end][0] != _REDUCE):
+        return None
+    assert value is not None
+    return tuple(slots), value, lane_ops[end][2], len(slots) + 1
+
+
+def _chunk_run(lane_ops: List[list], rank: int) -> Optional[Tuple[list, int]]:
+    """The ``_CHUNKS`` op of the longest run at the start of ``lane_ops`` (one lane's ops)
+    and how many ops it takes, or None when fewer than two chunks qualify."""
+    first = _chunk(lane_ops, 0)
+    if first is None:
+        return None
+    slots, value, (inputs, output, count, dtype, op, scale), taken = first
+    itemsize = ITEMSIZE.get(dtype, 0)
+    refs = inputs + (output,)
+    if (not itemsize or len(inputs) > MAX_INPUTS or count <= 0
+            or any(ref[0] != rank for ref in refs)
+            or any(ref[1] == output[1] and ref[2] != output[2] for ref in inputs)):
+        return None
+    chunks, stride, last_count, previous = 1, 0, count, refs
+    while last_count == count:
+        following = _chunk(lane_ops, taken)
+        if following is None:
+            break
+        next_slots, next_value, (next_inputs, next_output, next_count, *rest), size = following
+        next_refs = next_inputs + (next_output,)
+        if (next_slots != slots or next_value != value + chunks
+                or tuple(rest) != (dtype, op, scale) or len(next_refs) != len(refs)
+                or not 0 < next_count <= count
+                or any(a[:2] != b[:2] for a, b in zip(previous, next_refs))):
+            break
+        steps = {b[2] - a[2] for a, b in zip(previous, next_refs)}
+        step = steps.pop()
+        if (steps or step % 16 or step % itemsize or step < count * itemsize
+                or (stride and step != stride * itemsize)):
+            break
+        stride, previous, last_count = step // itemsize, next_refs, next_count
+        chunks += 1
+        taken += size
+    if chunks < 2:
+        return None
+    fused = [_CHUNKS, lane_ops[0][1],
+             (slots, value, inputs, output, count, last_count, chunks, stride, dtype, op, scale)]
+    return fused, taken
+
+
+def compile_program(plan: Plan, rank: int, fuse: bool = False) -> Tuple[tuple, ...]:
     """``rank``'s steps as tuples the executor runs without isinstance checks, with runs
-    of independent copies on one lane merged.  Cached per plan object (plans are built
-    once per shape), so a hot call pays a dict lookup, not a hash of the plan."""
-    key = (id(plan), rank)
+    of independent copies on one lane merged, and with ``fuse`` each lane's run of chunk
+    waits and sums as one ``_CHUNKS`` op (``_chunk_runs``).  Cached per plan object (plans
+    are built once per shape), so a hot call pays a dict lookup, not a hash of the plan."""
+    key = (id(plan), rank, fuse)
     cached = _COMPILED.get(key)
     if cached is not None and cached[0] is plan:
         return cached[1]
@@ -97,6 +204,8 @@ def compile_program(plan: Plan, rank: int) -> Tuple[tuple, ...]:
             ops.append([_MARK, step.lane, step.mark])
         elif isinstance(step, After):
             ops.append([_AFTER, step.lane, step.mark])
+    if fuse and not plan.kernel_blocks:
+        ops = _chunk_runs(ops, rank)
     compiled = tuple((kind, lane, tuple(arg) if isinstance(arg, list) else arg)
                      for kind, lane, arg in ops)
     if len(_COMPILED) > 4096:
@@ -145,7 +254,8 @@ class Executor:
         ``signature``: a direct kernel's digest of the call, which its peers' kernels
         compare with theirs (``DirectProgram``; 0: unchecked)."""
         pad = self.pad
-        program = compile_program(plan, self.rank)
+        program = compile_program(plan, self.rank,
+                                  fuse=not captured and self.sms is not None and self.sms.fuse_sums)
         if plan.kernel_blocks:
             return ((_DIRECT, 0, self._direct(plan, program, addresses, signature)),)
         offset = pad.graph_offset if captured else 0
@@ -174,6 +284,10 @@ class Executor:
             elif kind == _REDUCE:
                 inputs, output, count, dtype, op, scale = arg
                 arg = (tuple(at(ref) for ref in inputs), at(output), count, dtype, op, scale)
+            elif kind == _CHUNKS:
+                slots, value, inputs, output, *rest = arg
+                arg = (tuple(pad.local(slot) for slot in slots), value,
+                       tuple(at(ref) for ref in inputs), at(output), *rest)
             bound.append((kind, lane_index, arg))
         return tuple(bound)
 
@@ -393,6 +507,12 @@ class Executor:
                 inputs, output, count, dtype, op, scale = arg
                 device.reduce(lane, output, inputs, count, dtype, op, sms=self.sms.max_sms,
                               scale=scale)
+            elif kind == _CHUNKS:
+                flags, value, inputs, output, count, last_count, chunks, stride, dtype, op, \
+                    scale = arg
+                device.reduce_chunks(lane, flags, base + value, output, inputs, count,
+                                     last_count, chunks, stride, dtype, op,
+                                     sms=self.sms.max_sms, scale=scale)
             elif kind == _MARK:
                 event = streams.event()
                 device.record(lane, event)

@@ -39,7 +39,7 @@ __all__ = ["Options", "ProcessGroupHoccl", "StoreBootstrap", "AllGather", "Reduc
 BACKEND = "hoccl"
 
 _SETTINGS = ("max_sms", "copy_sms", "verify_plans", "self_route", "chunk_bytes", "copy_lanes",
-             "one_shot_bytes", "pull_bytes", "kernel_bytes", "kernel_sms")
+             "one_shot_bytes", "pull_bytes", "kernel_bytes", "kernel_sms", "fuse_sums")
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ class Options:
     CUDA ordinal (None: torch's current device when one was set, else the default
     group's, else the local rank modulo the visible GPUs).  ``settings``: keyword arguments of ``hoccl.init``
     (max_sms, copy_sms, verify_plans, self_route, chunk_bytes, copy_lanes, one_shot_bytes,
-    pull_bytes, kernel_bytes, kernel_sms)."""
+    pull_bytes, kernel_bytes, kernel_sms, fuse_sums)."""
     backend: Optional[str] = None
     device: Optional[int] = None
     settings: Mapping[str, Any] = field(default_factory=dict)

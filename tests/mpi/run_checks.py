@@ -159,9 +159,25 @@ def main():
     parser.add_argument("--kernel-bytes", type=int, default=0,
                         help="Options.kernel_bytes: collectives up to this many bytes run as "
                              "one direct kernel per rank")
+    parser.add_argument("--chunk-bytes", type=int, default=0,
+                        help="Options.chunk_bytes: small chunks give reductions many of them "
+                             "(each lane's chunk sums then run as one launch, fuse_sums)")
+    parser.add_argument("--no-fuse-sums", action="store_true",
+                        help="fuse_sums=False: a stream wait and a launch per chunk")
     args = parser.parse_args()
     world = MPI.COMM_WORLD
     comm = hoccl.init(backend=args.backend, timeout=120)
+    if args.chunk_bytes:
+        comm.set_options(chunk_bytes=args.chunk_bytes)
+    if args.no_fuse_sums:
+        comm.set_options(fuse_sums=False)
+    fused = [0]  # chunk sums issued as one launch (Device.reduce_chunks)
+    device, reduce_chunks = comm._engine.device, comm._engine.device.reduce_chunks
+
+    def counted(*a, **k):
+        fused[0] += 1
+        return reduce_chunks(*a, **k)
+    device.reduce_chunks = counted
     if args.pull_bytes:
         comm.set_options(pull_bytes=args.pull_bytes)
     if args.kernel_bytes:
@@ -192,6 +208,7 @@ def main():
     for arrays in registered.values():
         arrays.release()
     fast = world.allreduce(comm._engine.issued_fast, op=MPI.MIN)
+    fused_launches = world.allreduce(fused[0], op=MPI.MIN)
     comm.close()
     every = [outcome for results in outcomes.values() for outcome in results]
     passed, failed, errors = (every.count(outcome) for outcome in (PASSED, FAILED, ERROR))
@@ -205,6 +222,9 @@ def main():
             label += f" kernel_bytes={args.kernel_bytes}"
             if not args.registered:  # a direct kernel's peers touch only the rings
                 label += f" ({fast} calls or more on each rank without an exchange)"
+        if args.chunk_bytes:
+            label += (f" chunk_bytes={args.chunk_bytes} (fuse_sums={not args.no_fuse_sums}: "
+                      f"{fused_launches} or more one-launch chunk sums on each rank)")
         if fault is not None:
             label += f" fault={fault}"
             for collective, results in outcomes.items():
