@@ -3,7 +3,6 @@ without a GPU: the executor's rewriting of a program is the program it replaces,
 for step; the host backend's launch waits for every chunk's signal and stops at an
 abort's value; reductions come out the same with and without it."""
 
-import ctypes
 import time
 
 import numpy as np

@@ -126,6 +126,14 @@ def test_failures_of_direct_kernel_calls_raise_instead_of_hanging(scenario, surv
     _run_failure(scenario, survivors, "--kernel-bytes", str(1 << 20))
 
 
+@pytest.mark.mpi
+def test_an_abort_ends_a_launch_that_waits_for_chunks():
+    """abort with a reduce_scatter of 64 chunks: rank 1's sums are one launch waiting on
+    the device for rank 0's copies (``fuse_sums``); rank 0 aborts before copying; the
+    abort's value ends the launch, rank 1 raises AbortedError and its lanes drain."""
+    _run_failure("abort", [0, 1], "--chunk-bytes", "4096")
+
+
 HOSTILE = Path(__file__).parent / "mpi" / "run_hostile.py"
 
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The device machine's session: GPU tests (one process, and mpirun -np 2), then the
-# benchmarks against NCCL.  Usage: bash tools/gpu_run.sh [tests|profile|bench|overlap|compare|torch|fsdp|hier|hierdiag|final|registered|onegpu|validate|dryrun|quickreg|figures-a|figures-b|figures-c|figures-d|figures-direct|figures-wide|direct|caller|placement|levers|tp|all] [pytest args]
+# benchmarks against NCCL.  Usage: bash tools/gpu_run.sh [tests|profile|bench|overlap|compare|torch|fsdp|hier|hierdiag|final|registered|onegpu|validate|dryrun|quickreg|figures-a|figures-b|figures-c|figures-d|figures-direct|figures-wide|direct|caller|placement|fused|levers|tp|all] [pytest args]
 # torch: the torch.distributed backend's checks, DDP/FSDP2/HSDP training against NCCL (hoccl
 # the default process group, then NCCL), the FSDP2 example on NCCL and on hoccl, and
 # python -m hoccl.bench.train (one process per shape).
@@ -411,6 +411,31 @@ if [ "$what" = caller ]; then
         --warmup 2 --profile-steps 1 --host-profile 2 --out "$OUT/train-$tag"
     fi
   done
+fi
+if [ "$what" = fused ]; then
+  # a pushed reduction's chunk sums as one launch waiting on the device (fuse_sums): exact
+  # checks with many chunks, fused and not, plain and registered; an abort ending a launch
+  # that waits; reductions checked at large sizes fused and not; the host's cost of a
+  # d4096 layer's gradient reduce-scatter through FSDP2's hook, fused and not
+  step fused-checks 150 $MPIRUN python3 tests/mpi/run_checks.py --backend cuda \
+    --chunk-bytes 4096 --counts 0,17,100003
+  step fused-checks-off 150 $MPIRUN python3 tests/mpi/run_checks.py --backend cuda \
+    --chunk-bytes 4096 --counts 0,17,100003 --no-fuse-sums
+  step fused-registered 120 $MPIRUN python3 tests/mpi/run_checks.py --backend cuda \
+    --registered --chunk-bytes 4096 --counts 0,17,100003
+  step fused-abort 60 $MPIRUN --mca orte_abort_on_non_zero_status 0 \
+    python3 tests/mpi/run_failures.py abort --backend cuda --chunk-bytes 4096
+  step fused-bench 200 $MPIRUN python3 -m hoccl.bench --sizes 16M,256M,1G \
+    --collectives reduce_scatter,all_reduce --forms in,out \
+    --libraries hoccl,hoccl+fuse_sums=0,hoccl+chunk_bytes=4M,hoccl+chunk_bytes=4M+fuse_sums=0 \
+    --out "$OUT/fused-bench"
+  for settings in "" "fuse_sums=0"; do
+    step "fused-hook-872M${settings:+-off}" 90 $TRUN python3 tools/hook_cost.py \
+      --collective reduce_scatter --size 872M --iters 30 --burst 5 ${settings:+--settings $settings}
+  done
+  step fused-train 200 $TRUN python3 -m hoccl.bench.train --baseline gloo \
+    --shapes 1024:2:8:256:1 --libraries hoccl-hooks+chunk_bytes=4M,hoccl-hooks+chunk_bytes=4M+fuse_sums=0 \
+    --steps 2 --trials 2 --warmup 1 --profile-steps 1 --out "$OUT/fused-train"
 fi
 if [ "$what" = placement ]; then
   # where FSDP2's reduce-scatter hook calls go (the caller's stream or the lanes), pushed

@@ -16,7 +16,10 @@ early      rank 1 is killed before any call: the same.
 abort      after a first call both finished, rank 0's stream is held (a long kernel) so
            rank 1's all_reduce waits for it; rank 0 aborts; rank 1's wait is released and
            it learns of the abort
-           (AbortedError naming rank 0) within its timeout, without hanging.
+           (AbortedError naming rank 0) within its timeout, without hanging.  With
+           ``--chunk-bytes``, a reduce_scatter of many chunks instead, whose sums on rank
+           1 are one launch waiting on the device for rank 0's copies (``fuse_sums``): the
+           abort's value in rank 1's pad ends it, and every lane of rank 1 drains.
 Each surviving rank prints ``rank R: OK <what happened>`` or ``rank R: FAILED ...``.
 """
 
@@ -68,6 +71,8 @@ def main():
     parser.add_argument("--backend", default=None)
     parser.add_argument("--kernel-bytes", type=int, default=0,
                         help="Options.kernel_bytes: the calls run as direct kernels")
+    parser.add_argument("--chunk-bytes", type=int, default=0,
+                        help="abort: a reduce_scatter in chunks of this many bytes")
     args = parser.parse_args()
     world = MPI.COMM_WORLD
     # "killed" keeps the default timeout: a dead peer must be seen long before it
@@ -156,13 +161,24 @@ def main():
                       f"{waited:.2f} s: {error}", flush=True)
         else:  # abort
             out = buffer(1 << 16, 0.0)
+            if args.chunk_bytes:  # the sums wait for dozens of chunks (fuse_sums)
+                comm.set_options(chunk_bytes=args.chunk_bytes)
+                send = buffer(2 << 16)
+
+                def call(stream=None):
+                    comm.reduce_scatter(send, out, stream=stream)
+            else:
+                send = buffer(1 << 16)
+
+                def call(stream=None):
+                    comm.all_reduce(send, out, stream=stream)
             # a first call, finished: the held call below then needs no exchange (which
             # waits for the peer's arrival, eating into the hold) and returns at once
-            comm.all_reduce(buffer(1 << 16), out)
+            call()
             comm.synchronize()
             world.Barrier()
             stream = _held_stream(comm, seconds=3) if r == 0 else None
-            comm.all_reduce(buffer(1 << 16), out, stream=stream)
+            call(stream)
             world.Barrier()
             if r == 0:
                 comm.abort("rank 0 gives up")
@@ -180,8 +196,17 @@ def main():
                 except hoccl.HocclError as error:
                     waited = time.monotonic() - started
                     ok = waited < 20 and "rank 0 aborted" in str(error)
+                    drained = ""
+                    if args.chunk_bytes:  # the waiting launch ended: every lane drains
+                        engine = comm._engine
+                        try:
+                            for lane in engine.streams.lanes:
+                                engine.device.synchronize_stream(lane, 10)
+                            drained = f"; its {len(engine.streams.lanes)} lanes drained"
+                        except hoccl.HocclError as stuck:
+                            ok, drained = False, f"; a lane did not drain: {stuck}"
                     print(f"rank {r}: {'OK' if ok else 'FAILED'} {type(error).__name__} after "
-                          f"{waited:.1f} s: {error}", flush=True)
+                          f"{waited:.1f} s: {error}{drained}", flush=True)
                 world.Barrier()
     except Exception as error:  # report, then fail
         print(f"rank {r}: FAILED unexpected {type(error).__name__}: {error}", flush=True)
