@@ -315,3 +315,31 @@ def test_a_repeated_call_follows_a_changed_fuse_sums():
     finally:
         for comm in comms:
             comm.close()
+
+
+def test_the_kernels_compile_with_the_chunked_launch():
+    """NVRTC compiles hoccl's kernel source, ``reduce_chunks`` included, without a GPU
+    (skipped where no NVRTC library is installed)."""
+    import importlib.util
+    if importlib.util.find_spec("cuda") is None:
+        pytest.skip("cuda-bindings not installed")
+    from cuda.bindings import nvrtc
+
+    from hoccl.backends import _kernels
+    try:
+        _, program = nvrtc.nvrtcCreateProgram(_kernels.source().encode(), b"hoccl.cu", 0, [],
+                                              [])
+    except Exception as error:  # no libnvrtc on this machine
+        pytest.skip(str(error))
+    options = [option.encode() for option in _kernels.compile_options()]
+    options.append(b"--gpu-architecture=compute_90")
+    (status,) = nvrtc.nvrtcCompileProgram(program, len(options), options)
+    _, size = nvrtc.nvrtcGetProgramLogSize(program)
+    log = b" " * size
+    nvrtc.nvrtcGetProgramLog(program, log)
+    assert status == nvrtc.nvrtcResult.NVRTC_SUCCESS, log.decode(errors="replace")
+    _, size = nvrtc.nvrtcGetPTXSize(program)
+    ptx = b" " * size
+    nvrtc.nvrtcGetPTX(program, ptx)
+    for dtype in ("bfloat16", "float32"):
+        assert _kernels.reduce_chunks_kernel_name(dtype, "sum").encode() in ptx
