@@ -175,7 +175,7 @@ def test_reductions_of_many_chunks_across_processes(ranks, fuse):
     copies land late and in many orders; exact against numpy."""
     returncode, output = _run_checks(ranks, "--chunk-bytes", "64", "--counts", "0,17,1000",
                                      "--dtypes", "float32,bfloat16,int32",
-                                     *(() if fuse else ("--no-fuse-sums",)),
+                                     "--fuse-sums", "on" if fuse else "off",
                                      env={"HOCCL_HOST_JITTER": "0.002",
                                           "HOCCL_HOST_CHECK_SIGNALS": "1"})
     assert returncode == 0, output[-4000:]

@@ -417,24 +417,25 @@ if [ "$what" = fused ]; then
   # checks with many chunks, fused and not, plain and registered; an abort ending a launch
   # that waits; reductions checked at large sizes fused and not; the host's cost of a
   # d4096 layer's gradient reduce-scatter through FSDP2's hook, fused and not
+  # (fuse_sums=on: left unset it is off where two ranks share a GPU, as on one H200)
   step fused-checks 150 $MPIRUN python3 tests/mpi/run_checks.py --backend cuda \
+    --chunk-bytes 4096 --counts 0,17,100003 --fuse-sums on
+  step fused-checks-auto 150 $MPIRUN python3 tests/mpi/run_checks.py --backend cuda \
     --chunk-bytes 4096 --counts 0,17,100003
-  step fused-checks-off 150 $MPIRUN python3 tests/mpi/run_checks.py --backend cuda \
-    --chunk-bytes 4096 --counts 0,17,100003 --no-fuse-sums
   step fused-registered 120 $MPIRUN python3 tests/mpi/run_checks.py --backend cuda \
-    --registered --chunk-bytes 4096 --counts 0,17,100003
+    --registered --chunk-bytes 4096 --counts 0,17,100003 --fuse-sums on
   step fused-abort 60 $MPIRUN --mca orte_abort_on_non_zero_status 0 \
     python3 tests/mpi/run_failures.py abort --backend cuda --chunk-bytes 4096
   step fused-bench 200 $MPIRUN python3 -m hoccl.bench --sizes 16M,256M,1G \
     --collectives reduce_scatter,all_reduce --forms in,out \
-    --libraries hoccl,hoccl+fuse_sums=0,hoccl+chunk_bytes=4M,hoccl+chunk_bytes=4M+fuse_sums=0 \
+    --libraries hoccl+fuse_sums=1,hoccl+fuse_sums=0,hoccl+chunk_bytes=4M+fuse_sums=1,hoccl+chunk_bytes=4M+fuse_sums=0 \
     --out "$OUT/fused-bench"
-  for settings in "" "fuse_sums=0"; do
-    step "fused-hook-872M${settings:+-off}" 90 $TRUN python3 tools/hook_cost.py \
-      --collective reduce_scatter --size 872M --iters 30 --burst 5 ${settings:+--settings $settings}
+  for fuse in 1 0; do
+    step "fused-hook-872M-$fuse" 90 $TRUN python3 tools/hook_cost.py \
+      --collective reduce_scatter --size 872M --iters 30 --burst 5 --settings fuse_sums=$fuse
   done
   step fused-train 200 $TRUN python3 -m hoccl.bench.train --baseline gloo \
-    --shapes 1024:2:8:256:1 --libraries hoccl-hooks+chunk_bytes=4M,hoccl-hooks+chunk_bytes=4M+fuse_sums=0 \
+    --shapes 1024:2:8:256:1 --libraries hoccl-hooks+chunk_bytes=4M+fuse_sums=1,hoccl-hooks+chunk_bytes=4M \
     --steps 2 --trials 2 --warmup 1 --profile-steps 1 --out "$OUT/fused-train"
 fi
 if [ "$what" = placement ]; then

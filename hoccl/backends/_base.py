@@ -134,6 +134,9 @@ class Device(abc.ABC):
     backend: str = ""
     #: device ordinal (CUDA) or None (host)
     ordinal: Any = None
+    #: what names the physical device on its host whatever a process's view of the
+    #: devices (a GPU's PCI bus id), or None where there is nothing to share (host)
+    physical: Optional[str] = None
 
     # -- streams and events ------------------------------------------------------------
     @abc.abstractmethod

@@ -471,6 +471,12 @@ class CudaDevice(Device):
         self.compute_capability = (attribute("CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR"),
                                    attribute("CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR"))
         self.sm_count = attribute("CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT")
+        try:  # the same in every process, whatever CUDA_VISIBLE_DEVICES says
+            bus = driver.cuDeviceGetPCIBusId(32, self._device)
+            if bus[0] == driver.CUresult.CUDA_SUCCESS:
+                self.physical = bytes(bus[1]).split(b"\0")[0].decode() or None
+        except Exception:  # an unknown id only keeps fuse_sums' default
+            self.physical = None
         self._make_current()
         least, greatest = _call(driver.cuCtxGetStreamPriorityRange)
         # Copy lanes default to the highest priority; HOCCL_LANE_PRIORITY=normal gives the

@@ -162,15 +162,17 @@ def main():
     parser.add_argument("--chunk-bytes", type=int, default=0,
                         help="Options.chunk_bytes: small chunks give reductions many of them "
                              "(each lane's chunk sums then run as one launch, fuse_sums)")
-    parser.add_argument("--no-fuse-sums", action="store_true",
-                        help="fuse_sums=False: a stream wait and a launch per chunk")
+    parser.add_argument("--fuse-sums", choices=("auto", "on", "off"), default="auto",
+                        help="on: a reduction's chunk sums as one launch; off: a stream wait "
+                             "and a launch per chunk; auto: the default (on, unless ranks "
+                             "share a GPU)")
     args = parser.parse_args()
     world = MPI.COMM_WORLD
     comm = hoccl.init(backend=args.backend, timeout=120)
     if args.chunk_bytes:
         comm.set_options(chunk_bytes=args.chunk_bytes)
-    if args.no_fuse_sums:
-        comm.set_options(fuse_sums=False)
+    if args.fuse_sums != "auto":
+        comm.set_options(fuse_sums=args.fuse_sums == "on")
     fused = [0]  # chunk sums issued as one launch (Device.reduce_chunks)
     device, reduce_chunks = comm._engine.device, comm._engine.device.reduce_chunks
 
@@ -209,6 +211,7 @@ def main():
         arrays.release()
     fast = world.allreduce(comm._engine.issued_fast, op=MPI.MIN)
     fused_launches = world.allreduce(fused[0], op=MPI.MIN)
+    fuse_sums = comm.fuse_sums
     comm.close()
     every = [outcome for results in outcomes.values() for outcome in results]
     passed, failed, errors = (every.count(outcome) for outcome in (PASSED, FAILED, ERROR))
@@ -223,7 +226,7 @@ def main():
             if not args.registered:  # a direct kernel's peers touch only the rings
                 label += f" ({fast} calls or more on each rank without an exchange)"
         if args.chunk_bytes:
-            label += (f" chunk_bytes={args.chunk_bytes} (fuse_sums={not args.no_fuse_sums}: "
+            label += (f" chunk_bytes={args.chunk_bytes} (fuse_sums={fuse_sums}: "
                       f"{fused_launches} or more one-launch chunk sums on each rank)")
         if fault is not None:
             label += f" fault={fault}"
