@@ -32,7 +32,7 @@ def test_variants_start_with_the_baseline_and_keep_each_setting_once():
     found = variants(args)
     assert found[0] == Variant("sms", 8, 32 * MiB)
     settings = [(v.sms, v.chunk_bytes, v.reduce_priority, v.gemm_priority, v.threads, v.unroll,
-                 v.green) for v in found]
+                 v.green, v.lever == "pipeline", v.fused) for v in found]
     assert len(settings) == len(set(settings))
     assert [v.sms for v in found if v.lever == "sms"] == [8, 2, 4, 16, 32]
     # 32M at 8 SMs is the baseline itself: the launches lever adds only the others
@@ -235,3 +235,18 @@ def test_the_study_kernels_compile_with_hoccls_templates():
     nvrtc.nvrtcGetPTX(program, ptx)
     assert b".entry hoccl_levers_traced_sum" in ptx and b"%globaltimer" in ptx
     assert b".maxntid 256" in ptx
+
+
+def test_the_pipeline_lever_runs_each_setting_per_chunk_and_in_one_launch():
+    found = [v for v in variants(arguments(["--pipeline", "8:32M,16:128M"]))
+             if v.lever == "pipeline"]
+    assert [(v.sms, v.chunk_bytes, v.fused) for v in found] == [
+        (8, 32 * MiB, False), (8, 32 * MiB, True), (16, 128 * MiB, False), (16, 128 * MiB, True)]
+    assert "1 launch/call waiting on the device" in found[1].label
+    assert "a stream wait + a launch per chunk" in found[0].label
+    # the pipeline's unfused row is not the sms lever's row of the same cap and chunk
+    assert Variant("sms", 8, 32 * MiB) in variants(arguments(["--pipeline", "8:32M"]))
+    with pytest.raises(ValueError, match="pipeline of chunks"):
+        Variant("pipeline", 8, 0)
+    with pytest.raises(ValueError, match="fused only in the pipeline lever"):
+        Variant("sms", 8, 32 * MiB, fused=True)

@@ -24,6 +24,11 @@ The levers, side by side in one run:
 - ``green``: green contexts (``cuGreenCtxCreate``): the reduction confined to a partition
   of N SMs, the GEMM unconfined or confined to the rest;
 - ``adaptive``: the cap set to the number of SMs the GEMM leaves idle, measured below;
+- ``pipeline``: the collective's own pipeline on one GPU: a copy stream copies each chunk
+  of the second input into place on a copy engine (where on two GPUs the peer's copy lands
+  in scratch) and signals it with a stream memory operation, and the sums wait for the
+  signals, either as a stream wait and a launch per chunk or as one launch per call whose
+  blocks wait on the device (``Device.reduce_chunks``, hoccl's ``fuse_sums``);
 - ``torch``: the same sum as a torch kernel on the whole GPU (``torch.add``, no SM cap),
   per chunk or per call: what a consumer that adds the partial blocks itself would cost
   the GEMM (the opt-in of deferring the sum to the next kernel: the collective then
@@ -73,7 +78,7 @@ __all__ = ["main", "arguments", "Variant", "variants", "pieces", "launches_per_c
 
 PRIORITIES = ("greatest", "least")
 GREEN = ("", "reduce", "both")
-LEVERS = ("sms", "launches", "priority", "block", "green", "adaptive", "torch")
+LEVERS = ("sms", "launches", "priority", "block", "green", "adaptive", "pipeline", "torch")
 #: a block that starts within this many µs of the end of its launch's predecessor found an SM
 IMMEDIATE_US = 20.0
 #: a block that starts within this many µs before a GEMM kernel ends started in its tail
@@ -83,10 +88,11 @@ _TRACE_SLOTS = 16384
 
 _FULL = {"gemms": 60, "bytes": "512M", "sms": "2,4,8,16,32", "chunks": "8M,32M,whole",
          "priorities": "least/least,least/greatest,greatest/greatest", "blocks": "32x256",
-         "green": "8,16", "rounds": 3, "probe_sms": "4,8", "torch_chunks": "32M,128M,whole"}
+         "green": "8,16", "rounds": 3, "probe_sms": "4,8", "torch_chunks": "32M,128M,whole",
+         "pipeline": "8:32M,16:32M,32:32M"}
 _QUICK = {"gemms": 20, "bytes": "128M", "sms": "4,8,32", "chunks": "32M,whole",
           "priorities": "least/least", "blocks": "", "green": "8", "rounds": 1,
-          "probe_sms": "8", "torch_chunks": "whole"}
+          "probe_sms": "8", "torch_chunks": "whole", "pipeline": "8:32M"}
 
 
 # -- the pure part: options, variants, analysis, tables ------------------------------------
@@ -120,6 +126,9 @@ def arguments(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--torch-chunks", help="chunk sizes of the torch lever (the sum as "
                         "torch.add on the whole GPU), 'whole' for one launch per call, '' for "
                         f"none ({_FULL['torch_chunks']}; quick {_QUICK['torch_chunks']})")
+    parser.add_argument("--pipeline", help="SMS:CHUNK settings of the pipeline lever, each "
+                        "run with a launch per chunk and with one launch per call ('' for "
+                        f"none) ({_FULL['pipeline']}; quick {_QUICK['pipeline']})")
     parser.add_argument("--probe-sms", help="caps of the waits probe "
                         f"({_FULL['probe_sms']}; quick {_QUICK['probe_sms']})")
     parser.add_argument("--rounds", type=int, help="rounds over every variant; medians are "
@@ -151,6 +160,8 @@ class Variant:
     threads: int = 1024
     unroll: int = 2
     green: str = ""
+    #: the pipeline lever: the chunk sums as one launch that waits on the device
+    fused: bool = False
 
     def __post_init__(self) -> None:
         problems = []
@@ -169,6 +180,10 @@ class Variant:
             problems.append(f"unroll >= 1, got {self.unroll}")
         if self.green not in GREEN:
             problems.append(f"green in {GREEN}, got {self.green!r}")
+        if self.lever == "pipeline" and not self.chunk_bytes:
+            problems.append("a pipeline of chunks (chunk_bytes > 0)")
+        if self.fused and self.lever != "pipeline":
+            problems.append("fused only in the pipeline lever")
         if problems:
             raise ValueError("Variant: expected " + "; ".join(problems))
 
@@ -194,6 +209,10 @@ class Variant:
         if self.green:
             parts.append("green: reduction only" if self.green == "reduce"
                          else "green: reduction + GEMM")
+        if self.lever == "pipeline":
+            parts[1] = (f"{chunk} copied on a copy engine, "
+                        + ("summed in 1 launch/call waiting on the device" if self.fused
+                           else "a stream wait + a launch per chunk"))
         return ", ".join(parts)
 
 
@@ -235,6 +254,11 @@ def variants(args: argparse.Namespace, idle_sms: Optional[int] = None) -> List[V
         add(Variant("green", sms, chunk, green="both"))
     if idle_sms:
         add(Variant("adaptive", idle_sms, chunk))
+    for item in (item for item in (getattr(args, "pipeline", "") or "").split(",")
+                 if item.strip()):
+        cap, _, chunk_text = item.strip().partition(":")
+        for fused in (False, True):
+            add(Variant("pipeline", int(cap), parse_size(chunk_text), fused=fused))
     for size in _sizes(getattr(args, "torch_chunks", "") or ""):
         add(Variant("torch", getattr(args, "sm_count", 0) or 132, size))
     found.sort(key=lambda v: LEVERS.index(v.lever))
@@ -242,8 +266,10 @@ def variants(args: argparse.Namespace, idle_sms: Optional[int] = None) -> List[V
 
 
 def _setting(variant: Variant) -> Tuple:
+    """What a variant runs, whichever lever names it (the pipeline lever's copies and
+    signals make it a setting of its own)."""
     fields = asdict(variant)
-    fields.pop("lever")
+    fields["pipeline"] = fields.pop("lever") == "pipeline"
     return tuple(sorted(fields.items()))
 
 
@@ -687,6 +713,63 @@ class _Study:
             self.check_sum(launch, handle, kernel)
         return launch, handle, kernel
 
+    def pipeline(self, variant: Variant,
+                 plan: List[Tuple[int, int]]) -> Tuple[Callable[[], None], str]:
+        """``(call, kernel)`` of the pipeline lever: a copy stream copies chunk k of the
+        second input from ``y`` into ``landed`` (a copy engine), then writes k + 1 past the
+        call's base into a flag; the reduction stream sums ``x`` and ``landed`` into
+        ``out`` chunk by chunk once each flag is up: a wait and a launch per chunk, or one
+        ``reduce_chunks`` launch (``variant.fused``).  A call's copies start once the
+        previous call's sums are done (an event), as a collective's scratch is reused.
+        Checked bit for bit once per way."""
+        torch, device = self.torch, self.device
+        handle, _ = self.stream("reduce", variant.reduce_priority)
+        copier, _ = self.stream("copy", "greatest")
+        if not hasattr(self, "landed"):
+            self.landed = torch.empty_like(self.y)
+            self.flag = torch.zeros(2, dtype=torch.int64, device=self.y.device)
+            self.flag_base = 0
+            self.done_event = self.call(self.driver.cuEventCreate,
+                                        self.driver.CUevent_flags.CU_EVENT_DISABLE_TIMING)
+            self.call(self.driver.cuEventRecord, self.done_event, handle)
+        out, x, y, landed = (self.out.data_ptr(), self.x.data_ptr(), self.y.data_ptr(),
+                             self.landed.data_ptr())
+        flag = self.flag.data_ptr()
+        stride = plan[0][1] if len(plan) > 1 else 0
+
+        def call() -> None:
+            base = self.flag_base
+            self.flag_base += len(plan)
+            self.call(self.driver.cuStreamWaitEvent, copier, self.done_event, 0)
+            for k, (offset, count) in enumerate(plan):
+                device.copy(copier, landed + offset, y + offset, 2 * count)
+                device.write_value(copier, flag, base + k + 1)
+            if variant.fused and len(plan) > 1:
+                device.reduce_chunks(handle, [flag], base + 1, out, [x, landed], plan[0][1],
+                                     plan[-1][1], len(plan), stride, "bfloat16", "sum",
+                                     sms=variant.sms)
+            else:
+                for k, (offset, count) in enumerate(plan):
+                    device.wait_value(handle, flag, base + k + 1)
+                    device.reduce(handle, out + offset, [x + offset, landed + offset], count,
+                                  "bfloat16", "sum", sms=variant.sms)
+            self.call(self.driver.cuEventRecord, self.done_event, handle)
+
+        kernel = ("hoccl's chunked launch (Device.reduce_chunks)" if variant.fused
+                  else "hoccl's kernel per chunk after a stream wait")
+        if kernel not in self.checked:
+            self.out.fill_(float("nan"))
+            self.landed.fill_(float("nan"))
+            torch.cuda.synchronize(self.ordinal)
+            call()
+            device.synchronize_stream(handle, 30.0)
+            want = (self.x.float() + self.y.float()).to(torch.bfloat16)
+            wrong = int((self.out.view(torch.int16) != want.view(torch.int16)).sum())
+            if wrong:
+                raise RuntimeError(f"{kernel}: {wrong} of {self.out.numel()} sums wrong")
+            self.checked[kernel] = "bit-exact"
+        return call, kernel
+
     def green_launch(self, variant: Variant,
                      handle: Any) -> Tuple[Callable[[int, int], None], str]:
         """Launches into the reduction's green context: hoccl's kernel as loaded (in the
@@ -773,12 +856,15 @@ class _Study:
         (the GEMM loop enqueued first, then sums enough to outlast it; the sums' rate
         beside counts the calls that ended while the GEMMs ran)."""
         args, torch = self.args, self.torch
-        launch, _, kernel = self.launcher(variant)
         plan = pieces(self.nbytes, variant.chunk_bytes, 2)
+        if variant.lever == "pipeline":
+            call, kernel = self.pipeline(variant, plan)
+        else:
+            launch, _, kernel = self.launcher(variant)
 
-        def call() -> None:
-            for offset, count in plan:
-                launch(offset, count)
+            def call() -> None:
+                for offset, count in plan:
+                    launch(offset, count)
         _, gemm_stream = self.stream("gemm", variant.gemm_priority,
                                      "rest" if variant.green == "both" else "", variant.sms)
         _, reduce_stream = self.stream("reduce", variant.reduce_priority,
@@ -1024,7 +1110,8 @@ class _Study:
         blocks = part.reduce_sms if part is not None else min(variant.sms, self.sm_count)
         record: Dict[str, Any] = {
             **asdict(variant), "label": variant.label, "blocks": f"{blocks} x {variant.threads}",
-            "launches_per_call": launches_per_call(self.nbytes, variant.chunk_bytes),
+            "launches_per_call": (1 if variant.fused
+                                  else launches_per_call(self.nbytes, variant.chunk_bytes)),
             "rounds": len(measured)}
         if error:
             record["error"] = error
