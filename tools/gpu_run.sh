@@ -144,12 +144,12 @@ fi
 if [ "$what" = figures-b ]; then
   # the second: reductions beside a GEMM, the tensor-parallel layer, torch training checks
   step overlap 240 $MPIRUN python3 -m hoccl.bench.overlap --cases reduce_scatter:out,all_reduce:in \
-    --libraries hoccl,hoccl+chunk_bytes=128M,hoccl+max_sms=32+chunk_bytes=128M,hoccl+max_sms=32+chunk_bytes=256M,hoccl+max_sms=64+chunk_bytes=512M,hoccl+pull_bytes=2G+max_sms=32,hoccl+pull_bytes=2G+max_sms=16+chunk_bytes=1G,hoccl+pull_bytes=2G+max_sms=64+chunk_bytes=1G,nccl \
+    --libraries hoccl,hoccl+fuse_sums=0,hoccl+max_sms=16,hoccl+chunk_bytes=128M,hoccl+max_sms=32+chunk_bytes=128M,hoccl+max_sms=32+chunk_bytes=256M,hoccl+max_sms=64+chunk_bytes=512M,hoccl+pull_bytes=2G+max_sms=32,hoccl+pull_bytes=2G+max_sms=16+chunk_bytes=1G,hoccl+pull_bytes=2G+max_sms=64+chunk_bytes=1G,nccl \
     --out "$OUT/overlap"
   # reductions alone at 1 GiB, every result checked: the SM caps up to 16 beside NCCL
   step bench-reduce-1g 120 $MPIRUN python3 -m hoccl.bench --sizes 1G \
     --collectives reduce_scatter,all_reduce --forms in \
-    --libraries hoccl,hoccl+max_sms=16,hoccl+pull_bytes=2G+max_sms=16+chunk_bytes=1G,nccl,nccl4py \
+    --libraries hoccl,hoccl+fuse_sums=0,hoccl+max_sms=16,hoccl+pull_bytes=2G+max_sms=16+chunk_bytes=1G,nccl,nccl4py \
     --out "$OUT/bench-reduce-1g"
   step tp 150 $TRUN python3 -m hoccl.bench.tp --out "$OUT/tp"
   step torch-training 120 $TRUN python3 tests/torch_programs/run_training.py --device cuda
@@ -172,7 +172,7 @@ if [ "$what" = figures-mix ]; then
   # one call for what is left when the budget allows one: the reductions beside a GEMM
   # (the most promising variants), the comm-heavy training shape, the tensor-parallel layer
   step overlap 170 $MPIRUN python3 -m hoccl.bench.overlap --cases reduce_scatter:out,all_reduce:in \
-    --libraries hoccl,hoccl+max_sms=32+chunk_bytes=256M,hoccl+pull_bytes=2G+max_sms=16+chunk_bytes=1G,hoccl+pull_bytes=2G+max_sms=64+chunk_bytes=1G,nccl \
+    --libraries hoccl,hoccl+fuse_sums=0,hoccl+max_sms=32+chunk_bytes=256M,hoccl+pull_bytes=2G+max_sms=16+chunk_bytes=1G,hoccl+pull_bytes=2G+max_sms=64+chunk_bytes=1G,nccl \
     --out "$OUT/overlap"
   step train-comm 200 $TRUN python3 -m hoccl.bench.train --shapes comm --libraries \
     nccl,hoccl-hooks,hoccl-hooks+max_sms=32+chunk_bytes=128M,hoccl-hooks+pull_bytes=2G+max_sms=64+chunk_bytes=1G \
@@ -300,6 +300,7 @@ if [ "$what" = figures-wide ]; then
   # 2 x H200: the training step where the GPUs' communication, not the host, bounds it
   # (few wide layers), and a 7B model's tensor-parallel layer (hidden 4096, ffn 11008),
   # each beside NCCL (and torch's async-TP) in the same run
+  # (three libraries: each holds a sharded copy of the model and its optimizer, ~36 GB a GPU)
   TRAIN_LIBRARIES=${TRAIN_LIBRARIES:-nccl,hoccl-hooks+max_sms=32+chunk_bytes=128M,hoccl-hooks+pull_bytes=2G+max_sms=16+chunk_bytes=1G}
   train_shapes wide
   step tp-7b 240 $TRUN python3 -m hoccl.bench.tp --hidden 4096 --ffn 11008 \
