@@ -50,7 +50,7 @@ from .backends._kernels import MAX_INPUTS
 
 __all__ = ["expected", "reduced", "random_array", "poison", "is_poison", "assert_exact",
            "check_collective", "check_interleaved", "PlantedFault", "FAULTS", "ArrayModule", "RegisteredArrays",
-           "array_module_for", "run_or_abort",
+           "array_module_for", "run_or_abort", "nvrtc_ptx",
            "IN_PLACE_FORMS", "POISON_BITS"]
 
 #: collectives that have an in-place form
@@ -557,3 +557,24 @@ def _in_place_buffers(collective, r, root, n, count, data, send, recv, make, dty
             return None, recv
         return send, send[r * count:(r + 1) * count]
     raise ValueError(f"check_collective: {collective} has no in-place form")
+
+
+def nvrtc_ptx(source: str, options: Sequence[str], arch: str = "compute_90") -> bytes:
+    """PTX of CUDA C++ ``source`` compiled by NVRTC for ``arch`` (no GPU needed), or
+    AssertionError with the compiler's log.  Raises ImportError or OSError (as the
+    bindings report a missing library) where NVRTC is not installed: a test skips then."""
+    from cuda.bindings import nvrtc
+    try:
+        _, program = nvrtc.nvrtcCreateProgram(source.encode(), b"hoccl.cu", 0, [], [])
+    except RuntimeError as error:  # the library is not found
+        raise OSError(str(error)) from error
+    flags = [option.encode() for option in options] + [f"--gpu-architecture={arch}".encode()]
+    (status,) = nvrtc.nvrtcCompileProgram(program, len(flags), flags)
+    _, size = nvrtc.nvrtcGetProgramLogSize(program)
+    log = b" " * size
+    nvrtc.nvrtcGetProgramLog(program, log)
+    assert status == nvrtc.nvrtcResult.NVRTC_SUCCESS, log.decode(errors="replace")
+    _, size = nvrtc.nvrtcGetPTXSize(program)
+    ptx = b" " * size
+    nvrtc.nvrtcGetPTX(program, ptx)
+    return ptx

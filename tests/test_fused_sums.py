@@ -197,6 +197,19 @@ def test_the_default_device_method_is_the_waits_and_sums_it_replaces():
     assert calls == expected
 
 
+def _count_launches(comms):
+    """A one-item list counting ``reduce_chunks`` calls on every rank's device from now."""
+    launches = [0]
+    for comm in comms:
+        original = comm._engine.device.reduce_chunks
+
+        def counted(*args, _original=original, **kwargs):
+            launches[0] += 1
+            return _original(*args, **kwargs)
+        comm._engine.device.reduce_chunks = counted
+    return launches
+
+
 REDUCTIONS = [("reduce_scatter", "sum", "float32"), ("reduce_scatter", "avg", "bfloat16"),
               ("reduce_scatter", "max", "int32"), ("reduce_scatter", "premul", "float32"),
               ("reduce", "sum", "float64"), ("reduce", "prod", "uint8")]
@@ -221,14 +234,7 @@ def test_reductions_of_many_chunks_are_exact_with_and_without_fused_sums(world, 
     results = []
     for fuse in (True, False):
         comms = hoccl.init_local(world, backend="host", chunk_bytes=64, fuse_sums=fuse)
-        launches = [0]
-        for comm in comms:
-            original = comm._engine.device.reduce_chunks
-
-            def counted(*args, _original=original, **kwargs):
-                launches[0] += 1
-                return _original(*args, **kwargs)
-            comm._engine.device.reduce_chunks = counted
+        launches = _count_launches(comms)
         outputs = []
         for rank, comm in enumerate(comms):
             if collective == "reduce_scatter":
@@ -282,14 +288,7 @@ def test_a_repeated_call_follows_a_changed_fuse_sums():
     """Repeats (``Engine.repeat``) keep bound programs: toggling ``fuse_sums`` must end them,
     or a repeat would go on in the old form."""
     comms = hoccl.init_local(2, backend="host", chunk_bytes=64)
-    launches = [0]
-    for comm in comms:
-        original = comm._engine.device.reduce_chunks
-
-        def counted(*args, _original=original, **kwargs):
-            launches[0] += 1
-            return _original(*args, **kwargs)
-        comm._engine.device.reduce_chunks = counted
+    launches = _count_launches(comms)
     try:
         sends = [hoccl.empty(400, "float32", comm) for comm in comms]
         recvs = [hoccl.empty(200, "float32", comm) for comm in comms]
@@ -323,44 +322,11 @@ def test_the_kernels_compile_with_the_chunked_launch():
     import importlib.util
     if importlib.util.find_spec("cuda") is None:
         pytest.skip("cuda-bindings not installed")
-    from cuda.bindings import nvrtc
-
     from hoccl.backends import _kernels
+    from hoccl.testing import nvrtc_ptx
     try:
-        _, program = nvrtc.nvrtcCreateProgram(_kernels.source().encode(), b"hoccl.cu", 0, [],
-                                              [])
-    except Exception as error:  # no libnvrtc on this machine
+        ptx = nvrtc_ptx(_kernels.source(), _kernels.compile_options())
+    except (ImportError, OSError) as error:  # no libnvrtc on this machine
         pytest.skip(str(error))
-    options = [option.encode() for option in _kernels.compile_options()]
-    options.append(b"--gpu-architecture=compute_90")
-    (status,) = nvrtc.nvrtcCompileProgram(program, len(options), options)
-    _, size = nvrtc.nvrtcGetProgramLogSize(program)
-    log = b" " * size
-    nvrtc.nvrtcGetProgramLog(program, log)
-    assert status == nvrtc.nvrtcResult.NVRTC_SUCCESS, log.decode(errors="replace")
-    _, size = nvrtc.nvrtcGetPTXSize(program)
-    ptx = b" " * size
-    nvrtc.nvrtcGetPTX(program, ptx)
     for dtype in ("bfloat16", "float32"):
         assert _kernels.reduce_chunks_kernel_name(dtype, "sum").encode() in ptx
-
-
-def test_ranks_that_share_a_gpu_are_found_by_its_physical_id():
-    """``fuse_sums`` left unset is turned off for a rank whose GPU another rank also drives
-    (a launch that waits spins through its context's time slices while the peer's context
-    waits for its turn); ranks on GPUs of their own, or whose devices have no id (host),
-    keep it."""
-    from hoccl._build import shares_device
-
-    def ids(*physical):
-        return [("host", 100 + rank, 0, None, bus) for rank, bus in enumerate(physical)]
-    assert shares_device(ids("0000:19:00.0", "0000:19:00.0"), 0)
-    assert not shares_device(ids("0000:19:00.0", "0000:3b:00.0"), 0)
-    assert shares_device(ids("a", "b", "a"), 2) and not shares_device(ids("a", "b", "a"), 1)
-    assert not shares_device(ids(None, None), 0)
-    comms = hoccl.init_local(2, backend="host")
-    try:
-        assert all(comm.fuse_sums for comm in comms)
-    finally:
-        for comm in comms:
-            comm.close()

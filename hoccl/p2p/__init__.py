@@ -89,9 +89,10 @@ def _chunk_runs(ops: List[list], rank: int) -> List[list]:
         lanes.setdefault(lane, []).append(index)
     replaced: Dict[int, Optional[list]] = {}  # index -> the fused op (None: dropped)
     for indices in lanes.values():
+        lane_ops = [ops[index] for index in indices]
         position = 0
         while position < len(indices):
-            run = _chunk_run([ops[index] for index in indices[position:]], rank)
+            run = _chunk_run(lane_ops, position, rank)
             if run is None:
                 position += 1
                 continue
@@ -130,10 +131,10 @@ def _chunk(lane_ops: List[list], at: int) -> Optional[Tuple[tuple, int, tuple, i
     return tuple(slots), value, lane_ops[end][2], len(slots) + 1
 
 
-def _chunk_run(lane_ops: List[list], rank: int) -> Optional[Tuple[list, int]]:
-    """The ``_CHUNKS`` op of the longest run at the start of ``lane_ops`` (one lane's ops)
-    and how many ops it takes, or None when fewer than two chunks qualify."""
-    first = _chunk(lane_ops, 0)
+def _chunk_run(lane_ops: List[list], start: int, rank: int) -> Optional[Tuple[list, int]]:
+    """The ``_CHUNKS`` op of the longest run at ``lane_ops[start]`` (``lane_ops``: one
+    lane's ops) and how many ops it takes, or None when fewer than two chunks qualify."""
+    first = _chunk(lane_ops, start)
     if first is None:
         return None
     slots, value, (inputs, output, count, dtype, op, scale), taken = first
@@ -145,7 +146,7 @@ def _chunk_run(lane_ops: List[list], rank: int) -> Optional[Tuple[list, int]]:
         return None
     chunks, stride, last_count, previous = 1, 0, count, refs
     while last_count == count:
-        following = _chunk(lane_ops, taken)
+        following = _chunk(lane_ops, start + taken)
         if following is None:
             break
         next_slots, next_value, (next_inputs, next_output, next_count, *rest), size = following
@@ -165,7 +166,7 @@ def _chunk_run(lane_ops: List[list], rank: int) -> Optional[Tuple[list, int]]:
         taken += size
     if chunks < 2:
         return None
-    fused = [_CHUNKS, lane_ops[0][1],
+    fused = [_CHUNKS, lane_ops[start][1],
              (slots, value, inputs, output, count, last_count, chunks, stride, dtype, op, scale)]
     return fused, taken
 
