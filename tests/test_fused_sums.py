@@ -330,3 +330,24 @@ def test_the_kernels_compile_with_the_chunked_launch():
         pytest.skip(str(error))
     for dtype in ("bfloat16", "float32"):
         assert _kernels.reduce_chunks_kernel_name(dtype, "sum").encode() in ptx
+
+
+def test_ranks_that_share_a_gpu_are_found_by_its_physical_id():
+    """``fuse_sums`` left unset is turned off for a rank whose GPU another rank also drives
+    (a launch that waits spins through its context's time slices while the peer's context
+    waits for its turn); ranks on GPUs of their own, or whose devices have no id (host),
+    keep it."""
+    from hoccl._build import shares_device
+
+    def ids(*physical):
+        return [("host", 100 + rank, 0, None, bus) for rank, bus in enumerate(physical)]
+    assert shares_device(ids("0000:19:00.0", "0000:19:00.0"), 0)
+    assert not shares_device(ids("0000:19:00.0", "0000:3b:00.0"), 0)
+    assert shares_device(ids("a", "b", "a"), 2) and not shares_device(ids("a", "b", "a"), 1)
+    assert not shares_device(ids(None, None), 0)
+    comms = hoccl.init_local(2, backend="host")
+    try:
+        assert all(comm.fuse_sums for comm in comms)
+    finally:
+        for comm in comms:
+            comm.close()
