@@ -81,6 +81,10 @@ def main() -> None:
               f"of {hooks.all_gather.calls} all-gathers (registered memory), "
               f"{hooks.reduce_scatter.without_exchange} of {hooks.reduce_scatter.calls} "
               f"reduce-scatters", flush=True)
+    # every rank done with the process groups before any tears its own down (a rank that
+    # closes its gloo pairs while a peer is still in its last collective can make the
+    # peer's gloo threads end the process)
+    dist.barrier()
     dist.destroy_process_group()
     faulthandler.cancel_dump_traceback_later()
 
