@@ -240,6 +240,8 @@ class Executor:
         #: per plan (by id, the plan kept so the id stays its): the marks its program
         #: records, for ``reserve`` (which also has its direct kernel loaded, once)
         self._needs: Dict[int, Tuple[Plan, int]] = {}
+        #: chunk sums issued as one launch that waits on the device (``_CHUNKS``), in all
+        self.fused_launches = 0
 
     def bind(self, plan: Plan, addresses: Dict[Tuple[int, str], Any],
              captured: bool = False, signature: int = 0) -> Tuple[tuple, ...]:
@@ -509,6 +511,7 @@ class Executor:
                 device.reduce(lane, output, inputs, count, dtype, op, sms=self.sms.max_sms,
                               scale=scale)
             elif kind == _CHUNKS:
+                self.fused_launches += 1
                 flags, value, inputs, output, count, last_count, chunks, stride, dtype, op, \
                     scale = arg
                 device.reduce_chunks(lane, flags, base + value, output, inputs, count,

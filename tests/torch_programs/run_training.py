@@ -56,6 +56,7 @@ REFERENCE = None  # the group the runs are compared with: gloo, or NCCL on GPUs
 HOCCL = None  # the hoccl group of the same ranks
 PULLED = None  # a hoccl group whose reduce-scatters pull (Options.pull_bytes)
 DIRECT = None  # a hoccl group whose small collectives are direct kernels (kernel_bytes)
+CHUNKED = None  # a hoccl group whose reductions run in many chunks, summed in one launch
 MESHES: List[tuple] = []  # the (replicas, shards) of the HSDP runs
 
 
@@ -136,11 +137,19 @@ def fsdp(group, hooks=None, bf16=False, prefetch=False, divide=None, scale=1.0,
     direct = DIRECT in (group, hooks)
     engine = hoccl.torch.communicator(DIRECT)._engine if direct else None
     kernels = engine.direct_calls if direct else 0
+    chunked = CHUNKED in (group, hooks)
+    executor = hoccl.torch.communicator(CHUNKED)._engine.executor if chunked else None
+    fused = executor.fused_launches if chunked else 0
     run = train(model, scale=scale, prefetch=unshard_first if prefetch else None,
                 dtype=torch.bfloat16 if bf16 else torch.float32)
     if direct:  # the model's every all-gather and reduce-scatter ran as a direct kernel
         assert engine.direct_calls - kernels >= 20, \
             f"{engine.direct_calls - kernels} direct kernels"
+    if chunked:  # every step, at least the largest module's gradients (9.5 KiB, a dozen
+        # chunks or more a rank) were reduce-scattered with their sums in one launch
+        # (with two ranks three modules' are, with three two)
+        assert executor.fused_launches - fused >= STEPS, \
+            f"{executor.fused_launches - fused} one-launch chunk sums"
     if hooks is not None:
         # the all-gathers' outputs come from registered memory (use_for_fsdp's pool): none
         # exchanges descriptors; the reduce-scatters need only the peers' scratch: at most
@@ -267,6 +276,17 @@ def configurations():
         yield (f"FSDP2 with hoccl hooks, direct kernels, {label}",
                lambda b=bf16: fsdp(REFERENCE, hooks=DIRECT, bf16=b),
                reference(bf16=bf16, prefetch=False), 1e-2 if bf16 else 1e-6)
+    # a group whose reductions run in 256-byte chunks, each rank's sums of a call in one
+    # launch that waits for every chunk's copies (fuse_sums, set on: it is off by default
+    # where ranks share a GPU)
+    for bf16 in (False, True):
+        label = "bf16" if bf16 else "fp32"
+        yield (f"FSDP2 on hoccl, chunk sums in one launch, {label}",
+               lambda b=bf16: fsdp(CHUNKED, bf16=b),
+               reference(bf16=bf16, prefetch=False), 1e-2 if bf16 else 1e-6)
+        yield (f"FSDP2 with hoccl hooks, chunk sums in one launch, {label}",
+               lambda b=bf16: fsdp(REFERENCE, hooks=CHUNKED, bf16=b),
+               reference(bf16=bf16, prefetch=False), 1e-2 if bf16 else 1e-6)
     reference_backend = dist.get_backend(REFERENCE)
     for replicas, shards in MESHES:
         # Both runs all-reduce across the replicas on the reference backend; they differ
@@ -295,7 +315,7 @@ def mesh_shapes(text: str) -> List[tuple]:
 
 
 def main():
-    global DEVICE, REFERENCE, HOCCL, PULLED, DIRECT, MESHES
+    global DEVICE, REFERENCE, HOCCL, PULLED, DIRECT, CHUNKED, MESHES
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--default-backend", choices=("hoccl", "reference"), default="hoccl",
@@ -326,6 +346,8 @@ def main():
         settings={"pull_bytes": 1 << 30}))
     DIRECT = dist.new_group(backend="hoccl", pg_options=hoccl.torch.Options(
         settings={"kernel_bytes": 1 << 20}))
+    CHUNKED = dist.new_group(backend="hoccl", pg_options=hoccl.torch.Options(
+        settings={"chunk_bytes": 256, "fuse_sums": True}))
     passed = failed = 0
     for name, run, reference_run, tolerance in configurations():
         if args.only not in name:
