@@ -67,10 +67,8 @@ class Settings:
               options: dict) -> "Settings":
         check.positive_int(call, "max_sms", max_sms)
         check.positive_int(call, "copy_sms", copy_sms, optional=True)
-        options = dict(options)
-        fuse_sums = options.pop("fuse_sums", None)  # None: on, unless ranks share a GPU
-        if fuse_sums is not None:
-            fuse_sums = check.switch(call, "fuse_sums", fuse_sums)
+        options = dict(options)  # None: on, unless ranks share a GPU (connect_process)
+        fuse_sums = check.switch(call, "fuse_sums", options.pop("fuse_sums", None), optional=True)
         return cls(timeout=check.timeout_setting(call, timeout, DEFAULT_TIMEOUT),
                    verify_plans=check.flag_setting(verify_plans, "HOCCL_VERIFY"),
                    max_sms=max_sms, copy_sms=copy_sms or default_copy_sms(world_size),
@@ -83,9 +81,9 @@ class Settings:
         check.positive_int(call, "max_sms", max_sms, optional=True)
         check.positive_int(call, "copy_sms", copy_sms, optional=True)
         options = dict(options)
-        fuse_sums = options.pop("fuse_sums", None)
-        fuse_sums = (parent.sms.fuse_sums if fuse_sums is None
-                     else check.switch(call, "fuse_sums", fuse_sums))
+        fuse_sums = check.switch(call, "fuse_sums", options.pop("fuse_sums", None), optional=True)
+        if fuse_sums is None:
+            fuse_sums = parent.sms.fuse_sums
         return cls(fuse_sums=fuse_sums, timeout=(parent_timeout if timeout is None
                             else check.timeout_setting(call, timeout, DEFAULT_TIMEOUT)),
                    verify_plans=parent.verify_plans if verify_plans is None else bool(verify_plans),

@@ -116,12 +116,15 @@ def timeout_setting(call: str, timeout: Any, default: float) -> float:
     return float(timeout)
 
 
-def switch(call: str, name: str, value: Any) -> bool:
-    """``value`` as a bool: True, False, 1 or 0 (what a settings string parses to)."""
+def switch(call: str, name: str, value: Any, optional: bool = False) -> Optional[bool]:
+    """``value`` as a bool: True, False, 1 or 0 (what a settings string parses to); None
+    stays None when ``optional``."""
+    if value is None and optional:
+        return None
     if value is True or value is False or (type(value) is int and value in (0, 1)):
         return bool(value)
-    raise InvalidArgumentError(f"{call}: {name} must be True or False (or 1 or 0); got "
-                               f"{value!r}")
+    raise InvalidArgumentError(f"{call}: {name} must be True or False (or 1 or 0)"
+                               f"{' or None' if optional else ''}; got {value!r}")
 
 
 def flag_setting(value: Optional[bool], variable: str) -> bool:

@@ -436,9 +436,8 @@ class Communicator:
         caps = {name: changes.pop(name) for name in ("max_sms", "copy_sms") if name in changes}
         for name, value in caps.items():
             check.positive_int("set_options", name, value)
-        fuse = changes.pop("fuse_sums", None)
-        if fuse is not None:
-            fuse = check.switch("set_options", "fuse_sums", fuse)
+        fuse = check.switch("set_options", "fuse_sums", changes.pop("fuse_sums", None),
+                            optional=True)
         options = check.plan_options("set_options", self._engine.options, changes)
         engine = self._engine
         for name, value in caps.items():

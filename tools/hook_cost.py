@@ -118,9 +118,7 @@ def main() -> None:
             work = issue()
             if work is not None:
                 work.wait()
-    def hook_synchronize():
-        comm.synchronize()
-    synchronize = torch.cuda.synchronize if gpu else hook_synchronize
+    synchronize = torch.cuda.synchronize if gpu else comm.synchronize
     for _ in range(20):
         call()
     synchronize()

@@ -472,10 +472,9 @@ class CudaDevice(Device):
                                    attribute("CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR"))
         self.sm_count = attribute("CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT")
         try:  # the same in every process, whatever CUDA_VISIBLE_DEVICES says
-            bus = driver.cuDeviceGetPCIBusId(32, self._device)
-            if bus[0] == driver.CUresult.CUDA_SUCCESS:
-                self.physical = bytes(bus[1]).split(b"\0")[0].decode() or None
-        except Exception:  # an unknown id only keeps fuse_sums' default
+            bus = _call(driver.cuDeviceGetPCIBusId, 32, self._device)
+            self.physical = bytes(bus).split(b"\0")[0].decode() or None
+        except DriverError:  # an unknown id only keeps fuse_sums' default
             self.physical = None
         self._make_current()
         least, greatest = _call(driver.cuCtxGetStreamPriorityRange)

@@ -158,7 +158,7 @@ def _chunk_run(lane_ops: List[list], start: int, rank: int) -> Optional[Tuple[li
             break
         steps = {b[2] - a[2] for a, b in zip(previous, next_refs)}
         step = steps.pop()
-        if (steps or step % 16 or step % itemsize or step < count * itemsize
+        if (steps or step % 16 or step < count * itemsize
                 or (stride and step != stride * itemsize)):
             break
         stride, previous, last_count = step // itemsize, next_refs, next_count

@@ -265,28 +265,21 @@ def configurations():
         yield (f"FSDP2 with hoccl hooks, pulled reduce-scatters, {'bf16' if bf16 else 'fp32'}",
                lambda b=bf16: fsdp(REFERENCE, hooks=PULLED, bf16=b, pulled=True),
                reference(bf16=bf16, prefetch=False), 1e-2 if bf16 else 1e-6)
-    # a group whose small collectives run as direct kernels (Options.kernel_bytes: every
-    # call of this model): FSDP2 on it, and through the hooks (registered memory for the
-    # all-gathers' outputs and the reduce-scatters' inputs, read by the peers' kernels)
-    for bf16 in (False, True):
-        label = "bf16" if bf16 else "fp32"
-        yield (f"FSDP2 on hoccl, direct kernels, {label}",
-               lambda b=bf16: fsdp(DIRECT, bf16=b),
-               reference(bf16=bf16, prefetch=False), 1e-2 if bf16 else 1e-6)
-        yield (f"FSDP2 with hoccl hooks, direct kernels, {label}",
-               lambda b=bf16: fsdp(REFERENCE, hooks=DIRECT, bf16=b),
-               reference(bf16=bf16, prefetch=False), 1e-2 if bf16 else 1e-6)
-    # a group whose reductions run in 256-byte chunks, each rank's sums of a call in one
-    # launch that waits for every chunk's copies (fuse_sums, set on: it is off by default
-    # where ranks share a GPU)
-    for bf16 in (False, True):
-        label = "bf16" if bf16 else "fp32"
-        yield (f"FSDP2 on hoccl, chunk sums in one launch, {label}",
-               lambda b=bf16: fsdp(CHUNKED, bf16=b),
-               reference(bf16=bf16, prefetch=False), 1e-2 if bf16 else 1e-6)
-        yield (f"FSDP2 with hoccl hooks, chunk sums in one launch, {label}",
-               lambda b=bf16: fsdp(REFERENCE, hooks=CHUNKED, bf16=b),
-               reference(bf16=bf16, prefetch=False), 1e-2 if bf16 else 1e-6)
+    # FSDP2 on a group, and through its hooks, whose calls run another way: DIRECT's small
+    # collectives as direct kernels (Options.kernel_bytes: every call of this model; the
+    # hooks hand out registered memory for the all-gathers' outputs and the reduce-scatters'
+    # inputs, read by the peers' kernels), CHUNKED's reductions in 256-byte chunks, each
+    # rank's sums of a call in one launch that waits for every chunk's copies (fuse_sums,
+    # set on: it is off by default where ranks share a GPU)
+    for group, way in ((DIRECT, "direct kernels"), (CHUNKED, "chunk sums in one launch")):
+        for bf16 in (False, True):
+            label = "bf16" if bf16 else "fp32"
+            yield (f"FSDP2 on hoccl, {way}, {label}",
+                   lambda g=group, b=bf16: fsdp(g, bf16=b),
+                   reference(bf16=bf16, prefetch=False), 1e-2 if bf16 else 1e-6)
+            yield (f"FSDP2 with hoccl hooks, {way}, {label}",
+                   lambda g=group, b=bf16: fsdp(REFERENCE, hooks=g, bf16=b),
+                   reference(bf16=bf16, prefetch=False), 1e-2 if bf16 else 1e-6)
     reference_backend = dist.get_backend(REFERENCE)
     for replicas, shards in MESHES:
         # Both runs all-reduce across the replicas on the reference backend; they differ
