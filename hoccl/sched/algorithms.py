@@ -578,9 +578,11 @@ def _direct(b: _Builder) -> Plan:
     broadcast) or sums its input and its ring in rank order, so that every rank rounds
     alike (reduce_scatter, all_reduce).  One one-way signal per peer, where a handshake
     into the peers' own buffers would take two.  A broadcast's root, which hears from
-    nobody else, waits for a signal each receiver sends as its kernel starts: no rank is
-    ever two calls ahead of a rank it stores into.  A rank names only
-    its peers' rings, so ranks that differ in form (in place or not) agree.
+    nobody else, waits for a signal each receiver sends as its kernel starts, and sends
+    its DONE only then: so every rank finishes a call only after every other rank started
+    it, and no rank is ever two calls ahead of any rank (the next call may store into any
+    peer's ring).  A rank names only its peers' rings, so ranks that differ in form (in
+    place or not) agree.
 
     The kernel runs this program in every one of its ``kernel_blocks`` blocks, each on
     its share of every data step (``block_range``), each signalling a slot of its own;
@@ -666,15 +668,17 @@ def _direct(b: _Builder) -> Plan:
             # that the root never waits for a round trip (see plan.RING)
             b.signal(r, 0, root, GATHERED, 1)
         b.programs[r].extend(step for step in pushes if step.nbytes)
+        if kind == "broadcast" and r == root:
+            # before its DONE: a receiver that hears the root's DONE has then heard, through
+            # the root, that every other receiver started this call (see plan.RING)
+            for p in peers:
+                b.wait(r, 0, p, GATHERED, 1)
         for p in targets:
             b.signal(r, 0, p, DONE, 1)
         for p in sources:
             b.wait(r, 0, p, DONE, 1)
         b.programs[r].extend(step for step in finish
                              if not isinstance(step, Copy) or (step.nbytes and step.src != step.dst))
-        if kind == "broadcast" and n > 1 and r == root:
-            for p in peers:
-                b.wait(r, 0, p, GATHERED, 1)
     plan = b.plan()
     blocks = kernel_blocks_for(kernel_bytes_of(s), b.options.kernel_sms)
     return dataclasses.replace(plan, lanes=1, options=plan.options + (("kernel_blocks", blocks),))
@@ -699,7 +703,8 @@ def build_plan(shape: Shape, options: Options = Options()) -> Plan:
                          f"got {options.self_route!r}")
     if shape.world_size < 1:
         raise ValueError(f"build_plan: world_size must be >= 1, got {shape.world_size}")
-    if (shape.collective in KERNEL_COLLECTIVES and 1 < shape.world_size <= KERNEL_MAX_RANKS
-            and kernel_bytes_of(shape) <= options.kernel_bytes):
+    if (options.kernel_bytes and shape.collective in KERNEL_COLLECTIVES
+            and 1 < shape.world_size <= KERNEL_MAX_RANKS
+            and kernel_bytes_of(shape) <= options.kernel_bytes):  # 0: off, for every size
         return _direct(_Builder(shape, options))
     return _ALGORITHMS[shape.collective](_Builder(shape, options))

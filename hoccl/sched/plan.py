@@ -42,10 +42,14 @@ CHANNEL_NAMES = ("READY", "DONE", "GATHERED", "PAIR_READY", "PAIR_DONE")
 
 #: A direct kernel's staging buffer (``algorithms._direct``): its peers store into it
 #: without waiting for its READY.  It has two halves, and each call uses the half of its
-#: direct-kernel epoch's parity (the executor adds the offset on the device), so a peer
-#: that is one call ahead writes the other half; no peer can be two calls ahead, because
-#: every rank waits in every call for a signal from each rank it stores into.  ``verify``
-#: exempts it from the READY rule (that argument spans calls); every other rule holds.
+#: direct-kernel epoch's parity (the executor adds the offset on the device), as do the
+#: signature words beside each signal word, so a peer that is one call ahead writes the
+#: other half.  No peer can be two calls ahead: in every direct call each rank's last step
+#: follows, through signals, the first step of every other rank, so a rank that finished
+#: call e+1 knows that every rank finished call e (the ranks' direct kernels run one at a
+#: time).  Every rank, not only the ones it stores into: the next call may store into any
+#: peer's ring.  ``verify`` checks that rule for every plan with a ring, and exempts the
+#: ring from the READY rule (that argument spans calls); every other rule holds.
 RING = "ring"
 
 #: The reduction operators a ``Reduce`` step may name, which every backend computes:

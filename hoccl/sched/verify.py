@@ -381,11 +381,6 @@ class _Verifier:
         owner = ref.rank
         if owner == self.node_rank[node]:
             return
-        if ref.buffer == RING and not (self.ancestors[self.exit[self.node_rank[node]]]
-                                       & self.bit[self.entry[owner]]):
-            self.fail(f"stores into rank {owner}'s ring but hears from rank {owner} nowhere in "
-                      f"the call: it could run two calls ahead and overwrite the half rank "
-                      f"{owner} still reads (see plan.RING)", node)
         if ref.buffer != RING and not self.ancestors[node] & self.bit[self.entry[owner]]:
             self.fail(f"touches rank {owner}'s {ref.buffer!r} but no step of rank {owner} "
                       f"happens before it: it may run before rank {owner}'s caller reached the "
@@ -394,6 +389,23 @@ class _Verifier:
             self.fail(f"touches rank {owner}'s {ref.buffer!r} but no step of rank {owner} "
                       f"happens after it: rank {owner}'s caller may reuse the buffer while it "
                       f"runs (a DONE signal waited for by rank {owner} is missing)", node)
+
+    def check_call_order(self) -> None:
+        """A plan with a ring (a direct kernel's) takes no READY before storing into a
+        peer's ring: each rank must finish only after every other rank started, or it
+        could run two calls ahead and overwrite a ring half or signature word that a
+        slower rank still reads (see plan.RING)."""
+        if not any(RING in named for named in self.specs):
+            return
+        ranks = range(len(self.plan.programs))
+        for rank in ranks:
+            for other in ranks:
+                if other != rank and not (self.ancestors[self.exit[rank]]
+                                          & self.bit[self.entry[other]]):
+                    self.fail(f"finishes the call hearing from rank {other} "
+                              f"nowhere in it: it could run two calls ahead and overwrite "
+                              f"a ring half or signature word rank {other} still reads "
+                              f"(see plan.RING)", self.exit[rank])
 
     # -- 4. memory ----------------------------------------------------------------------
     def check_memory(self) -> None:
@@ -473,6 +485,7 @@ def verify(plan: Plan) -> Plan:
     verifier.check_structure()
     verifier.build_graph()
     verifier.close_graph()
+    verifier.check_call_order()
     verifier.collect_accesses()
     verifier.check_memory()
     return plan
