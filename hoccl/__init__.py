@@ -5,7 +5,8 @@
     comms = hoccl.init_local([0, 1])    # one process, several ranks (Jupyter, tests)
     comm.all_gather(send, recv, stream=s)
 
-See the README for the API, the architecture and what to do when things go wrong.
+The documentation (docs/, built with Sphinx) covers the API, the architecture and what
+to do when things go wrong.
 """
 
 from __future__ import annotations

@@ -40,10 +40,11 @@ _INT_MAX = (1 << 31) - 1
 
 def default_copy_sms(world_size: int) -> int:
     """SMs for a rank's own block in out-of-place forms (the one same-GPU copy, which
-    runs beside the peers' copy-engine transfers): enough to finish within them.  On 2 ×
-    H200 a 1 GiB all_gather's 512 MiB own block took 1.49 ms on 8 SMs, longer than the
-    1.36 ms NVLink copy beside it (busbw 372 GB/s); on 16 it fit (380).  The copy-engine
-    time grows with the number of peers while the own block does not: 16 / (n - 1)."""
+    runs beside the peers' copy-engine transfers): enough to finish within them, so the
+    own block never sets the call's time.  With 2 ranks that takes 16 SMs (8 make the
+    own block the slowest part of a large all_gather: docs/design-notes.md).  The
+    copy-engine time grows with the number of peers while the own block does not, so
+    the share shrinks: 16 / (n - 1), at least 2."""
     return max(2, -(-16 // max(1, world_size - 1)))
 
 
@@ -149,8 +150,8 @@ def connect_process(call: str, backend: str, bootstrap: Bootstrap, device: Optio
     everyone = bootstrap.allgather(identity)
     if settings.fuse_sums is None and shares_device(everyone, group.rank):
         # a launch that waits for a peer on its own GPU spins through its context's time
-        # slices while the peer's context waits for its turn (two ranks on one H200: a
-        # 256 MiB reduce_scatter 1.4x slower fused, an FSDP2 step's reduce-scatters 10x)
+        # slices while the peer's context, which must run to send the signal, waits for
+        # its turn: fused sums are slower there than a stream wait per chunk
         engine.sms.fuse_sums = False
     pads = []
     for rank, (host, _, _, pad, _) in enumerate(everyone):

@@ -8,9 +8,10 @@ device's architecture and launches the kernels named by ``reduce_kernel_name`` a
 Both kernels are written for a grid capped at a few SMs (one block per SM): each thread
 runs a grid-stride loop over 16-byte vectors and keeps several of them in flight (the
 ``*_unroll`` entries of ``TUNING``), because a capped grid is bound by the bytes each SM
-moves, not by arithmetic.  On H200 one SM moves about 90 GB/s (read + written) this way,
-with 64 KiB or 128 KiB in flight alike, and the total grows linearly with the cap up to
-HBM's ~2.8 TB/s at about 32 SMs.  Elements before the first 16-byte boundary (``head``)
+moves, not by arithmetic: the rate grows with the cap until memory bandwidth is the
+limit, and keeping more bytes in flight per SM than ``TUNING`` does adds nothing (the
+kernel sweep of ``tests/gpu/cuda_device_smoke.py`` prints the rate per cap on a given
+GPU).  Elements before the first 16-byte boundary (``head``)
 and after the last whole vector go one by one.
 
 Arguments travel as one struct passed by value (``__grid_constant__``), so the input
@@ -50,10 +51,10 @@ MAX_INPUTS = 64
 CHUNK_FLAGS = 8
 #: how the kernels are built: ``*_threads`` per block (one block per SM in a capped grid);
 #: ``*_unroll`` 16-byte vectors each thread keeps in flight (per input for reduce, halved
-#: for 1-byte types).  Measured on H200 (bf16 sum of 2 inputs, 256 MiB, bytes read +
-#: written per SM at 4/8/16 SMs): reduce 1024x2 89/86/80 GB/s, 512x4 81/79/68, 256x8
-#: 60/59/52; copy 1024x8 90/92/82, 512x16 96/91/83, 256x16 78/71/65.  Streaming loads
-#: (``ld.global.nc.L1::no_allocate.L2::256B``) changed nothing.
+#: for 1-byte types).  These are the fastest per-SM shapes of a sweep over block sizes
+#: (256, 512, 1024 threads) and vectors in flight at 4 to 16 SMs: full 1024-thread blocks
+#: with few vectors each beat smaller blocks with more.  Streaming loads
+#: (``ld.global.nc.L1::no_allocate.L2::256B``) made no difference, so plain loads are used.
 TUNING = {"reduce_threads": 1024, "reduce_unroll": 2, "copy_threads": 1024, "copy_unroll": 8}
 #: vector widths of the copy kernels, widest first; the widest that src and dst share wins.
 COPY_WIDTHS = (16, 8, 4, 2, 1)

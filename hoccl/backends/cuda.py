@@ -832,8 +832,10 @@ class CudaDevice(Device):
 
     def memops(self, stream: Any, operations: Sequence[Tuple[MemOp, Any, int]]) -> None:
         """Writes and waits in order: a few as single calls, more in batches of up to 255.
-        Through cuda-bindings three single calls took 5.4 µs of host time and one
-        ``cuStreamBatchMemOp`` of the same three 7.3 µs (H200 host, tools/profile_call.py)."""
+        Through cuda-bindings a batch costs more host time than a few single calls (its
+        ``CUstreamBatchMemOpParams`` are Python objects filled per operation), so batching
+        pays only beyond ``_SINGLE_MEMOPS`` operations; ``tools/profile_call.py`` times
+        both."""
         if len(operations) <= _SINGLE_MEMOPS:
             self._make_current()
             for kind, address, value in operations:

@@ -42,11 +42,12 @@ COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 
 @dataclass(frozen=True)
 class Machine:
-    """A cluster: ``hosts`` × ``gpus_per_host``.  Defaults: H200 hosts with NVSwitch and
-    one 400 Gb/s NIC per GPU.  ``nvlink_gbps`` and ``reduce_gbps`` are hoccl's measured
-    1 GiB bus bandwidths on 2 × H200 (all_gather 380 GB/s; reduce_scatter 205 GB/s with
-    8 summing SMs); ``hoccl_call_us`` its measured host cost of one call (89–261 µs at
-    1 MiB, README); the latencies are NCCL's tuning constants for the Simple protocol."""
+    """A cluster: ``hosts`` × ``gpus_per_host``.  Defaults: hosts with NVSwitch and one
+    400 Gb/s NIC per GPU.  ``nvlink_gbps`` and ``reduce_gbps`` are hoccl's 1 GiB bus
+    bandwidths inside a host (copies; reductions on the default 8 summing SMs) and
+    ``hoccl_call_us`` its host cost of one call, taken from the current 2-GPU results
+    (docs/results.md): pass another machine's figures to model it.  The latencies are
+    NCCL's tuning constants for the Simple protocol."""
     hosts: int
     gpus_per_host: int = 8
     nvlink_gbps: float = 380.0
