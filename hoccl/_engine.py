@@ -382,6 +382,12 @@ class Engine:
                 return known
         return (0 if value >= 1 << 61 else value, "", ())
 
+    def made(self) -> Tuple[int, Dict[Tuple[int, ...], int]]:
+        """How many calls this rank has made: collectives, and calls per (sender, receiver)
+        pair (what a call's key counts, ``prepare``)."""
+        with self.lock:
+            return self._collectives, dict(self._pair_calls)
+
     def mark_aborted(self, reason: str) -> bool:
         """Make later calls raise; False if this rank was already aborted or closed."""
         with self.lock:
@@ -438,7 +444,7 @@ class Engine:
                 local[buffer_name] = self._scratch_of(nbytes)
                 sizes[buffer_name] = nbytes
             elif buffer_name == RING:  # both halves: peers learn the half from the size
-                local[buffer_name], half = self._ring_of(nbytes)
+                local[buffer_name], half = self._ring_of(max(nbytes, 1))
                 sizes[buffer_name] = 2 * half
             else:
                 buffer = buffers[buffer_name]
@@ -523,19 +529,18 @@ class Engine:
             if peer == self.rank:
                 continue
             theirs: Dict[str, PeerBuffer] = {}
+            if plan.kernel_blocks:  # every peer's ring, known whatever this call needs
+                known = self._peer_ring.get(peer)
+                if known is None or known.nbytes // 2 < plan.buffer(peer, RING).nbytes:
+                    return None
+                theirs[RING] = known
             for buffer_name in plan.shared(peer):
                 needed = plan.buffer(peer, buffer_name).nbytes
-                if not needed:
+                if not needed or buffer_name == RING:
                     continue
                 if buffer_name == "scratch":
                     known = self._peer_scratch.get(peer)
                     if known is None or known.nbytes < needed:
-                        return None
-                    theirs[buffer_name] = known
-                    continue
-                if buffer_name == RING:  # its size holds both halves
-                    known = self._peer_ring.get(peer)
-                    if known is None or known.nbytes // 2 < needed:
                         return None
                     theirs[buffer_name] = known
                     continue
@@ -587,17 +592,24 @@ class Engine:
 
     def _template(self, shape: Shape) -> CallTemplate:
         plan = self.plan(shape)
-        # a plan never addresses an empty buffer (and it may have no address)
-        used = tuple((spec.name, spec.nbytes) for spec in plan.buffers[self.rank] if spec.nbytes)
+        # a plan never addresses an empty buffer (and it may have no address); but every
+        # direct kernel's call describes this rank's ring, whatever it needs of it (a
+        # broadcast's root, a call of zero elements: none), so that after the first direct
+        # call every rank knows every peer's ring and all go without a message alike
+        # (``_fast_peers``, ``bootstrap._silent``)
+        used = tuple((spec.name, spec.nbytes) for spec in plan.buffers[self.rank]
+                     if spec.nbytes or (spec.name == RING and plan.kernel_blocks))
         names = {buffer_name for buffer_name, _ in used}
+        shared = tuple(name for name in plan.shared(self.rank) if name in names)
+        if plan.kernel_blocks and RING in names and RING not in shared:
+            shared = tuple(sorted(shared + (RING,)))
         signature: tuple = (("collective", shape.collective), ("count", shape.count),
                             ("dtype", shape.dtype), ("op", shape.op), ("root", shape.root),
                             ("peer", shape.peer), ("scale", shape.scale))
         changed = _changed_options(self.options)
         if changed:  # ranks planning with other options would run other plans
             signature += (("options", changed),)
-        template = CallTemplate(shape, plan, self.options, signature, used,
-                                tuple(name for name in plan.shared(self.rank) if name in names))
+        template = CallTemplate(shape, plan, self.options, signature, used, shared)
         if len(self._templates) >= _CACHED:
             self._templates.clear()
         self._templates[shape] = template

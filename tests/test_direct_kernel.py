@@ -217,5 +217,56 @@ def test_verify_rejects_a_ring_writer_that_never_hears_from_the_rings_owner():
     receivers = [tuple(step for step in program if step.__class__.__name__ != "Signal"
                        or step.slot % CHANNELS != GATHERED) for program in plan.programs[1:]]
     mutant = replace(plan, programs=(tuple(root), *receivers))
-    with pytest.raises(PlanError, match="hears from rank 1 nowhere in the call"):
+    with pytest.raises(PlanError, match="finishes the call hearing from rank 1 nowhere in it"):
         verify(mutant)
+
+
+@pytest.mark.parametrize("world_size", [3, 4, 8])
+def test_verify_rejects_a_broadcast_whose_receivers_finish_without_hearing_each_other(
+        world_size):
+    """A root that sends its DONE before it waits for the receivers' start signals lets a
+    receiver finish the broadcast while another is still in the call before, run the next
+    call too, and overwrite the ring half and signature words the slow receiver still
+    reads (false DivergedErrors in sequences of small calls).  The plan waits first;
+    moving the root's waits after its DONE signals is rejected."""
+    from dataclasses import replace
+
+    from hoccl._errors import PlanError
+    from hoccl.sched import verify
+    from hoccl.sched.plan import GATHERED, CHANNELS, Wait
+    plan = build_plan(Shape("broadcast", world_size, 5, "float32", 4, root=1),
+                      Options(kernel_bytes=1 << 20))
+    verify(plan)
+    root = plan.programs[1]
+    waits = [step for step in root if isinstance(step, Wait) and step.slot % CHANNELS == GATHERED]
+    assert len(waits) == world_size - 1
+    late = tuple(step for step in root if step not in waits) + tuple(waits)
+    mutant = replace(plan, programs=tuple(late if rank == 1 else program
+                                          for rank, program in enumerate(plan.programs)))
+    with pytest.raises(PlanError, match=r"rank [02] exit fence: finishes the call hearing "
+                                        r"from rank [023] nowhere in it"):
+        verify(mutant)
+
+
+@pytest.mark.parametrize("collective", sorted(KERNEL_COLLECTIVES))
+@pytest.mark.parametrize("world_size", [2, 3, 5, 8])
+def test_every_direct_plan_finishes_each_rank_after_every_rank_started(collective, world_size):
+    """The rule ``plan.RING`` rests on, for every direct plan (verify checks it): every
+    rank's exit follows, through signals, every other rank's entry; zero counts too."""
+    from hoccl.sched import verify
+    for count in (0, 1, 7):
+        for root in range(world_size) if collective == "broadcast" else (0,):
+            for in_place in (False, True):
+                shape = Shape(collective, world_size, count, "float32", 4, root=root,
+                              in_place=in_place)
+                plan = build_plan(shape, Options(kernel_bytes=1 << 20))
+                assert plan.kernel_blocks, shape
+                verify(plan)
+
+
+@pytest.mark.parametrize("collective", sorted(KERNEL_COLLECTIVES))
+def test_zero_size_calls_take_no_direct_kernel_when_the_path_is_off(collective):
+    """kernel_bytes=0 (the default) is off for every size, an empty buffer's included."""
+    plan = build_plan(Shape(collective, 3, 0, "float32", 4), Options())
+    assert not plan.kernel_blocks
+    assert build_plan(Shape(collective, 3, 0, "float32", 4), Options(kernel_bytes=64)).kernel_blocks

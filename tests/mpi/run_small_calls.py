@@ -1,6 +1,7 @@
 """Under mpirun (any number of ranks): long sequences of small calls that every rank
 makes alike, checked call by call; a correct program, so no rank may raise.
-``python run_small_calls.py SEQUENCE [--backend B] [--calls N] [--kernel-bytes K]``.
+``python run_small_calls.py SEQUENCE [--backend B] [--calls N] [--kernel-bytes K]
+[--start I]``.
 
 mixed  all_reduce, all_gather, reduce_scatter, broadcast (root cycling) and all_to_all of
        3 float32 elements per rank, cycled, a ``synchronize()`` after each call
@@ -38,6 +39,8 @@ def main() -> int:
     parser.add_argument("--calls", type=int, default=1000)
     parser.add_argument("--kernel-bytes", type=int, default=4096)
     parser.add_argument("--timeout", type=float, default=30.0)
+    parser.add_argument("--start", type=int, default=0,
+                        help="where the cycle starts (3: a broadcast is the first direct call)")
     args = parser.parse_args()
     comm = hoccl.init(backend=args.backend, timeout=args.timeout,
                       kernel_bytes=args.kernel_bytes)
@@ -48,7 +51,7 @@ def main() -> int:
     wrong = 0
     try:
         for index in range(args.calls):
-            name = cycle[index % len(cycle)]
+            name = cycle[(index + args.start) % len(cycle)]
             seed = 7919 * index
             root = (index // len(cycle)) % n
             inputs = [numbers(count * (n if name in ("reduce_scatter", "all_to_all") else 1),
