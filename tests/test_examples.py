@@ -31,21 +31,32 @@ def test_sharded_training_matches_one_device():
     assert "losses match the single-device run" in result.stdout
 
 
-@pytest.mark.parametrize("module", ["hoccl.bench", "hoccl.bench.overlap", "hoccl.bench.levers",
-                                    "hoccl.bench.tp"])
-def test_benchmarks_say_in_one_line_what_they_miss(module):
+@pytest.mark.parametrize("program", ["-m hoccl.bench", "-m hoccl.bench.overlap",
+                                     "-m hoccl.bench.tp", "benchmarks/levers.py"])
+def test_benchmarks_say_in_one_line_what_they_miss(program):
     """Without a GPU or the bench extra a benchmark exits with one line naming what is
     missing and how to install it, not a traceback."""
-    import subprocess
-    import sys
-    result = subprocess.run([sys.executable, "-m", module], capture_output=True, text=True,
-                            timeout=120)
+    root = EXAMPLES.parent
+    result = subprocess.run([sys.executable, *program.split()], capture_output=True, text=True,
+                            timeout=120, cwd=root)
     from hoccl.backends import cuda_device_count
     if cuda_device_count():
         pytest.skip("GPUs are visible: the benchmark would run")
     lines = result.stderr.strip().splitlines()
     assert result.returncode != 0 and len(lines) == 1, result.stderr
-    assert lines[0].startswith(f"python -m {module}: needs") and "pip install" in lines[0]
+    assert lines[0].startswith(f"python {program}: needs") and "pip install" in lines[0]
+
+
+def test_the_old_name_of_the_lever_study_still_runs_it_with_a_deprecation_warning():
+    result = subprocess.run([sys.executable, "-W", "error::DeprecationWarning", "-m",
+                             "hoccl.bench.levers"], capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0 and "benchmarks/levers.py" in result.stderr, result.stderr
+    assert "DeprecationWarning" in result.stderr
+    result = subprocess.run([sys.executable, "-W", "ignore::DeprecationWarning", "-m",
+                             "hoccl.bench.levers", "--help"], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0 and "python benchmarks/levers.py" in result.stdout, \
+        result.stderr
 
 
 @pytest.mark.mpi

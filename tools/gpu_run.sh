@@ -4,7 +4,7 @@
 # torch: the torch.distributed backend's checks, DDP/FSDP2/HSDP training against NCCL (hoccl
 # the default process group, then NCCL), the FSDP2 example on NCCL and on hoccl, and
 # python -m hoccl.bench.train (one process per shape).
-# levers: python -m hoccl.bench.levers on one GPU (LEVERS_ARGS, e.g. --quick, go to it).
+# levers: python benchmarks/levers.py on one GPU (LEVERS_ARGS, e.g. --quick, go to it).
 # tp: python -m hoccl.bench.tp under mpirun -np 2, then its --quick run with a planted fault
 # (every check must report exactly one wrong element per rank).
 # compare: hoccl at 1 MiB and 1 GiB from this tree and from BASELINE (a checkout of an
@@ -504,7 +504,7 @@ if [ "$what" = overlap ] || [ "$what" = all ]; then
   step overlap 200 $MPIRUN python3 -m hoccl.bench.overlap --out "$OUT/overlap"
 fi
 if [ "$what" = levers ] || [ "$what" = all ]; then
-  step levers 420 python3 -m hoccl.bench.levers ${LEVERS_ARGS:-} --out "$OUT/levers"
+  step levers 420 python3 benchmarks/levers.py ${LEVERS_ARGS:-} --out "$OUT/levers"
 fi
 if [ "$what" = tp ] || [ "$what" = all ]; then
   step tp 300 $TRUN python3 -m hoccl.bench.tp ${TP_ARGS:-} --out "$OUT/tp"

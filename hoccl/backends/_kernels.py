@@ -413,7 +413,7 @@ _OP_ENUM = {"sum": "OP_SUM", "prod": "OP_PROD", "max": "OP_MAX", "min": "OP_MIN"
 def templates() -> str:
     """The shared part of ``source()`` without its kernels: the argument structs, the
     element types and ``reduce_body`` / ``copy_body``, for programs that wrap the same
-    bodies in kernels of their own (``hoccl.bench.levers`` adds per-block timestamps)."""
+    bodies in kernels of their own (``benchmarks/levers.py`` adds per-block timestamps)."""
     return _COMMON
 
 

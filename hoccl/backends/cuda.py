@@ -1023,7 +1023,7 @@ class CudaDevice(Device):
         """``(argument struct, blocks, threads)`` of one reduce launch: the struct the
         kernel receives by value and its grid, capped at ``sms`` blocks of ``threads``
         (default ``TUNING["reduce_threads"]``).  Apart from the launch so that programs
-        that build kernels on ``reduce_body`` (``hoccl.bench.levers``) size them alike."""
+        that build kernels on ``reduce_body`` (``benchmarks/levers.py``) size them alike."""
         if threads is None:
             threads = _kernels.TUNING["reduce_threads"]
         offset = output % 16

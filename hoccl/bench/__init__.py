@@ -6,12 +6,13 @@
 * ``python -m hoccl.bench.overlap`` — a bf16 GEMM loop beside each library's
   collective loop: GEMM TFLOP/s alone and beside each, and the collective's bandwidth
   meanwhile.
-* ``python -m hoccl.bench.levers`` — one GPU: hoccl's reduction kernel beside a bf16 GEMM,
-  lever by lever (SM cap, launches per call, stream priorities, block shape, green
-  contexts), with per-block residency probes and a profiler timeline.
 * ``python -m hoccl.bench.tp`` — a tensor-parallel MLP layer (all_gather, matmuls,
   reduce_scatter) sequential and chunk-overlapped on hoccl and NCCL, and torch's async-TP
   (``mpirun -np 2`` only).
+
+The one-GPU lever study (hoccl's reduction kernel beside a bf16 GEMM, lever by lever) is
+research, not a benchmark users run: it lives outside the package, in
+``benchmarks/levers.py`` of the source tree.
 
 Run under ``mpirun -np N`` (one GPU per rank; NCCL baselines need this), or with
 ``--local N`` in one process (hoccl only).
