@@ -1,0 +1,129 @@
+"""The seam between hosts: what an engine of one level of a hierarchical call is.
+
+An engine moves one level's data: the ``"rail"`` calls (the ranks with one local rank,
+one per host) and the ``"world"`` send/recv of a ``hoccl.sched.hierarchical`` plan, and,
+as ``HocclEngine``, the ``"host"`` calls on the host's hoccl communicator.  Its transfer
+methods mirror hoccl's API (members numbered from 0 in the level's group); ``issue``
+runs one ``Call`` of a plan on them."""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar, List, Optional, Tuple
+
+from ..bootstrap import Bootstrap
+from ..comm import Communicator
+from ..sched.hierarchical import Call, Topology
+
+__all__ = ["Setup", "InterHostEngine"]
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What ``InterHostEngine.connect`` builds from: every rank of ``bootstrap`` connects
+    at the same time (as ``hoccl.init`` does), after its host communicator ``host``."""
+
+    call: str                  #: the API call that connects (error messages start with it)
+    backend: str               #: hoccl's backend inside each host ("cuda", "host")
+    bootstrap: Bootstrap       #: the whole world's
+    topology: Topology
+    device: Optional[int]      #: this rank's GPU (None on the host backend)
+    mpi_comm: Any              #: ``hoccl.init``'s ``mpi_comm=``
+    host: Communicator       #: this rank's host communicator
+    #: builds a hoccl communicator over a sub-bootstrap, as the host's was built
+    connect_host: Callable[[Bootstrap, Optional[int]], Communicator]
+
+
+class InterHostEngine(abc.ABC):
+    """One level's communicator of a hierarchical communicator.
+
+    ``name`` is the ``inter_host=`` value that picks the engine; ``check_world`` refuses a
+    world it cannot serve; ``connect`` builds this rank's rail engine and world engine.
+    ``label`` (an instance's) says in ``describe()`` which library runs it.  Buffers are
+    flat arrays of the caller's framework; ``stream`` is the caller's raw stream handle,
+    or None on the host backend.  An engine either enqueues its steps on ``stream``
+    (NCCL) or returns when each step is done (MPI); ``synchronize`` waits for what it
+    left in flight of its own (the caller's streams are the communicator's to wait on)."""
+
+    name: ClassVar[str]
+    label: str
+
+    @classmethod
+    def check_world(cls, call: str, backend: str, hostnames: List[str]) -> None:
+        """Raise ``InvalidArgumentError`` (starting with ``call``) when this engine cannot
+        connect these ranks (every rank's hostname) with this backend."""
+
+    @classmethod
+    @abc.abstractmethod
+    def connect(cls, setup: Setup) -> Tuple["InterHostEngine", "InterHostEngine"]:
+        """(this rank's rail engine, the world engine)."""
+
+    # -- transfers: hoccl's API, over the level's group -------------------------------
+    @abc.abstractmethod
+    def all_gather(self, send: Any, recv: Any, *, stream: Any = None) -> None: ...
+
+    @abc.abstractmethod
+    def reduce_scatter(self, send: Any, recv: Any, op: str, *, stream: Any = None) -> None: ...
+
+    @abc.abstractmethod
+    def all_reduce(self, send: Any, recv: Any, op: str, *, stream: Any = None) -> None: ...
+
+    @abc.abstractmethod
+    def all_to_all(self, send: Any, recv: Any, *, stream: Any = None) -> None: ...
+
+    @abc.abstractmethod
+    def broadcast(self, send: Any, recv: Any, root: int, *, stream: Any = None) -> None: ...
+
+    @abc.abstractmethod
+    def reduce(self, send: Any, recv: Any, root: int, op: str, *,
+               stream: Any = None) -> None: ...
+
+    @abc.abstractmethod
+    def gather(self, send: Any, recv: Any, root: int, *, stream: Any = None) -> None: ...
+
+    @abc.abstractmethod
+    def scatter(self, send: Any, recv: Any, root: int, *, stream: Any = None) -> None: ...
+
+    @abc.abstractmethod
+    def send(self, buf: Any, peer: int, *, stream: Any = None) -> None: ...
+
+    @abc.abstractmethod
+    def recv(self, buf: Any, peer: int, *, stream: Any = None) -> None: ...
+
+    @abc.abstractmethod
+    def barrier(self, *, stream: Any = None) -> None: ...
+
+    # -- state ------------------------------------------------------------------------
+    def synchronize(self) -> None:
+        """Nothing of the engine's own is in flight: its steps returned when done, or are
+        on the caller's streams."""
+
+    @abc.abstractmethod
+    def abort(self, reason: str = "") -> None: ...
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+    def set_options(self, **changes: Any) -> None:
+        """hoccl's planning options: only hoccl's own communicators take them."""
+
+    def issue(self, call: Call, send: Any, recv: Any, stream: Optional[int]) -> None:
+        """One call of a plan's phase on this engine."""
+        s = call.shape
+        kind = s.collective
+        if kind == "sendrecv":
+            if send is not None:
+                self.send(send, s.peer, stream=stream)
+            else:
+                self.recv(recv, s.root, stream=stream)
+        elif kind == "barrier":
+            self.barrier(stream=stream)
+        elif kind in ("all_gather", "all_to_all"):
+            getattr(self, kind)(send, recv, stream=stream)
+        elif kind in ("reduce_scatter", "all_reduce"):
+            getattr(self, kind)(send, recv, s.op, stream=stream)
+        elif kind == "reduce":
+            self.reduce(send, recv, s.root, s.op, stream=stream)
+        else:
+            getattr(self, kind)(send, recv, s.root, stream=stream)

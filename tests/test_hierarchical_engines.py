@@ -1,0 +1,83 @@
+"""The seam between hosts: every engine implements ``InterHostEngine``, refuses the worlds
+it cannot serve, and a plan's calls reach its transfer methods with their arguments."""
+
+import inspect
+
+import pytest
+
+import hoccl
+from hoccl._hierarchy import ENGINES, INTER_HOST_ENGINES, InterHostEngine
+from hoccl._hierarchy.hoccl_engine import HocclEngine
+from hoccl.sched import Shape
+from hoccl.sched.hierarchical import Call
+
+TRANSFERS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast", "reduce",
+             "gather", "scatter", "send", "recv", "barrier")
+
+
+def test_every_engine_is_an_inter_host_engine_under_its_own_name():
+    assert INTER_HOST_ENGINES == ("nccl", "mpi", "hoccl") == tuple(ENGINES)
+    for name, engine in ENGINES.items():
+        assert issubclass(engine, InterHostEngine) and engine.name == name
+    assert sorted(InterHostEngine.__abstractmethods__) == sorted(
+        TRANSFERS + ("connect", "abort", "close"))
+
+
+def test_engines_refuse_the_worlds_they_cannot_serve():
+    with pytest.raises(hoccl.InvalidArgumentError, match=r"^init: inter_host='nccl' needs the "
+                                                         r"cuda backend; this world uses 'host'"):
+        ENGINES["nccl"].check_world("init", "host", ["a", "b"])
+    with pytest.raises(hoccl.InvalidArgumentError,
+                       match=r"^init: inter_host='hoccl' connects simulated hosts on one "
+                             r"machine; these ranks run on \['a', 'b'\]"):
+        ENGINES["hoccl"].check_world("init", "host", ["a", "a", "b", "b"])
+    ENGINES["hoccl"].check_world("init", "host", ["a", "a"])
+    ENGINES["mpi"].check_world("init", "host", ["a", "b"])
+    ENGINES["nccl"].check_world("init", "cuda", ["a", "b"])
+
+
+class Recorder:
+    """A communicator that records each call it is given."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getattr__(self, name):
+        def record(*args, **kwargs):
+            self.calls.append((name, args, kwargs))
+        return record
+
+
+@pytest.mark.parametrize("shape,expected", [
+    (Shape("all_gather", 4, 8), ("all_gather", ("S", "R"))),
+    (Shape("all_to_all", 4, 8), ("all_to_all", ("S", "R"))),
+    (Shape("reduce_scatter", 4, 8, op="max"), ("reduce_scatter", ("S", "R", "max"))),
+    (Shape("all_reduce", 4, 8, op="prod"), ("all_reduce", ("S", "R", "prod"))),
+    (Shape("reduce", 4, 8, op="min", root=3), ("reduce", ("S", "R", 3, "min"))),
+    (Shape("broadcast", 4, 8, root=2), ("broadcast", ("S", "R", 2))),
+    (Shape("gather", 4, 8, root=1), ("gather", ("S", "R", 1))),
+    (Shape("scatter", 4, 8, root=1), ("scatter", ("S", "R", 1))),
+    (Shape("barrier", 4, 0), ("barrier", ())),
+])
+def test_a_plan_call_reaches_the_transfer_method_with_its_arguments(shape, expected):
+    comm = Recorder()
+    HocclEngine(comm, "hoccl (host)").issue(Call(shape, None, None), "S", "R", 7)
+    assert comm.calls == [(*expected, {"stream": 7})]
+
+
+def test_a_send_and_a_receive_go_to_their_peers():
+    comm = Recorder()
+    engine = HocclEngine(comm, "hoccl (host)")
+    shape = Shape("sendrecv", 4, 8, root=1, peer=2)
+    engine.issue(Call(shape, None, None), "S", None, None)
+    engine.issue(Call(shape, None, None), None, "R", None)
+    assert comm.calls == [("send", ("S", 2), {"stream": None}),
+                          ("recv", ("R", 1), {"stream": None})]
+
+
+def test_the_transfers_take_the_arguments_of_hoccls_api():
+    for name in TRANSFERS:
+        ours = list(inspect.signature(getattr(InterHostEngine, name)).parameters)[1:]
+        api = list(inspect.signature(getattr(hoccl.Communicator, name)).parameters)[1:]
+        api = [{"sendbuf": "send", "recvbuf": "recv", "scale": None}.get(p, p) for p in api]
+        assert ours == [p for p in api if p is not None], name
