@@ -2,9 +2,9 @@
 
 Run: ``mpirun -np 2 python tools/driver_profile.py -m hoccl.bench.train --shapes comm ...``
 (or ``tools/driver_profile.py script.py args``).  Wraps hoccl's checked driver gateway
-(``hoccl.backends.cuda._call``) to add up, per driver function, the calls and the host
-time inside them, then runs the program; at exit each rank prints its table, the
-functions with the most time first.  A driver call that waits (for room in a stream's
+(``hoccl.backends._cuda_driver._call``, in every module of the cuda backend that calls
+it) to add up, per driver function, the calls and the host time inside them, then runs
+the program; at exit each rank prints its table, the functions with the most time first.  A driver call that waits (for room in a stream's
 queue, for the GPU, for a lock) shows here as time far above its usual few µs.
 """
 
@@ -18,9 +18,9 @@ import time
 def main() -> None:
     if len(sys.argv) < 2:
         sys.exit(__doc__)
-    from hoccl.backends import cuda
+    from hoccl.backends import _cuda_driver, _cuda_kernels, _cuda_memory, cuda
     totals: dict = {}
-    original = cuda._call
+    original = _cuda_driver._call
 
     def timed(function, *args):
         start = time.perf_counter()
@@ -31,7 +31,8 @@ def main() -> None:
             count, seconds, worst = totals.get(name, (0, 0.0, 0.0))
             spent = time.perf_counter() - start
             totals[name] = (count + 1, seconds + spent, max(worst, spent))
-    cuda._call = timed
+    for module in (_cuda_driver, _cuda_kernels, _cuda_memory, cuda):
+        module._call = timed
 
     def report() -> None:
         rank = os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("RANK", "0"))
