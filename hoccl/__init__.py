@@ -19,7 +19,8 @@ from . import _build
 from . import _validate as check
 from ._build import DEFAULT_TIMEOUT, Settings, default_copy_sms
 from ._errors import (AbortedError, DivergedError, DriverError, HocclError, HocclTimeoutError,
-                      InvalidArgumentError, MismatchError, PeerDeadError, PlanError)
+                      InvalidArgumentError, MismatchError, PeerClosedError, PeerDeadError,
+                      PlanError)
 from ._validate import ReduceOp
 from .backends import cuda_device_count, pick_backend
 from ._hierarchy import INTER_HOST_ENGINES, HierarchicalCommunicator, host_topology
@@ -30,7 +31,7 @@ from ._windows import Window, empty
 __all__ = ["init", "init_local", "split_local", "Communicator", "HierarchicalCommunicator",
            "ReduceOp", "group", "group_start", "group_end", "Bootstrap", "HocclError",
            "InvalidArgumentError", "PlanError", "HocclTimeoutError", "AbortedError", "DriverError", "MismatchError",
-           "PeerDeadError", "DivergedError", "Window", "empty",
+           "PeerDeadError", "PeerClosedError", "DivergedError", "Window", "empty",
            "DEFAULT_TIMEOUT", "default_copy_sms"]
 
 __version__ = "0.1.0"

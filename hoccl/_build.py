@@ -108,8 +108,7 @@ def connect_local(shares: Sequence[DeviceShare], settings: Settings, owns_device
                for rank, share in enumerate(shares)]
     for engine in engines:
         engine.pad.connect([other.pad.address for other in engines])
-    monitors = [Health(engine, settings.timeout, group.siblings, group.forget_calls)
-                for engine in engines]
+    monitors = [Health(engine, settings.timeout, group) for engine in engines]
     group.monitors = monitors
     return [Communicator(engine=engine, group=group, health=health)
             for engine, health in zip(engines, monitors)]
@@ -161,8 +160,7 @@ def connect_process(call: str, backend: str, bootstrap: Bootstrap, device: Optio
                                        f"of one host (one NVLink domain)")
         pads.append(engine.pad.address if rank == group.rank else handle.import_(pad))
     engine.pad.connect(pads)
-    health = Health(engine, settings.timeout, group.siblings, group.forget_calls,
-                    peers_alive=group.dead_peer)
+    health = Health(engine, settings.timeout, group)
     comm = Communicator(engine=engine, group=group, health=health)
     bootstrap.barrier()
     log.info("%s: rank %d/%d backend %s device %s", call, group.rank, world_size, backend,

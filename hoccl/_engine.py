@@ -1051,13 +1051,16 @@ class Engine:
         self._fast.clear()
         self.windows.clear()
 
-    def leave_device(self, leak: bool) -> None:
+    def leave_device(self, leak: bool, peers_done: bool = False) -> None:
         """Once no peer's lane can write into this rank's memory any more: free this rank's
         pad and scratch, and close the device if no other communicator uses it (with
-        ``leak``, keep everything; the 8-byte host word stays until the device closes)."""
+        ``leak``, keep everything; the 8-byte host word stays until the device closes).
+        ``peers_done``: every peer has closed too (or its process is gone), so nobody can
+        write into the pad, not even an abort's poison: it may be reused (``free_pad``)."""
         if not leak:
             self.device.activate()
-            for address in self._retired + self._kept + [self._scratch[0], self.pad.address]:
+            self.device.free_pad(self.pad.address, peers_done)
+            for address in self._retired + self._kept + [self._scratch[0]]:
                 if address is not None:
                     self.device.free(address)
             self._retired, self._kept, self._scratch = [], [], (None, 0)

@@ -5,7 +5,8 @@ expected and what was given (or seen), so that a log line alone is enough to act
 """
 
 __all__ = ["HocclError", "InvalidArgumentError", "PlanError", "HocclTimeoutError",
-           "AbortedError", "DriverError", "MismatchError", "DivergedError", "PeerDeadError"]
+           "AbortedError", "DriverError", "MismatchError", "DivergedError", "PeerDeadError",
+           "PeerClosedError"]
 
 
 class HocclError(RuntimeError):
@@ -43,4 +44,12 @@ class DivergedError(MismatchError):
 
 
 class PeerDeadError(AbortedError):
-    """A rank waited for a peer whose process has exited."""
+    """A rank waited for a peer that has left the communicator for good: its process has
+    exited (or, ``PeerClosedError``, it closed the communicator).  The communicator is
+    aborted; later calls raise the same error."""
+
+
+class PeerClosedError(PeerDeadError):
+    """A rank waited for a call that a peer will never make: the peer closed the
+    communicator (its process may still run).  A ``PeerDeadError``, so that code which
+    handles a lost peer handles both."""

@@ -12,13 +12,17 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable, List, Optional
+from typing import TYPE_CHECKING, Callable, List, Optional
 
 from ._engine import Call, Engine
-from ._errors import AbortedError, HocclError, HocclTimeoutError, PeerDeadError
+from ._errors import (AbortedError, DivergedError, HocclError, HocclTimeoutError,
+                      PeerClosedError, PeerDeadError)
 from .backends._base import DIRECT_VALUE_BITS
 from .sched.algorithms import KERNEL_MAX_BLOCKS
 from .sched.plan import Wait
+
+if TYPE_CHECKING:
+    from .bootstrap import Group
 
 __all__ = ["Health"]
 
@@ -27,28 +31,29 @@ log = logging.getLogger("hoccl")
 #: how long a wait goes on after a peer's process is seen gone, before it gives up
 #: (``Health._outlasts_grace``)
 _DEAD_PEER_GRACE = 1.0
+#: how long a rank that finds a peer's abort value in its pad waits for the peer's word of
+#: why (``Group.peer_abort``: told before the poison, so it is normally there at once)
+_ABORT_NOTICE_WAIT = 0.5
 
 
 class Health:
-    """One rank's monitor.  ``siblings()`` gives the monitors of the other ranks of this
-    process (``init_local``): an abort of one rank is an abort of all of them.
+    """One rank's monitor, over its engine and its group (``group.siblings``: the monitors
+    of the other ranks of this process, ``init_local``: an abort of one rank is an abort
+    of all of them; the group also tells of peers that died, closed or aborted).
     ``children`` are the monitors of communicators split from this one: they share its
     device, and an abort of this rank is an abort of them (and of theirs) too; an abort
     of a child leaves its parent alone."""
 
-    def __init__(self, engine: Engine, timeout: float,
-                 siblings: Callable[["Health"], List["Health"]],
-                 forget_calls: Callable[[], None],
-                 peers_alive: Callable[[], Optional[str]] = lambda: None):
+    def __init__(self, engine: Engine, timeout: float, group: "Group"):
         self.engine = engine
         self.timeout = timeout
-        self._siblings = siblings
-        self._forget_calls = forget_calls
-        self._peers_alive = peers_alive
+        self._group = group
         self._watchdog: Optional[threading.Thread] = None
         self._pump: Optional[threading.Thread] = None  # re-poisons after an abort
         self._stop = threading.Event()
-        self._peer_death: Optional[str] = None  # why, when a dead peer's process aborted it
+        self._peer_death: Optional[str] = None  # why, when a lost peer aborted it
+        #: a peer's divergence that aborted this rank, not yet raised (``aborted_error``)
+        self._peer_divergence: Optional[str] = None
         self.children: List["Health"] = []
         self._parent: Optional["Health"] = None
 
@@ -95,19 +100,26 @@ class Health:
             raise error
 
     def _check_peers(self, call: str, grace: float) -> None:
-        """While this rank waits for its calls: abort and raise PeerDeadError if a peer's
+        """While this rank waits for its calls: abort and raise PeerClosedError if a peer
+        closed the communicator without making one of them, PeerDeadError if a peer's
         process has exited and the calls do not finish within ``grace`` seconds."""
-        gone = self._peers_alive()
+        engine = self.engine
+        if engine.aborted:
+            if self._peer_death is not None:  # the watchdog saw it first
+                raise engine.abort_error(self._aborted_message(call))
+            return
+        closed = self._group.closed_peer(engine.unfinished())
+        if closed is not None:
+            reason = f"{call}: rank {self.rank} waited for {closed}"
+            self._abort_for_lost_peer(reason, PeerClosedError)
+            raise PeerClosedError(reason)
+        gone = self._group.dead_peer()
         if gone is None:
             return
         reason = f"{call}: rank {self.rank} waited for {gone}"
-        if self.engine.aborted:
-            if self._peer_death is not None:  # the watchdog saw it first
-                raise PeerDeadError(reason)
-            return
-        target = self.engine.calls
-        if self._outlasts_grace(lambda: self.engine.completed < target, grace):
-            self._abort_for_dead_peer(reason)
+        target = engine.calls
+        if self._outlasts_grace(lambda: engine.completed < target, grace):
+            self._abort_for_lost_peer(reason, PeerDeadError)
             raise PeerDeadError(reason)
 
     def _outlasts_grace(self, waiting: Callable[[], bool], grace: float) -> bool:
@@ -123,23 +135,61 @@ class Health:
                 return False
         return False
 
-    def _abort_for_dead_peer(self, reason: str) -> None:
-        self._peer_death = reason
-        self.engine.abort_error = PeerDeadError
+    def abort_for_lost_peer(self, reason: str, error: type) -> None:
+        """Abort because a peer is gone for good (``error``: PeerDeadError, or
+        PeerClosedError): later calls raise ``error`` too."""
+        self._abort_for_lost_peer(reason, error)
+
+    def _abort_for_lost_peer(self, reason: str, error: type) -> None:
+        with self.engine.lock:
+            if self.engine.aborted or self.engine.closed:
+                return
+            self._peer_death = reason
+            self.engine.abort_error = error
         self.abort(reason)
 
     def check(self, call: str) -> None:
-        """Raise AbortedError if the device failed, this rank was aborted, or a peer was."""
+        """Raise AbortedError if the device failed, this rank was aborted, or a peer was
+        (DivergedError when the peer's calls had diverged)."""
         engine = self.engine
         failure = engine.device.failure()
         if failure and not engine.aborted:
             self.abort(f"{call}: rank {self.rank}: device work failed: {failure}")
+        if not engine.aborted:
+            poisoned = engine.pad.aborted_by()
+            if poisoned is not None:
+                self._abort_for_peer(poisoned, "")
         if engine.aborted:
-            raise engine.abort_error(self._aborted_message(call))
-        poisoned = engine.pad.aborted_by()
-        if poisoned is not None:
-            self.abort(f"rank {poisoned} aborted the communicator")
-            raise AbortedError(self._aborted_message(call))
+            raise self.aborted_error(call)
+
+    def aborted_error(self, call: str) -> HocclError:
+        """The error a call on this aborted rank raises: DivergedError the first time after
+        a peer aborted on finding that the ranks' calls diverged (as that peer raised
+        itself), else the engine's ``abort_error`` (AbortedError, or the error of a lost
+        peer), naming ``call`` and the reason."""
+        with self.engine.lock:
+            divergence, self._peer_divergence = self._peer_divergence, None
+        if divergence is not None:
+            return DivergedError(f"{call}: rank {self.rank} was aborted by {divergence}")
+        return self.engine.abort_error(self._aborted_message(call))
+
+    def _abort_for_peer(self, peer: int, head: str) -> None:
+        """Abort because ``peer``'s abort value is in this rank's pad, with the peer's
+        reason when it has told it (``Group.peer_abort``)."""
+        notice = self._group.peer_abort(peer)
+        until = time.monotonic() + (_ABORT_NOTICE_WAIT if self._group.exported else 0.0)
+        while notice is None and time.monotonic() < until and not self.engine.aborted:
+            time.sleep(0.005)
+            notice = self._group.peer_abort(peer)
+        why = f": {notice.reason}" if notice is not None and notice.reason else ""
+        reason = f"{head}rank {peer} aborted the communicator{why}"
+        with self.engine.lock:
+            if self.engine.aborted or self.engine.closed:
+                return
+            if notice is not None and notice.kind == "diverged":
+                self._peer_divergence = (f"rank {peer}, whose calls diverged from this "
+                                         f"rank's{why}")
+        self.abort(reason)
 
     def _aborted_message(self, call: str) -> str:
         reason = self.engine.abort_reason
@@ -148,15 +198,22 @@ class Health:
         return f"{call}: the communicator was aborted: {reason}"
 
     # -- abort ------------------------------------------------------------------------------
-    def abort(self, reason: str) -> None:
+    def abort(self, reason: str, kind: str = "aborted") -> None:
         """Mark this rank and its siblings aborted (siblings first, so a thread that sees
-        this rank aborted finds them aborted too), then release every wait."""
+        this rank aborted finds them aborted too), then release every wait, having told
+        the peers why (``kind``: "diverged" when the ranks' calls diverged, so that the
+        peers raise DivergedError too, else "aborted")."""
         marked = [health for health in self._sharing_abort()
                   if health.engine.mark_aborted(reason)]
         for health in marked:
+            try:
+                health._group.announce(kind, reason)
+            except HocclError as error:
+                log.warning("rank %d abort: could not tell the peers why: %s", health.rank,
+                            error)
             health._release_waits()
         for health in marked:
-            health._forget_calls()
+            health._group.forget_calls()
 
     def _sharing_abort(self) -> List["Health"]:
         """Siblings first, then this rank, then every child of any of them (and the
@@ -165,7 +222,7 @@ class Health:
         waiting = [self]
         while waiting:
             health = waiting.pop(0)
-            for member in health._siblings(health) + [health]:
+            for member in health._group.siblings(health) + [health]:
                 if not any(member is seen for seen in found):
                     found.append(member)
                     waiting.extend(member.children)
@@ -274,11 +331,18 @@ class Health:
             try:
                 engine.device.activate()
                 oldest = pending[0]
-                gone = self._peers_alive()
+                closed = self._group.closed_peer(pending)
+                if closed is not None:
+                    self._abort_for_lost_peer(f"watchdog: rank {self.rank}'s {oldest.name} "
+                                              f"(call {oldest.value}) waits for {closed}",
+                                              PeerClosedError)
+                    return
+                gone = self._group.dead_peer()
                 if gone is not None:
                     if self._outlasts_grace(lambda: bool(engine.unfinished()), _DEAD_PEER_GRACE):
-                        self._abort_for_dead_peer(f"watchdog: rank {self.rank}'s {oldest.name} "
-                                                  f"(call {oldest.value}) waits for {gone}")
+                        self._abort_for_lost_peer(f"watchdog: rank {self.rank}'s {oldest.name} "
+                                                  f"(call {oldest.value}) waits for {gone}",
+                                                  PeerDeadError)
                         return
                     continue
                 failure = engine.device.failure()
@@ -288,8 +352,8 @@ class Health:
                 # a peer's abort first: its poison would read as signals that arrived
                 peer = engine.pad.aborted_by()
                 if peer is not None:
-                    self.abort(f"watchdog: rank {self.rank}'s {oldest.name} (call {oldest.value}): "
-                               f"rank {peer} aborted the communicator")
+                    self._abort_for_peer(peer, f"watchdog: rank {self.rank}'s {oldest.name} "
+                                               f"(call {oldest.value}): ")
                     return
                 # measured from issue, not from the call: with init_local a call may wait
                 # for the other ranks' calls for as long as the user likes

@@ -21,6 +21,14 @@ is done with it — on weakly ordered CPUs (aarch64) as on x86.  No process ever
 sem_wait: waits poll sem_trywait (``wait_until``), so they can time out and notice a dead
 peer.
 
+After the rings, a segment holds its rank's two *notices*, told once each to every peer
+out of band of the calls' messages: why the rank aborted (``Notice``: a divergence, or
+any other reason), and that it closed (with how many calls it had made).  A notice is
+written into the owner's segment, then a semaphore per reader is posted, so that a
+reader which takes its semaphore reads the whole notice (as a ring's message).  A peer
+whose waits were released by an abort's poison learns from the first why; a peer waiting
+for a call learns from the second that it will never come.
+
 A message costs a pickle, two memory copies and four semaphore calls (microseconds)
 instead of a round trip through the bootstrap, which is used only to agree on the
 segments' names and the ranks' processes (through the ``allgather`` and ``barrier``
@@ -36,13 +44,16 @@ import os
 import pickle
 import socket
 import struct
+import threading
 import time
 import uuid
-from typing import Any, Callable, Iterable, List, NamedTuple, Optional
+from typing import Any, Callable, Dict, Iterable, List, NamedTuple, Optional, Tuple
 
-from ._errors import HocclError, HocclTimeoutError, InvalidArgumentError, PeerDeadError
+from ._errors import (HocclError, HocclTimeoutError, InvalidArgumentError, PeerClosedError,
+                      PeerDeadError)
 
-__all__ = ["Mailboxes", "MESSAGE_BYTES", "SLOTS", "SLOT_BYTES", "wait_until"]
+__all__ = ["Mailboxes", "Notice", "MESSAGE_BYTES", "NOTICE_BYTES", "SLOTS", "SLOT_BYTES",
+           "made_call", "wait_until"]
 
 SLOTS = 64
 SLOT_BYTES = 16 << 10
@@ -54,6 +65,9 @@ _SEMAPHORE_BYTES = 64
 _HEADER = 2 * _SEMAPHORE_BYTES  # filled, free
 _RING = _HEADER + SLOTS * SLOT_BYTES
 _CHECK_PERIOD = 0.05  # seconds between two ``check`` calls of a waiting ``wait_until``
+NOTICE_BYTES = 4 << 10  # the largest pickled notice
+_NOTICE_KINDS = ("abort", "close")  # a segment's notices, in the order they lie in it
+_REASON_CHARS = 2000  # an abort's reason is cut to this many characters in its notice
 
 # sem_* live in libc (glibc 2.34 on) or in libpthread, which CPython links before that.
 _LIBC = ctypes.CDLL(None, use_errno=True)
@@ -157,16 +171,47 @@ class _Process(NamedTuple):
         return _start_time(self.pid) == self.start
 
 
+class Notice(NamedTuple):
+    """What a rank tells its peers once (``Mailboxes.announce``).  An abort's: ``kind``
+    "diverged" (its calls diverged from a peer's: ``DivergedError``) or "aborted" (any
+    other reason), and ``reason``.  A close's: ``kind`` "closed" and ``made``, how many
+    calls of each sequence the rank had made (``made_call``), or None if it had been
+    aborted."""
+    kind: str
+    reason: str = ""
+    made: Any = None
+
+
+def made_call(key: tuple, made: Tuple[int, Dict[tuple, int]]) -> bool:
+    """Whether a rank that had made ``made`` (collectives, calls per (sender, receiver)
+    pair) had made the call of ``key`` (``("coll", n)`` or ``("pair", s, r, n)``)."""
+    if key[0] == "coll":
+        return key[1] < made[0]
+    return key[-1] < made[1].get(tuple(key[1:-1]), 0)
+
+
 class Mailboxes:
     """This rank's view of every rank's mailbox segment, and of every rank's process."""
 
     def __init__(self, rank: int, world_size: int, allgather: Callable[[Any], List[Any]],
-                 barrier: Callable[[], None], *, call: str = "init"):
+                 barrier: Callable[[], None], *, call: str = "init",
+                 on_lost: Callable[[str], None] = lambda gone: None):
         self.rank, self.world_size = rank, world_size
         self._maps: List[mmap.mmap] = []
         self._incoming: List[_Ring] = []  # in this rank's segment, by sender
         self._outgoing: List[_Ring] = []  # in each peer's segment, written by this rank
-        nbytes = _RING * world_size
+        #: where each notice lies in a segment: its readers' semaphores, then its length
+        #: and bytes
+        self._notice_at = [_RING * world_size + index * _notice_bytes(world_size)
+                           for index in range(len(_NOTICE_KINDS))]
+        nbytes = _RING * world_size + len(_NOTICE_KINDS) * _notice_bytes(world_size)
+        #: per notice, the peers' notices taken so far (``notice``) and whether this rank
+        #: has told its own (``announce``)
+        self._notices: List[List[Optional[Notice]]] = [[None] * world_size
+                                                       for _ in _NOTICE_KINDS]
+        self._announced = [False] * len(_NOTICE_KINDS)
+        self._notice_lock = threading.Lock()
+        self._on_lost, self._lost = on_lost, False
         name = f"/dev/shm/hoccl-{uuid.uuid4().hex}-{rank}"
         own = _map(name, nbytes, call, create=True)
         try:
@@ -175,6 +220,9 @@ class Mailboxes:
             for ring in self._incoming:
                 ring.filled.initialize(0, call)
                 ring.free.initialize(SLOTS, call)
+            for reader in range(world_size):
+                for kind in range(len(_NOTICE_KINDS)):
+                    self._notice_semaphore(own, base, rank, kind, reader).initialize(0, call)
             me = _Process.this()
             everyone = allgather((name, me))
             self.processes: List[_Process] = [_Process(*process) for _, process in everyone]
@@ -195,6 +243,64 @@ class Mailboxes:
         # container may have its own) and with /proc to read.
         self._watched = [process.start is not None and me.namespace is not None
                          and process.namespace == me.namespace for process in self.processes]
+
+    # -- notices ----------------------------------------------------------------------------
+    def _notice_semaphore(self, mapped: mmap.mmap, base: int, owner: int, kind: int,
+                          reader: int) -> _Semaphore:
+        """The semaphore that tells ``reader`` notice ``kind`` of ``owner``'s segment."""
+        return _Semaphore(base + self._notice_at[kind] + reader * _SEMAPHORE_BYTES,
+                          f"rank {reader}'s {_NOTICE_KINDS[kind]} notice in rank {owner}'s "
+                          f"mailbox")
+
+    def announce(self, notice: Notice) -> bool:
+        """Tell every peer ``notice`` (an abort's or a close's, by its kind), unless this
+        rank told that notice already (the first stays) or has closed its mailboxes.
+        Never waits; False if nothing was told."""
+        kind = 1 if notice.kind == "closed" else 0
+        notice = notice._replace(reason=notice.reason[:_REASON_CHARS])
+        data = pickle.dumps(tuple(notice), protocol=pickle.HIGHEST_PROTOCOL)
+        if len(data) > NOTICE_BYTES:  # many pair sequences: their counts do not fit
+            data = pickle.dumps(tuple(notice._replace(made=None)),
+                                protocol=pickle.HIGHEST_PROTOCOL)
+        with self._notice_lock:
+            if self._announced[kind] or not self._maps:
+                return False
+            self._announced[kind] = True
+            own = self._maps[self.rank]
+            at = self._notice_at[kind] + self.world_size * _SEMAPHORE_BYTES
+            _LENGTH.pack_into(own, at, len(data))
+            own[at + _LENGTH.size:at + _LENGTH.size + len(data)] = data
+            base = _address(own)
+            for reader in range(self.world_size):
+                if reader != self.rank:
+                    self._notice_semaphore(own, base, self.rank, kind, reader).post("announce")
+        return True
+
+    def notice(self, peer: int, kind: str) -> Optional[Notice]:
+        """``peer``'s notice of ``kind`` ("abort" or "close") if it has told it (and this
+        rank's mailboxes are open); never waits."""
+        index = _NOTICE_KINDS.index(kind)
+        with self._notice_lock:
+            known = self._notices[index][peer]
+            if known is not None or peer == self.rank or not self._maps:
+                return known
+            mapped = self._maps[peer]
+            if not self._notice_semaphore(mapped, _address(mapped), peer, index,
+                                          self.rank).take("notice"):
+                return None
+            at = self._notice_at[index] + self.world_size * _SEMAPHORE_BYTES
+            (length,) = _LENGTH.unpack_from(mapped, at)
+            known = Notice(*pickle.loads(mapped[at + _LENGTH.size:at + _LENGTH.size + length]))
+            self._notices[index][peer] = known
+            return known
+
+    def closed(self, peers: Iterable[int]) -> Optional[str]:
+        """The first of ``peers`` that has closed its communicator, said as "rank 2, which
+        closed the communicator"; None while none has."""
+        for peer in peers:
+            if self.notice(peer, "close") is not None:
+                return f"rank {peer}, which closed the communicator"
+        return None
 
     def send(self, peer: int, message: Any, deadline: float, call: str) -> None:
         """Copy ``message`` into ``peer``'s mailbox, waiting (until ``deadline``) while its
@@ -237,20 +343,33 @@ class Mailboxes:
         return not self._watched[peer] or self.processes[peer].alive()
 
     def dead(self, peers: Iterable[int]) -> Optional[str]:
-        """The first of ``peers`` whose process has exited, said as "rank 2, whose process
-        (pid 1234 on host h) has exited"; None while they all run."""
+        """The first of ``peers`` whose process has exited without closing its
+        communicator, said as "rank 2, whose process (pid 1234 on host h) has exited";
+        None while they all run (or left after closing).  The first such peer found is
+        told to ``on_lost``."""
         for peer in peers:
-            if not self.alive(peer):
+            if not self.alive(peer) and self.notice(peer, "close") is None:
                 process = self.processes[peer]
-                return (f"rank {peer}, whose process (pid {process.pid} on host "
+                gone = (f"rank {peer}, whose process (pid {process.pid} on host "
                         f"{process.host}) has exited")
+                if not self._lost:
+                    self._lost = True
+                    self._on_lost(gone)
+                return gone
         return None
 
     def check_alive(self, peers: Iterable[int], call: str) -> None:
-        """Raise PeerDeadError if one of ``peers`` has exited (the check of a wait for them)."""
+        """Raise PeerDeadError if one of ``peers`` has exited, PeerClosedError if one has
+        closed its communicator (the check of a wait for a message from them, or for room
+        in their rings)."""
+        peers = list(peers)
         gone = self.dead(peers)
         if gone is not None:
             raise PeerDeadError(f"{call}: rank {self.rank} waited for {gone}")
+        closed = self.closed(peers)
+        if closed is not None:
+            raise PeerClosedError(f"{call}: rank {self.rank} waited for {closed}: the call "
+                                  f"will never come")
 
     def _ring(self, rings: List[_Ring], peer: int, call: str) -> _Ring:
         if not 0 <= peer < len(rings):
@@ -260,12 +379,14 @@ class Mailboxes:
         return rings[peer]
 
     def close(self) -> None:
-        """Unmap every segment; twice is harmless.  The semaphores of this rank's segment
+        """Unmap every segment; twice is harmless.  The semaphores of this rank's rings
         are destroyed first: no process ever blocks on them, so no waiter is stranded, and
         glibc's sem_destroy releases nothing, so a peer still polling them touches memory
-        its own mapping keeps."""
+        its own mapping keeps.  The notices' semaphores are left as they are: a peer may
+        take them after this rank has gone (its mapping keeps the memory)."""
         incoming, self._incoming, self._outgoing = self._incoming, [], []
-        maps, self._maps = self._maps, []
+        with self._notice_lock:
+            maps, self._maps = self._maps, []
         for ring in incoming:
             ring.filled.destroy("close")
             ring.free.destroy("close")
@@ -278,20 +399,33 @@ def wait_until(ready: Callable[[], bool], deadline: float, describe: Callable[[]
     """Poll ``ready()``: without sleeping for 2 ms (a peer usually answers within
     microseconds), then with sleeps backing off to 1 ms; HocclTimeoutError(``describe()``)
     after ``deadline``.  Every 50 ms of waiting, ``check()`` (which raises to end the wait:
-    a dead peer)."""
+    a dead peer, or one that closed); a wait that ``check`` ends looks at ``ready()`` once
+    more, as what it waited for (a closed peer's last message) may have come meanwhile."""
     start = time.monotonic()
     spin_until, check_at = start + 2e-3, start + _CHECK_PERIOD
     delay = 50e-6
     while not ready():
         now = time.monotonic()
         if check is not None and now >= check_at:
-            check()
+            try:
+                check()
+            except HocclError:
+                if ready():
+                    return
+                raise
             check_at = now + _CHECK_PERIOD
         if now > deadline:
             raise HocclTimeoutError(describe())
         if now > spin_until:
             time.sleep(delay)
             delay = min(delay * 2, 1e-3)
+
+
+def _notice_bytes(world_size: int) -> int:
+    """The bytes of one notice in a segment: a semaphore per reader, a length, the notice,
+    rounded up to whole cache lines (the next notice's semaphores stay aligned)."""
+    nbytes = world_size * _SEMAPHORE_BYTES + _LENGTH.size + NOTICE_BYTES
+    return -(-nbytes // _SEMAPHORE_BYTES) * _SEMAPHORE_BYTES
 
 
 def _map(name: str, nbytes: int, call: str, create: bool) -> mmap.mmap:

@@ -23,22 +23,26 @@ mpi4py communicator; ``hoccl.torch`` provides one over a torch.distributed Store
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
 import socket
+import sys
 import time
 from collections import deque
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Protocol, Sequence, Tuple
 
 from ._errors import DivergedError, InvalidArgumentError, MismatchError
-from ._mailbox import Mailboxes, wait_until
+from ._mailbox import Mailboxes, Notice, made_call, wait_until
 from ._windows import window_ref
 
 if TYPE_CHECKING:
     from ._engine import Call, Engine, PeerBuffer
     from ._health import Health
 
-__all__ = ["Group", "Bootstrap", "LocalGroup", "ProcessGroup", "MPIBootstrap"]
+__all__ = ["Group", "Bootstrap", "LocalGroup", "ProcessGroup", "MPIBootstrap", "end_of_job"]
+
+log = logging.getLogger("hoccl")
 
 _DESCRIPTIONS = 256  # call descriptions a process group remembers each way
 
@@ -49,7 +53,9 @@ class Bootstrap(Protocol):
     A bootstrap may also offer ``split(color, key)``: a bootstrap over the ranks of
     ``color`` ordered by (``key``, rank), or None for ``color=None``, made collectively by
     every rank (``MPIBootstrap`` does, with MPI_Comm_split); ``Communicator.split`` needs
-    it."""
+    it.  And ``peer_lost(description)``: a process group calls it once when it finds a
+    peer's process gone without having closed (``MPIBootstrap`` then aborts the MPI job
+    at exit, ``end_of_job``)."""
     rank: int
     world_size: int
 
@@ -94,6 +100,17 @@ class Group(Protocol):
 
     def dead_peer(self) -> Optional[str]:
         """A description of a peer whose process is gone, if one is."""
+
+    def closed_peer(self, calls: Sequence["Call"]) -> Optional[str]:
+        """A description of a participant of one of ``calls`` that closed the communicator
+        without making that call (it never will), if one did."""
+
+    def announce(self, kind: str, reason: str) -> None:
+        """This rank aborted (``kind``: "diverged" or "aborted", and why): tell the peers,
+        whose waits its poison releases, why."""
+
+    def peer_abort(self, peer: int) -> Optional[Notice]:
+        """Why ``peer`` aborted, if it has said (``announce``)."""
 
     def leave(self, engine: "Engine", leak: bool) -> None:
         """``engine``'s rank has closed its streams: free what can be freed."""
@@ -357,6 +374,22 @@ class LocalGroup:
     def dead_peer(self) -> Optional[str]:
         return None  # every rank lives in this process
 
+    def closed_peer(self, calls: Sequence["Call"]) -> Optional[str]:
+        """A rank closes once its calls have finished, and withdraws those still held: a
+        call is never issued with a participant that has closed, and a held one never
+        will be."""
+        for call in calls:
+            for rank in call.plan.participants:
+                if rank in self._closed and not call.issued:
+                    return f"rank {rank}, which closed the communicator"
+        return None
+
+    def announce(self, kind: str, reason: str) -> None:
+        """The ranks of this process share every abort, and its reason (``Health.abort``)."""
+
+    def peer_abort(self, peer: int) -> Optional[Notice]:
+        return None
+
     def register(self, engine: "Engine", buffer: Any, verdict: Optional[str]) -> Any:
         """A window of a rank whose peers live in this process: buffers travel by address,
         so nothing is exchanged and calls are matched as ever; the window is only
@@ -407,8 +440,8 @@ class LocalGroup:
         self._closed.add(engine.rank)
         self._leak = self._leak or leak
         if len(self._closed) == len(self.monitors):
-            for monitor in self.monitors:
-                monitor.engine.leave_device(self._leak)
+            for monitor in self.monitors:  # every writer of the pads has closed
+                monitor.engine.leave_device(self._leak, peers_done=True)
             self.forget_calls()
 
 
@@ -445,6 +478,39 @@ class MPIBootstrap:
                 self.mpi.Free()
             self.mpi = None
 
+    @staticmethod
+    def peer_lost(description: str) -> None:
+        """A peer's process exited without closing: MPI_Finalize would wait for it (MPICH
+        waits for ever, then crashes), so ``end_of_job`` aborts the MPI job instead."""
+        if not _LOST_MPI_PEERS:
+            log.warning("%s without closing the communicator: the MPI job will be aborted "
+                        "at exit", description)
+        _LOST_MPI_PEERS.append(description)
+
+
+#: the peers' processes that process groups over MPI found gone without closing
+_LOST_MPI_PEERS: List[str] = []
+
+
+def end_of_job() -> None:
+    """At interpreter exit, after hoccl's communicators are closed: if a peer's process was
+    lost (``MPIBootstrap.peer_lost``) and MPI is still running, abort the MPI job
+    (``MPI_Abort``, exit status 1): MPI_Finalize, which mpi4py runs after every Python
+    exit handler, would wait for the lost process.  The launcher then ends every rank."""
+    if not _LOST_MPI_PEERS:
+        return
+    MPI = getattr(sys.modules.get("mpi4py"), "MPI", None)
+    if MPI is None or not MPI.Is_initialized() or MPI.Is_finalized():
+        return
+    log.error("hoccl: aborting the MPI job at exit: %s without closing the communicator "
+              "(MPI_Finalize would wait for it)", _LOST_MPI_PEERS[0])
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    MPI.COMM_WORLD.Abort(1)
+
 
 class ProcessGroup:
     """One rank per process, on one host."""
@@ -459,7 +525,8 @@ class ProcessGroup:
         self.host = socket.gethostname()
         self.pid = os.getpid()
         self.mailboxes = Mailboxes(self.rank, self.world_size, bootstrap.allgather,
-                                   bootstrap.barrier)
+                                   bootstrap.barrier,
+                                   on_lost=getattr(bootstrap, "peer_lost", lambda gone: None))
         # the descriptions of calls lately sent (by signature: the shared buffers and the
         # bytes) and received (by bytes: the contents)
         self._sent: Dict[tuple, Tuple[Dict[str, "PeerBuffer"], bytes]] = {}
@@ -776,6 +843,27 @@ class ProcessGroup:
     def dead_peer(self) -> Optional[str]:
         return self.mailboxes.dead(peer for peer in range(self.world_size) if peer != self.rank)
 
+    def closed_peer(self, calls: Sequence["Call"]) -> Optional[str]:
+        """A peer that closed tells how many calls it had made (``leave``): every signal of
+        those had been written when it closed (its close waited for them), so only a
+        call it never made waits for it in vain."""
+        for call in calls:
+            for peer in call.plan.participants:
+                if peer == self.rank:
+                    continue
+                notice = self.mailboxes.notice(peer, "close")
+                if notice is not None and (notice.made is None
+                                           or not made_call(call.key, notice.made)):
+                    return (f"rank {peer}, which closed the communicator without making "
+                            f"this {call.name} (sequence {call.key[1:]}): it never will")
+        return None
+
+    def announce(self, kind: str, reason: str) -> None:
+        self.mailboxes.announce(Notice(kind, reason))
+
+    def peer_abort(self, peer: int) -> Optional[Notice]:
+        return self.mailboxes.notice(peer, "abort")
+
     def barrier(self) -> None:
         self.bootstrap.barrier()
 
@@ -784,6 +872,13 @@ class ProcessGroup:
         (or its parent) still uses it (keep them, with ``leak``), then the mailboxes and
         the bootstrap."""
         self._unchecked = [deque() for _ in range(self.world_size)]
-        engine.leave_device(leak)
+        # the peers still waiting for this rank learn that it is gone, and which of its
+        # calls they may still wait for (all of whose signals it has written)
+        self.mailboxes.announce(Notice("closed", made=None if engine.aborted else engine.made()))
+        # the last rank to close knows that no peer can write into its pad any more
+        peers_done = all(self.mailboxes.notice(peer, "close") is not None
+                         or not self.mailboxes.alive(peer)
+                         for peer in range(self.world_size) if peer != self.rank)
+        engine.leave_device(leak, peers_done=peers_done)
         self.mailboxes.close()
         self.bootstrap.close()

@@ -26,10 +26,10 @@ from . import _validate as check
 from ._buffers import Buffer, as_buffer
 from ._engine import Call, Engine
 from ._errors import (AbortedError, DivergedError, HocclError, HocclTimeoutError,
-                      InvalidArgumentError, MismatchError)
+                      InvalidArgumentError, MismatchError, PeerDeadError)
 from ._health import Health
 from ._windows import Window
-from .bootstrap import _ABORTED, Group, _describe
+from .bootstrap import _ABORTED, Group, _describe, end_of_job
 from .sched import Shape
 
 __all__ = ["Communicator", "group", "group_start", "group_end"]
@@ -334,10 +334,12 @@ class Communicator:
         held = self._engine.held()
         if held:
             call = held[0]
+            closed = self._group.closed_peer([call])
             raise HocclTimeoutError(
                 f"synchronize: rank {self.rank}'s {call.name} (call {call.key}) cannot run: "
-                f"ranks {self._group.waiting_for(call)} have not made the matching call yet; "
-                f"with init_local make every rank's call before synchronizing")
+                f"ranks {self._group.waiting_for(call)} have not made the matching call yet"
+                + (f" ({closed}: it never will)" if closed else
+                   "; with init_local make every rank's call before synchronizing"))
         with self._aborting_on_divergence():
             try:
                 self._health.synchronize(poll=self._group.check)
@@ -508,7 +510,7 @@ class Communicator:
         try:
             yield
         except DivergedError as error:
-            self._health.abort(str(error))
+            self._health.abort(str(error), kind="diverged")
             raise
 
     def _closing(self, wait: Any) -> None:
@@ -523,8 +525,7 @@ class Communicator:
         if self._engine.closed:
             raise InvalidArgumentError(f"{name}: the communicator is closed")
         if self._engine.aborted:
-            raise self._engine.abort_error(f"{name}: the communicator was aborted: "
-                                           f"{self._engine.abort_reason}")
+            raise self._health.aborted_error(name)
         if self._engine.error_word.value:  # a host read: no driver call
             self._diverged(name)
 
@@ -540,7 +541,7 @@ class Communicator:
         reason = (f"{name}: rank {self.rank} ran {what} as a direct kernel while a peer's kernel "
                   f"signalled from a call with other arguments: the ranks' sequences of calls "
                   f"differ, and that call's output was not written; {_ABORTED}")
-        self._health.abort(reason)
+        self._health.abort(reason, kind="diverged")
         raise DivergedError(reason)
 
     def _buffers(self, name: str, optional: Tuple[str, ...] = (),
@@ -649,7 +650,10 @@ class Communicator:
         reason = str(error)
         if not reason.startswith(calls[0].name + ":"):
             reason = f"{calls[0].name}: rank {self.rank}: {reason}"
-        self._health.abort(reason)
+        if isinstance(error, PeerDeadError):  # later calls say the peer is gone, too
+            self._health.abort_for_lost_peer(reason, type(error))
+        else:
+            self._health.abort(reason)
 
 
 # -- hoccl.group() ------------------------------------------------------------------------
@@ -727,11 +731,16 @@ _ABANDONED = (("abandoned", "the body of its hoccl.group() raised"),)
 
 @atexit.register
 def _close_at_exit() -> None:
-    """Interpreter exit: release whatever is still blocked, then close (never hang)."""
+    """Interpreter exit: release whatever is still blocked, then close (never hang); then,
+    if a peer's process was lost, abort the MPI job (``end_of_job``: mpi4py's MPI_Finalize,
+    which runs after every Python exit handler, would wait for that process)."""
     for comm in list(_OPEN):
         try:
             if comm._engine.unfinished() or comm._engine.held():
                 comm.abort("interpreter exit with unfinished work")
+            elif comm._group.dead_peer() is not None:  # a peer lost since the last call
+                comm.abort("interpreter exit with a peer's process gone")
             comm.close()
         except Exception as error:  # exit must go on
             log.warning("rank %d exit: %r", comm.rank, error)
+    end_of_job()

@@ -7,6 +7,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -97,7 +98,7 @@ SURVIVE_KILL = ["sh", "-c", '"$@"; exit 0', "sh"]
 @pytest.mark.mpi
 @pytest.mark.parametrize("scenario,survivors", [("mismatch", [0, 1]), ("dead", [0]),
                                                 ("absent", [0]), ("killed", [0]), ("early", [0]),
-                                                ("abort", [0, 1])])
+                                                ("closed", [0]), ("abort", [0, 1])])
 def test_failures_across_processes_raise_instead_of_hanging(scenario, survivors):
     _run_failure(scenario, survivors)
 
@@ -119,11 +120,37 @@ def _run_failure(scenario, survivors, *flags):
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("scenario,survivors", [("mismatch", [0, 1]), ("dead", [0]),
-                                                ("absent", [0]), ("abort", [0, 1])])
+                                                ("absent", [0]), ("closed", [0]),
+                                                ("abort", [0, 1])])
 def test_failures_of_direct_kernel_calls_raise_instead_of_hanging(scenario, survivors):
     """The same with every call a direct kernel (``kernel_bytes``): an abort's values in
     the pads' kernel slots release a kernel waiting for a peer that never comes."""
     _run_failure(scenario, survivors, "--kernel-bytes", str(1 << 20))
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("how", ["exit", "kill"])
+def test_a_program_that_loses_a_peer_and_ends_exits_promptly_with_an_error_status(how):
+    """run_lost_peer_exit.py: rank 1 dies, rank 0 catches PeerDeadError and falls off the
+    end of its script with its communicator open.  MPI_Finalize would wait for the dead
+    rank for ever (MPICH, then a crash in libmpi when killed): hoccl aborts the MPI job at
+    exit, so the job ends within seconds, with a non-zero status."""
+    mpiexec = _mpiexec()
+    command = [mpiexec, *keep_going_flags(mpiexec), "-n", "2",
+               *(SURVIVE_KILL if how == "kill" else []), sys.executable,
+               str(Path(__file__).parent / "mpi" / "run_lost_peer_exit.py"), how,
+               "--backend", "host"]
+    started = time.monotonic()
+    try:
+        result = subprocess.run(command, capture_output=True, text=True, timeout=60,
+                                env={**os.environ, **MPI_ENV}, start_new_session=True)
+    except subprocess.TimeoutExpired as expired:
+        pytest.fail(f"the job did not end within 60 s: {expired.stdout}{expired.stderr}")
+    took = time.monotonic() - started
+    output = result.stdout + result.stderr
+    assert "rank 0: caught PeerDeadError: all_reduce:" in output, output[-4000:]
+    assert result.returncode != 0 and took < 30, (result.returncode, took, output[-4000:])
+    assert "aborting the MPI job at exit" in output, output[-4000:]
 
 
 @pytest.mark.mpi
@@ -303,12 +330,14 @@ def test_repeated_calls_on_registered_buffers_go_the_short_path_and_stay_exact(r
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("scenario", ["silent", "count", "blocks", "collective", "repeat"])
+@pytest.mark.parametrize("scenario", ["silent", "count", "blocks", "collective", "late",
+                                      "repeat"])
 def test_direct_kernel_calls_go_without_messages_and_their_kernels_compare(scenario):
     """run_direct_divergence.py: once the peers' rings are known, direct calls of every
     kind send no message and are exact; ranks whose calls then differ (in count, in block
     count, in collective) are told by their kernels, and both raise DivergedError at
-    once with their outputs unwritten, instead of waiting for a timeout."""
+    once with their outputs unwritten, instead of waiting for a timeout; a rank whose
+    wait the other's abort released first (``late``) learns the divergence from it."""
     returncode, output = _run_program(2, "run_direct_divergence.py", scenario, "--backend",
                                       "host")
     # the two processes' lines may run together in the captured output: count verdicts

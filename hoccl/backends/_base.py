@@ -198,6 +198,13 @@ class Device(abc.ABC):
     def alloc_pad(self, slots: int) -> int:
         """A zeroed array of ``slots`` 64-bit signal slots in device memory; peers map it."""
 
+    def free_pad(self, address: int, writers_done: bool) -> None:
+        """This rank is done with the pad at ``address`` (from ``alloc_pad``).
+        ``writers_done``: no peer can write into it any more either (``Engine.leave_device``
+        says when); without it a backend whose peers write by raw address must keep the
+        pad.  The default frees it (a peer's mapping of device memory keeps it alive)."""
+        self.free(address)
+
     @abc.abstractmethod
     def alloc_host_word(self) -> HostWord:
         """A zeroed 64-bit counter in host memory that this device can write."""

@@ -126,9 +126,61 @@ def _check_order(address: Any, value: int) -> None:
 
 
 _ABANDONED: List[Dict[int, np.ndarray]] = []  # memory of devices closed with stuck work
-#: signal pads, never freed: a peer that aborts after this rank closed still pokes its
-#: poison into the pad (from its process), which must not land in reused memory
-_PADS: List[np.ndarray] = []
+
+
+class _PadPool:
+    """Every signal pad of the process, handed out or free for reuse.
+
+    Peers write into a pad by its raw address: a signal from a peer's lane, a direct
+    kernel's, and the poison of a peer's abort, which the abort's pump writes again every
+    50 ms until that peer closes, from its own process (``process_vm_writev``) or from
+    this one.  A write into memory handed to something else corrupts it (the host
+    backend's first pump wrote into a closed rank's freed pad, and the heap corruption
+    showed in the next communicator's allocation); one into a reused pad reads as an
+    abort of the communicator that has it.  So a pad is reused only once no writer is
+    left: every rank that could write into it has closed (its lanes stopped, its pump
+    stopped, and a closed rank never aborts again) or its process is gone
+    (``Engine.leave_device``).  Until then, and when that cannot be known, it is kept
+    for the life of the process.  Free pads are kept by size, at most ``FREE`` of each:
+    a program that makes groups often reuses the same few, and its memory stays flat."""
+
+    FREE = 64
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._used: Dict[int, np.ndarray] = {}  # by address
+        self._free: Dict[int, List[np.ndarray]] = {}  # by slots
+
+    def take(self, slots: int) -> int:
+        with self._lock:
+            free = self._free.get(slots)
+            array = free.pop() if free else None
+        if array is None:
+            array = np.zeros(slots, dtype=np.uint64)
+        else:
+            array[...] = 0
+        with self._lock:
+            self._used[array.ctypes.data] = array
+        return array.ctypes.data
+
+    def give_back(self, address: int, writers_done: bool) -> None:
+        """Reuse the pad at ``address`` if ``writers_done``, else keep it for good."""
+        if not writers_done:
+            return
+        with self._lock:
+            array = self._used.pop(address, None)
+            if array is not None:
+                free = self._free.setdefault(len(array), [])
+                if len(free) < self.FREE:
+                    free.append(array)
+
+    def counts(self) -> Tuple[int, int]:
+        """(pads handed out or kept, free pads)."""
+        with self._lock:
+            return len(self._used), sum(len(free) for free in self._free.values())
+
+
+_PADS = _PadPool()
 
 
 class _Aborted(Exception):
@@ -302,9 +354,10 @@ class HostDevice(Device):
         self._memory.pop(address, None)
 
     def alloc_pad(self, slots: int) -> int:
-        array = np.zeros(slots, dtype=np.uint64)
-        _PADS.append(array)
-        return array.ctypes.data
+        return _PADS.take(slots)
+
+    def free_pad(self, address: int, writers_done: bool) -> None:
+        _PADS.give_back(address, writers_done)
 
     def alloc_host_word(self) -> HostWord:
         array = np.zeros(1, dtype=np.uint64)

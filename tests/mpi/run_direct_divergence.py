@@ -10,6 +10,11 @@ count      then rank 0 calls all_reduce of 1000 elements, rank 1 of 1001: each r
 blocks     the same with counts whose kernels differ in blocks (1000 and 200000): no
            rank waits for a block its peer does not have
 collective rank 0 calls all_gather, rank 1 all_reduce, of the same bytes
+late       (host only) the same, with rank 1's kernel slow to look at its wait (half a
+           second, as on a loaded machine): rank 0 finds the divergence and aborts first,
+           and its abort's value releases rank 1's wait before rank 1 has seen rank 0's
+           signature; rank 1 learns why from rank 0's abort and raises DivergedError too
+           (not a bare AbortedError)
 repeat     40 calls alternating between an all_reduce and an all_gather on the same
            arrays, fresh values each time, every output exact: the repeats go on the
            shortest path (``Engine.repeat``); then rank 0 repeats the all_reduce while rank
@@ -37,7 +42,7 @@ KERNEL_BYTES = 1 << 20
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("scenario", choices=["silent", "count", "blocks", "collective",
+    parser.add_argument("scenario", choices=["silent", "count", "blocks", "collective", "late",
                                              "repeat", "replay"])
     parser.add_argument("--backend", default=None)
     args = parser.parse_args()
@@ -171,6 +176,14 @@ def main() -> None:
                 if r == 0:
                     comm.all_gather(arrays.asarray(numbers(count // n, r), comm.device), out)
                 else:
+                    if args.scenario == "late":
+                        device = comm.device_handle
+                        poll = device._poll
+
+                        def slow_poll(stream, ready):
+                            time.sleep(0.5)
+                            poll(stream, ready)
+                        device._poll = slow_poll
                     comm.all_reduce(arrays.asarray(numbers(count, r), comm.device), out)
             started = time.monotonic()
             try:

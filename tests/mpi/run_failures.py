@@ -13,6 +13,12 @@ killed     after a call both made, rank 1 is killed (SIGKILL) before a call rank
            rank 0's call raises naming rank 1's exited process within 5 s, with the
            default 300 s timeout.  Launch with the MPI's keep-going flag.
 early      rank 1 is killed before any call: the same.
+closed     after a call both made, rank 1 closes its communicator and stays alive; rank 0's
+           next call (and then its synchronize) raises PeerClosedError naming the call
+           and rank 1's close within 5 s, with the default 300 s timeout; the communicator
+           is aborted, and its next call raises PeerClosedError too.  With
+           ``--kernel-bytes`` the call goes without a message (a direct kernel whose peer's
+           ring is known), so it is the wait on the device that learns of the close.
 abort      after a first call both finished, rank 0's stream is held (a long kernel) so
            rank 1's all_reduce waits for it; rank 0 aborts; rank 1's wait is released and
            it learns of the abort
@@ -67,7 +73,7 @@ def _held_stream(comm, seconds):
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("scenario", choices=["mismatch", "dead", "absent", "killed", "early",
-                                             "abort"])
+                                             "closed", "abort"])
     parser.add_argument("--backend", default=None)
     parser.add_argument("--kernel-bytes", type=int, default=0,
                         help="Options.kernel_bytes: the calls run as direct kernels")
@@ -76,7 +82,7 @@ def main():
     args = parser.parse_args()
     world = MPI.COMM_WORLD
     # "killed" keeps the default timeout: a dead peer must be seen long before it
-    dies = args.scenario in ("dead", "killed", "early")
+    dies = args.scenario in ("dead", "killed", "early", "closed")
     comm = hoccl.init(backend=args.backend, timeout=300 if dies else 5,
                       kernel_bytes=args.kernel_bytes)
     arrays = array_module_for(comm.backend, "float32")
@@ -159,6 +165,37 @@ def main():
                       and comm.timeout == 300 and comm.aborted)
                 print(f"rank {r}: {'OK' if ok else 'FAILED'} {type(error).__name__} after "
                       f"{waited:.2f} s: {error}", flush=True)
+        elif args.scenario == "closed":
+            total = buffer(4, r + 1)
+            comm.all_reduce(total, total)  # the pair works (and learns its rings) first
+            comm.synchronize()
+            if r == 1:
+                comm.close()
+                world.Barrier()
+                world.Barrier()  # alive until rank 0 has looked
+                ok = True
+            else:
+                world.Barrier()  # rank 1 has closed
+                started = time.monotonic()
+                try:
+                    comm.all_reduce(total, total)
+                    comm.synchronize()
+                    print(f"rank {r}: FAILED the call returned", flush=True)
+                except hoccl.PeerClosedError as error:
+                    waited = time.monotonic() - started
+                    text = str(error)
+                    try:
+                        comm.barrier()
+                        later = "no error"
+                    except hoccl.HocclError as again:
+                        later = type(again).__name__
+                    ok = (waited < 5 and text.split(":")[0] in ("all_reduce", "synchronize")
+                          and "rank 1, which closed the communicator" in text
+                          and isinstance(error, hoccl.PeerDeadError) and comm.aborted
+                          and later == "PeerClosedError")
+                    print(f"rank {r}: {'OK' if ok else 'FAILED'} {type(error).__name__} after "
+                          f"{waited:.2f} s (the next call: {later}): {text}", flush=True)
+                world.Barrier()
         else:  # abort
             out = buffer(1 << 16, 0.0)
             if args.chunk_bytes:  # the sums wait for dozens of chunks (fuse_sums)
@@ -208,7 +245,7 @@ def main():
                     print(f"rank {r}: {'OK' if ok else 'FAILED'} {type(error).__name__} after "
                           f"{waited:.1f} s: {error}{drained}", flush=True)
                 world.Barrier()
-    except Exception as error:  # report, then fail
+    except BaseException as error:  # report, then fail
         print(f"rank {r}: FAILED unexpected {type(error).__name__}: {error}", flush=True)
     sys.stdout.flush()
     os._exit(0 if ok else 1)  # skip MPI_Finalize: a peer may be gone
