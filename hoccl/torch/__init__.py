@@ -127,7 +127,7 @@ def _create(backend_options: Any, pg_options: Any) -> ProcessGroupHoccl:
     if comm.backend == "cuda":
         from torch.distributed import ProcessGroupGloo
         cpu_group = ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, world_size, timeout)
-    return ProcessGroupHoccl(comm, cpu_group)
+    return ProcessGroupHoccl(comm, cpu_group, store)
 
 
 def _register() -> None:

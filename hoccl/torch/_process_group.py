@@ -11,7 +11,13 @@ stream and makes the Work).  What hoccl has no form for is built from what it ha
 * PREMUL_SUM(f) is SUM times f (``_ops.premultiply``): a number f multiplied by hoccl's
   reduction kernel, else SUM of ``input * f``, the scaled input a temporary (out of
   place) or the tensor itself (all_reduce, whose output overwrites it);
-* copies move any dtype as its bytes; reductions take hoccl's dtypes only.
+* copies move any dtype as its bytes; reductions take hoccl's dtypes only;
+* a recv from any source (host backend) is matched through the group's store
+  (``_p2p.SendCounts``).
+
+Like gloo's and NCCL's, the calls are not recorded by autograd: they run with grad mode
+off (``_untracked``), so they write into tensors that require grad (DDP's gradients
+under ``backward(create_graph=True)``), which hoccl's own API refuses to do.
 
 CPU tensors in a group whose communicator is on a GPU go to a gloo group made from the
 same store.  Unsupported requests raise InvalidArgumentError naming the call.
@@ -19,6 +25,7 @@ same store.  Unsupported requests raise InvalidArgumentError naming the call.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, List, Optional, Sequence
 
 import torch
@@ -27,7 +34,7 @@ import torch.distributed as dist
 from .. import InvalidArgumentError
 from ._collectives import all_gather_into, reduce_scatter_into
 from ._ops import movable, one_tensor, premultiply, reducible, reduction
-from ._p2p import HeldP2P, issue_held
+from ._p2p import HeldP2P, SendCounts, issue_held
 from ._work import Launcher, WorkList
 
 __all__ = ["ProcessGroupHoccl"]
@@ -48,14 +55,26 @@ def _even_splits(call: str, tensor: torch.Tensor, world_size: int) -> List[int]:
 
 
 def _copy_blocks(flat: torch.Tensor, outputs: Sequence[torch.Tensor]) -> Callable[[], None]:
-    """What copies block r of ``flat`` (the flat temporary of a list form) into
-    ``outputs[r]``, run by the Launcher once the hoccl call is on the stream."""
-    count = flat.numel() // len(outputs)
-
+    """What copies ``flat`` (the flat temporary of a list form), cut in pieces of the
+    outputs' sizes, into ``outputs`` in order, run by the Launcher once the hoccl call is
+    on the stream."""
     def copy_out() -> None:
-        for rank, output in enumerate(outputs):
-            output.copy_(flat[rank * count:(rank + 1) * count].view_as(output))
+        pieces = flat.split([output.numel() for output in outputs])
+        for piece, output in zip(pieces, outputs):
+            output.copy_(piece.view_as(output))
     return copy_out
+
+
+def _untracked(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method`` with grad mode off: a collective of torch's backends is not recorded by
+    autograd and writes into tensors that require grad; hoccl's API refuses those
+    unless grad mode is off, and torch's in-place copies and scalings inside the call
+    would otherwise be recorded or refused."""
+    @functools.wraps(method)
+    def untracked(*args: Any, **kwargs: Any) -> Any:
+        with torch.no_grad():
+            return method(*args, **kwargs)
+    return untracked
 
 
 class ProcessGroupHoccl(dist.ProcessGroup):
@@ -68,10 +87,13 @@ class ProcessGroupHoccl(dist.ProcessGroup):
     supports_splitting = False
     supports_coalescing = False
 
-    def __init__(self, comm: Any, cpu_group: Any = None):
+    def __init__(self, comm: Any, cpu_group: Any = None, store: Any = None):
         super().__init__(comm.rank, comm.world_size)  # type: ignore[call-arg]
         self.communicator = comm
         self.cpu_group = cpu_group  # gloo, for CPU tensors when comm runs on a GPU
+        # the host backend's recvs from any source are matched through the group's store
+        self.send_counts = (SendCounts(store, comm.rank, comm.world_size)
+                            if store is not None and comm.backend == "host" else None)
         self.launcher = Launcher(comm)
         self._coalesced: Optional[List[dist.Work]] = None
         self._group_name = ""
@@ -146,6 +168,7 @@ class ProcessGroupHoccl(dist.ProcessGroup):
                     f"{like.dtype}, like this rank's; got {tensor.numel()} of {tensor.dtype}")
 
     # -- collectives ------------------------------------------------------------------------
+    @_untracked
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,
                           opts: Any = None) -> dist.Work:
         """dist.all_gather_into_tensor."""
@@ -158,6 +181,7 @@ class ProcessGroupHoccl(dist.ProcessGroup):
     # its name before torch 2.13
     _allgather_base = all_gather_single  # type: ignore[assignment]
 
+    @_untracked
     def allgather(self, output_tensors: List[List[torch.Tensor]],  # type: ignore[override]
                   input_tensors: List[torch.Tensor], opts: Any = None) -> dist.Work:
         """dist.all_gather (a list of outputs)."""
@@ -176,6 +200,33 @@ class ProcessGroupHoccl(dist.ProcessGroup):
             return _copy_blocks(flat, outputs)
         return self._run(issue, outputs, [input, *outputs], opts)
 
+    @_untracked
+    def allgather_coalesced(self, output_lists: List[List[torch.Tensor]],  # type: ignore[override]
+                            input_list: List[torch.Tensor], opts: Any = None) -> dist.Work:
+        """dist.all_gather_coalesced: ``output_lists[r][i]`` = rank r's ``input_list[i]``;
+        one all_gather of every input, flattened into one temporary, then copies out."""
+        call = "all_gather_coalesced"
+        issue_held()
+        outputs = [output for outputs in output_lists for output in outputs]
+        if self._gloo(call, [*input_list, *outputs]):
+            return self.cpu_group.allgather_coalesced(output_lists, input_list, opts)
+        if len(output_lists) != self.size():
+            raise InvalidArgumentError(f"{call}: expected world_size = {self.size()} output "
+                                       f"lists; got {len(output_lists)}")
+        wanted = [(input.numel(), input.dtype) for input in input_list]
+        for outputs_of_rank in output_lists:
+            got = [(output.numel(), output.dtype) for output in outputs_of_rank]
+            if got != wanted:
+                raise InvalidArgumentError(f"{call}: every output list must hold tensors of "
+                                           f"the inputs' (numel, dtype) {wanted}; got {got}")
+
+        def issue(stream: Any) -> Callable[[], None]:
+            flat_input = torch.cat([input.reshape(-1) for input in input_list])
+            flat = flat_input.new_empty(flat_input.numel() * self.size())
+            self.communicator.all_gather(movable(flat_input), movable(flat), stream=stream)
+            return _copy_blocks(flat, outputs)
+        return self._run(issue, outputs, [*input_list, *outputs], opts)
+
     def all_gather_single_coalesced(self, outputs: List[torch.Tensor],
                                     inputs: List[torch.Tensor], opts: Any = None) -> dist.Work:
         works = [self.all_gather_single(output, input, opts)
@@ -185,6 +236,7 @@ class ProcessGroupHoccl(dist.ProcessGroup):
     # its name before torch 2.13
     allgather_into_tensor_coalesced = all_gather_single_coalesced  # type: ignore[assignment]
 
+    @_untracked
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,
                               opts: Any = None) -> dist.Work:
         """dist.reduce_scatter_tensor."""
@@ -199,6 +251,7 @@ class ProcessGroupHoccl(dist.ProcessGroup):
     # its name before torch 2.13
     _reduce_scatter_base = reduce_scatter_single  # type: ignore[assignment]
 
+    @_untracked
     def reduce_scatter(self, output_tensors: List[torch.Tensor],  # type: ignore[override]
                        input_tensors: List[List[torch.Tensor]], opts: Any = None) -> dist.Work:
         """dist.reduce_scatter (a list of inputs)."""
@@ -227,6 +280,7 @@ class ProcessGroupHoccl(dist.ProcessGroup):
     # its name before torch 2.13
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced  # type: ignore[assignment]
 
+    @_untracked
     def allreduce(self, tensors: List[torch.Tensor], opts: Any = None) -> dist.Work:  # type: ignore[override]
         """dist.all_reduce (in place)."""
         call = "all_reduce"
@@ -247,6 +301,7 @@ class ProcessGroupHoccl(dist.ProcessGroup):
         works = [self.allreduce([tensor], opts) for tensor in tensors]
         return WorkList(works, tensors)
 
+    @_untracked
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,
                           output_split_sizes: List[int], input_split_sizes: List[int],
                           opts: Any = None) -> dist.Work:
@@ -273,6 +328,7 @@ class ProcessGroupHoccl(dist.ProcessGroup):
     # its name before torch 2.13
     alltoall_base = all_to_all_single  # type: ignore[assignment]
 
+    @_untracked
     def alltoall(self, output_tensors: List[torch.Tensor], input_tensors: List[torch.Tensor],
                  opts: Any = None) -> dist.Work:
         """dist.all_to_all (lists; chunks may differ in size): send/recv pairs."""
@@ -315,6 +371,7 @@ class ProcessGroupHoccl(dist.ProcessGroup):
             work.wait()
         return self._record(work)
 
+    @_untracked
     def broadcast(self, tensors: List[torch.Tensor], opts: Any = None) -> dist.Work:  # type: ignore[override]
         call = "broadcast"
         issue_held()
@@ -329,6 +386,7 @@ class ProcessGroupHoccl(dist.ProcessGroup):
                                         stream=stream)
         return self._run(issue, [tensor], [tensor], opts)
 
+    @_untracked
     def reduce(self, tensors: List[torch.Tensor], opts: Any = None) -> dist.Work:  # type: ignore[override]
         """dist.reduce: the root's tensor receives the result, the others' stay as they are."""
         call = "reduce"
@@ -347,6 +405,7 @@ class ProcessGroupHoccl(dist.ProcessGroup):
             self.communicator.reduce(source, output, root, op, scale=scale, stream=stream)
         return self._run(issue, [tensor], [tensor], opts)
 
+    @_untracked
     def gather(self, output_tensors: List[List[torch.Tensor]], input_tensors: List[torch.Tensor],  # type: ignore[override]
                opts: Any = None) -> dist.Work:
         call = "gather"
@@ -369,6 +428,7 @@ class ProcessGroupHoccl(dist.ProcessGroup):
             return _copy_blocks(flat, outputs)
         return self._run(issue, outputs, [input, *outputs], opts)
 
+    @_untracked
     def scatter(self, output_tensors: List[torch.Tensor], input_tensors: List[List[torch.Tensor]],  # type: ignore[override]
                 opts: Any = None) -> dist.Work:
         call = "scatter"
@@ -406,14 +466,32 @@ class ProcessGroupHoccl(dist.ProcessGroup):
         return self._p2p("recv", tensors, src, tag)
 
     def recv_anysource(self, tensors: List[torch.Tensor], tag: int = 0) -> dist.Work:
-        raise InvalidArgumentError("recv: hoccl needs the source rank; receiving from any "
-                                   "source is not supported")
+        """dist.recv / irecv with no ``src``: on the host backend, a recv from the first
+        rank found whose sends to this rank are ahead of the recvs from it (see
+        hoccl.torch._p2p); ``Work._source_rank()`` tells which."""
+        call = "recv"
+        tensor = one_tensor(call, tensors)
+        if self._gloo(call, [tensor]):
+            return self.cpu_group.recv_anysource(tensors, tag)
+        if self.send_counts is None:
+            # on a GPU, counting every send in the store would add a host round trip to
+            # each one (NCCL has no recv from any source either)
+            raise InvalidArgumentError(
+                f"{call}: src=None (a recv from any source) needs hoccl's host backend, "
+                f"whose sends count themselves in the group's store; got a group on the "
+                f"{self.communicator.backend} backend (device {self.communicator.device}), "
+                f"where a recv needs its source rank, as on NCCL: pass src=")
+        return self._record(HeldP2P(self.launcher, call, movable(tensor), tensor, None,
+                                    self.send_counts))
 
     def _p2p(self, kind: str, tensors: List[torch.Tensor], peer: int, tag: int) -> dist.Work:
         tensor = one_tensor(kind, tensors)
         if self._gloo(kind, [tensor]):
             return getattr(self.cpu_group, kind)(tensors, peer, tag)
-        return self._record(HeldP2P(self.launcher, kind, movable(tensor), tensor, peer))
+        counts = self.send_counts
+        if counts is not None and kind == "send":
+            counts.announce(peer)
+        return self._record(HeldP2P(self.launcher, kind, movable(tensor), tensor, peer, counts))
 
     # -- coalescing (torch's _coalescing_manager) ------------------------------------------
     def _start_coalescing(self, device: Any) -> None:
