@@ -1,0 +1,485 @@
+"""python -m hoccl.tune: measure which path each call should take here; write the table.
+
+  mpiexec -n 2 python -m hoccl.tune                         # one rank per process
+  python -m hoccl.tune --local 2                            # one process, GPUs 0 and 1
+  python -m hoccl.tune --local 3 --backend host --max-bytes 64K --budget 20 --output t.json
+
+For each collective, each size (nccl-tests' size, ``hoccl.sched.select.size_of``) and
+each path the call can take there (``select.candidates``: push, pull, one_shot, direct;
+push and pull reductions also with a few ``chunk_bytes``), the tuner forces that path
+(``set_options``: a setting the user gives overrides any table), checks one call against
+the reference (``hoccl.testing.check_collective``: fresh random inputs, poisoned
+outputs, every output compared bit for bit, since every backend sums in rank order; with
+``--tolerance`` float reductions within that error), and only then times it: warm-up calls, then the median of
+``--samples`` samples, each a run of back-to-back calls ended by ``synchronize``.
+Every rank takes the slowest rank's time, so all ranks choose alike.  The fastest
+correct candidate wins each (collective, size); neighbouring sizes with the same winner
+merge into one row of size range, and rank 0 writes the table (``select.Table``) to
+``--output``, by default where ``init`` looks for this machine's table
+(``hoccl.tuning.cache_dir() / table_name(machine)``).
+
+Rows cover the measured sizes contiguously: a size's row reaches halfway (geometrically)
+to the next measured size, the first row starts at 0, and the last one runs on to any
+size when the sweep reached ``--max-bytes`` (a direct-kernel row ends at its size: its
+staging ring grows with the largest size the table gives it).  Sizes the ``--budget``
+would not cover are skipped, said so on stderr and in the table's note, and left to the
+defaults.  A candidate that computes a wrong result is reported and never chosen, and
+the program then exits with status 2 after writing the table; one whose call raises (a
+path that cannot run that call here) is reported and passed over.
+
+On the host backend the timings say little about a GPU; the table is still valid and
+exact, which is what the tests check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from ._dtypes import numpy_dtype
+from .bench._harness import Ranks, human, parse_size
+from .sched.algorithms import Shape
+from .sched.select import Row, Table, candidates, path_options, size_of
+
+__all__ = ["main", "Candidate", "Measurement", "candidates_at", "sizes_between", "rows_of",
+           "COLLECTIVES"]
+
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast")
+#: per collective: (elements sent, elements received) per rank, in ``count``s (1 or n)
+_BLOCKS = {"all_gather": (1, "n"), "reduce_scatter": ("n", 1), "all_reduce": (1, 1),
+           "all_to_all": ("n", "n"), "broadcast": (1, 1)}
+_REDUCTIONS = ("reduce_scatter", "all_reduce")
+#: the size a last row reaches when the sweep measured up to --max-bytes
+_ANY_SIZE = 1 << 62
+#: the smallest chunk the tuner tries
+_MIN_CHUNK = 4 << 10
+#: the settings a forced candidate fixes, so that no table decides them while timing
+_FORCED = ("kernel_bytes", "pull_bytes", "one_shot_bytes", "chunk_bytes", "copy_lanes",
+           "kernel_sms", "self_route")
+_PROGRAM = "python -m hoccl.tune"
+
+
+def arguments(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog=_PROGRAM, description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--local", type=int, default=0, metavar="N",
+                        help="drive N ranks from this one process (hoccl.init_local); "
+                             "default: one rank per mpiexec process (hoccl.init)")
+    parser.add_argument("--backend", choices=("cuda", "host"), default="cuda")
+    parser.add_argument("--collectives", default=",".join(COLLECTIVES),
+                        help="comma-separated subset of %(default)s")
+    parser.add_argument("--min-bytes", default="4K", help="smallest size (nccl-tests' size)")
+    parser.add_argument("--max-bytes", default="1G", help="largest size")
+    parser.add_argument("--factor", type=int, choices=(2, 4), default=4,
+                        help="size multiplier between measured sizes")
+    parser.add_argument("--dtype", default="float32",
+                        help="element type of the measured calls (float32, int32, ...)")
+    parser.add_argument("--budget", type=float, default=120.0, metavar="SECONDS",
+                        help="total time; sizes that would exceed it are skipped")
+    parser.add_argument("--samples", type=int, default=5,
+                        help="timed samples per candidate (the median counts)")
+    parser.add_argument("--sample-seconds", type=float, default=0.01,
+                        help="length of one sample: back-to-back calls, 1 to 100")
+    parser.add_argument("--tolerance", type=float, default=0.0,
+                        help="relative and absolute error allowed in float reductions "
+                             "(default 0: bit for bit, as every backend sums in rank order)")
+    parser.add_argument("--output", default="",
+                        help="where to write the table (default: the cache directory's "
+                             "file for this machine, which init loads)")
+    parser.add_argument("--beside-compute", action="store_true",
+                        help="time the reductions beside a bf16 GEMM (not available yet)")
+    args = parser.parse_args(argv)
+    if args.samples < 1:
+        parser.error(f"--samples must be at least 1; got {args.samples}")
+    args.min_bytes, args.max_bytes = parse_size(args.min_bytes), parse_size(args.max_bytes)
+    if not 0 < args.min_bytes <= args.max_bytes:
+        parser.error(f"need 0 < --min-bytes <= --max-bytes; got {args.min_bytes}, "
+                     f"{args.max_bytes}")
+    args.collectives = args.collectives.split(",")
+    unknown = sorted(set(args.collectives) - set(COLLECTIVES))
+    if unknown:
+        parser.error(f"--collectives: unknown {unknown}; expected any of {list(COLLECTIVES)}")
+    return args
+
+
+# -- what is measured ----------------------------------------------------------------------
+@dataclass(frozen=True)
+class Candidate:
+    """One way to run a call: a path, and for push and pull reductions a chunk size
+    (None: the communicator's)."""
+    path: str
+    chunk_bytes: Optional[int] = None
+
+    @property
+    def label(self) -> str:
+        return self.path + (f" chunk {human(self.chunk_bytes)}" if self.chunk_bytes else "")
+
+    def settings(self) -> Tuple[Tuple[str, Any], ...]:
+        """What a table row names besides the path."""
+        return (("chunk_bytes", self.chunk_bytes),) if self.chunk_bytes else ()
+
+
+@dataclass
+class Measurement:
+    """A candidate at one (collective, size): seconds per call (the slowest rank's
+    median), or why it was not timed: ``verdict`` "wrong" (a wrong result) or "failed"
+    (the call raised), and ``error``, what the check said."""
+    collective: str
+    size: int
+    candidate: Candidate
+    seconds: Optional[float] = None
+    verdict: str = ""
+    error: str = ""
+
+
+def sizes_between(low: int, high: int, factor: int) -> List[int]:
+    sizes, size = [], low
+    while size <= high:
+        sizes.append(size)
+        size *= factor
+    return sizes
+
+
+def shape_at(collective: str, size: int, world_size: int, dtype: str, itemsize: int) -> Shape:
+    """The call of nominal ``size`` bytes: its ``count`` rounded down to whole elements
+    per block (at least one); ``size_of`` gives the size it really has."""
+    blocks = world_size if collective in ("all_gather", "reduce_scatter", "all_to_all") else 1
+    return Shape(collective, world_size, max(1, size // itemsize // blocks), dtype, itemsize)
+
+
+def candidates_at(collective: str, world_size: int, size: int,
+                  chunk_bytes: int) -> List[Candidate]:
+    """Every path ``select.candidates`` allows; push and pull reductions also in chunks of
+    about a quarter and a sixteenth of ``size`` (powers of two, at least 4 KiB) besides
+    ``chunk_bytes``."""
+    found = []
+    for path in candidates(collective, world_size):
+        if path in ("push", "pull") and collective in _REDUCTIONS:
+            parts = (1 << (size // divisor).bit_length() - 1 for divisor in (4, 16)
+                     if size // divisor >= _MIN_CHUNK)
+            chunks = [chunk_bytes] + [part for part in parts if part != chunk_bytes]
+            found += [Candidate(path, chunk) for chunk in chunks]
+        else:
+            found.append(Candidate(path))
+    return found
+
+
+# -- the ranks -------------------------------------------------------------------------------
+def open_ranks(args: argparse.Namespace) -> Ranks:
+    import hoccl
+    if args.local:
+        comms = hoccl.init_local(args.local, backend=args.backend)
+        return Ranks(comms, args.local, None)
+    from mpi4py import MPI
+    comm = hoccl.init(backend=args.backend)
+    return Ranks([comm], comm.world_size, MPI.COMM_WORLD)
+
+
+def agreed(ranks: Ranks, value: Any) -> Any:
+    """Rank 0's ``value`` on every rank."""
+    return value if ranks.mpi is None else ranks.mpi.bcast(value, root=0)
+
+
+def machine_of(ranks: Ranks) -> Dict[str, Any]:
+    """The machine these ranks' table is for, as ``init`` computes it."""
+    from .tuning import machine_of as machine
+    comm = ranks.comms[0]
+    per_gpu = 1
+    if ranks.mpi is not None and comm.backend != "host":
+        import socket
+        places = ranks.mpi.allgather((socket.gethostname(), comm.device))
+        per_gpu = max(Counter(places).values())
+    return machine(comm._engine.device, ranks.world_size, per_gpu)
+
+
+def force(ranks: Ranks, base: Dict[str, Any], candidate: Candidate, shape: Shape) -> None:
+    """Make ``shape``'s calls take ``candidate`` on every local rank."""
+    options = path_options(candidate.path, size_of(shape), ranks.comms[0].options)
+    changes = dict(base, kernel_bytes=options.kernel_bytes, pull_bytes=options.pull_bytes,
+                   one_shot_bytes=options.one_shot_bytes)
+    if candidate.chunk_bytes:
+        changes["chunk_bytes"] = candidate.chunk_bytes
+    for comm in ranks.comms:
+        comm.set_options(**changes)
+
+
+def buffers_for(ranks: Ranks, shape: Shape, arrays: Any) -> List[Tuple[Any, Any, Any]]:
+    """(comm, send, recv) per local rank, out of place (broadcast: send on the root only)."""
+    n, dtype = ranks.world_size, numpy_dtype(shape.dtype)
+    sends, receives = ((shape.count * n if times == "n" else shape.count)
+                       for times in _BLOCKS[shape.collective])
+    buffers = []
+    for comm in ranks.comms:
+        send = None
+        if shape.collective != "broadcast" or comm.rank == 0:
+            send = arrays.asarray(np.ones(sends, dtype=dtype), comm.device)
+        buffers.append((comm, send, arrays.asarray(np.zeros(receives, dtype=dtype), comm.device)))
+    return buffers
+
+
+def issue(collective: str, buffers: Sequence[Tuple[Any, Any, Any]]) -> None:
+    for comm, send, recv in buffers:
+        if collective in _REDUCTIONS:
+            getattr(comm, collective)(send, recv, "sum")
+        elif collective == "broadcast":
+            comm.broadcast(send, recv, 0)
+        else:
+            getattr(comm, collective)(send, recv)
+
+
+def seconds_per_call(ranks: Ranks, collective: str, buffers: Sequence[Tuple[Any, Any, Any]],
+                     calls: int) -> float:
+    """This process's seconds per call over ``calls`` back-to-back calls, from a barrier
+    to the end of the last."""
+    ranks.barrier()
+    start = time.perf_counter()
+    for _ in range(calls):
+        issue(collective, buffers)
+    for comm, _, _ in buffers:
+        comm.synchronize()
+    return (time.perf_counter() - start) / calls
+
+
+def check(ranks: Ranks, shape: Shape, seed: int, tolerance: float,
+          arrays: Any = None) -> Tuple[str, str]:
+    """One call on fresh random inputs, on every rank: ("", "") when right everywhere,
+    else ("wrong", what) for a wrong result or ("failed", what) for a call that raised
+    (the first such rank's message; every rank returns the same verdict)."""
+    from .testing import check_collective
+    floating = np.dtype(numpy_dtype(shape.dtype)).kind == "f"
+    rounding = tolerance if tolerance and floating and shape.collective in _REDUCTIONS else None
+    try:
+        check_collective(ranks.comms, shape.collective, count=shape.count, dtype=shape.dtype,
+                         seed=seed, rounding=rounding, arrays=arrays)
+        verdict = ("", "")
+    except AssertionError as error:
+        verdict = ("wrong", str(error))
+    except Exception as error:  # the path cannot run this call here: not a candidate
+        verdict = ("failed", f"{type(error).__name__}: {error}")
+    if ranks.mpi is None:
+        return verdict
+    verdicts = sorted((one for one in ranks.mpi.allgather(verdict) if one[0]),
+                      key=lambda one: one[0] != "wrong")
+    return verdicts[0] if verdicts else ("", "")
+
+
+def measure(ranks: Ranks, args: argparse.Namespace, shape: Shape, candidate: Candidate,
+            seed: int, arrays: Any = None) -> Measurement:
+    """Check ``candidate`` at ``shape``, then time it (the slowest rank's median)."""
+    from .testing import array_module_for
+    found = Measurement(shape.collective, size_of(shape), candidate)
+    found.verdict, found.error = check(ranks, shape, seed, args.tolerance, arrays)
+    if found.verdict:
+        return found
+    buffers = buffers_for(ranks, shape, array_module_for(args.backend, shape.dtype))
+    for _ in range(2):  # warm-up: plans, peers' buffers, clocks
+        seconds_per_call(ranks, shape.collective, buffers, 1)
+    probe = ranks.max(seconds_per_call(ranks, shape.collective, buffers, 1))
+    calls = int(agreed(ranks, min(100, max(1, int(args.sample_seconds / max(probe, 1e-9))))))
+    samples = [seconds_per_call(ranks, shape.collective, buffers, calls)
+               for _ in range(args.samples)]
+    found.seconds = ranks.max(float(np.median(samples)))
+    return found
+
+
+# -- the sweep ---------------------------------------------------------------------------------
+class Progress:
+    """A text bar on rank 0's stderr."""
+
+    def __init__(self, leader: bool, total: int, budget: float):
+        self.leader, self.total, self.budget = leader, total, budget
+        self.done, self.start = 0, time.monotonic()
+        self.tty = sys.stderr.isatty()
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.start
+
+    def step(self, what: str, count: int = 1) -> None:
+        self.done += count
+        if not self.leader:
+            return
+        width = 30
+        filled = width * self.done // max(1, self.total)
+        line = (f"[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} "
+                f"{self.elapsed():5.1f}/{self.budget:g} s  {what}")
+        sys.stderr.write(("\r" + line.ljust(100)) if self.tty else line + "\n")
+        sys.stderr.flush()
+
+    def say(self, text: str) -> None:
+        if self.leader:
+            sys.stderr.write(("\n" if self.tty else "") + text + "\n")
+            sys.stderr.flush()
+
+
+def sweep(ranks: Ranks, args: argparse.Namespace, arrays: Any = None
+          ) -> Tuple[Dict[str, List[Measurement]], Dict[str, int]]:
+    """Every (collective, size, candidate) the budget allows, small sizes first.
+
+    Returns each collective's measurements and, for a collective whose sizes the budget
+    cut, the first size it skipped."""
+    n, dtype = ranks.world_size, args.dtype
+    itemsize = np.dtype(numpy_dtype(dtype)).itemsize
+    chunk_bytes = ranks.comms[0].options.chunk_bytes
+    base = {name: getattr(ranks.comms[0].options, name) for name in _FORCED}
+    sizes = sizes_between(args.min_bytes, args.max_bytes, args.factor)
+    plan = {(collective, size): candidates_at(collective, n, size_of(shape_at(
+        collective, size, n, dtype, itemsize)), chunk_bytes)
+        for size in sizes for collective in args.collectives}
+    progress = Progress(ranks.leader, sum(map(len, plan.values())), args.budget)
+    seed = int(agreed(ranks, int(np.random.default_rng().integers(1 << 30))))
+    results: Dict[str, List[Measurement]] = {collective: [] for collective in args.collectives}
+    cost: Dict[str, List[float]] = {collective: [] for collective in args.collectives}
+    skipped: Dict[str, int] = {}
+    for size in sizes:
+        for collective in args.collectives:
+            if collective in skipped:
+                progress.step(f"{collective} {human(size)} skipped", len(plan[collective, size]))
+                continue
+            spent = cost[collective]
+            growth = min(args.factor, max(1.0, spent[-1] / spent[-2])) if len(spent) > 1 else 1.0
+            predicted = spent[-1] * growth if spent else 0.0
+            over = agreed(ranks, progress.elapsed() + predicted > args.budget and bool(spent))
+            if over:
+                skipped[collective] = size
+                progress.say(f"{_PROGRAM}: {collective} from {human(size)} up skipped: about "
+                             f"{predicted:.1f} s more would pass the budget of {args.budget:g} s "
+                             f"({progress.elapsed():.1f} s used); those sizes keep the defaults")
+                progress.step(f"{collective} {human(size)} skipped", len(plan[collective, size]))
+                continue
+            shape = shape_at(collective, size, n, dtype, itemsize)
+            started = time.monotonic()
+            for candidate in plan[collective, size]:
+                force(ranks, base, candidate, shape)
+                seed += 1
+                found = measure(ranks, args, shape, candidate, seed, arrays)
+                results[collective].append(found)
+                if found.verdict:
+                    progress.say(f"{_PROGRAM}: {collective} {human(found.size)} "
+                                 f"{candidate.label}: {found.verdict.upper()}, not chosen: "
+                                 f"{found.error}")
+                progress.step(f"{collective} {human(found.size)} {candidate.label}")
+            cost[collective].append(time.monotonic() - started)
+    for comm in ranks.comms:
+        comm.set_options(**base)
+    progress.say(f"{_PROGRAM}: measured in {progress.elapsed():.1f} s")
+    return results, skipped
+
+
+# -- the table ---------------------------------------------------------------------------------
+def winners(measured: Sequence[Measurement]) -> List[Tuple[int, Measurement]]:
+    """(size, the fastest correct measurement) per measured size, smallest first; a size
+    where no candidate was right has none."""
+    best: Dict[int, Measurement] = {}
+    for one in measured:
+        if one.seconds is None:
+            continue
+        if one.size not in best or one.seconds < best[one.size].seconds:  # type: ignore[operator]
+            best[one.size] = one
+    return sorted(best.items())
+
+
+def rows_of(collective: str, chosen: Sequence[Tuple[int, Measurement]], complete: bool,
+            run: str) -> List[Row]:
+    """Rows for one collective's winners: neighbouring sizes with the same winner make one
+    row; each row reaches the geometric middle to the next row's first size, the first
+    starts at 0, and the last runs on to any size when ``complete`` (and it is not a
+    direct kernel), else it ends at its largest size."""
+    groups: List[Tuple[Candidate, List[int]]] = []
+    for size, found in chosen:
+        if groups and groups[-1][0].path == found.candidate.path \
+                and groups[-1][0].settings() == found.candidate.settings():
+            groups[-1][1].append(size)
+        else:
+            groups.append((found.candidate, [size]))
+    rows: List[Row] = []
+    for index, (candidate, sizes) in enumerate(groups):
+        low = rows[-1].max_bytes + 1 if rows else 0
+        if index + 1 < len(groups):
+            high = math.isqrt(sizes[-1] * groups[index + 1][1][0])
+        elif complete and candidate.path != "direct":
+            high = _ANY_SIZE
+        else:
+            high = sizes[-1]
+        rows.append(Row(collective, low, high, candidate.path, candidate.settings(),
+                        f"{run}: measured at {', '.join(map(human, sizes))}"))
+    return rows
+
+
+def table_of(machine: Dict[str, Any], results: Dict[str, List[Measurement]],
+             skipped: Dict[str, int], run: str) -> Table:
+    rows: List[Row] = []
+    for collective, measured in results.items():
+        rows += rows_of(collective, winners(measured), collective not in skipped, run)
+    note = f"measured by {run}"
+    if skipped:
+        note += "; skipped by the budget, left to the defaults: " + ", ".join(
+            f"{collective} from {human(size)}" for collective, size in skipped.items())
+    return Table(tuple((key, machine[key]) for key in machine), tuple(rows), note=note)
+
+
+def summary(results: Dict[str, List[Measurement]], table: Table, where: str) -> str:
+    lines = []
+    for collective, measured in results.items():
+        lines.append(f"## {collective}: µs per call (the slowest rank's median)")
+        chosen = dict(winners(measured))
+        for size in sorted({one.size for one in measured}):
+            cells = [f"{one.candidate.label} " + (f"{one.seconds * 1e6:.1f}" if one.seconds
+                                                  is not None else one.verdict.upper())
+                     for one in measured if one.size == size]
+            pick = chosen[size].candidate.label if size in chosen else "none right"
+            lines.append(f"  {human(size):>6s}  " + " | ".join(cells) + f"  -> {pick}")
+    lines.append(f"## rows written to {where}")
+    for row in table.rows:
+        high = "any" if row.max_bytes == _ANY_SIZE else str(row.max_bytes)
+        settings = "".join(f" {name}={value}" for name, value in row.settings)
+        lines.append(f"  {row.collective:14s} {row.min_bytes:>10d} .. {high:>10s}  "
+                     f"{row.path}{settings}")
+    if table.note:
+        lines.append(f"note: {table.note}")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[Sequence[str]] = None, arrays: Any = None) -> int:
+    """Tune, write the table on rank 0; 0, or 2 when a candidate computed a wrong result.
+    ``arrays``: the ``hoccl.testing.ArrayModule`` the checks use (tests plant faults)."""
+    args = arguments(argv)
+    if args.beside_compute:
+        sys.exit(f"{_PROGRAM}: --beside-compute (timing reductions beside a bf16 GEMM) needs "
+                 f"the cuda backend and torch, and is not built yet; compare settings beside "
+                 f"compute with python -m hoccl.bench.overlap")
+    import hoccl
+    from . import tuning
+    ranks = open_ranks(args)
+    try:
+        machine = machine_of(ranks)
+        launch = f"--local {args.local}" if args.local else f"{ranks.world_size} processes"
+        command = " ".join([_PROGRAM] + list(sys.argv[1:] if argv is None else argv))
+        run = (f"{datetime.now(timezone.utc).strftime('%Y-%m-%dT%H:%M:%SZ')} `{command}` "
+               f"({launch}, hoccl {hoccl.__version__})")
+        results, skipped = sweep(ranks, args, arrays)
+        wrong = any(one.verdict == "wrong" for measured in results.values() for one in measured)
+        if ranks.leader:
+            table = table_of(machine, results, skipped, run)
+            output = Path(args.output) if args.output else \
+                tuning.cache_dir() / tuning.table_name(machine)
+            output.parent.mkdir(parents=True, exist_ok=True)
+            output.write_text(table.to_json())
+            print(summary(results, table, str(output)), flush=True)
+        ranks.barrier()
+    finally:
+        for comm in ranks.comms:
+            comm.close()
+    return 2 if wrong else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,263 @@
+"""python -m hoccl.tune on the host backend: the table it writes parses, covers every
+size it measured, is what init loads from HOCCL_TUNING_FILE, and keeps every collective
+exact on the paths it chose; a wrong candidate is never chosen; a damaged table or one
+of another machine is refused or logged, never followed; the same under mpiexec."""
+
+import json
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+
+import hoccl
+from hoccl import InvalidArgumentError, tune, tuning
+from hoccl.sched.select import Table, TableError, size_of
+from hoccl.testing import FAULTS, ArrayModule, PlantedFault, check_collective
+
+from test_mpi import MPI_ENV, _mpiexec
+
+RANKS = 3
+COLLECTIVES = tune.COLLECTIVES
+
+
+def _measured_sizes(collective, max_bytes, ranks=RANKS):
+    """The sizes the tuner measures (its nominal sizes rounded to whole blocks)."""
+    return [size_of(tune.shape_at(collective, size, ranks, "float32", 4))
+            for size in tune.sizes_between(4 << 10, max_bytes, 4)]
+
+
+def _tune(*args, env=None, launcher=()):
+    command = [*launcher, sys.executable, "-m", "hoccl.tune", "--backend", "host", *args]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, **MPI_ENV, **(env or {})})
+    return result.returncode, result.stdout + result.stderr
+
+
+@pytest.fixture(scope="module")
+def tuned(tmp_path_factory):
+    """A table tuned on 3 host ranks up to 64 KiB, and what the tuner printed."""
+    path = tmp_path_factory.mktemp("tune") / "table.json"
+    returncode, output = _tune("--local", str(RANKS), "--max-bytes", "64K", "--budget", "20",
+                               "--output", str(path))
+    assert returncode == 0, output[-4000:]
+    return path, output
+
+
+def _assert_covers(table, max_bytes, ranks=RANKS):
+    for collective in COLLECTIVES:
+        rows = sorted((row for row in table.rows if row.collective == collective),
+                      key=lambda row: row.min_bytes)
+        assert rows and rows[0].min_bytes == 0, (collective, rows)
+        for first, second in zip(rows, rows[1:]):
+            assert second.min_bytes == first.max_bytes + 1, (collective, first, second)
+        for size in _measured_sizes(collective, max_bytes, ranks):
+            assert table.row_for(collective, size) is not None, (collective, size)
+        for row in rows:
+            assert "python -m hoccl.tune" in row.source and hoccl.__version__ in row.source
+
+
+def test_the_tuned_table_parses_and_covers_every_measured_size(tuned):
+    path, output = tuned
+    table = Table.from_json(path.read_text(), str(path))
+    assert dict(table.machine) == {"backend": "host", "gpu": "host", "world_size": RANKS,
+                                   "ranks_per_gpu": 1, "link": "host",
+                                   "hoccl": hoccl.__version__}
+    _assert_covers(table, 64 << 10)
+    assert f"rows written to {path}" in output
+    assert "[" + "#" * 30 + "]" in output  # the progress bar reached its end
+
+
+def test_init_loads_the_tuned_table_and_every_collective_stays_exact(tuned, monkeypatch):
+    path, _ = tuned
+    table = Table.from_json(path.read_text(), str(path))
+    monkeypatch.setenv("HOCCL_TUNING_FILE", str(path))
+    comms = hoccl.init_local(RANKS, backend="host")
+    try:
+        assert comms[0].tuning is not None and comms[0].tuning.rows == table.rows
+        assert all(comm.tuning.rows == table.rows for comm in comms)
+        seed = 0
+        for collective in COLLECTIVES:
+            blocks = RANKS if collective in ("all_gather", "reduce_scatter", "all_to_all") else 1
+            for size in _measured_sizes(collective, 64 << 10):
+                index, row = table.row_for(collective, size)
+                explained = comms[0].explain(collective, size)
+                assert explained["table"] == str(path) and explained["row"] == index
+                assert explained["path"] == row.path, (collective, size, explained)
+                # the measured size, and one just below it (another count, the same row)
+                for count in (size // 4 // blocks, size // 4 // blocks - 1):
+                    for dtype in ("float32", "int32"):
+                        seed += 1
+                        check_collective(comms, collective, count=count, dtype=dtype,
+                                         seed=seed)
+    finally:
+        for comm in comms:
+            comm.close()
+
+
+def test_a_damaged_tuning_file_is_refused_with_a_clear_error(tuned, tmp_path, monkeypatch):
+    path, _ = tuned
+    cut = tmp_path / "cut.json"
+    cut.write_text(path.read_text()[:200])
+    data = json.loads(path.read_text())
+    data["rows"][0]["max_bytes"] = data["rows"][0]["min_bytes"] - 1  # an empty range
+    bad_row = tmp_path / "bad_row.json"
+    bad_row.write_text(json.dumps(data))
+    for broken, says in ((cut, "not JSON"), (bad_row, "row 0")):
+        with pytest.raises(TableError, match=says):
+            Table.from_json(broken.read_text(), str(broken))
+        monkeypatch.setenv("HOCCL_TUNING_FILE", str(broken))
+        with pytest.raises(InvalidArgumentError, match=f"HOCCL_TUNING_FILE={broken}.*{says}"):
+            hoccl.init_local(RANKS, backend="host")
+
+
+def test_a_table_of_another_machine_is_logged_and_the_defaults_stay_exact(
+        tuned, tmp_path, monkeypatch, caplog):
+    path, _ = tuned
+    data = json.loads(path.read_text())
+    data["machine"]["world_size"] = RANKS + 1
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps(data))
+    monkeypatch.setenv("HOCCL_TUNING_FILE", str(other))
+    with caplog.at_level(logging.WARNING, logger="hoccl"):
+        comms = hoccl.init_local(RANKS, backend="host")
+    try:
+        assert "another machine" in caplog.text and "world_size" in caplog.text
+        assert comms[0].tuning is None
+        assert comms[0].explain("all_reduce", 4096)["table"] == "defaults"
+        for seed, collective in enumerate(COLLECTIVES):
+            check_collective(comms, collective, count=1000, dtype="float32", seed=seed)
+    finally:
+        for comm in comms:
+            comm.close()
+
+
+def test_a_damaged_table_in_the_cache_is_passed_over(tmp_path, monkeypatch, caplog):
+    monkeypatch.delenv("HOCCL_TUNING_FILE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    machine = {"backend": "host", "gpu": "host", "world_size": RANKS, "ranks_per_gpu": 1,
+               "link": "host", "hoccl": hoccl.__version__}
+    cached = tuning.cache_dir() / tuning.table_name(machine)
+    cached.parent.mkdir(parents=True)
+    cached.write_text('{"format": "hoccl-tuning", "version": 1, "rows": [')
+    with caplog.at_level(logging.WARNING, logger="hoccl"):
+        comms = hoccl.init_local(RANKS, backend="host")
+    try:
+        assert str(cached) in caplog.text and "passed over" in caplog.text
+        assert comms[0].tuning is None
+        check_collective(comms, "all_reduce", count=1000, dtype="float32", seed=1)
+    finally:
+        for comm in comms:
+            comm.close()
+
+
+def test_the_tuner_writes_to_the_cache_by_default_and_init_finds_it(tmp_path, monkeypatch):
+    monkeypatch.delenv("HOCCL_TUNING_FILE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    argv = ["--local", "2", "--backend", "host", "--collectives", "all_gather",
+            "--max-bytes", "4K", "--samples", "1"]
+    assert tune.main(argv) == 0
+    comms = hoccl.init_local(2, backend="host")
+    try:
+        assert comms[0].tuning is not None
+        assert comms[0].explain("all_gather", 4096)["table"].startswith(
+            str(tmp_path / "hoccl" / "tuning"))
+    finally:
+        for comm in comms:
+            comm.close()
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_a_wrong_candidate_is_never_chosen(tmp_path, capsys, fault):
+    """Every output corrupted after the call (PlantedFault): every candidate is wrong,
+    none becomes a row, and the tuner says so and exits with status 2."""
+    output = tmp_path / "table.json"
+    arrays = PlantedFault(ArrayModule("numpy"), fault, block=1)
+    argv = ["--local", "2", "--backend", "host", "--collectives", "all_reduce,all_gather",
+            "--max-bytes", "4K", "--samples", "1", "--output", str(output)]
+    assert tune.main(argv, arrays=arrays) == 2
+    printed = capsys.readouterr()
+    assert "WRONG, not chosen" in printed.err
+    assert Table.from_json(output.read_text()).rows == ()
+
+
+def test_sizes_past_the_budget_are_skipped_and_left_to_the_defaults(tmp_path, capsys):
+    output = tmp_path / "table.json"
+    argv = ["--local", "2", "--backend", "host", "--collectives", "broadcast",
+            "--max-bytes", "64K", "--budget", "0.001", "--samples", "1",
+            "--output", str(output)]
+    assert tune.main(argv) == 0
+    assert "broadcast from 16K up skipped" in capsys.readouterr().err
+    table = Table.from_json(output.read_text())
+    assert "skipped by the budget" in table.note and "broadcast from 16K" in table.note
+    assert table.row_for("broadcast", 4096) is not None
+    assert table.row_for("broadcast", 16 << 10) is None  # the defaults
+
+
+def _found(path, size, seconds=1.0, chunk=None):
+    return tune.Measurement("all_reduce", size, tune.Candidate(path, chunk), seconds)
+
+
+def test_rows_merge_equal_neighbours_and_cover_the_sizes_contiguously():
+    chosen = [(4096, _found("direct", 4096)), (16384, _found("direct", 16384)),
+              (65536, _found("pull", 65536)), (262144, _found("push", 262144, chunk=65536))]
+    rows = tune.rows_of("all_reduce", chosen, complete=True, run="run")
+    assert [(row.min_bytes, row.max_bytes, row.path) for row in rows] == [
+        (0, 32768, "direct"), (32769, 131072, "pull"), (131073, 1 << 62, "push")]
+    assert rows[2].settings == (("chunk_bytes", 65536),)
+    assert rows[0].source == "run: measured at 4K, 16K"
+    # a sweep the budget cut ends at its last size; so does a direct kernel at the end
+    cut = tune.rows_of("all_reduce", chosen[:3], complete=False, run="run")
+    assert cut[-1].max_bytes == 65536
+    direct = tune.rows_of("all_reduce", chosen[:2], complete=True, run="run")
+    assert direct[-1].max_bytes == 16384
+
+
+def test_winners_are_the_fastest_correct_candidates():
+    measured = [_found("push", 4096, 3.0), _found("pull", 4096, 1.0),
+                tune.Measurement("all_reduce", 4096, tune.Candidate("direct"), None, "wrong",
+                                 "planted")]
+    assert [(size, found.candidate.path) for size, found in tune.winners(measured)] == [
+        (4096, "pull")]
+
+
+def test_candidates_are_the_selectors_paths_and_a_few_chunks():
+    at_64k = tune.candidates_at("all_reduce", 2, 64 << 10, 32 << 20)
+    assert [(c.path, c.chunk_bytes) for c in at_64k] == [
+        ("push", 32 << 20), ("push", 16 << 10), ("push", 4 << 10), ("pull", 32 << 20),
+        ("pull", 16 << 10), ("pull", 4 << 10), ("one_shot", None), ("direct", None)]
+    assert [c.path for c in tune.candidates_at("all_gather", 9, 1 << 20, 32 << 20)] == ["push"]
+
+
+def test_beside_compute_says_what_it_needs():
+    returncode, output = _tune("--local", "2", "--beside-compute")
+    assert returncode != 0 and "needs the cuda backend and torch" in output
+
+
+@pytest.mark.mpi
+def test_the_tuner_under_mpiexec_and_a_check_of_its_table(tmp_path):
+    path = tmp_path / "table.json"
+    returncode, output = _tune("--max-bytes", "16K", "--budget", "20", "--samples", "2",
+                               "--output", str(path), launcher=(_mpiexec(), "-n", str(RANKS)))
+    assert returncode == 0, output[-4000:]
+    table = Table.from_json(path.read_text(), str(path))
+    _assert_covers(table, 16 << 10)
+    assert "3 processes" in table.rows[0].source
+    check = (
+        "import sys, hoccl\n"
+        "from hoccl.testing import check_collective\n"
+        "comm = hoccl.init(backend='host')\n"
+        "assert comm.tuning is not None and comm.tuning.origin == sys.argv[1], comm.tuning\n"
+        "for seed, collective in enumerate(%r):\n"
+        "    for count in (1000, 1366):\n"
+        "        path = comm.explain(collective, count * 4 * (3 if collective in\n"
+        "            ('all_gather', 'reduce_scatter', 'all_to_all') else 1))['path']\n"
+        "        check_collective([comm], collective, count=count, dtype='float32', seed=seed)\n"
+        "        print(comm.rank, collective, count, path, 'exact', flush=True)\n"
+        "comm.close()\n" % (COLLECTIVES,))
+    result = subprocess.run([_mpiexec(), "-n", str(RANKS), sys.executable, "-c", check, str(path)],
+                            capture_output=True, text=True, timeout=300,
+                            env={**os.environ, **MPI_ENV, "HOCCL_TUNING_FILE": str(path)})
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    assert result.stdout.count("exact") == RANKS * len(COLLECTIVES) * 2
