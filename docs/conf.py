@@ -29,6 +29,7 @@ extensions = [
     "sphinx.ext.autodoc",
     "sphinx.ext.autosummary",
     "repolinks",
+    "hoccl_settings",
 ]
 
 source_suffix = {".md": "markdown", ".rst": "restructuredtext"}

@@ -12,12 +12,10 @@ to do when things go wrong.
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any, List, Optional, Sequence, Union
 
 from . import _build
-from . import _validate as check
-from ._build import DEFAULT_TIMEOUT, Settings, default_copy_sms
+from .config import DEFAULT_TIMEOUT, Config, default_copy_sms, environ
 from ._errors import (AbortedError, DivergedError, DriverError, HocclError, HocclTimeoutError,
                       InvalidArgumentError, MismatchError, PeerClosedError, PeerDeadError,
                       PlanError)
@@ -28,7 +26,7 @@ from .bootstrap import Bootstrap, MPIBootstrap
 from .comm import Communicator, group, group_end, group_start
 from ._windows import Window, empty
 
-__all__ = ["init", "init_local", "split_local", "Communicator", "HierarchicalCommunicator",
+__all__ = ["init", "init_local", "split_local", "Config", "Communicator", "HierarchicalCommunicator",
            "ReduceOp", "group", "group_start", "group_end", "Bootstrap", "HocclError",
            "InvalidArgumentError", "PlanError", "HocclTimeoutError", "AbortedError", "DriverError", "MismatchError",
            "PeerDeadError", "PeerClosedError", "DivergedError", "Window", "empty",
@@ -37,7 +35,7 @@ __all__ = ["init", "init_local", "split_local", "Communicator", "HierarchicalCom
 __version__ = "0.1.0"
 
 log = logging.getLogger("hoccl")
-_level = os.environ.get("HOCCL_DEBUG", "").upper()
+_level = (environ("HOCCL_DEBUG") or "").upper()
 if _level in ("INFO", "DEBUG", "WARNING"):
     # only hoccl's own logger: an application's logging configuration stays its own
     _handler = logging.StreamHandler()
@@ -47,11 +45,27 @@ if _level in ("INFO", "DEBUG", "WARNING"):
     log.propagate = False
 
 
+def _config(call: str, config: Optional[Config], given: dict) -> Config:
+    """``config`` (default: the environment's, ``Config.from_environment``) with the
+    settings ``given`` as keywords (None: not given)."""
+    if config is None:
+        return Config.from_environment(call, given)
+    if not isinstance(config, Config):
+        raise InvalidArgumentError(f"{call}: config must be a hoccl.Config; got "
+                                   f"{type(config).__name__}")
+    return config.replace(call, **{name: value for name, value in given.items()
+                                   if value is not None})
+
+
 def init_local(n_or_devices: Union[int, Sequence[int]], *, backend: Optional[str] = None,
-               timeout: Optional[float] = None, verify_plans: Optional[bool] = None,
-               max_sms: int = 8, copy_sms: Optional[int] = None,
-               **options: Any) -> List[Communicator]:
+               config: Optional[Config] = None, timeout: Optional[float] = None,
+               verify_plans: Optional[bool] = None, max_sms: Optional[int] = None,
+               copy_sms: Optional[int] = None, **settings: Any) -> List[Communicator]:
     """Several ranks in this process: one communicator per rank, rank i on device i.
+
+    Settings: ``config`` (a ``hoccl.Config``), or any of its fields as keywords (they
+    override ``config``'s); unset ones come from the environment (``HOCCL_<NAME>``) or the
+    defaults.
 
     ``n_or_devices`` is a rank count (devices 0..n-1) or a list of distinct CUDA
     ordinals.  Make each collective on every communicator (in any rank order) before
@@ -77,9 +91,9 @@ def init_local(n_or_devices: Union[int, Sequence[int]], *, backend: Optional[str
         if not all(0 <= d < visible for d in devices):
             raise InvalidArgumentError(f"{call}: devices must be CUDA ordinals in "
                                        f"[0, {visible}); got {devices}")
-    settings = Settings.fresh(call, len(devices), timeout, verify_plans, max_sms, copy_sms,
-                              options)
-    comms = _build.open_local(backend, devices, settings)
+    resolved = _config(call, config, dict(settings, timeout=timeout, verify_plans=verify_plans,
+                                          max_sms=max_sms, copy_sms=copy_sms))
+    comms = _build.open_local(backend, devices, resolved)
     log.info("init_local: %d ranks, backend %s, devices %s", len(comms), backend, devices)
     return comms
 
@@ -88,7 +102,7 @@ def split_local(comms: Sequence[Communicator], colors: Sequence[Optional[int]],
                 keys: Optional[Sequence[Optional[int]]] = None, *,
                 timeout: Optional[float] = None, verify_plans: Optional[bool] = None,
                 max_sms: Optional[int] = None, copy_sms: Optional[int] = None,
-                **options: Any) -> List[Optional[Communicator]]:
+                **settings: Any) -> List[Optional[Communicator]]:
     """``Communicator.split`` for the ranks of one ``init_local``, all at once.
 
     ``comms`` is every communicator ``init_local`` returned, in rank order; rank r goes
@@ -100,16 +114,18 @@ def split_local(comms: Sequence[Communicator], colors: Sequence[Optional[int]],
     ``init_local``, so the ranks cannot each call ``split`` in turn (the first could not
     know its new rank before the last had called): they split in one call.
     """
-    return _build.split_local(comms, colors, keys, dict(
-        timeout=timeout, verify_plans=verify_plans, max_sms=max_sms, copy_sms=copy_sms,
-        options=options))
+    given = dict(settings, timeout=timeout, verify_plans=verify_plans, max_sms=max_sms,
+                 copy_sms=copy_sms)
+    return _build.split_local(comms, colors, keys, {name: value for name, value in given.items()
+                                                    if value is not None})
 
 
 def init(*, backend: Optional[str] = None, mpi_comm: Any = None,
          bootstrap: Optional[Bootstrap] = None, device: Optional[int] = None,
-         timeout: Optional[float] = None, verify_plans: Optional[bool] = None,
-         max_sms: int = 8, copy_sms: Optional[int] = None, local_size: Optional[int] = None,
-         inter_host: Optional[str] = None, **options: Any) -> Communicator:
+         config: Optional[Config] = None, timeout: Optional[float] = None,
+         verify_plans: Optional[bool] = None, max_sms: Optional[int] = None,
+         copy_sms: Optional[int] = None, local_size: Optional[int] = None,
+         inter_host: Optional[str] = None, **settings: Any) -> Communicator:
     """This process's rank of a multi-process job.
 
     The ranks find each other through ``bootstrap`` (any ``hoccl.Bootstrap``: rank,
@@ -121,9 +137,15 @@ def init(*, backend: Optional[str] = None, mpi_comm: Any = None,
     consecutive ranks per simulated host) get a ``HierarchicalCommunicator``: hoccl
     inside each host, ``inter_host`` ("nccl", "mpi" or "hoccl"; None picks) between
     hosts, behind the same API.  On one host ``inter_host`` is not used.
+
+    Settings: ``config`` (a ``hoccl.Config``), or any of its fields as keywords (they
+    override ``config``'s); unset ones come from the environment (``HOCCL_<NAME>``) or the
+    defaults.  Every rank should pass the same.
     """
     call = "init"
     backend = pick_backend(call, backend)
+    resolved = _config(call, config, dict(settings, timeout=timeout, verify_plans=verify_plans,
+                                          max_sms=max_sms, copy_sms=copy_sms))
     if inter_host not in (None,) + INTER_HOST_ENGINES:
         raise InvalidArgumentError(f"{call}: inter_host must be one of {INTER_HOST_ENGINES} or "
                                    f"None; got {inter_host!r}")
@@ -138,15 +160,9 @@ def init(*, backend: Optional[str] = None, mpi_comm: Any = None,
     topology, hostnames, grouping = host_topology(call, bootstrap, local_size)
     if topology.hosts > 1:
         def connect_host(members: Bootstrap, ordinal: Optional[int]) -> Communicator:
-            return _build.connect_process(
-                call, backend, members, ordinal,
-                Settings.fresh(call, members.world_size, timeout, verify_plans, max_sms,
-                               copy_sms, options))
+            return _build.connect_process(call, backend, members, ordinal, resolved)
         return HierarchicalCommunicator.connect(
             call=call, backend=backend, bootstrap=bootstrap, topology=topology,
             hostnames=hostnames, grouping=grouping, device=device, inter_host=inter_host,
-            mpi_comm=mpi_comm, verify_plans=check.flag_setting(verify_plans, "HOCCL_VERIFY"),
-            connect_host=connect_host)
-    settings = Settings.fresh(call, bootstrap.world_size, timeout, verify_plans, max_sms, copy_sms,
-                              options)
-    return _build.connect_process(call, backend, bootstrap, device, settings)
+            mpi_comm=mpi_comm, verify_plans=resolved.verify_plans, connect_host=connect_host)
+    return _build.connect_process(call, backend, bootstrap, device, resolved)

@@ -13,10 +13,8 @@ with its peers', a ``Health`` monitor and the ``Communicator`` in front of them:
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from . import _validate as check
 from ._engine import DeviceShare, Engine
 from ._errors import InvalidArgumentError
 from ._health import Health
@@ -24,134 +22,96 @@ from .backends import cuda_device_count, open_device
 from .backends._base import SmCaps
 from .bootstrap import Bootstrap, LocalGroup, ProcessGroup
 from .comm import Communicator
-from .sched import Options
+from .config import Config, default_copy_sms, environ
+from .sched.select import Table
+from .tuning import load_table, machine_of, shared_table
 
-__all__ = ["DEFAULT_TIMEOUT", "default_copy_sms", "Settings", "connect_local", "open_local",
-           "connect_process", "check_color_key", "members", "split", "split_local"]
+__all__ = ["make_engine", "connect_local", "open_local", "connect_process", "check_color_key",
+           "members", "split", "split_local"]
 
 log = logging.getLogger("hoccl")
-
-#: seconds a host wait may take before it raises (``HOCCL_TIMEOUT`` overrides)
-DEFAULT_TIMEOUT = 300.0
 
 #: largest color and key MPI_Comm_split takes (a C int)
 _INT_MAX = (1 << 31) - 1
 
 
-def default_copy_sms(world_size: int) -> int:
-    """SMs for a rank's own block in out-of-place forms (the one same-GPU copy, which
-    runs beside the peers' copy-engine transfers): enough to finish within them, so the
-    own block never sets the call's time.  With 2 ranks that takes 16 SMs (8 make the
-    own block the slowest part of a large all_gather: docs/design-notes.md).  The
-    copy-engine time grows with the number of peers while the own block does not, so
-    the share shrinks: 16 / (n - 1), at least 2."""
-    return max(2, -(-16 // max(1, world_size - 1)))
+def make_engine(config: Config, rank: int, world_size: int, share: DeviceShare,
+                owns_device: bool) -> Engine:
+    """A rank's engine with ``config``'s settings (``copy_sms`` None: by world size)."""
+    engine = Engine(rank=rank, world_size=world_size, share=share, options=config.plan_options,
+                    verify_plans=config.verify_plans, owns_device=owns_device,
+                    sms=SmCaps(config.max_sms, config.copy_sms or default_copy_sms(world_size),
+                               True if config.fuse_sums is None else config.fuse_sums))
+    engine.given = config.given
+    return engine
 
 
-class Settings:
-    """What a communicator is built with besides its ranks, checked once: by ``fresh`` for
-    ``init`` and ``init_local``, by ``inherited`` (the parent's, where not overridden)
-    for ``split``."""
-
-    def __init__(self, *, timeout: float, verify_plans: bool, max_sms: int, copy_sms: int,
-                 options: Options, fuse_sums: Optional[bool] = None):
-        self.timeout = timeout
-        self.verify_plans = verify_plans
-        self.max_sms = max_sms
-        self.copy_sms = copy_sms
-        self.options = options
-        self.fuse_sums = fuse_sums
-
-    @classmethod
-    def fresh(cls, call: str, world_size: int, timeout: Optional[float],
-              verify_plans: Optional[bool], max_sms: int, copy_sms: Optional[int],
-              options: dict) -> "Settings":
-        check.positive_int(call, "max_sms", max_sms)
-        check.positive_int(call, "copy_sms", copy_sms, optional=True)
-        options = dict(options)  # None: on, unless ranks share a GPU (connect_process)
-        fuse_sums = check.switch(call, "fuse_sums", options.pop("fuse_sums", None), optional=True)
-        return cls(timeout=check.timeout_setting(call, timeout, DEFAULT_TIMEOUT),
-                   verify_plans=check.flag_setting(verify_plans, "HOCCL_VERIFY"),
-                   max_sms=max_sms, copy_sms=copy_sms or default_copy_sms(world_size),
-                   options=check.plan_options(call, Options(), options), fuse_sums=fuse_sums)
-
-    @classmethod
-    def inherited(cls, call: str, parent: Engine, parent_timeout: float,
-                  timeout: Optional[float], verify_plans: Optional[bool],
-                  max_sms: Optional[int], copy_sms: Optional[int], options: dict) -> "Settings":
-        check.positive_int(call, "max_sms", max_sms, optional=True)
-        check.positive_int(call, "copy_sms", copy_sms, optional=True)
-        options = dict(options)
-        fuse_sums = check.switch(call, "fuse_sums", options.pop("fuse_sums", None), optional=True)
-        if fuse_sums is None:
-            fuse_sums = parent.sms.fuse_sums
-        return cls(fuse_sums=fuse_sums, timeout=(parent_timeout if timeout is None
-                            else check.timeout_setting(call, timeout, DEFAULT_TIMEOUT)),
-                   verify_plans=parent.verify_plans if verify_plans is None else bool(verify_plans),
-                   max_sms=parent.sms.max_sms if max_sms is None else max_sms,
-                   copy_sms=parent.sms.copy_sms if copy_sms is None else copy_sms,
-                   options=check.plan_options(call, parent.options, options))
-
-    def engine(self, rank: int, world_size: int, share: DeviceShare, owns_device: bool) -> Engine:
-        return Engine(rank=rank, world_size=world_size, share=share, options=self.options,
-                      verify_plans=self.verify_plans, owns_device=owns_device,
-                      sms=SmCaps(self.max_sms, self.copy_sms,
-                                 True if self.fuse_sums is None else self.fuse_sums))
+def _use_table(engines: Sequence[Engine], table: Optional[Table], origin: str) -> None:
+    for engine in engines:
+        engine.tuning, engine.tuning_origin = table, origin
 
 
-def connect_local(shares: Sequence[DeviceShare], settings: Settings, owns_devices: bool
+def connect_local(shares: Sequence[DeviceShare], config: Config, owns_devices: bool
                   ) -> List[Communicator]:
     """One communicator per device of ``shares`` (rank i on ``shares[i]``), all driven
     from this process through one ``LocalGroup``."""
     group = LocalGroup(len(shares))
-    engines = [settings.engine(rank, len(shares), share, owns_devices)
+    engines = [make_engine(config, rank, len(shares), share, owns_devices)
                for rank, share in enumerate(shares)]
     for engine in engines:
         engine.pad.connect([other.pad.address for other in engines])
-    monitors = [Health(engine, settings.timeout, group) for engine in engines]
+    machine = machine_of(engines[0].device, len(engines), 1)
+    _use_table(engines, *load_table(machine, "init_local"))
+    monitors = [Health(engine, config.timeout, group) for engine in engines]
     group.monitors = monitors
-    return [Communicator(engine=engine, group=group, health=health)
+    return [Communicator(engine=engine, group=group, health=health, splitter=split)
             for engine, health in zip(engines, monitors)]
 
 
-def open_local(backend: str, devices: List[int], settings: Settings
-               ) -> List[Communicator]:
+def open_local(backend: str, devices: List[int], config: Config) -> List[Communicator]:
     """``init_local``'s ranks: device ``devices[i]`` opened for rank i."""
-    handles = [open_device(backend, ordinal, max_sms=settings.max_sms,
-                           copy_sms=settings.copy_sms) for ordinal in devices]
+    copy_sms = config.copy_sms or default_copy_sms(len(devices))
+    handles = [open_device(backend, ordinal, max_sms=config.max_sms, copy_sms=copy_sms)
+               for ordinal in devices]
     for handle in handles:
         for peer in handles:
             if peer is not handle:
                 handle.enable_peer_access(peer)
-    return connect_local([DeviceShare(handle) for handle in handles], settings,
+    return connect_local([DeviceShare(handle) for handle in handles], config,
                          owns_devices=True)
 
 
 def connect_process(call: str, backend: str, bootstrap: Bootstrap, device: Optional[int],
-                    settings: Settings, share: Optional[DeviceShare] = None) -> Communicator:
+                    config: Config, share: Optional[DeviceShare] = None) -> Communicator:
     """The communicator of ``bootstrap``'s ranks, all on one host: on ``share``'s device
     (borrowed, ``split``) or else on ``device`` (opened; None: the local rank's GPU)."""
-    group = ProcessGroup(bootstrap, settings.timeout)
+    group = ProcessGroup(bootstrap, config.timeout)
     world_size = group.world_size
     local_rank = group.local_rank()  # an exchange every rank makes, device given or not
     if share is None:
         if backend == "cuda" and device is None:
             device = local_rank % cuda_device_count()
-        share = DeviceShare(open_device(backend, device, max_sms=settings.max_sms,
-                                        copy_sms=settings.copy_sms))
+        share = DeviceShare(open_device(
+            backend, device, max_sms=config.max_sms,
+            copy_sms=config.copy_sms or default_copy_sms(world_size)))
         owns_device = True
     else:
         owns_device = False
     handle = share.device
-    engine = settings.engine(group.rank, world_size, share, owns_device)
+    engine = make_engine(config, group.rank, world_size, share, owns_device)
     identity = (group.host, group.pid, handle.ordinal, handle.export(engine.pad.address),
                 handle.physical)
     everyone = bootstrap.allgather(identity)
-    if settings.fuse_sums is None and shares_device(everyone, group.rank):
+    if config.fuse_sums is None and shares_device(everyone, group.rank):
         # a launch that waits for a peer on its own GPU spins through its context's time
         # slices while the peer's context, which must run to send the signal, waits for
         # its turn: fused sums are slower there than a stream wait per chunk
         engine.sms.fuse_sums = False
+    physical = [identity[-1] for identity in everyone]
+    per_gpu = max(physical.count(one) for one in physical) if None not in physical else 1
+    _use_table([engine], *shared_table(call, group.rank,
+                                       machine_of(handle, world_size, per_gpu),
+                                       bootstrap.allgather))
     pads = []
     for rank, (host, _, _, pad, _) in enumerate(everyone):
         if host != group.host:
@@ -160,8 +120,8 @@ def connect_process(call: str, backend: str, bootstrap: Bootstrap, device: Optio
                                        f"of one host (one NVLink domain)")
         pads.append(engine.pad.address if rank == group.rank else handle.import_(pad))
     engine.pad.connect(pads)
-    health = Health(engine, settings.timeout, group)
-    comm = Communicator(engine=engine, group=group, health=health)
+    health = Health(engine, config.timeout, group)
+    comm = Communicator(engine=engine, group=group, health=health, splitter=split)
     bootstrap.barrier()
     log.info("%s: rank %d/%d backend %s device %s", call, group.rank, world_size, backend,
              handle.ordinal)
@@ -205,7 +165,7 @@ def _refuse_cuda(call: str, backend: str, instead: str) -> None:
     """``split_local`` on GPUs has not run on GPUs yet (``split`` under mpirun has, since
     stale IPC mappings are closed and callers fenced after imports), so it is refused
     there rather than offered untried; ``HOCCL_SPLIT_CUDA=1`` lifts the refusal."""
-    if backend == "cuda" and os.environ.get("HOCCL_SPLIT_CUDA") != "1":
+    if backend == "cuda" and environ("HOCCL_SPLIT_CUDA") != "1":
         raise InvalidArgumentError(
             f"{call}: split_local of GPU communicators has not been validated on GPUs yet; "
             f"{instead} (HOCCL_SPLIT_CUDA=1 allows it)")
@@ -233,7 +193,7 @@ def split(parent: Communicator, color: Any, key: Any, overrides: Dict[str, Any]
     problem: Optional[str] = None
     try:
         check_color_key(call, color, key)
-        settings = Settings.inherited(call, engine, health.timeout, **overrides)
+        config = parent.config.replace(call, **overrides)
     except InvalidArgumentError as error:
         problem = str(error)
     verdicts = group.agree(call, problem)
@@ -246,7 +206,7 @@ def split(parent: Communicator, color: Any, key: Any, overrides: Dict[str, Any]
     if bootstrap is None:
         return None
     try:
-        child = connect_process(call, engine.device.backend, bootstrap, None, settings,
+        child = connect_process(call, engine.device.backend, bootstrap, None, config,
                                 share=engine.share.borrow(call))
     except BaseException:
         bootstrap.close()
@@ -280,11 +240,11 @@ def split_local(parents: Sequence[Communicator], colors: Sequence[Any],
         comm._usable(call)
     _refuse_cuda(call, parents[0].backend, "make communicators of their own with "
                  "hoccl.init_local over the GPUs of each group")
-    settings = Settings.inherited(call, parents[0]._engine, parents[0].timeout, **overrides)
+    config = parents[0].config.replace(call, **overrides)
     children: List[Optional[Communicator]] = [None] * len(parents)
     for color, ranks in sorted(members(colors, keys).items()):
         shares = [parents[rank]._engine.share.borrow(call) for rank in ranks]
-        built = connect_local(shares, settings, owns_devices=False)
+        built = connect_local(shares, config, owns_devices=False)
         for rank, child in zip(ranks, built):
             parents[rank]._health.adopt(child._health)
             children[rank] = child

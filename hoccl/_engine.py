@@ -32,7 +32,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Deque, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Deque, Dict, FrozenSet, List, NamedTuple, Optional, Sequence, Set, Tuple
 
 from ._buffers import Buffer
 from ._errors import AbortedError, HocclError, InvalidArgumentError, MismatchError
@@ -44,6 +44,7 @@ from .sched import Options, Shape, build_plan, verify
 from .sched.algorithms import KERNEL_MAX_BLOCKS
 from .sched.plan import CHANNEL_NAMES, CHANNELS, RING, Plan
 from .sched.replay import replay_problem
+from .sched.select import Choice, Table, choose, size_of
 from .streams import StreamManager
 
 __all__ = ["ABORT_VALUE", "SignalPad", "Call", "CallTemplate", "Engine", "PeerBuffer",
@@ -296,6 +297,13 @@ class Engine:
         self.options = options
         self.verify_plans = verify_plans
         self.sms = sms
+        #: the tuning table rank 0 found for the machine (``hoccl.tuning``; None: the
+        #: defaults), where it came from, and the settings the user gave, which win over
+        #: it (``hoccl.sched.select.choose``): set by the builder before the first call
+        self.tuning: Optional[Table] = None
+        self.tuning_origin = "defaults"
+        self.given: FrozenSet[str] = frozenset()
+        self._logged_rows: Set[Tuple[str, Optional[int]]] = set()
         self.pad = SignalPad(device, rank, world_size)
         self.host_word = device.alloc_host_word()
         #: written by a direct kernel that found a peer making another call (the call's
@@ -398,8 +406,13 @@ class Engine:
             return True
 
     # -- a call -----------------------------------------------------------------------------
-    def plan(self, shape: Shape) -> Plan:
-        plan = build_plan(shape, self.options)
+    def choice(self, shape: Shape) -> Choice:
+        """The path and options ``shape``'s calls take: the tuning table's row for it,
+        under the settings the user gave."""
+        return choose(self.tuning, shape, self.options, self.given)
+
+    def plan(self, shape: Shape, options: Optional[Options] = None) -> Plan:
+        plan = build_plan(shape, self.options if options is None else options)
         return _verified(plan) if self.verify_plans else plan
 
     def prepare(self, name: str, shape: Shape, buffers: Dict[str, Optional[Buffer]],
@@ -591,7 +604,17 @@ class Engine:
                     self.layout_epoch += 1
 
     def _template(self, shape: Shape) -> CallTemplate:
-        plan = self.plan(shape)
+        """What every call of ``shape`` shares, the choice of its path included: made on
+        the first call of a shape, so a repeated call's choice costs nothing."""
+        choice = self.choice(shape)
+        plan = self.plan(shape, choice.options)
+        if self.tuning is not None and log.isEnabledFor(logging.INFO) \
+                and (shape.collective, choice.row) not in self._logged_rows:
+            self._logged_rows.add((shape.collective, choice.row))
+            log.info("rank %d %s of %d bytes: path %s, %s", self.rank, shape.collective,
+                     size_of(shape), choice.path,
+                     ", ".join(f"{name} from {source}" for name, source in choice.sources)
+                     or "the defaults")
         # a plan never addresses an empty buffer (and it may have no address); but every
         # direct kernel's call describes this rank's ring, whatever it needs of it (a
         # broadcast's root, a call of zero elements: none), so that after the first direct
@@ -606,7 +629,7 @@ class Engine:
         signature: tuple = (("collective", shape.collective), ("count", shape.count),
                             ("dtype", shape.dtype), ("op", shape.op), ("root", shape.root),
                             ("peer", shape.peer), ("scale", shape.scale))
-        changed = _changed_options(self.options)
+        changed = _changed_options(choice.options)
         if changed:  # ranks planning with other options would run other plans
             signature += (("options", changed),)
         template = CallTemplate(shape, plan, self.options, signature, used, shared)
@@ -1006,7 +1029,9 @@ class Engine:
         their kernels then see, ``DirectProgram.signature``)."""
         address, half = self._ring
         if half < nbytes:
-            largest = (self.world_size - 1) * self.options.kernel_bytes
+            largest = (self.world_size - 1) * max(
+                self.options.kernel_bytes, 0 if self.tuning is None or "kernel_bytes" in self.given
+                else self.tuning.largest("direct"))
             half = max(nbytes, 2 * half, largest, 64 << 10)
             address = self.device.alloc(2 * half)
             self._ring = (address, half)

@@ -9,22 +9,16 @@ collectives from ``hoccl.sched.COLLECTIVES``.
 
 from __future__ import annotations
 
-import dataclasses
-import os
 from typing import Any, Optional
 
 from ._buffers import Buffer
-from ._dtypes import FLOATING
+from ._dtypes import FLOATING, ITEMSIZE, NAMES, from_numpy
 from ._errors import InvalidArgumentError
-from .sched import Options
 from .sched.plan import OPS
 
-__all__ = ["ReduceOp", "positive_int", "reduce_op", "rank", "plan_options", "timeout_setting",
-           "flag_setting", "same_dtype", "same_shape", "blocks", "disjoint", "in_place",
-           "on_device", "switch", "OPTION_NAMES"]
-
-#: the planning options ``init``, ``init_local`` and ``set_options`` accept
-OPTION_NAMES = tuple(field.name for field in dataclasses.fields(Options))
+__all__ = ["ReduceOp", "positive_int", "reduce_op", "rank", "dtype_name", "dtype_itemsize",
+           "same_dtype", "same_shape",
+           "blocks", "disjoint", "in_place", "on_device"]
 
 
 class ReduceOp:
@@ -74,6 +68,24 @@ def scale(call: str, value: Any, op: str, dtype: str) -> Optional[float]:
     return number
 
 
+def dtype_name(call: str, dtype: Any) -> str:
+    """A dtype's hoccl name: one of ``hoccl._dtypes.NAMES``, or a numpy dtype of one."""
+    if isinstance(dtype, str) and dtype in NAMES:
+        return dtype
+    try:
+        import numpy as np
+        found = from_numpy(np.dtype(dtype))
+    except TypeError:
+        found = None
+    if found is None:
+        raise InvalidArgumentError(f"{call}: dtype must be one of {list(NAMES)}; got {dtype!r}")
+    return found.name
+
+
+def dtype_itemsize(call: str, dtype: Any) -> int:
+    return ITEMSIZE[dtype_name(call, dtype)]
+
+
 def rank(call: str, name: str, value: Any, world_size: int,
          other_than: Optional[int] = None) -> int:
     """A rank of the communicator (``root``, ``peer``), optionally not ``other_than``."""
@@ -83,55 +95,6 @@ def rank(call: str, name: str, value: Any, world_size: int,
         raise InvalidArgumentError(f"{call}: {name} must be a rank in [0, {world_size}){besides}; "
                                    f"got {value!r}")
     return value
-
-
-def plan_options(call: str, base: Options, changes: dict) -> Options:
-    """``base`` with ``changes`` applied; ``Options`` checks its own fields."""
-    unknown = sorted(set(changes) - set(OPTION_NAMES))
-    if unknown:
-        raise InvalidArgumentError(f"{call}: unknown options {unknown}; expected any of "
-                                   f"{sorted(OPTION_NAMES)}")
-    try:
-        return dataclasses.replace(base, **changes)
-    except InvalidArgumentError as error:
-        raise InvalidArgumentError(f"{call}: {error}") from None
-
-
-def timeout_setting(call: str, timeout: Any, default: float) -> float:
-    """The ``timeout`` argument, else ``HOCCL_TIMEOUT``, else ``default``: positive seconds."""
-    source = "timeout"
-    if timeout is None:
-        text = os.environ.get("HOCCL_TIMEOUT")
-        if text is None:
-            return default
-        source = "HOCCL_TIMEOUT"
-        try:
-            timeout = float(text)
-        except ValueError:
-            raise InvalidArgumentError(f"{call}: HOCCL_TIMEOUT must be a positive number of "
-                                       f"seconds; got {text!r}") from None
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise InvalidArgumentError(f"{call}: {source} must be a positive number of seconds; "
-                                   f"got {timeout!r}")
-    return float(timeout)
-
-
-def switch(call: str, name: str, value: Any, optional: bool = False) -> Optional[bool]:
-    """``value`` as a bool: True, False, 1 or 0 (what a settings string parses to); None
-    stays None when ``optional``."""
-    if value is None and optional:
-        return None
-    if value is True or value is False or (type(value) is int and value in (0, 1)):
-        return bool(value)
-    raise InvalidArgumentError(f"{call}: {name} must be True or False (or 1 or 0)"
-                               f"{' or None' if optional else ''}; got {value!r}")
-
-
-def flag_setting(value: Optional[bool], variable: str) -> bool:
-    """``value``, or the environment ``variable`` set to anything but "" or "0"."""
-    if value is None:
-        return os.environ.get(variable, "0") not in ("", "0")
-    return bool(value)
 
 
 # -- buffers -------------------------------------------------------------------------------

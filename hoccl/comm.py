@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import logging
 import threading
 import weakref
@@ -30,9 +31,14 @@ from ._errors import (AbortedError, DivergedError, HocclError, HocclTimeoutError
 from ._health import Health
 from ._windows import Window
 from .bootstrap import _ABORTED, Group, _describe, end_of_job
+from .config import Config
 from .sched import Shape
 
 __all__ = ["Communicator", "group", "group_start", "group_end"]
+
+#: the collectives ``Communicator.explain`` tells about
+_EXPLAINED = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast",
+              "reduce", "gather", "scatter")
 
 log = logging.getLogger("hoccl")
 
@@ -45,10 +51,14 @@ _KEPT: List[Any] = []  # buffers of calls still queued behind a stuck stream at 
 class Communicator:
     """One rank of a group.  Create with ``hoccl.init`` or ``hoccl.init_local``."""
 
-    def __init__(self, *, engine: Engine, group: Group, health: Health):
+    def __init__(self, *, engine: Engine, group: Group, health: Health,
+                 splitter: Optional[Callable[..., Optional["Communicator"]]] = None):
         self._engine = engine
         self._group = group
         self._health = health
+        #: what makes this communicator's children (``split``): the builder that made it,
+        #: handed in, so that this module never imports the builder
+        self._splitter = splitter
         self.rank = engine.rank
         self.world_size = engine.world_size
         self.backend: str = engine.device.backend
@@ -62,6 +72,48 @@ class Communicator:
         """This rank's ``hoccl.backends`` Device (host backend: ``create_stream()`` makes
         streams for ``stream=``)."""
         return self._engine.device
+
+    @property
+    def config(self) -> Config:
+        """Every setting later calls use (``hoccl.Config``), each resolved (``copy_sms``,
+        ``fuse_sums``): what ``set_options`` changes and ``split`` inherits."""
+        engine = self._engine
+        return Config(timeout=self._health.timeout, verify_plans=engine.verify_plans,
+                      max_sms=engine.sms.max_sms, copy_sms=engine.sms.copy_sms,
+                      fuse_sums=engine.sms.fuse_sums, given=engine.given,
+                      **dataclasses.asdict(engine.options))
+
+    @property
+    def tuning(self) -> Any:
+        """The tuning table this communicator chooses its calls' paths from (rank 0's,
+        ``hoccl.tuning``), or None: the defaults."""
+        return self._engine.tuning
+
+    def explain(self, collective: str, nbytes: int, dtype: Any = "float32", *,
+                in_place: bool = False, op: Any = "sum", root: int = 0) -> Dict[str, Any]:
+        """The path and settings a call would get, and where each came from: ``path``
+        (push, pull, one_shot, direct), ``settings`` (the planning options), ``sources``
+        (each setting the user or a table row decided: "user" or "table row N (...)"),
+        ``row`` and ``table`` (where the table came from, or "defaults").  ``nbytes`` is
+        nccl-tests' size: the whole output of all_gather, the whole input of
+        reduce_scatter and all_to_all, the buffer of the others.  Nothing is enqueued."""
+        name = "explain"
+        if collective not in _EXPLAINED:
+            raise InvalidArgumentError(f"{name}: collective must be one of {_EXPLAINED}; got "
+                                       f"{collective!r}")
+        itemsize = check.dtype_itemsize(name, dtype)
+        blocks = self.world_size if collective in ("all_gather", "reduce_scatter",
+                                                   "all_to_all") else 1
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0 \
+                or nbytes % (itemsize * blocks):
+            raise InvalidArgumentError(f"{name}: nbytes must be an int >= 0, a multiple of "
+                                       f"{itemsize * blocks} ({blocks} blocks of {dtype}); got "
+                                       f"{nbytes!r}")
+        shape = Shape(collective, self.world_size, nbytes // itemsize // blocks,
+                      check.dtype_name(name, dtype), itemsize, op=check.reduce_op(name, op),
+                      root=check.rank(name, "root", root, self.world_size), in_place=in_place)
+        choice = self._engine.choice(shape)
+        return {**choice.describe(), "table": self._engine.tuning_origin}
 
     @property
     def options(self) -> Any:
@@ -423,31 +475,32 @@ class Communicator:
         self._usable("split")
         if _held_calls() is not None:
             raise InvalidArgumentError("split: not inside hoccl.group(); split before or after")
-        from . import _build  # the builder makes Communicators: it imports this module
-        return _build.split(self, color, key, dict(
-            timeout=timeout, verify_plans=verify_plans, max_sms=max_sms, copy_sms=copy_sms,
-            options=options))
+        if self._splitter is None:
+            raise InvalidArgumentError("split: this communicator was not made by hoccl.init "
+                                       "and cannot split")
+        given = {name: value for name, value in dict(
+            options, timeout=timeout, verify_plans=verify_plans, max_sms=max_sms,
+            copy_sms=copy_sms).items() if value is not None}
+        return self._splitter(self, color, key, given)
 
     def set_options(self, **changes: Any) -> None:
-        """Change options for later calls: ``self_route``, ``chunk_bytes``, ``copy_lanes``,
-        ``one_shot_bytes``, ``pull_bytes``, ``kernel_bytes``, ``kernel_sms`` (planning),
-        ``max_sms`` (the SM cap of reductions), ``copy_sms`` (the SM cap of the one
-        same-GPU copy of out-of-place forms' own block) and ``fuse_sums`` (a pushed
-        reduction's chunk sums as one launch that waits for each chunk on the device)."""
+        """Change settings (fields of ``hoccl.Config``) for later calls; the rest stay.
+        Every change is checked before any takes effect."""
         self._usable("set_options")
-        caps = {name: changes.pop(name) for name in ("max_sms", "copy_sms") if name in changes}
-        for name, value in caps.items():
-            check.positive_int("set_options", name, value)
-        fuse = check.switch("set_options", "fuse_sums", changes.pop("fuse_sums", None),
-                            optional=True)
-        options = check.plan_options("set_options", self._engine.options, changes)
         engine = self._engine
-        for name, value in caps.items():
-            setattr(engine.sms, name, value)
-        if fuse is not None and fuse != engine.sms.fuse_sums:
-            engine.sms.fuse_sums = fuse
-            engine.forget_programs()  # bound programs hold the fused launches, or not
-        engine.options = options
+        old = self.config
+        config = old.replace("set_options", **changes)
+        with engine.lock:
+            engine.sms.max_sms = config.max_sms
+            engine.sms.copy_sms = config.copy_sms or engine.sms.copy_sms
+            if config.fuse_sums != old.fuse_sums:
+                engine.sms.fuse_sums = bool(config.fuse_sums)
+                engine.forget_programs()  # bound programs hold the fused launches, or not
+            engine.verify_plans = config.verify_plans
+            if config.plan_options != engine.options or config.given != engine.given:
+                engine.options = config.plan_options  # a new object: templates are remade
+                engine.given = config.given
+            self._health.timeout = config.timeout
 
     def close(self) -> None:
         """Wait for outstanding work (aborting it after ``timeout``), then release streams,

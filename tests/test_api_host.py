@@ -247,7 +247,7 @@ def test_init_local_rejects_bad_arguments():
         hoccl.init_local([], backend="host")
     with pytest.raises(hoccl.InvalidArgumentError, match="self_route"):
         hoccl.init_local(2, backend="host", self_route="sideways")
-    with pytest.raises(hoccl.InvalidArgumentError, match="unknown options"):
+    with pytest.raises(hoccl.InvalidArgumentError, match="unknown settings"):
         hoccl.init_local(2, backend="host", chunk=3)
     with pytest.raises(hoccl.InvalidArgumentError, match="init_local: copy_sms must be a "
                                                          "positive int or None; got 0"):

@@ -202,7 +202,7 @@ def test_split_arguments_are_checked(init_local, split_local):
         split_local(parents[::-1], [0, 0])
     with pytest.raises(hoccl.InvalidArgumentError, match="split_local: max_sms must be"):
         split_local(parents, [0, 0], max_sms=0)
-    with pytest.raises(hoccl.InvalidArgumentError, match="split_local: unknown options"):
+    with pytest.raises(hoccl.InvalidArgumentError, match="split_local: unknown settings"):
         split_local(parents, [0, 0], chunk=3)
     with pytest.raises(hoccl.InvalidArgumentError, match="split: the ranks of init_local .* "
                                                          "hoccl.split_local"):

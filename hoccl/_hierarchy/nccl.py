@@ -3,9 +3,9 @@ missing; CUDA buffers, every step enqueued on the caller's stream."""
 
 from __future__ import annotations
 
-import os
 from typing import Any, Callable, List, Sequence, Tuple
 
+from ..config import environ
 from .._errors import InvalidArgumentError
 from .engine import InterHostEngine, Setup
 
@@ -34,7 +34,7 @@ class NcclEngine(InterHostEngine):
         assert device is not None  # nccl needs the cuda backend, which picked a GPU
         rank = bootstrap.rank
         host, local = topology.host_of(rank), topology.local_of(rank)
-        binding = os.environ.get("HOCCL_NCCL_BINDING", "")
+        binding = environ("HOCCL_NCCL_BINDING") or ""
         try:
             if binding == "torch":
                 raise ImportError("HOCCL_NCCL_BINDING=torch")

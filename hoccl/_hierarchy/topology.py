@@ -6,10 +6,10 @@ the parent bootstrap's exchanges."""
 
 from __future__ import annotations
 
-import os
 import socket
 from typing import Any, List, Optional, Sequence, Tuple
 
+from ..config import environ
 from .._errors import InvalidArgumentError
 from ..bootstrap import Bootstrap
 from ..sched.hierarchical import Topology
@@ -50,8 +50,8 @@ def host_topology(call: str, bootstrap: Bootstrap, local_size: Optional[int]
     names = bootstrap.allgather(socket.gethostname())
     world_size = len(names)
     source = "local_size"
-    if local_size is None and os.environ.get("HOCCL_LOCAL_SIZE"):
-        text, source = os.environ["HOCCL_LOCAL_SIZE"], "HOCCL_LOCAL_SIZE"
+    if local_size is None and environ("HOCCL_LOCAL_SIZE"):
+        text, source = environ("HOCCL_LOCAL_SIZE") or "", "HOCCL_LOCAL_SIZE"
         try:
             local_size = int(text)
         except ValueError:

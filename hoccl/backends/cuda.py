@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import os
 import sys
 import threading
 import time
@@ -40,6 +39,7 @@ from typing import Any, Iterator, List, Sequence, Tuple
 
 from cuda.bindings import driver
 
+from ..config import environ
 from .._errors import DriverError, HocclTimeoutError, InvalidArgumentError
 from ._base import Device, MemOp
 from ._caller_stream import array_framework, stream_handle
@@ -209,7 +209,7 @@ class CudaDevice(_SmWork, _Memory, Device):
         least, greatest = _call(driver.cuCtxGetStreamPriorityRange)
         # Copy lanes default to the highest priority; HOCCL_LANE_PRIORITY=normal gives the
         # default priority (for measuring how SM work of reductions meets other kernels).
-        self._priority = least if os.environ.get("HOCCL_LANE_PRIORITY") == "normal" else greatest
+        self._priority = least if environ("HOCCL_LANE_PRIORITY") == "normal" else greatest
         # A private stream for setup work that must finish before a call returns.
         self._setup_stream = self.create_stream()
         self._batch_attributes = driver.CUmemcpyAttributes()

@@ -25,6 +25,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from ..config import environ
 from .._dtypes import numpy_dtype, reduce_arrays
 from .._errors import HocclError, HocclTimeoutError, InvalidArgumentError
 from ._base import (DIRECT_COPY, DIRECT_REDUCE, DIRECT_SIGNAL, DIRECT_VALUE_BITS, DIRECT_WAIT,
@@ -282,8 +283,8 @@ class HostDevice(Device):
         #: ``HOCCL_HOST_CHECK_SIGNALS=1`` (the CPU test tier sets it): every signal and
         #: completion word this device writes is checked, as it lands, never to lower the
         #: word (``_check_order``)
-        self._check_signals = os.environ.get("HOCCL_HOST_CHECK_SIGNALS") == "1"
-        self._jitter = float(os.environ.get("HOCCL_HOST_JITTER") or 0)
+        self._check_signals = environ("HOCCL_HOST_CHECK_SIGNALS") == "1"
+        self._jitter = float(environ("HOCCL_HOST_JITTER") or 0)
 
     # -- streams and events ------------------------------------------------------------
     def create_stream(self) -> HostStream:

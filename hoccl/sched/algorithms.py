@@ -72,9 +72,8 @@ class Options:
     to 4).  ``chunk_bytes``: pipeline unit of reductions (a reduction of chunk k
     overlaps the copies of chunk k+1).  ``self_route``: how a rank's own block reaches
     its place in out-of-place forms: ``"local"`` (a copy on at most ``copy_sms`` SMs,
-    the default: on 2 x H200 it doubles out-of-place all_gather's bandwidth, 380 vs
-    188 GB/s, and triples all_to_all's, 379 vs 127 GB/s) or ``"peer"`` (through a
-    peer's copy engine and back: zero SMs, costs NVLink bandwidth).  In-place forms
+    the default: the own block then takes no link bandwidth from the peers' blocks) or
+    ``"peer"`` (through a peer's copy engine and back: zero SMs, costs link bandwidth).  In-place forms
     have no own block to move and use no SM.  ``one_shot_bytes``: an all_reduce of at
     most this many bytes runs in one phase (every rank pushes its whole input into every
     peer's scratch and sums all of them itself: one round of signals instead of two,
@@ -401,9 +400,12 @@ def _reducing(b: _Builder) -> Plan:
     s, n = b.shape, b.n
     kind, item = s.collective, s.itemsize
     # one phase: every rank reduces the whole of it (all_reduce up to one_shot_bytes)
-    one_shot = kind == "all_reduce" and n > 1 and s.count * item <= b.options.one_shot_bytes
+    # (a threshold of 0 is off for every size, an empty buffer's included)
+    one_shot = (kind == "all_reduce" and n > 1 and b.options.one_shot_bytes > 0
+                and s.count * item <= b.options.one_shot_bytes)
     input_bytes = (n if kind == "reduce_scatter" else 1) * s.count * item
-    pull = n > 1 and not one_shot and input_bytes <= b.options.pull_bytes
+    pull = (n > 1 and not one_shot and b.options.pull_bytes > 0
+            and input_bytes <= b.options.pull_bytes)
     if kind == "reduce_scatter":
         owned = [(r * s.count, s.count) for r in range(n)]  # element range each rank reduces
         total = n * s.count

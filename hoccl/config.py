@@ -1,0 +1,246 @@
+"""Every setting of a communicator, in one frozen object: ``hoccl.Config``.
+
+    comm = hoccl.init(kernel_bytes=4096)              # settings as keywords, or
+    comm = hoccl.init(config=hoccl.Config(kernel_bytes=4096, max_sms=16))
+    comm.config                                       # what the communicator runs with
+    comm.set_options(chunk_bytes=64 << 20)            # a new Config for later calls
+
+A setting given to ``init``, ``init_local``, ``split``, ``set_options``,
+``hoccl.torch.Options`` or a benchmark's library name (``hoccl+kernel_bytes=4096``) is a
+field of ``Config``, checked here and nowhere else.  Where a setting is not given, its
+environment variable (``HOCCL_`` and the field's name in capitals: ``HOCCL_TIMEOUT``,
+``HOCCL_KERNEL_BYTES``...) is read, once, by ``Config.from_environment``; a ``split``
+inherits its parent's settings instead.  ``ENVIRONMENT`` lists every variable hoccl reads,
+settings or not, and ``environ`` is the one function that reads them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any, Dict, FrozenSet, Mapping, Optional, Tuple
+
+from ._errors import InvalidArgumentError
+from .sched import Options
+from .sched.algorithms import KERNEL_MAX_BLOCKS, SELF_ROUTES
+
+__all__ = ["Config", "DEFAULT_TIMEOUT", "ENVIRONMENT", "SETTINGS", "environ",
+           "default_copy_sms"]
+
+#: seconds a host wait may take before it raises
+DEFAULT_TIMEOUT = 300.0
+
+
+def default_copy_sms(world_size: int) -> int:
+    """SMs for a rank's own block in out-of-place forms (the one same-GPU copy, which
+    runs beside the peers' copy-engine transfers): enough to finish within them, so the
+    own block never sets the call's time.  The copy-engine time grows with the number of
+    peers while the own block does not, so the share shrinks: 16 / (n - 1), at least 2
+    (docs/design-notes.md)."""
+    return max(2, -(-16 // max(1, world_size - 1)))
+
+
+@dataclass(frozen=True)
+class Config:
+    """How a communicator moves data and waits: every setting, checked on creation.
+
+    Waiting and checking:
+
+    - ``timeout``: seconds any host wait may take before it raises (a missing peer, a
+      call the peers never make); the watchdog aborts work that runs past it.
+    - ``verify_plans``: prove every plan with ``hoccl.sched.verify`` before its first use.
+
+    SMs (the only SM work is arithmetic and the one same-GPU copy):
+
+    - ``max_sms``: the most SMs (thread blocks) a reduction kernel takes.
+    - ``copy_sms``: the most SMs the same-GPU copy of an out-of-place form's own block
+      takes; None: ``default_copy_sms(world_size)``.
+    - ``fuse_sums``: a pushed reduction's chunk sums as one launch that waits for each
+      chunk on the device, instead of a stream wait and a launch per chunk; None: on,
+      unless another rank drives this rank's GPU (the launch would spin through its
+      context's time slices while the peer's context waits).
+
+    Plans (``hoccl.sched.Options``):
+
+    - ``copy_lanes``: copy streams per rank (None: one per peer, up to 4).
+    - ``chunk_bytes``: the pipeline unit of reductions: the sum of chunk k overlaps the
+      copies of chunk k+1.
+    - ``self_route``: how an out-of-place form's own block reaches its place: "local" (a
+      copy on at most ``copy_sms`` SMs) or "peer" (through a peer's copy engine and back:
+      zero SMs, costs link bandwidth).
+    - ``one_shot_bytes``: an all_reduce of at most this many bytes runs in one phase
+      (every rank pushes its input to every peer and sums all of them); 0: off.
+    - ``pull_bytes``: a reduce_scatter, all_reduce or reduce of at most this many input
+      bytes sums the peers' inputs where they lie, with no copy before it; 0: off.
+    - ``kernel_bytes``: an all_gather, all_to_all, broadcast, reduce_scatter or
+      all_reduce whose largest buffer is at most this many bytes runs as one direct
+      kernel per rank (stores into the peers' staging rings, no copy engine); 0: off.
+    - ``kernel_sms``: the most SMs a direct kernel takes.
+    """
+    timeout: float = DEFAULT_TIMEOUT
+    verify_plans: bool = False
+    max_sms: int = 8
+    copy_sms: Optional[int] = None
+    fuse_sums: Optional[bool] = None
+    copy_lanes: Optional[int] = None
+    chunk_bytes: int = 32 << 20
+    self_route: str = "local"
+    one_shot_bytes: int = 0
+    pull_bytes: int = 0
+    kernel_bytes: int = 0
+    kernel_sms: int = 16
+    #: the settings the user gave (keywords, ``HOCCL_<NAME>``, or a ``Config`` made with
+    #: them, where they differ from the defaults): they override a tuning table's choice;
+    #: every other planning setting is the table's to choose (``hoccl.sched.select``)
+    given: FrozenSet[str] = field(default=frozenset(), compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        _check(self)
+        if not self.given:
+            object.__setattr__(self, "given", frozenset(
+                name for name in SETTINGS if getattr(self, name) != _DEFAULTS[name]))
+        elif not self.given <= set(SETTINGS):
+            raise InvalidArgumentError(f"given must name settings of {list(SETTINGS)}; got "
+                                       f"{sorted(self.given)}")
+
+    # -- making one ------------------------------------------------------------------
+    @classmethod
+    def make(cls, call: str, base: Optional["Config"] = None,
+             changes: Optional[Mapping[str, Any]] = None) -> "Config":
+        """``base`` (default: the defaults) with ``changes``; an unknown name or a bad
+        value raises ``InvalidArgumentError`` naming ``call``."""
+        changes = dict(changes or {})
+        unknown = sorted(set(changes) - set(SETTINGS))
+        if unknown:
+            raise InvalidArgumentError(f"{call}: unknown settings {unknown}; expected any of "
+                                       f"{list(SETTINGS)}")
+        base = base if base is not None else cls()
+        try:
+            made = dataclasses.replace(base, **changes)
+        except InvalidArgumentError as error:
+            raise InvalidArgumentError(f"{call}: {error}") from None
+        object.__setattr__(made, "given", base.given | frozenset(changes))
+        return made
+
+    @classmethod
+    def from_environment(cls, call: str, given: Optional[Mapping[str, Any]] = None,
+                         base: Optional["Config"] = None) -> "Config":
+        """The settings ``given``; each one not given from its ``HOCCL_*`` variable where
+        that is set; the rest from ``base`` (default: the defaults)."""
+        given = {name: value for name, value in (given or {}).items() if value is not None}
+        found: Dict[str, Any] = {}
+        for name in SETTINGS:
+            if name in given:
+                continue
+            variable = "HOCCL_" + name.upper()
+            text = environ(variable)
+            if text is not None and text != "":
+                found[name] = _parse(call, variable, name, text)
+        return cls.make(call, base, {**found, **given})
+
+    def replace(self, call: str = "Config.replace", **changes: Any) -> "Config":
+        """This config with ``changes`` (checked; errors name ``call``)."""
+        return Config.make(call, self, changes)
+
+    # -- what the parts take ---------------------------------------------------------
+    @property
+    def plan_options(self) -> Options:
+        """The planning settings, as the scheduler takes them."""
+        return Options(**{name: getattr(self, name) for name in _PLAN})
+
+    def settings(self) -> Dict[str, Any]:
+        """Every setting by name (what ``init`` would take to make this config)."""
+        return {name: getattr(self, name) for name in SETTINGS}
+
+
+#: every setting's name, in ``Config``'s order
+SETTINGS: Tuple[str, ...] = tuple(field.name for field in fields(Config) if field.name != "given")
+_PLAN = tuple(field.name for field in fields(Options))
+assert set(_PLAN) <= set(SETTINGS), "every planning option is a setting"
+
+#: every environment variable hoccl reads: the settings' (``HOCCL_<NAME>``) and these
+ENVIRONMENT: Dict[str, str] = {
+    **{"HOCCL_" + name.upper(): f"the {name} setting where it is not given (Config)"
+       for name in SETTINGS},
+    "HOCCL_DEBUG": "INFO, DEBUG or WARNING: hoccl's logger prints at that level to stderr",
+    "HOCCL_LOCAL_SIZE": "ranks per (simulated) host for init's host grouping",
+    "HOCCL_NCCL_BINDING": "'torch': the inter-host NCCL engine uses torch.distributed, "
+                          "not nccl4py",
+    "HOCCL_SPLIT_CUDA": "1: allow split_local of GPU communicators",
+    "HOCCL_LANE_PRIORITY": "'normal': copy lanes at the default stream priority, not the "
+                           "highest",
+    "HOCCL_HOST_JITTER": "host backend, for tests: at most this many seconds of sleep "
+                         "before each item of a host stream",
+    "HOCCL_HOST_CHECK_SIGNALS": "host backend, for tests: 1 checks that no signal lowers "
+                                "its word",
+    "HOCCL_TUNING_FILE": "a tuning table to load at init",
+}
+
+
+def environ(variable: str) -> Optional[str]:
+    """The value of one of hoccl's environment variables (``ENVIRONMENT``), or None."""
+    assert variable in ENVIRONMENT, f"{variable} is not in hoccl.config.ENVIRONMENT"
+    return os.environ.get(variable)
+
+
+def _parse(call: str, variable: str, name: str, text: str) -> Any:
+    """A setting's value from its variable's text: a number (sizes may end in K, M or G),
+    a switch (1/0, true/false, on/off) or a word, by the field's default."""
+    default = _DEFAULTS[name]
+    lowered = text.strip().lower()
+    if name in ("verify_plans", "fuse_sums"):
+        if lowered in ("1", "true", "on", "yes"):
+            return True
+        if lowered in ("0", "false", "off", "no"):
+            return False
+        raise InvalidArgumentError(f"{call}: {variable} must be 1 or 0; got {text!r}")
+    if name == "self_route":
+        return lowered
+    try:
+        if name == "timeout":
+            return float(lowered)
+        scale = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}.get(lowered[-1:], 1)
+        return int(lowered[:-1] if scale > 1 else lowered) * scale
+    except ValueError:
+        kind = "a number of seconds" if name == "timeout" else "an int (K, M, G allowed)"
+        raise InvalidArgumentError(f"{call}: {variable} must be {kind}; got {text!r} "
+                                   f"(default {default!r})") from None
+
+
+_DEFAULTS = {field.name: field.default for field in fields(Config) if field.name != "given"}
+
+
+def _check(config: Config) -> None:
+    """Every field's type and range; the planning fields as ``Options`` checks them."""
+    timeout = config.timeout
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0 \
+            or timeout != timeout:
+        raise InvalidArgumentError(f"timeout must be a positive number of seconds; "
+                                   f"got {timeout!r}")
+    object.__setattr__(config, "timeout", float(timeout))
+    if config.verify_plans not in (True, False, 0, 1) or type(config.verify_plans) not in (bool, int):
+        raise InvalidArgumentError(f"verify_plans must be True or False; got "
+                                   f"{config.verify_plans!r}")
+    object.__setattr__(config, "verify_plans", bool(config.verify_plans))
+    if not _positive_int(config.max_sms):
+        raise InvalidArgumentError(f"max_sms must be a positive int; got {config.max_sms!r}")
+    if config.copy_sms is not None and not _positive_int(config.copy_sms):
+        raise InvalidArgumentError(f"copy_sms must be a positive int; got {config.copy_sms!r}")
+    fuse = config.fuse_sums
+    if fuse is not None:
+        if not (fuse is True or fuse is False or (type(fuse) is int and fuse in (0, 1))):
+            raise InvalidArgumentError(f"fuse_sums must be True or False (or 1 or 0) or "
+                                       f"None; got {fuse!r}")
+        object.__setattr__(config, "fuse_sums", bool(fuse))
+    if config.self_route not in SELF_ROUTES:
+        raise InvalidArgumentError(f"self_route must be one of {SELF_ROUTES}; got "
+                                   f"{config.self_route!r}")
+    if not _positive_int(config.kernel_sms) or config.kernel_sms > KERNEL_MAX_BLOCKS:
+        raise InvalidArgumentError(f"kernel_sms must be an int in [1, {KERNEL_MAX_BLOCKS}]; "
+                                   f"got {config.kernel_sms!r}")
+    config.plan_options  # noqa: B018 - Options checks the rest of its own fields
+
+
+def _positive_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0

@@ -1,0 +1,262 @@
+"""Each call's path and settings, from a tuning table measured on the machine (pure).
+
+A call is known by its collective and its size (nccl-tests' size, ``size_of``: the whole
+output of all_gather, the whole input of reduce_scatter and all_to_all, the buffer of
+all_reduce and broadcast).  A ``Table`` holds, per collective, rows of size ranges, each
+naming the **path** to take and the settings to take it with:
+
+=========  ===========================================================================
+path       what runs
+=========  ===========================================================================
+push       copy engines push each block into the peers' buffers or scratch; the
+           reductions sum from scratch in chunks of ``chunk_bytes``
+pull       a reduction's kernel sums the peers' inputs where they lie (``pull_bytes``)
+one_shot   an all_reduce in one phase: every rank pushes its input to every peer
+           (``one_shot_bytes``)
+direct     one direct kernel per rank, no copy engine (``kernel_bytes``)
+=========  ===========================================================================
+
+``choose`` turns (table, call, the communicator's settings, the names the user gave)
+into the ``Options`` the call is planned with: a setting the user gave always wins;
+every setting left unset comes from the row, else from the defaults.  A table is a
+machine's: ``Table.machine`` says which (GPU model, world size, ranks per GPU, link,
+backend, hoccl's version), and ``Table.mismatch`` tells why a table does not apply.
+Without one, the defaults stand (copy engines, no small-message path): nothing that was
+not measured on a machine is switched on there.
+
+Every rank of a communicator chooses from the same table (rank 0's, shared at init), so
+ranks still plan alike and a real disagreement is still a ``MismatchError``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Any, Dict, FrozenSet, Iterable, List, Mapping, Optional, Sequence, Tuple
+
+from .algorithms import KERNEL_COLLECTIVES, KERNEL_MAX_RANKS, Options, Shape, kernel_bytes_of
+
+__all__ = ["PATHS", "TUNED", "TABLE_FORMAT", "TABLE_VERSION", "Row", "Table", "Choice",
+           "TableError", "choose", "candidates", "size_of", "path_options"]
+
+TABLE_FORMAT = "hoccl-tuning"
+TABLE_VERSION = 1
+PATHS = ("push", "pull", "one_shot", "direct")
+#: the settings a row may give besides its path
+TUNED = ("chunk_bytes", "copy_lanes", "kernel_sms", "self_route")
+#: the thresholds a path is taken by (``build_plan`` compares the size with them)
+_THRESHOLDS = ("kernel_bytes", "pull_bytes", "one_shot_bytes")
+_PATH_THRESHOLD = {"direct": "kernel_bytes", "pull": "pull_bytes", "one_shot": "one_shot_bytes"}
+_REDUCING = ("reduce_scatter", "all_reduce", "reduce")
+#: the machine's properties a table is keyed by, in order
+MACHINE_KEYS = ("backend", "gpu", "world_size", "ranks_per_gpu", "link", "hoccl")
+
+
+class TableError(ValueError):
+    """A tuning table that cannot be used: malformed, of another format or version."""
+
+
+def size_of(shape: Shape) -> int:
+    """The size a table's rows are keyed by (nccl-tests' size of the call)."""
+    return kernel_bytes_of(shape)
+
+
+def candidates(collective: str, world_size: int) -> Tuple[str, ...]:
+    """The paths a call of ``collective`` among ``world_size`` ranks can take."""
+    paths = ["push"]
+    if collective in _REDUCING:
+        paths.append("pull")
+    if collective == "all_reduce":
+        paths.append("one_shot")
+    if collective in KERNEL_COLLECTIVES and 1 < world_size <= KERNEL_MAX_RANKS:
+        paths.append("direct")
+    return tuple(paths)
+
+
+def path_options(path: str, size: int, base: Options) -> Options:
+    """``base`` with the thresholds set so that a call of ``size`` bytes takes ``path``
+    (a threshold of ``size`` turns its path on for it; the others are off)."""
+    if path not in PATHS:
+        raise TableError(f"path must be one of {PATHS}; got {path!r}")
+    wanted = _PATH_THRESHOLD.get(path)
+    thresholds: Dict[str, Any] = {name: max(1, size) if name == wanted else 0
+                                  for name in _THRESHOLDS}
+    return dataclasses.replace(base, **thresholds)
+
+
+@dataclass(frozen=True)
+class Row:
+    """Calls of ``collective`` whose size is in [``min_bytes``, ``max_bytes``] take
+    ``path`` with ``settings`` (names of ``TUNED``); ``source`` says where it was measured."""
+    collective: str
+    min_bytes: int
+    max_bytes: int
+    path: str
+    settings: Tuple[Tuple[str, Any], ...] = ()
+    source: str = ""
+
+    def covers(self, collective: str, size: int) -> bool:
+        return self.collective == collective and self.min_bytes <= size <= self.max_bytes
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"collective": self.collective, "min_bytes": self.min_bytes,
+                "max_bytes": self.max_bytes, "path": self.path,
+                "settings": dict(self.settings), "source": self.source}
+
+
+@dataclass(frozen=True)
+class Table:
+    """A machine's measured choices: ``machine`` (``MACHINE_KEYS``), ``rows``, and where
+    the table came from (``origin``: a file, the shipped table's name)."""
+    machine: Tuple[Tuple[str, Any], ...]
+    rows: Tuple[Row, ...]
+    origin: str = ""
+    note: str = ""
+
+    # -- reading and writing --------------------------------------------------------
+    @classmethod
+    def from_dict(cls, data: Any, origin: str = "") -> "Table":
+        where = f"tuning table {origin}" if origin else "tuning table"
+        if not isinstance(data, dict):
+            raise TableError(f"{where}: expected a JSON object; got {type(data).__name__}")
+        if data.get("format") != TABLE_FORMAT:
+            raise TableError(f"{where}: format must be {TABLE_FORMAT!r}; got "
+                             f"{data.get('format')!r}")
+        if data.get("version") != TABLE_VERSION:
+            raise TableError(f"{where}: version {data.get('version')!r} is not the version "
+                             f"this hoccl reads ({TABLE_VERSION}); tune again: "
+                             f"python -m hoccl.tune")
+        machine = data.get("machine")
+        if not isinstance(machine, dict) or sorted(machine) != sorted(MACHINE_KEYS):
+            raise TableError(f"{where}: machine must name exactly {list(MACHINE_KEYS)}; got "
+                             f"{machine!r}")
+        rows = data.get("rows")
+        if not isinstance(rows, list):
+            raise TableError(f"{where}: rows must be a list; got {type(rows).__name__}")
+        parsed = tuple(_row(where, index, row) for index, row in enumerate(rows))
+        _check_overlaps(where, parsed)
+        return cls(tuple((key, machine[key]) for key in MACHINE_KEYS), parsed, origin,
+                   str(data.get("note", "")))
+
+    @classmethod
+    def from_json(cls, text: str, origin: str = "") -> "Table":
+        try:
+            data = json.loads(text)
+        except ValueError as error:
+            raise TableError(f"tuning table {origin}: not JSON: {error}") from None
+        return cls.from_dict(data, origin)
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"format": TABLE_FORMAT, "version": TABLE_VERSION, "machine": dict(self.machine),
+                "note": self.note, "rows": [row.to_dict() for row in self.rows]}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1, sort_keys=False) + "\n"
+
+    # -- use --------------------------------------------------------------------------
+    def mismatch(self, machine: Mapping[str, Any]) -> Optional[str]:
+        """Why this table is not ``machine``'s (None: it is)."""
+        differ = [f"{key} {value!r} (this machine: {machine.get(key)!r})"
+                  for key, value in self.machine if machine.get(key) != value]
+        return ", ".join(differ) if differ else None
+
+    def row_for(self, collective: str, size: int) -> Optional[Tuple[int, Row]]:
+        for index, row in enumerate(self.rows):
+            if row.covers(collective, size):
+                return index, row
+        return None
+
+    def largest(self, path: str) -> int:
+        """The largest size any row takes ``path`` at (sizes the direct kernels' rings)."""
+        return max((row.max_bytes for row in self.rows if row.path == path), default=0)
+
+
+def _row(where: str, index: int, row: Any) -> Row:
+    if not isinstance(row, dict):
+        raise TableError(f"{where}: row {index} must be an object; got {row!r}")
+    collective, path = row.get("collective"), row.get("path")
+    low: Any = row.get("min_bytes")
+    high: Any = row.get("max_bytes")
+    settings: Any = row.get("settings", {})
+    if not isinstance(collective, str) or not isinstance(path, str) or path not in PATHS:
+        raise TableError(f"{where}: row {index} needs a collective and a path of {PATHS}; "
+                         f"got {row!r}")
+    if (not all(isinstance(value, int) and not isinstance(value, bool) for value in (low, high))
+            or not 0 <= low <= high):
+        raise TableError(f"{where}: row {index}: min_bytes and max_bytes must be ints with "
+                         f"0 <= min_bytes <= max_bytes; got {low!r}, {high!r}")
+    if path != "push" and path not in candidates(collective, KERNEL_MAX_RANKS):
+        raise TableError(f"{where}: row {index}: a {collective} cannot take path {path!r}")
+    if not isinstance(settings, dict) or set(settings) - set(TUNED):
+        raise TableError(f"{where}: row {index}: settings may name only {list(TUNED)}; got "
+                         f"{settings!r}")
+    try:
+        dataclasses.replace(Options(), **settings)
+    except ValueError as error:  # InvalidArgumentError is a ValueError
+        raise TableError(f"{where}: row {index}: {error}") from None
+    return Row(collective, low, high, path, tuple(sorted(settings.items())),
+               str(row.get("source", "")))
+
+
+def _check_overlaps(where: str, rows: Sequence[Row]) -> None:
+    by_collective: Dict[str, List[Tuple[int, int, int]]] = {}
+    for index, row in enumerate(rows):
+        by_collective.setdefault(row.collective, []).append((row.min_bytes, row.max_bytes, index))
+    for collective, ranges in by_collective.items():
+        ranges.sort()
+        for (_, high, first), (low, _, second) in zip(ranges, ranges[1:]):
+            if low <= high:
+                raise TableError(f"{where}: rows {first} and {second} of {collective} overlap")
+
+
+@dataclass(frozen=True)
+class Choice:
+    """A call's path and the options it is planned with, and where each came from:
+    ``sources`` maps each setting a row or the user decided to "user", or to "table row
+    N (source)"; the rest are the defaults."""
+    path: str
+    options: Options
+    sources: Tuple[Tuple[str, str], ...]
+    row: Optional[int] = None
+
+    def describe(self) -> Dict[str, Any]:
+        return {"path": self.path, "settings": dataclasses.asdict(self.options),
+                "sources": dict(self.sources), "row": self.row}
+
+
+def choose(table: Optional[Table], shape: Shape, base: Options,
+           given: Iterable[str] = ()) -> Choice:
+    """The options ``shape``'s call is planned with: ``base`` (the communicator's
+    settings) where the user ``given`` them, else the table's row for the call, else
+    ``base`` (the defaults)."""
+    user: FrozenSet[str] = frozenset(given)
+    sources = {name: "user" for name in user if hasattr(base, name)}
+    found = table.row_for(shape.collective, size_of(shape)) if table is not None else None
+    if found is None:
+        return Choice(_path_of(shape, base), base, tuple(sorted(sources.items())))
+    index, row = found
+    source = f"table row {index}" + (f" ({row.source})" if row.source else "")
+    chosen = path_options(row.path, row.max_bytes, base)
+    changes = {name: getattr(chosen, name) for name in _THRESHOLDS if name not in user}
+    changes.update({name: value for name, value in row.settings if name not in user})
+    options = dataclasses.replace(base, **changes)
+    sources.update({name: source for name in changes})
+    return Choice(_path_of(shape, options), options, tuple(sorted(sources.items())), index)
+
+
+def _path_of(shape: Shape, options: Options) -> str:
+    """The path ``build_plan`` takes for ``shape`` with ``options`` (its order)."""
+    size = size_of(shape)
+    if (options.kernel_bytes and shape.collective in KERNEL_COLLECTIVES
+            and 1 < shape.world_size <= KERNEL_MAX_RANKS and size <= options.kernel_bytes):
+        return "direct"
+    nb = shape.count * shape.itemsize
+    if shape.world_size > 1 and shape.collective == "all_reduce" and options.one_shot_bytes \
+            and nb <= options.one_shot_bytes:
+        return "one_shot"
+    if shape.world_size > 1 and shape.collective in _REDUCING and options.pull_bytes \
+            and (shape.world_size if shape.collective == "reduce_scatter" else 1) * nb \
+            <= options.pull_bytes:
+        return "pull"
+    return "push"
