@@ -261,3 +261,20 @@ def test_the_tuner_under_mpiexec_and_a_check_of_its_table(tmp_path):
                             env={**os.environ, **MPI_ENV, "HOCCL_TUNING_FILE": str(path)})
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     assert result.stdout.count("exact") == RANKS * len(COLLECTIVES) * 2
+
+
+def test_the_shipped_tables_parse_and_name_the_runs_they_come_from():
+    from pathlib import Path
+    shipped = sorted(tuning.SHIPPED.glob("*.json"))
+    assert shipped, f"no table in {tuning.SHIPPED}"
+    root = Path(__file__).resolve().parent.parent
+    for path in shipped:
+        table = Table.from_json(path.read_text(), str(path))
+        assert table.rows and table.note
+        for row in table.rows:
+            named = row.source.split(" ")[0]
+            assert (root / named).is_file() and "commit " in row.source, row.source
+    h200 = Table.from_json((tuning.SHIPPED / "h200x2.json").read_text())
+    assert dict(h200.machine) == {"backend": "cuda", "gpu": "NVIDIA H200", "world_size": 2,
+                                  "ranks_per_gpu": 1, "link": "nvlink",
+                                  "hoccl": hoccl.__version__}
