@@ -17,7 +17,8 @@ and after the last whole vector go one by one.
 Arguments travel as one struct passed by value (``__grid_constant__``), so the input
 pointer table needs no device memory and no lifetime management: the driver copies
 kernel parameters when ``cuLaunchKernel`` returns.  The ctypes mirrors of the structs live
-in ``cuda.py`` beside the launch code; the field order here is the contract.
+in ``_cuda_structs.py``; the definitions here are the contract, and
+``tests/test_kernel_structs.py`` checks the mirrors' fields, types and offsets against them.
 
 Numerics:
 - float16 and bfloat16 are accumulated in float32, float32 in float32, float64 in
