@@ -34,7 +34,9 @@ def arguments(argv=None) -> argparse.Namespace:
     parser.add_argument("--libraries",
                         default="hoccl,hoccl-peer,hoccl+copy_sms=8,hoccl+max_sms=32,nccl,nccl4py,"
                                 "nccl-zero",
-                        help="comma-separated: hoccl (default options), hoccl-peer / hoccl-local "
+                        help="comma-separated: hoccl (default options), hoccl-auto (each "
+                             "call's path from the machine's tuning table, nothing set), "
+                             "hoccl-peer / hoccl-local "
                              "(out-of-place own block through the peer / on capped SMs), any "
                              "of them +max_sms=N+copy_sms=N+chunk_bytes=S (variants changing "
                              "only copy_sms or max_sms run only where it matters), nccl "

@@ -17,7 +17,8 @@ FORMS = {"all_gather": ("out", "in"), "reduce_scatter": ("out", "in"),
 #: the root of the benchmarks' broadcasts
 ROOT = 0
 
-__all__ = ["COLLECTIVES", "FORMS", "Ranks", "Library", "Hoccl", "TorchNccl", "Nccl4py", "libraries",
+__all__ = ["COLLECTIVES", "FORMS", "Ranks", "Library", "Hoccl", "HocclAuto", "TorchNccl",
+           "Nccl4py", "libraries",
            "setup_ranks", "make_buffers", "count_wrong", "time_loop", "bus_factor", "parse_size",
            "human", "metadata", "report"]
 
@@ -262,6 +263,46 @@ class Hoccl(Library):
             getattr(comm, collective)(send, recv, stream=stream)
 
 
+class HocclAuto(Hoccl):
+    """hoccl as a user gets it who sets nothing (``hoccl-auto``): each call's path and
+    settings come from the machine's tuning table (``python -m hoccl.tune``, else a table
+    shipped for the machine, else the defaults; ``comm.explain``), plus the settings
+    appended to the name (``hoccl-auto+max_sms=32``), which override the table.
+
+    ``hoccl`` and its variants instead set every option explicitly before each
+    measurement (``Hoccl.prepare``), and a setting that is given overrides the table,
+    so they always run their own settings.  Given settings stay given on a communicator,
+    and ``setup_ranks`` gives ``max_sms`` and ``chunk_bytes`` too: this library therefore
+    runs on communicators of its own, opened with only its settings."""
+
+    def __init__(self, ranks: Ranks, name: str, settings: Dict[str, Any]):
+        import hoccl
+        if ranks.mpi is None:
+            comms = hoccl.init_local(list(ranks.devices), backend="cuda", **settings)
+        else:
+            comms = [hoccl.init(backend="cuda", **settings)]
+        super().__init__(Ranks(comms, ranks.world_size, ranks.mpi, ranks.devices), None, name,
+                         settings)
+
+    def prepare(self) -> None:
+        """Nothing: the table (and the settings given at init) decide."""
+
+    def sms_for(self, collective: str, nbytes: int = 0) -> str:
+        """The path the table gives a call of ``nbytes`` (nccl-tests' size), and where
+        that came from, before what the path occupies."""
+        comm = self.ranks.comms[0]
+        blocks = comm.world_size if collective in ("all_gather", "reduce_scatter",
+                                                   "all_to_all") else 1
+        chosen = comm.explain(collective, nbytes - nbytes % blocks, "uint8")
+        row = f"row {chosen['row']} of {chosen['table']}" if chosen["row"] is not None \
+            else chosen["table"]
+        if chosen["path"] == "direct":
+            from ..sched.algorithms import kernel_blocks_for
+            blocks = kernel_blocks_for(nbytes, chosen["settings"]["kernel_sms"])
+            return f"direct kernel ({row}): {blocks} SMs (no copy engine)"
+        return f"{chosen['path']} ({row}): {self.sms}"
+
+
 class TorchNccl(Library):
     """NCCL through torch.distributed (its default settings)."""
     name = "nccl"
@@ -357,7 +398,9 @@ def libraries(ranks: Ranks, wanted: List[str]) -> List[Library]:
         settings = {key: parse_size(value) for key, value in
                     (assignment.split("=") for assignment in assignments)}
         try:
-            if base in ("hoccl", "hoccl-local", "hoccl-peer", "hoccl-reg"):
+            if base == "hoccl-auto":
+                found.append(HocclAuto(ranks, name, settings))
+            elif base in ("hoccl", "hoccl-local", "hoccl-peer", "hoccl-reg"):
                 route = base.split("-")[1] if base in ("hoccl-local", "hoccl-peer") else None
                 found.append(Hoccl(ranks, route, name, settings, registered=base == "hoccl-reg"))
             elif ranks.mpi is None:
