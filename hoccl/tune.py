@@ -418,7 +418,12 @@ def table_of(machine: Dict[str, Any], results: Dict[str, List[Measurement]],
              skipped: Dict[str, int], run: str) -> Table:
     rows: List[Row] = []
     for collective, measured in results.items():
-        rows += rows_of(collective, winners(measured), collective not in skipped, run)
+        chosen = winners(measured)
+        # the last row runs on past the largest size only where that size was measured
+        # and had a right candidate
+        complete = collective not in skipped and bool(chosen) \
+            and chosen[-1][0] == max(one.size for one in measured)
+        rows += rows_of(collective, chosen, complete, run)
     note = f"measured by {run}"
     if skipped:
         note += "; skipped by the budget, left to the defaults: " + ", ".join(
