@@ -10,8 +10,9 @@ push and pull reductions also with a few ``chunk_bytes``), the tuner forces that
 (``set_options``: a setting the user gives overrides any table), checks one call against
 the reference (``hoccl.testing.check_collective``: fresh random inputs, poisoned
 outputs, every output compared bit for bit, since every backend sums in rank order; with
-``--tolerance`` float reductions within that error), and only then times it: warm-up calls, then the median of
-``--samples`` samples, each a run of back-to-back calls ended by ``synchronize``.
+``--tolerance`` float reductions within that error), and only then times it: warm-up
+calls, then the median of ``--samples`` samples, each a run of back-to-back calls ended
+by ``synchronize``.
 Every rank takes the slowest rank's time, so all ranks choose alike.  The fastest
 correct candidate wins each (collective, size); neighbouring sizes with the same winner
 merge into one row of size range, and rank 0 writes the table (``select.Table``) to

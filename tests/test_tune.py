@@ -13,7 +13,8 @@ import pytest
 
 import hoccl
 from hoccl import InvalidArgumentError, tune, tuning
-from hoccl.sched.select import Table, TableError, size_of
+from hoccl.bench._harness import Ranks
+from hoccl.sched.select import MACHINE_KEYS, Table, TableError, size_of
 from hoccl.testing import FAULTS, ArrayModule, PlantedFault, check_collective
 
 from test_mpi import MPI_ENV, _mpiexec
@@ -61,9 +62,12 @@ def _assert_covers(table, max_bytes, ranks=RANKS):
 def test_the_tuned_table_parses_and_covers_every_measured_size(tuned):
     path, output = tuned
     table = Table.from_json(path.read_text(), str(path))
-    assert dict(table.machine) == {"backend": "host", "gpu": "host", "world_size": RANKS,
-                                   "ranks_per_gpu": 1, "link": "host",
-                                   "hoccl": hoccl.__version__}
+    machine = dict(table.machine)
+    assert tuple(machine) == MACHINE_KEYS
+    assert {key: machine[key] for key in ("backend", "gpu", "world_size", "ranks_per_gpu",
+                                          "hoccl")} == {
+        "backend": "host", "gpu": "host", "world_size": RANKS, "ranks_per_gpu": 1,
+        "hoccl": hoccl.__version__}
     _assert_covers(table, 64 << 10)
     assert f"rows written to {path}" in output
     assert "[" + "#" * 30 + "]" in output  # the progress bar reached its end
@@ -136,8 +140,10 @@ def test_a_table_of_another_machine_is_logged_and_the_defaults_stay_exact(
 def test_a_damaged_table_in_the_cache_is_passed_over(tmp_path, monkeypatch, caplog):
     monkeypatch.delenv("HOCCL_TUNING_FILE", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    machine = {"backend": "host", "gpu": "host", "world_size": RANKS, "ranks_per_gpu": 1,
-               "link": "host", "hoccl": hoccl.__version__}
+    probe = hoccl.init_local(RANKS, backend="host")
+    machine = tune.machine_of(Ranks(probe, RANKS))
+    for comm in probe:
+        comm.close()
     cached = tuning.cache_dir() / tuning.table_name(machine)
     cached.parent.mkdir(parents=True)
     cached.write_text('{"format": "hoccl-tuning", "version": 1, "rows": [')
@@ -275,6 +281,8 @@ def test_the_shipped_tables_parse_and_name_the_runs_they_come_from():
             named = row.source.split(" ")[0]
             assert (root / named).is_file() and "commit " in row.source, row.source
     h200 = Table.from_json((tuning.SHIPPED / "h200x2.json").read_text())
-    assert dict(h200.machine) == {"backend": "cuda", "gpu": "NVIDIA H200", "world_size": 2,
-                                  "ranks_per_gpu": 1, "link": "nvlink",
-                                  "hoccl": hoccl.__version__}
+    machine = dict(h200.machine)
+    assert {key: machine[key] for key in ("backend", "gpu", "world_size", "ranks_per_gpu",
+                                          "link", "hoccl")} == {
+        "backend": "cuda", "gpu": "NVIDIA H200", "world_size": 2, "ranks_per_gpu": 1,
+        "link": "nvlink", "hoccl": hoccl.__version__}
