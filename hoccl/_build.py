@@ -46,9 +46,11 @@ def make_engine(config: Config, rank: int, world_size: int, share: DeviceShare,
     return engine
 
 
-def _use_table(engines: Sequence[Engine], table: Optional[Table], origin: str) -> None:
+def _use_table(engines: Sequence[Engine], machine: Dict[str, Any],
+               found: Tuple[Optional[Table], str]) -> None:
     for engine in engines:
-        engine.tuning, engine.tuning_origin = table, origin
+        engine.machine = machine
+        engine.tuning, engine.tuning_origin = found
 
 
 def connect_local(shares: Sequence[DeviceShare], config: Config, owns_devices: bool
@@ -61,7 +63,7 @@ def connect_local(shares: Sequence[DeviceShare], config: Config, owns_devices: b
     for engine in engines:
         engine.pad.connect([other.pad.address for other in engines])
     machine = machine_of(engines[0].device, len(engines), 1)
-    _use_table(engines, *load_table(machine, "init_local"))
+    _use_table(engines, machine, load_table(machine, "init_local"))
     monitors = [Health(engine, config.timeout, group) for engine in engines]
     group.monitors = monitors
     return [Communicator(engine=engine, group=group, health=health, splitter=split)
@@ -109,9 +111,8 @@ def connect_process(call: str, backend: str, bootstrap: Bootstrap, device: Optio
         engine.sms.fuse_sums = False
     physical = [identity[-1] for identity in everyone]
     per_gpu = max(physical.count(one) for one in physical) if None not in physical else 1
-    _use_table([engine], *shared_table(call, group.rank,
-                                       machine_of(handle, world_size, per_gpu),
-                                       bootstrap.allgather))
+    machine = machine_of(handle, world_size, per_gpu)
+    _use_table([engine], machine, shared_table(call, group.rank, machine, bootstrap.allgather))
     pads = []
     for rank, (host, _, _, pad, _) in enumerate(everyone):
         if host != group.host:

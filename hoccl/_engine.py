@@ -301,6 +301,7 @@ class Engine:
         #: defaults), where it came from, and the settings the user gave, which win over
         #: it (``hoccl.sched.select.choose``): set by the builder before the first call
         self.tuning: Optional[Table] = None
+        self.machine: Dict[str, Any] = {}  # what the table is keyed by (hoccl.tuning)
         self.tuning_origin = "defaults"
         self.given: FrozenSet[str] = frozenset()
         self._logged_rows: Set[Tuple[str, Optional[int]]] = set()

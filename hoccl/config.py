@@ -226,7 +226,8 @@ def _check(config: Config) -> None:
     if not _positive_int(config.max_sms):
         raise InvalidArgumentError(f"max_sms must be a positive int; got {config.max_sms!r}")
     if config.copy_sms is not None and not _positive_int(config.copy_sms):
-        raise InvalidArgumentError(f"copy_sms must be a positive int; got {config.copy_sms!r}")
+        raise InvalidArgumentError(f"copy_sms must be a positive int or None; got "
+                                   f"{config.copy_sms!r}")
     fuse = config.fuse_sums
     if fuse is not None:
         if not (fuse is True or fuse is False or (type(fuse) is int and fuse in (0, 1))):

@@ -38,7 +38,6 @@ import argparse
 import math
 import sys
 import time
-from collections import Counter
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -191,15 +190,8 @@ def agreed(ranks: Ranks, value: Any) -> Any:
 
 
 def machine_of(ranks: Ranks) -> Dict[str, Any]:
-    """The machine these ranks' table is for, as ``init`` computes it."""
-    from .tuning import machine_of as machine
-    comm = ranks.comms[0]
-    per_gpu = 1
-    if ranks.mpi is not None and comm.backend != "host":
-        import socket
-        places = ranks.mpi.allgather((socket.gethostname(), comm.device))
-        per_gpu = max(Counter(places).values())
-    return machine(comm._engine.device, ranks.world_size, per_gpu)
+    """The machine these ranks' table is for: what ``init`` keyed its own look-up by."""
+    return dict(ranks.comms[0]._engine.machine)
 
 
 def force(ranks: Ranks, base: Dict[str, Any], candidate: Candidate, shape: Shape) -> None:

@@ -40,12 +40,14 @@ def machine_of(device: Any, world_size: int, ranks_per_gpu: int) -> Dict[str, An
     from . import __version__
     backend = device.backend
     if backend == "host":
-        gpu, link = "host", "host"
+        gpu, link, links = "host", "host", 0
     else:
         gpu = getattr(device, "model", None) or "unknown"
-        link = "shared-gpu" if ranks_per_gpu > 1 else getattr(device, "link", None) or "p2p"
+        link = "shared-gpu" if ranks_per_gpu > 1 else getattr(device, "link", None) or "unknown"
+        links = getattr(device, "peers", 0)
     machine = {"backend": backend, "gpu": gpu, "world_size": world_size,
-               "ranks_per_gpu": ranks_per_gpu, "link": link, "hoccl": __version__}
+               "ranks_per_gpu": ranks_per_gpu, "link": link, "links": links,
+               "driver": getattr(device, "driver", "none"), "hoccl": __version__}
     assert tuple(machine) == MACHINE_KEYS
     return machine
 

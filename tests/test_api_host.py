@@ -267,7 +267,7 @@ def test_sm_caps_default_per_world_size_and_change_with_set_options(init_local):
     assert (comms[0].copy_sms, comms[0].max_sms) == (4, 2)
     assert comms[1].max_sms == 8  # caps are the communicator's own
     with pytest.raises(hoccl.InvalidArgumentError, match="set_options: copy_sms must be a "
-                                                         "positive int; got -1"):
+                                                         "positive int or None; got -1"):
         comms[0].set_options(copy_sms=-1, max_sms=3)
     assert comms[0].max_sms == 2  # a rejected call changes nothing
 

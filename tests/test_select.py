@@ -25,7 +25,7 @@ COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broa
 
 def _machine(world_size=3):
     return {"backend": "host", "gpu": "host", "world_size": world_size, "ranks_per_gpu": 1,
-            "link": "host", "hoccl": hoccl.__version__}
+            "link": "host", "links": 0, "driver": "none", "hoccl": hoccl.__version__}
 
 
 def _table(rows, machine=None):

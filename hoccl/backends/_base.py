@@ -137,6 +137,14 @@ class Device(abc.ABC):
     #: what names the physical device on its host whatever a process's view of the
     #: devices (a GPU's PCI bus id), or None where there is nothing to share (host)
     physical: Optional[str] = None
+    #: the device's model, as its driver names it ("host" on the host backend): what a
+    #: tuning table is keyed by with the world size and link (``hoccl.tuning``)
+    model: str = "host"
+    #: how it reaches the host's other GPUs ("nvlink", "pcie", "none"), how many it
+    #: reaches, and the driver's version: the rest of a tuning table's key
+    link: str = "host"
+    peers: int = 0
+    driver: str = "none"
 
     # -- streams and events ------------------------------------------------------------
     @abc.abstractmethod

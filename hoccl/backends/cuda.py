@@ -205,6 +205,16 @@ class CudaDevice(_SmWork, _Memory, Device):
             self.physical = bytes(bus).split(b"\0")[0].decode() or None
         except DriverError:  # an unknown id only keeps fuse_sums' default
             self.physical = None
+        try:  # what a tuning table is keyed by (``hoccl.tuning.machine_of``)
+            name = _call(driver.cuDeviceGetName, 256, self._device)
+            self.model = bytes(name).split(b"\0")[0].decode() or "unknown"
+        except DriverError:
+            self.model = "unknown"
+        self.link, self.peers = self._link_kind()
+        try:
+            self.driver = str(_call(driver.cuDriverGetVersion))
+        except DriverError:
+            self.driver = "unknown"
         self._make_current()
         least, greatest = _call(driver.cuCtxGetStreamPriorityRange)
         # Copy lanes default to the highest priority; HOCCL_LANE_PRIORITY=normal gives the
@@ -215,6 +225,25 @@ class CudaDevice(_SmWork, _Memory, Device):
         self._batch_attributes = driver.CUmemcpyAttributes()
         self._batch_attributes.srcAccessOrder = \
             driver.CUmemcpySrcAccessOrder.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+
+    def _link_kind(self) -> Tuple[str, int]:
+        """How this GPU reaches the host's other GPUs, for tuning tables, and how many it
+        reaches: "nvlink" where peer access has native atomics (NVLink links have them,
+        PCIe ones not), "pcie" where it has not, "none" where no other GPU is reachable."""
+        try:
+            count = _call(driver.cuDeviceGetCount)
+            native = driver.CUdevice_P2PAttribute.CU_DEVICE_P2P_ATTRIBUTE_NATIVE_ATOMIC_SUPPORTED
+            kinds: List[str] = []
+            for other in range(count):
+                peer = _call(driver.cuDeviceGet, other)
+                if other == self.ordinal or not _call(driver.cuDeviceCanAccessPeer,
+                                                      self._device, peer):
+                    continue
+                atomics = _call(driver.cuDeviceGetP2PAttribute, native, self._device, peer)
+                kinds.append("nvlink" if atomics else "pcie")
+        except DriverError:
+            return "unknown", 0
+        return ("pcie" if "pcie" in kinds else "nvlink" if kinds else "none"), len(kinds)
 
     def __repr__(self) -> str:
         state = "closed" if self._owned.context is None else f"max_sms={self.max_sms}"

@@ -46,6 +46,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from ..config import SETTINGS as CONFIG_SETTINGS
 from ._model import SHAPES, Decoder, ModelShape, batch, optimizer_for, shard, train_step
 
 __all__ = ["ModelShape", "Decoder", "SHAPES", "exposed", "main"]
@@ -208,9 +209,8 @@ def parse_library(name: str, baseline: str) -> Tuple[str, Dict[str, Any]]:
     return base, settings
 
 
-#: the hoccl.torch.Options settings a library name may carry
-SETTINGS = ("max_sms", "copy_sms", "chunk_bytes", "copy_lanes", "one_shot_bytes", "pull_bytes",
-            "kernel_bytes", "kernel_sms", "fuse_sums")
+#: the settings a library name may carry: every ``hoccl.Config`` field but the timeout
+SETTINGS = tuple(name for name in CONFIG_SETTINGS if name != "timeout")
 
 
 def hoccl_groups(names: Sequence[str], baseline: str, max_sms: int) -> Dict[str, Any]:

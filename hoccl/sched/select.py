@@ -19,8 +19,8 @@ direct     one direct kernel per rank, no copy engine (``kernel_bytes``)
 ``choose`` turns (table, call, the communicator's settings, the names the user gave)
 into the ``Options`` the call is planned with: a setting the user gave always wins;
 every setting left unset comes from the row, else from the defaults.  A table is a
-machine's: ``Table.machine`` says which (GPU model, world size, ranks per GPU, link,
-backend, hoccl's version), and ``Table.mismatch`` tells why a table does not apply.
+machine's: ``Table.machine`` says which (GPU model, world size, ranks per GPU, link type
+and count, driver, backend, hoccl's version), and ``Table.mismatch`` tells why a table does not apply.
 Without one, the defaults stand (copy engines, no small-message path): nothing that was
 not measured on a machine is switched on there.
 
@@ -50,7 +50,8 @@ _THRESHOLDS = ("kernel_bytes", "pull_bytes", "one_shot_bytes")
 _PATH_THRESHOLD = {"direct": "kernel_bytes", "pull": "pull_bytes", "one_shot": "one_shot_bytes"}
 _REDUCING = ("reduce_scatter", "all_reduce", "reduce")
 #: the machine's properties a table is keyed by, in order
-MACHINE_KEYS = ("backend", "gpu", "world_size", "ranks_per_gpu", "link", "hoccl")
+MACHINE_KEYS = ("backend", "gpu", "world_size", "ranks_per_gpu", "link", "links", "driver",
+                "hoccl")
 
 
 class TableError(ValueError):
