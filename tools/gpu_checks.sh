@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# One device call's checks on the cuda backend, ranks sharing the machine's GPUs under
+# mpirun; logs under $OUT, a table last.  Usage: bash tools/gpu_checks.sh PART
+#   reliability  the failure scenarios (a peer dead, killed, closed, aborting), the
+#                direct-kernel divergence scenarios (late: a kernel released by a peer's
+#                abort still says why), the lost-peer exit under Open MPI, the torch
+#                backend's checks and training checks
+#   tune         python -m hoccl.tune under mpirun -np 2 within its budget, run_checks
+#                with the table it wrote, then python -m hoccl.bench with hoccl-auto
+#                beside the hand-set variants on that table
+# Ranks sharing one GPU time-slice their contexts: this shows correctness, and the
+# tuner and benchmark run end to end; the timings are that machine's only.
+set -u
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
+export PYTHONPATH=$PWD MASTER_ADDR=127.0.0.1 MASTER_PORT=29511
+OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
+MPIRUN="mpirun -np 2 -x PYTHONPATH -x NCCL_NVLS_ENABLE -x TORCH_SYMM_MEM_DISABLE_MULTICAST -x NVSHMEM_DISABLE_NVLS -x MASTER_ADDR -x MASTER_PORT"
+KEEP="--mca orte_abort_on_non_zero_status 0"
+rows=()
+run() {  # NAME LIMIT COMMAND...: the command's log, its status and its last line
+  local name=$1 limit=$2; shift 2
+  local start=$SECONDS
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local status=$?
+  rows+=("$(printf '%-26s exit %-3s %4ss  %s' "$name" "$status" "$((SECONDS - start))" \
+    "$(grep -v '^\s*$' "$OUT/$name.log" | tail -1 | cut -c1-110)")")
+}
+oks() {  # NAME: how many "rank R: OK" lines its log has
+  grep -c 'rank [0-9]*: OK' "$OUT/$1.log"
+}
+case "${1:-}" in
+reliability)
+  for scenario in mismatch dead absent killed early closed abort; do
+    run "fail-$scenario" 60 $MPIRUN $KEEP python3 tests/mpi/run_failures.py $scenario --backend cuda
+    rows[-1]="${rows[-1]}  [OK lines: $(oks fail-$scenario)]"
+  done
+  run fail-closed-direct 60 $MPIRUN $KEEP python3 tests/mpi/run_failures.py closed --backend cuda \
+    --kernel-bytes 1048576
+  for scenario in late collective; do
+    run "diverge-$scenario" 60 $MPIRUN $KEEP python3 tests/mpi/run_direct_divergence.py $scenario \
+      --backend cuda
+    rows[-1]="${rows[-1]}  [OK lines: $(oks diverge-$scenario)]"
+  done
+  for how in exit kill; do
+    run "lost-peer-exit-$how" 60 $MPIRUN $KEEP python3 tests/mpi/run_lost_peer_exit.py $how \
+      --backend cuda
+  done
+  run torch-backend 200 $MPIRUN python3 tests/torch_programs/run_backend.py --device cuda
+  run torch-training 200 $MPIRUN python3 tests/torch_programs/run_training.py --device cuda
+  ;;
+tune)
+  table="$OUT/tune-h200-2ranks-shared.json"
+  run tune 260 $MPIRUN python3 -m hoccl.tune --backend cuda --max-bytes 16M --budget 200 \
+    --output "$table"
+  export HOCCL_TUNING_FILE="$table"
+  MPIRUN="$MPIRUN -x HOCCL_TUNING_FILE"
+  run checks-tuned 150 env HOCCL_DEBUG=INFO $MPIRUN -x HOCCL_DEBUG python3 tests/mpi/run_checks.py \
+    --backend cuda --counts 0,1,17,1003
+  rows+=("  table rows used by the checks: $(grep -c 'from table row' "$OUT/checks-tuned.log") log lines")
+  run bench-auto 150 $MPIRUN python3 -m hoccl.bench --sizes 4K,64K,1M,16M --forms in \
+    --libraries hoccl-auto,hoccl,hoccl+kernel_bytes=16M,hoccl+pull_bytes=16M,hoccl+one_shot_bytes=16M \
+    --out "$OUT/bench"
+  ;;
+*)
+  echo "usage: bash tools/gpu_checks.sh reliability|tune" >&2; exit 2 ;;
+esac
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>&1 | head -1
+printf '%s\n' "${rows[@]}" | tee "$OUT/summary.txt"
+tar -czf "$OUT/logs.tgz" -C "$OUT" --exclude logs.tgz . 2>/dev/null
