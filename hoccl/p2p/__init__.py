@@ -28,6 +28,7 @@ one launch (``Device.direct``) on lane 0.
 
 from __future__ import annotations
 
+from enum import IntEnum
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from .._dtypes import ITEMSIZE
@@ -36,12 +37,30 @@ from ..backends._base import (DIRECT_COPY, DIRECT_REDUCE, DIRECT_SIGNAL, DIRECT_
 from ..backends._kernels import CHUNK_FLAGS, MAX_INPUTS
 from ..sched.plan import RING, After, Copy, Mark, Plan, Reduce, Signal, Wait
 
-__all__ = ["Executor", "compile_program"]
+__all__ = ["Executor", "StepKind", "compile_program"]
 
-# compiled op kinds (_RESET: a graph slot back to 0, after its last wait in a captured call;
-# _DIRECT: a whole direct-kernel program; _CHUNKS: a lane's run of chunk waits and sums as
-# one launch)
-_COPY, _LOCAL_COPY, _SIGNAL, _WAIT, _REDUCE, _MARK, _AFTER, _RESET, _DIRECT, _CHUNKS = range(10)
+
+class StepKind(IntEnum):
+    """What a compiled step ``(kind, lane, argument)`` does, and its argument
+    (compiled: buffers as ``BufRef`` and slots; bound: addresses)."""
+    COPY = 0        #: copies on a copy engine: ((dst, src, nbytes), ...)
+    LOCAL_COPY = 1  #: same-GPU copies on at most ``copy_sms`` SMs: ((dst, src, nbytes), ...)
+    SIGNAL = 2      #: a value into a peer's pad slot: (peer, slot, value) / (address, value)
+    WAIT = 3        #: until an own pad slot holds a value: (slot, value) / (address, value)
+    REDUCE = 4      #: (inputs, output, count, dtype, op, scale) on at most ``max_sms`` SMs
+    MARK = 5        #: record an event (the mark's number) that AFTER steps wait for
+    AFTER = 6       #: wait for a MARK's event
+    RESET = 7       #: a graph slot back to 0, after its last wait in a captured call
+    DIRECT = 8      #: a whole direct-kernel program (a ``DirectProgram``), one launch
+    CHUNKS = 9      #: a lane's run of chunk waits and sums as one launch (``_chunk_runs``)
+
+
+# the loops below name the kinds through module globals: no attribute lookup per step
+_COPY, _LOCAL_COPY, _SIGNAL, _WAIT = (StepKind.COPY, StepKind.LOCAL_COPY, StepKind.SIGNAL,
+                                      StepKind.WAIT)
+_REDUCE, _MARK, _AFTER, _RESET = StepKind.REDUCE, StepKind.MARK, StepKind.AFTER, StepKind.RESET
+_DIRECT, _CHUNKS = StepKind.DIRECT, StepKind.CHUNKS
+
 _COMPILED: Dict[Tuple[int, int, bool], Tuple[Plan, tuple]] = {}
 
 
