@@ -368,16 +368,26 @@ def sweep(ranks: Ranks, args: argparse.Namespace, arrays: Any = None
 
 
 # -- the table ---------------------------------------------------------------------------------
+#: a candidate that sets more (a chunk size of its own) must beat a simpler one by this
+#: fraction to be chosen: timings differ by noise, and a setting chosen on noise costs
+#: where the noise went the other way
+MARGIN = 0.05
+
+
 def winners(measured: Sequence[Measurement]) -> List[Tuple[int, Measurement]]:
-    """(size, the fastest correct measurement) per measured size, smallest first; a size
-    where no candidate was right has none."""
-    best: Dict[int, Measurement] = {}
+    """(size, the chosen correct measurement) per measured size, smallest first: of the
+    candidates within ``MARGIN`` of the fastest, the one with the fewest settings, then
+    the fastest; a size where no candidate was right has none."""
+    by_size: Dict[int, List[Measurement]] = {}
     for one in measured:
-        if one.seconds is None:
-            continue
-        if one.size not in best or one.seconds < best[one.size].seconds:  # type: ignore[operator]
-            best[one.size] = one
-    return sorted(best.items())
+        if one.seconds is not None:
+            by_size.setdefault(one.size, []).append(one)
+    chosen: Dict[int, Measurement] = {}
+    for size, found in by_size.items():
+        fastest = min(one.seconds for one in found)  # type: ignore[type-var]
+        close = [one for one in found if one.seconds <= fastest * (1 + MARGIN)]  # type: ignore[operator]
+        chosen[size] = min(close, key=lambda one: (len(one.candidate.settings()), one.seconds))
+    return sorted(chosen.items())
 
 
 def rows_of(collective: str, chosen: Sequence[Tuple[int, Measurement]], complete: bool,

@@ -228,6 +228,17 @@ def test_winners_are_the_fastest_correct_candidates():
         (4096, "pull")]
 
 
+def test_a_chunk_of_its_own_must_win_by_the_margin():
+    """A candidate that sets a chunk size of its own is chosen over the same path with the
+    communicator's chunk only when it is more than MARGIN faster: on noise, the simpler."""
+    near = [_found("pull", 1 << 20, 1.00), _found("pull", 1 << 20, 0.97, chunk=65536)]
+    assert tune.winners(near)[0][1].candidate.chunk_bytes is None
+    far = [_found("pull", 1 << 20, 1.00), _found("pull", 1 << 20, 0.90, chunk=65536)]
+    assert tune.winners(far)[0][1].candidate.chunk_bytes == 65536
+    paths = [_found("push", 1 << 20, 1.00), _found("pull", 1 << 20, 0.99)]
+    assert tune.winners(paths)[0][1].candidate.path == "pull"  # equal settings: the fastest
+
+
 def test_candidates_are_the_selectors_paths_and_a_few_chunks():
     at_64k = tune.candidates_at("all_reduce", 2, 64 << 10, 32 << 20)
     assert [(c.path, c.chunk_bytes) for c in at_64k] == [
