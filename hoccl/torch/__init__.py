@@ -7,7 +7,16 @@
 
 Importing this module needs torch (``import hoccl`` never imports it).  The backend
 bootstraps from torch's store (no MPI needed); each group, ``new_group`` and DeviceMesh
-dimension included, is a hoccl Communicator of its own.
+dimension included, is a hoccl Communicator of its own.  An installed hoccl registers
+the backend at ``import torch`` already (``hoccl_autoload``).
+
+Importing it also fills torch's unset rendezvous variables (RANK, WORLD_SIZE,
+LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT) from mpirun's, mpiexec's or
+srun's (``fill_rendezvous_env``), so that one script runs unchanged under torchrun,
+mpirun and srun.  Under an MPI launcher with neither MASTER_ADDR nor MASTER_PORT set
+and mpi4py installed, that import initialises MPI (collective: every rank imports it)
+to agree on them.  Nothing is filled where RANK is set, nor once torch.distributed is
+initialised.
 """
 
 from __future__ import annotations
@@ -24,19 +33,22 @@ except ImportError as error:  # pragma: no cover - exercised only without torch
 
 import hoccl
 
+import hoccl_autoload
+
 from .. import InvalidArgumentError
 from ._bootstrap import StoreBootstrap
 from ._fsdp import AllGather, FSDPHooks, ReduceScatter, use_for_fsdp
+from ._launchers import fill_rendezvous_env
 from ._pool import RegisteredPool
 from ._process_group import ProcessGroupHoccl
 from ._work import Work
 
 __all__ = ["Options", "ProcessGroupHoccl", "StoreBootstrap", "AllGather", "ReduceScatter",
            "Work", "use_for_fsdp", "FSDPHooks", "RegisteredPool", "communicator", "empty",
-           "BACKEND"]
+           "fill_rendezvous_env", "BACKEND"]
 
 #: the name under which torch.distributed knows the backend
-BACKEND = "hoccl"
+BACKEND = hoccl_autoload.BACKEND
 
 _SETTINGS = ("max_sms", "copy_sms", "verify_plans", "self_route", "chunk_bytes", "copy_lanes",
              "one_shot_bytes", "pull_bytes", "kernel_bytes", "kernel_sms", "fuse_sums")
@@ -130,10 +142,6 @@ def _create(backend_options: Any, pg_options: Any) -> ProcessGroupHoccl:
     return ProcessGroupHoccl(comm, cpu_group, store)
 
 
-def _register() -> None:
-    if not hasattr(dist.Backend, BACKEND.upper()):
-        dist.Backend.register_backend(BACKEND, _create, extended_api=True,
-                                      devices=["cpu", "cuda"])
-
-
-_register()
+hoccl_autoload.register()
+if not hoccl_autoload.CREATING and not dist.is_initialized():
+    fill_rendezvous_env()
