@@ -20,7 +20,8 @@ from ._errors import InvalidArgumentError
 from ._health import Health
 from .backends import cuda_device_count, open_device
 from .backends._base import SmCaps
-from .bootstrap import Bootstrap, LocalGroup, ProcessGroup
+from ._groups import LocalGroup, ProcessGroup
+from .bootstrap import Bootstrap
 from .comm import Communicator
 from .config import Config, default_copy_sms, environ
 from .sched.select import Table

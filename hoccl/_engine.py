@@ -620,7 +620,7 @@ class Engine:
         # direct kernel's call describes this rank's ring, whatever it needs of it (a
         # broadcast's root, a call of zero elements: none), so that after the first direct
         # call every rank knows every peer's ring and all go without a message alike
-        # (``_fast_peers``, ``bootstrap._silent``)
+        # (``_fast_peers``, ``_groups.base._silent``)
         used = tuple((spec.name, spec.nbytes) for spec in plan.buffers[self.rank]
                      if spec.nbytes or (spec.name == RING and plan.kernel_blocks))
         names = {buffer_name for buffer_name, _ in used}

@@ -22,7 +22,7 @@ from .sched.algorithms import KERNEL_MAX_BLOCKS
 from .sched.plan import Wait
 
 if TYPE_CHECKING:
-    from .bootstrap import Group
+    from ._groups import Group
 
 __all__ = ["Health"]
 

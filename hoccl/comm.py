@@ -30,7 +30,8 @@ from ._errors import (AbortedError, DivergedError, HocclError, HocclTimeoutError
                       InvalidArgumentError, MismatchError, PeerDeadError)
 from ._health import Health
 from ._windows import Window
-from .bootstrap import _ABORTED, Group, _describe, end_of_job
+from ._groups import _ABORTED, Group, _describe
+from .bootstrap import end_of_job
 from .config import Config
 from .sched import Shape
 

@@ -1,0 +1,400 @@
+"""``ProcessGroup``: one rank per process (under mpirun, or any launcher that gives a
+``Bootstrap``).  Per call, the participants swap buffer descriptors (exported handles,
+cached by the importer) and the call's signature through shared-memory mailboxes
+(``hoccl._mailbox``), bounded by the communicator's timeout."""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import socket
+import time
+from collections import deque
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
+
+from .._errors import DivergedError, InvalidArgumentError, MismatchError
+from .._mailbox import Mailboxes, Notice, made_call, wait_until
+from ..bootstrap import Bootstrap
+from .base import (_ABORTED, _DESCRIPTIONS, _describe, _disagreement, _misplaced,
+                   _raise_verdicts, _silent)
+
+if TYPE_CHECKING:
+    from .._engine import Call, Engine, PeerBuffer
+    from .._health import Health
+
+log = logging.getLogger("hoccl")
+
+__all__ = ["ProcessGroup"]
+
+
+class ProcessGroup:
+    """One rank per process, on one host."""
+
+    exported = True
+
+    def __init__(self, bootstrap: Bootstrap, timeout: float):
+        self.bootstrap = bootstrap
+        self.rank = bootstrap.rank
+        self.world_size = bootstrap.world_size
+        self.timeout = timeout
+        self.host = socket.gethostname()
+        self.pid = os.getpid()
+        self.mailboxes = Mailboxes(self.rank, self.world_size, bootstrap.allgather,
+                                   bootstrap.barrier,
+                                   on_lost=getattr(bootstrap, "peer_lost", lambda gone: None))
+        # the descriptions of calls lately sent (by signature: the shared buffers and the
+        # bytes) and received (by bytes: the contents)
+        self._sent: Dict[tuple, Tuple[Dict[str, "PeerBuffer"], bytes]] = {}
+        self._received: Dict[bytes, Tuple[tuple, Dict[str, "PeerBuffer"]]] = {}
+        # per peer, in call order: the calls issued without the peer's description (on
+        # registered buffers), whose description is checked when it comes (``check``)
+        self._unchecked: List[deque] = [deque() for _ in range(self.world_size)]
+        self._used_cache: Dict[int, Tuple[Any, Dict[int, tuple]]] = {}
+
+    def local_rank(self) -> int:
+        """This rank's index among the ranks on its host."""
+        hosts = self.bootstrap.allgather(self.host)
+        return sum(1 for host in hosts[:self.rank] if host == self.host)
+
+    def submit(self, calls: Sequence["Call"]) -> None:
+        self.post(calls)
+        self.complete(calls)
+
+    def post(self, calls: Sequence["Call"]) -> None:
+        """Send (key, description) of each call to its participants: the description is
+        its signature and shared buffers, pickled once per distinct description
+        (``_description``)."""
+        self.check()
+        deadline = time.monotonic() + self.timeout
+        fast = all(call.fast is not None for call in calls)  # as ``complete`` decides
+        for call in calls:
+            if _silent(call):
+                continue
+            description = self._description(call)
+            # issued without asking: what this rank took each peer's buffers to be, for the
+            # peer to check before it issues its own (``_misplaced``)
+            used = self._used(call.fast) if fast else None
+            for peer in call.plan.participants:
+                if peer != self.rank:
+                    self.mailboxes.send(peer, (call.key, description,
+                                               used[peer] if used else None),
+                                        deadline, call.name)
+
+    def _used(self, fast: Any) -> Dict[int, tuple]:
+        """``(name, where)`` of every peer buffer in ``fast`` (``Call.fast``: one dict per
+        layout, from the engine's cache, so the tuples are made once per layout)."""
+        cached = self._used_cache.get(id(fast))
+        if cached is None or cached[0] is not fast:
+            cached = (fast, {peer: tuple((name, buffer.where) for name, buffer in buffers.items())
+                             for peer, buffers in fast.items()})
+            if len(self._used_cache) >= _DESCRIPTIONS:
+                self._used_cache.clear()
+            self._used_cache[id(fast)] = cached
+        return cached[1]
+
+    def agree(self, name: str, value: Any) -> List[Any]:
+        """Every rank's ``value`` for a collective step that is not a call (``split``'s
+        verdicts on its arguments), through the mailboxes: bounded by the timeout and by
+        the peers' liveness, where an MPI allgather would wait for ever on a rank that
+        never comes.  A peer whose next message is a call raises MismatchError."""
+        deadline = time.monotonic() + self.timeout
+        key = ("agree", name)
+        for peer in range(self.world_size):
+            if peer != self.rank:
+                self.mailboxes.send(peer, (key, value, None), deadline, name)
+        values: List[Any] = [None] * self.world_size
+        values[self.rank] = value
+        missing = [peer for peer in range(self.world_size) if peer != self.rank]
+        while missing:
+            wait_until(lambda: any(self._ready(peer) for peer in missing), deadline,
+                       lambda: f"{name}: rank {self.rank} waited {self.timeout:g} s for ranks "
+                               f"{missing} to call {name}; they never did",
+                       check=lambda: self.mailboxes.check_alive(missing, name))
+            for peer in [peer for peer in missing if self._ready(peer)]:
+                got_key, got, _ = self.mailboxes.receive(peer)
+                missing.remove(peer)
+                if got_key != key:
+                    raise MismatchError(f"{name}: rank {self.rank} called {name} but rank "
+                                        f"{peer}'s next call was {got_key}: every rank must "
+                                        f"call {name} at the same point")
+                values[peer] = got
+        return values
+
+    def complete(self, calls: Sequence["Call"]) -> None:
+        """Receive every participant's message, check they agree, then issue — or release
+        every call and raise if any participant disagrees.
+
+        Calls that can tell their peers' buffers without asking (registered buffers,
+        ``Call.fast``) are issued at once; the peers' messages for them are checked when
+        they come (``check``)."""
+        engine = calls[0].engine
+        if all(call.fast is not None for call in calls):
+            for call in calls:
+                assert call.fast is not None
+                call.peers = call.fast
+            try:
+                engine.issue(calls, imported=True)
+            except MismatchError as error:  # the peers may have issued theirs: diverged
+                raise DivergedError(f"{error}; the peers may have run the call, so the "
+                                    f"communicator is aborted") from None
+            for call in calls:
+                self._expect(call)
+            engine.issued_fast += len(calls)
+            return
+        received = self._receive(calls, time.monotonic() + self.timeout)
+        problem: Optional[str] = None
+        diverged: Optional[str] = None
+        for call in calls:
+            for peer, (signature, _, used) in received[call.key].items():
+                if signature != call.signature and problem is None:
+                    problem = _disagreement(call, self.rank, peer, signature)
+                if used is not None and diverged is None:
+                    diverged = _misplaced(call.name, peer, self.rank, used, call.shared)
+        if diverged is not None:  # the peer ran its call already
+            self._discard(calls)
+            raise DivergedError(diverged)
+        if problem is not None:
+            self._discard(calls)
+            raise MismatchError(problem)
+        for call in calls:
+            theirs = received[call.key]
+            call.peers = {peer: theirs[peer][1] for peer in call.plan.participants
+                          if peer != self.rank}
+        engine.learn(calls)
+        engine.issue(calls, imported=True)
+
+    def repeat(self, call: "Call") -> None:
+        """A repeat (``Engine.repeat``): its message goes first (a direct kernel's call
+        goes without), which checks what has come of the peers' descriptions of earlier
+        calls; then it is issued at once, and the peers' descriptions of it are checked
+        when they come, as for any call on registered buffers."""
+        silent = _silent(call)
+        if not silent:
+            self.post([call])
+        call.engine.issue_repeat(call)
+        if not silent:
+            self._expect(call)
+
+    # -- calls issued without the peers' descriptions ---------------------------------
+    def _expect(self, call: "Call") -> None:
+        """``call`` was issued without its peers' descriptions: check them when they come."""
+        if _silent(call):
+            return
+        for peer, used in self._used(call.peers).items():
+            self._unchecked[peer].append((call.key, call.name, call.signature, used))
+
+    def _ready(self, peer: int) -> bool:
+        """Whether ``peer``'s next message for a call still to be matched has come (the
+        checks of calls issued without it are taken first)."""
+        self._check_peer(peer)
+        return not self._unchecked[peer] and self.mailboxes.ready(peer)
+
+    def check(self) -> None:
+        """Check every peer's description that has come for a call issued without it;
+        raise DivergedError if one differs from what this rank took it to be.  Never
+        waits."""
+        for peer in range(self.world_size):
+            if self._unchecked[peer]:
+                self._check_peer(peer)
+
+    def _check_peer(self, peer: int) -> None:
+        pending = self._unchecked[peer]
+        while pending and self.mailboxes.ready(peer):
+            key, name, signature, used = pending.popleft()
+            got_key, description, _ = self.mailboxes.receive(peer)
+            if got_key != key:
+                raise DivergedError(
+                    f"{name}: rank {self.rank} ran call {key} on registered buffers, but rank "
+                    f"{peer}'s call was {got_key}: the ranks' sequences of calls differ; "
+                    f"{_ABORTED}")
+            theirs, shared = self._described(description)
+            if theirs != signature:
+                raise DivergedError(
+                    f"{name}: rank {self.rank} ran {_describe(signature)} on registered "
+                    f"buffers, but rank {peer} called {_describe(theirs)}; {_ABORTED}")
+            problem = _misplaced(name, self.rank, peer, used, shared)
+            if problem is not None:
+                raise DivergedError(problem)
+
+    def settle(self, call: str) -> None:
+        """Wait (bounded by the timeout and the peers' liveness) for the descriptions of
+        every call issued without them, and check them (``check``)."""
+        deadline = time.monotonic() + self.timeout
+        waiting = [peer for peer in range(self.world_size) if self._unchecked[peer]]
+        while waiting:
+            wait_until(lambda: any(self.mailboxes.ready(peer) for peer in waiting), deadline,
+                       lambda: f"{call}: rank {self.rank} waited {self.timeout:g} s for ranks "
+                               f"{waiting} to make the calls it ran on registered buffers; they "
+                               f"never did",
+                       check=lambda: self.mailboxes.check_alive(waiting, call))
+            self.check()
+            waiting = [peer for peer in waiting if self._unchecked[peer]]
+
+    # -- registration -----------------------------------------------------------------
+    def register(self, engine: "Engine", buffer: Any, verdict: Optional[str]) -> Any:
+        """Every rank's window of the next index: exchange (export descriptor, size) with
+        the peers, map theirs, and add the window.  ``verdict``: why this rank cannot
+        register (then every rank raises)."""
+        where = None
+        if verdict is None:
+            try:
+                where = engine.device.export(buffer.address)
+            except InvalidArgumentError as error:
+                verdict = str(error)
+        index = engine.windows.next_index
+        values = self.agree("register", (index, verdict, where, buffer.nbytes))
+        _raise_verdicts("register", values)
+        bases: List[Any] = []
+        held: List[Any] = []
+        try:
+            for peer, (_, _, peer_where, _) in enumerate(values):
+                if peer == self.rank:
+                    bases.append(buffer.address)
+                else:
+                    bases.append(engine.device.hold_import(peer_where))
+                    held.append(peer_where)
+        except BaseException:
+            for descriptor in held:
+                engine.device.drop_import(descriptor)
+            raise
+        engine.layout_epoch += 1
+        window = engine.windows.add(buffer.address, buffer.nbytes, buffer.owner, bases,
+                                    [size for _, _, _, size in values])
+        window.imports = held
+        return window
+
+    def deregister(self, engine: "Engine", window: Any, verdict: Optional[str]) -> None:
+        """Every rank drops its window of one index (once this rank's calls have finished,
+        ``Communicator.deregister``)."""
+        self.settle("deregister")
+        values = self.agree("deregister", (window.index if window else None, verdict, None, 0))
+        _raise_verdicts("deregister", values)
+        engine.forget_window(window)
+
+    def _description(self, call: "Call") -> bytes:
+        """``(call.signature, call.shared)`` pickled.  A repeated call (the same signature
+        and the same descriptors) sends the bytes of the previous one."""
+        known = self._sent.get(call.signature)
+        if known is None or known[0] != call.shared:
+            known = (call.shared, pickle.dumps((call.signature, call.shared),
+                                               protocol=pickle.HIGHEST_PROTOCOL))
+            if len(self._sent) >= _DESCRIPTIONS:
+                self._sent.clear()
+            self._sent[call.signature] = known
+        return known[1]
+
+    def _described(self, description: bytes) -> Tuple[tuple, Dict[str, "PeerBuffer"]]:
+        """A peer's ``(signature, shared)`` from its description.  Equal bytes are equal
+        contents, so a repeated description is unpickled once and its objects reused
+        (the engine then finds the call's bound program by them)."""
+        found = self._received.get(description)
+        if found is None:
+            found = pickle.loads(description)
+            if len(self._received) >= _DESCRIPTIONS:
+                self._received.clear()
+            self._received[description] = found
+        return found
+
+    def _receive(self, calls: Sequence["Call"], deadline: float
+                 ) -> Dict[tuple, Dict[int, Tuple[tuple, Dict[str, "PeerBuffer"], Any]]]:
+        """Every participant's message for each of ``calls``.  One call alone: each peer's
+        next message must be for it (the ranks' sequences of calls must agree).  Several
+        (a group): each peer's messages may come in any order, but must be exactly the
+        group's calls with that peer."""
+        expected: Dict[int, List[tuple]] = {}
+        for call in calls:
+            for peer in call.plan.participants:
+                if peer != self.rank:
+                    expected.setdefault(peer, []).append(call.key)
+        received: Dict[tuple, Dict[int, Tuple[tuple, Dict[str, "PeerBuffer"], Any]]] = {
+            call.key: {} for call in calls}
+        names = {call.key: call.name for call in calls}
+        first = calls[0]
+        mailboxes = self.mailboxes
+        while expected:
+            missing = sorted(expected)
+            arrived = [peer for peer in missing if self._ready(peer)]
+            if not arrived:
+                wait_until(lambda: any(self._ready(peer) for peer in missing), deadline,
+                           lambda: f"{first.name}: rank {self.rank} waited {self.timeout:g} s "
+                                   f"for ranks {missing} to make the matching call "
+                                   f"{first.key}; they never did: a mismatched sequence of "
+                                   f"calls or a dead process",
+                           check=lambda: mailboxes.check_alive(missing, first.name))
+                continue
+            for peer in arrived:
+                key, description, used = mailboxes.receive(peer)
+                keys = expected[peer]
+                if (key not in keys) if len(calls) > 1 else (key != keys[0]):
+                    self._discard(calls)
+                    raise MismatchError(
+                        f"{names.get(key, first.name)}: rank {self.rank} made call "
+                        f"{keys[0] if len(calls) == 1 else keys} but rank {peer}'s next call "
+                        f"with it was {key}: the ranks' sequences of calls differ (a cycle of "
+                        f"send/recv must be made inside hoccl.group())")
+                signature, shared = self._described(description)
+                keys.remove(key)
+                if not keys:
+                    del expected[peer]
+                received[key][peer] = (signature, shared, used)
+        return received
+
+    def _discard(self, calls: Sequence["Call"]) -> None:
+        for call in calls:
+            call.engine.release(call)
+
+    def withdraw(self, call: "Call") -> None:
+        """Every call is issued or released before it returns: nothing is ever held."""
+
+    def siblings(self, health: "Health") -> List["Health"]:
+        return []  # one rank per process: peers learn of an abort from their pads
+
+    def forget_calls(self) -> None:
+        """Nothing is held between calls."""
+
+    def waiting_for(self, call: "Call") -> List[int]:
+        return []
+
+    def dead_peer(self) -> Optional[str]:
+        return self.mailboxes.dead(peer for peer in range(self.world_size) if peer != self.rank)
+
+    def closed_peer(self, calls: Sequence["Call"]) -> Optional[str]:
+        """A peer that closed tells how many calls it had made (``leave``): every signal of
+        those had been written when it closed (its close waited for them), so only a
+        call it never made waits for it in vain."""
+        for call in calls:
+            for peer in call.plan.participants:
+                if peer == self.rank:
+                    continue
+                notice = self.mailboxes.notice(peer, "close")
+                if notice is not None and (notice.made is None
+                                           or not made_call(call.key, notice.made)):
+                    return (f"rank {peer}, which closed the communicator without making "
+                            f"this {call.name} (sequence {call.key[1:]}): it never will")
+        return None
+
+    def announce(self, kind: str, reason: str) -> None:
+        self.mailboxes.announce(Notice(kind, reason))
+
+    def peer_abort(self, peer: int) -> Optional[Notice]:
+        return self.mailboxes.notice(peer, "abort")
+
+    def barrier(self) -> None:
+        self.bootstrap.barrier()
+
+    def leave(self, engine: "Engine", leak: bool) -> None:
+        """Free this rank's memory and the device unless a communicator split from this one
+        (or its parent) still uses it (keep them, with ``leak``), then the mailboxes and
+        the bootstrap."""
+        self._unchecked = [deque() for _ in range(self.world_size)]
+        # the peers still waiting for this rank learn that it is gone, and which of its
+        # calls they may still wait for (all of whose signals it has written)
+        self.mailboxes.announce(Notice("closed", made=None if engine.aborted else engine.made()))
+        # the last rank to close knows that no peer can write into its pad any more
+        peers_done = all(self.mailboxes.notice(peer, "close") is not None
+                         or not self.mailboxes.alive(peer)
+                         for peer in range(self.world_size) if peer != self.rank)
+        engine.leave_device(leak, peers_done=peers_done)
+        self.mailboxes.close()
+        self.bootstrap.close()
