@@ -48,6 +48,9 @@ def main() -> None:
     args = parser.parse_args()
     world = MPI.COMM_WORLD
     comm = hoccl.init(backend=args.backend, timeout=30, kernel_bytes=KERNEL_BYTES)
+    if args.scenario == "late" and comm.backend != "host":
+        parser.error("late slows the host backend's kernel emulation; it runs on the host "
+                     "backend only (--backend host)")
     arrays = array_module_for(comm.backend, "float32")
     n, r = comm.world_size, comm.rank
     sent = [0]
