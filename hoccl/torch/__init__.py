@@ -36,6 +36,7 @@ import hoccl
 import hoccl_autoload
 
 from .. import InvalidArgumentError
+from ..config import SETTINGS, Config
 from ._bootstrap import StoreBootstrap
 from ._fsdp import AllGather, FSDPHooks, ReduceScatter, use_for_fsdp
 from ._launchers import fill_rendezvous_env
@@ -50,8 +51,8 @@ __all__ = ["Options", "ProcessGroupHoccl", "StoreBootstrap", "AllGather", "Reduc
 #: the name under which torch.distributed knows the backend
 BACKEND = hoccl_autoload.BACKEND
 
-_SETTINGS = ("max_sms", "copy_sms", "verify_plans", "self_route", "chunk_bytes", "copy_lanes",
-             "one_shot_bytes", "pull_bytes", "kernel_bytes", "kernel_sms", "fuse_sums")
+#: the ``hoccl.Config`` settings a group's options may give (the timeout is torch's)
+_SETTINGS = tuple(name for name in SETTINGS if name != "timeout")
 
 
 @dataclass(frozen=True)
@@ -61,13 +62,14 @@ class Options:
 
     ``backend``: "cuda" or "host" (None: cuda when a GPU is visible).  ``device``: the
     CUDA ordinal (None: torch's current device when one was set, else the default
-    group's, else the local rank modulo the visible GPUs).  ``settings``: keyword arguments of ``hoccl.init``
-    (max_sms, copy_sms, verify_plans, self_route, chunk_bytes, copy_lanes, one_shot_bytes,
-    pull_bytes, kernel_bytes, kernel_sms, fuse_sums)."""
+    group's, else the local rank modulo the visible GPUs).  ``settings``: fields of
+    ``hoccl.Config`` (every one but the timeout, which is torch's: ``timeout``), checked
+    here; ``config``: a whole ``hoccl.Config`` that ``settings`` then change."""
     backend: Optional[str] = None
     device: Optional[int] = None
     settings: Mapping[str, Any] = field(default_factory=dict)
     timeout: Optional[timedelta] = None
+    config: Optional[Config] = None
 
     def __post_init__(self) -> None:
         if self.backend not in (None, "cuda", "host"):
@@ -77,6 +79,10 @@ class Options:
         if unknown:
             raise InvalidArgumentError(f"Options: unknown settings {unknown}; expected any of "
                                        f"{list(_SETTINGS)}")
+        if self.config is not None and not isinstance(self.config, Config):
+            raise InvalidArgumentError(f"Options: config must be a hoccl.Config; got "
+                                       f"{type(self.config).__name__}")
+        Config.make("Options", self.config, self.settings)  # every value checked now
 
     @property
     def _timeout(self) -> Optional[timedelta]:
@@ -134,7 +140,7 @@ def _create(backend_options: Any, pg_options: Any) -> ProcessGroupHoccl:
     timeout = backend_options.timeout
     comm = hoccl.init(backend=options.backend, bootstrap=StoreBootstrap(store, rank, world_size),
                       device=_device(options), timeout=timeout.total_seconds() or None,
-                      **dict(options.settings))
+                      config=options.config, **dict(options.settings))
     cpu_group = None
     if comm.backend == "cuda":
         from torch.distributed import ProcessGroupGloo
