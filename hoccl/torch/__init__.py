@@ -103,7 +103,7 @@ def empty(*size: Any, dtype: torch.dtype = torch.float32, group: Any = None) -> 
     """A tensor registered with a hoccl process group's communicator (``hoccl.empty``;
     collective: every rank of the group, in the same order).  Collectives of that group
     on tensors carved from it at the same offsets on every rank go without a descriptor
-    exchange (see the README's "Registered buffers").  Freed by
+    exchange (see "Registered buffers" in docs/guide.md).  Freed by
     ``communicator(group).deregister(tensor)``."""
     comm = communicator(group)
     shape = tuple(size[0]) if len(size) == 1 and isinstance(size[0], (tuple, list)) else size

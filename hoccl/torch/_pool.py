@@ -4,7 +4,7 @@ FSDP2 asks its collectives for memory (``AllGather.allocate``) before every all-
 A ``RegisteredPool`` answers from slabs registered with the communicator once
 (``Communicator.register``), so the all-gather that follows is a call on registered
 buffers at symmetric offsets: issued at once, with no descriptor exchange and no host
-wait for the peers (see the README's "Registered buffers").
+wait for the peers (see "Registered buffers" in docs/guide.md).
 
 Offsets are the same on every rank because the pool's choices depend only on the
 sequence of allocations and releases, which every rank of an FSDP program makes in the

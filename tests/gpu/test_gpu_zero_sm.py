@@ -1,6 +1,6 @@
 """The SM-starved test: every SM of every GPU is held by a spinning kernel while a
 collective runs on another stream.  A collective that needs no SM finishes long
-before the spin ends; one that needs SMs waits for it (README.md, "Zero-SM
+before the spin ends; one that needs SMs waits for it (docs/architecture.md, "Zero-SM
 synchronisation" and "A rank's own block")."""
 
 import time
