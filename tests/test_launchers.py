@@ -11,6 +11,7 @@ import shlex
 import socket
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -208,9 +209,14 @@ def _losses(output):
     return losses
 
 
-def _run(command, env, timeout=240):
+def _run(command, env, timeout=240, reference=False):
     """``command``'s exit status and output; on a timeout its whole session is killed (a
-    launcher's children with it) and the test fails with what they printed."""
+    launcher's children with it) and the test fails with what they printed.
+
+    ``reference``: the gloo run the others are compared with.  Its processes have been
+    seen, rarely, to stay in torch's teardown after the last step (gloo's; no hoccl
+    call is made in that run): a reference that printed every step before it stopped
+    is still the reference, and only its teardown is cut short."""
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True, env=env, start_new_session=True)
     try:
@@ -218,14 +224,20 @@ def _run(command, env, timeout=240):
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, 9)
         output = process.communicate()[0]
+        steps = re.findall(r"^step (\d+) loss ", output, re.M)
+        if reference and len(steps) == 5:
+            warnings.warn(f"the gloo reference printed its 5 steps but did not exit within "
+                          f"{timeout} s (torch's teardown): its losses are used")
+            return 0, output
         pytest.fail(f"{command} ran past {timeout} s:\n{output[-4000:]}")
     return process.returncode, output
 
 
 def _torchrun(backend):
+    reference = backend == "gloo"
     code, output = _run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                          "--nproc_per_node", "2", str(SCRIPT), "--backend", backend],
-                        _clean_env())
+                        _clean_env(), timeout=90 if reference else 240, reference=reference)
     assert code == 0, output[-4000:]
     return output
 
