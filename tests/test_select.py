@@ -67,6 +67,28 @@ def test_a_row_sets_the_path_and_its_settings_and_the_user_wins():
     assert choose(None, small, Options()).options == Options()
 
 
+def test_rows_narrowed_to_a_form_or_dtype_apply_to_those_calls_only():
+    from hoccl._dtypes import NAMES
+    from hoccl.sched.select import DTYPES
+    assert DTYPES == NAMES
+    rows = [{"collective": "all_reduce", "min_bytes": 0, "max_bytes": 1 << 20, "path": "pull",
+             "forms": ["in"], "dtypes": ["bfloat16"]},
+            {"collective": "all_reduce", "min_bytes": 0, "max_bytes": 1 << 20,
+             "path": "one_shot", "forms": ["out"]}]
+    table = Table.from_dict(_table(rows))
+    assert Table.from_json(table.to_json()) == table
+    def path(in_place, dtype, itemsize):
+        shape = Shape("all_reduce", 3, 64, dtype, itemsize, in_place=in_place)
+        return choose(table, shape, Options()).path
+    assert path(True, "bfloat16", 2) == "pull"
+    assert path(True, "float32", 4) == "push"       # no row for in-place float32
+    assert path(False, "float32", 4) == "one_shot"
+    with pytest.raises(TableError, match="forms must be a list of"):
+        Table.from_dict(_table([{**rows[0], "forms": ["sideways"]}]))
+    with pytest.raises(TableError, match="dtypes must be a list of"):
+        Table.from_dict(_table([{**rows[0], "dtypes": "bfloat16"}]))
+
+
 @pytest.mark.parametrize("collective", COLLECTIVES + ("reduce",))
 def test_path_options_make_build_plan_take_the_path(collective):
     from hoccl.sched import build_plan

@@ -49,6 +49,9 @@ TUNED = ("chunk_bytes", "copy_lanes", "kernel_sms", "self_route")
 _THRESHOLDS = ("kernel_bytes", "pull_bytes", "one_shot_bytes")
 _PATH_THRESHOLD = {"direct": "kernel_bytes", "pull": "pull_bytes", "one_shot": "one_shot_bytes"}
 _REDUCING = ("reduce_scatter", "all_reduce", "reduce")
+#: what a row's ``forms`` and ``dtypes`` may name
+FORMS = ("in", "out")
+DTYPES = ("float16", "bfloat16", "float32", "float64", "int8", "uint8", "int32", "int64")
 #: the machine's properties a table is keyed by, in order
 MACHINE_KEYS = ("backend", "gpu", "world_size", "ranks_per_gpu", "link", "links", "driver",
                 "hoccl")
@@ -89,21 +92,34 @@ def path_options(path: str, size: int, base: Options) -> Options:
 @dataclass(frozen=True)
 class Row:
     """Calls of ``collective`` whose size is in [``min_bytes``, ``max_bytes``] take
-    ``path`` with ``settings`` (names of ``TUNED``); ``source`` says where it was measured."""
+    ``path`` with ``settings`` (names of ``TUNED``); ``source`` says where it was measured.
+    ``forms`` ("in", "out") and ``dtypes`` narrow it to those calls (empty: every one)."""
     collective: str
     min_bytes: int
     max_bytes: int
     path: str
     settings: Tuple[Tuple[str, Any], ...] = ()
     source: str = ""
+    forms: Tuple[str, ...] = ()
+    dtypes: Tuple[str, ...] = ()
 
-    def covers(self, collective: str, size: int) -> bool:
-        return self.collective == collective and self.min_bytes <= size <= self.max_bytes
+    def covers(self, collective: str, size: int, form: Optional[str] = None,
+               dtype: Optional[str] = None) -> bool:
+        """Whether a call of ``collective`` and ``size`` (of ``form`` and ``dtype``, where
+        given) is this row's."""
+        return (self.collective == collective and self.min_bytes <= size <= self.max_bytes
+                and (not self.forms or form is None or form in self.forms)
+                and (not self.dtypes or dtype is None or dtype in self.dtypes))
 
     def to_dict(self) -> Dict[str, Any]:
-        return {"collective": self.collective, "min_bytes": self.min_bytes,
-                "max_bytes": self.max_bytes, "path": self.path,
-                "settings": dict(self.settings), "source": self.source}
+        made: Dict[str, Any] = {"collective": self.collective, "min_bytes": self.min_bytes,
+                                "max_bytes": self.max_bytes, "path": self.path,
+                                "settings": dict(self.settings), "source": self.source}
+        if self.forms:
+            made["forms"] = list(self.forms)
+        if self.dtypes:
+            made["dtypes"] = list(self.dtypes)
+        return made
 
 
 @dataclass(frozen=True)
@@ -162,9 +178,11 @@ class Table:
                   for key, value in self.machine if machine.get(key) != value]
         return ", ".join(differ) if differ else None
 
-    def row_for(self, collective: str, size: int) -> Optional[Tuple[int, Row]]:
+    def row_for(self, collective: str, size: int, form: Optional[str] = None,
+                dtype: Optional[str] = None) -> Optional[Tuple[int, Row]]:
+        """The first row that covers the call, and its index."""
         for index, row in enumerate(self.rows):
-            if row.covers(collective, size):
+            if row.covers(collective, size, form, dtype):
                 return index, row
         return None
 
@@ -196,15 +214,25 @@ def _row(where: str, index: int, row: Any) -> Row:
         dataclasses.replace(Options(), **settings)
     except ValueError as error:  # InvalidArgumentError is a ValueError
         raise TableError(f"{where}: row {index}: {error}") from None
+    narrowed = []
+    for key, known in (("forms", FORMS), ("dtypes", DTYPES)):
+        value: Any = row.get(key, [])
+        if not isinstance(value, list) or not set(value) <= set(known):
+            raise TableError(f"{where}: row {index}: {key} must be a list of {list(known)}; "
+                             f"got {value!r}")
+        narrowed.append(tuple(value))
     return Row(collective, low, high, path, tuple(sorted(settings.items())),
-               str(row.get("source", "")))
+               str(row.get("source", "")), narrowed[0], narrowed[1])
 
 
 def _check_overlaps(where: str, rows: Sequence[Row]) -> None:
-    by_collective: Dict[str, List[Tuple[int, int, int]]] = {}
+    """Rows of one collective that apply to the same calls (the same forms and dtypes)
+    must not overlap in size; narrower rows may lie over wider ones (the first wins)."""
+    by_collective: Dict[Tuple[str, tuple, tuple], List[Tuple[int, int, int]]] = {}
     for index, row in enumerate(rows):
-        by_collective.setdefault(row.collective, []).append((row.min_bytes, row.max_bytes, index))
-    for collective, ranges in by_collective.items():
+        by_collective.setdefault((row.collective, row.forms, row.dtypes), []).append(
+            (row.min_bytes, row.max_bytes, index))
+    for (collective, _, _), ranges in by_collective.items():
         ranges.sort()
         for (_, high, first), (low, _, second) in zip(ranges, ranges[1:]):
             if low <= high:
@@ -233,7 +261,8 @@ def choose(table: Optional[Table], shape: Shape, base: Options,
     ``base`` (the defaults)."""
     user: FrozenSet[str] = frozenset(given)
     sources = {name: "user" for name in user if hasattr(base, name)}
-    found = table.row_for(shape.collective, size_of(shape)) if table is not None else None
+    found = (table.row_for(shape.collective, size_of(shape), "in" if shape.in_place else "out",
+                           shape.dtype) if table is not None else None)
     if found is None:
         return Choice(_path_of(shape, base), base, tuple(sorted(sources.items())))
     index, row = found
