@@ -23,7 +23,6 @@ from typing import Any, Dict, FrozenSet, Mapping, Optional, Tuple
 
 from ._errors import InvalidArgumentError
 from .sched import Options
-from .sched.algorithms import KERNEL_MAX_BLOCKS, SELF_ROUTES
 
 __all__ = ["Config", "DEFAULT_TIMEOUT", "ENVIRONMENT", "SETTINGS", "environ",
            "default_copy_sms"]
@@ -39,6 +38,9 @@ def default_copy_sms(world_size: int) -> int:
     peers while the own block does not, so the share shrinks: 16 / (n - 1), at least 2
     (docs/design-notes.md)."""
     return max(2, -(-16 // max(1, world_size - 1)))
+
+
+_PLANNED = Options()
 
 
 @dataclass(frozen=True)
@@ -83,13 +85,14 @@ class Config:
     max_sms: int = 8
     copy_sms: Optional[int] = None
     fuse_sums: Optional[bool] = None
-    copy_lanes: Optional[int] = None
-    chunk_bytes: int = 32 << 20
-    self_route: str = "local"
-    one_shot_bytes: int = 0
-    pull_bytes: int = 0
-    kernel_bytes: int = 0
-    kernel_sms: int = 16
+    # the planning settings, with the scheduler's defaults (``Options``, checked there)
+    copy_lanes: Optional[int] = _PLANNED.copy_lanes
+    chunk_bytes: int = _PLANNED.chunk_bytes
+    self_route: str = _PLANNED.self_route
+    one_shot_bytes: int = _PLANNED.one_shot_bytes
+    pull_bytes: int = _PLANNED.pull_bytes
+    kernel_bytes: int = _PLANNED.kernel_bytes
+    kernel_sms: int = _PLANNED.kernel_sms
     #: the settings the user gave (keywords, ``HOCCL_<NAME>``, or a ``Config`` made with
     #: them, where they differ from the defaults): they override a tuning table's choice;
     #: every other planning setting is the table's to choose (``hoccl.sched.select``)
@@ -234,13 +237,7 @@ def _check(config: Config) -> None:
             raise InvalidArgumentError(f"fuse_sums must be True or False (or 1 or 0) or "
                                        f"None; got {fuse!r}")
         object.__setattr__(config, "fuse_sums", bool(fuse))
-    if config.self_route not in SELF_ROUTES:
-        raise InvalidArgumentError(f"self_route must be one of {SELF_ROUTES}; got "
-                                   f"{config.self_route!r}")
-    if not _positive_int(config.kernel_sms) or config.kernel_sms > KERNEL_MAX_BLOCKS:
-        raise InvalidArgumentError(f"kernel_sms must be an int in [1, {KERNEL_MAX_BLOCKS}]; "
-                                   f"got {config.kernel_sms!r}")
-    config.plan_options  # noqa: B018 - Options checks the rest of its own fields
+    config.plan_options  # noqa: B018 - Options checks the planning fields itself
 
 
 def _positive_int(value: object) -> bool:

@@ -19,7 +19,7 @@ import logging
 import os
 import re
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 from ._errors import InvalidArgumentError
 from .config import environ
@@ -114,11 +114,3 @@ def shared_table(call: str, rank: int, machine: Dict[str, Any],
     if kind == "error":
         raise InvalidArgumentError(payload if rank == 0 else f"{call}: rank 0: {payload}")
     return (Table.from_dict(payload, origin) if payload is not None else None), origin
-
-
-def describe(table: Optional[Table], origin: str) -> List[str]:
-    """Lines saying which table a communicator uses."""
-    if table is None:
-        return [f"tuning: {origin}"]
-    return [f"tuning: {origin}: {len(table.rows)} rows"] + (
-        [f"  {table.note}"] if table.note else [])

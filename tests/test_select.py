@@ -92,11 +92,11 @@ def test_rows_narrowed_to_a_form_or_dtype_apply_to_those_calls_only():
 @pytest.mark.parametrize("collective", COLLECTIVES + ("reduce",))
 def test_path_options_make_build_plan_take_the_path(collective):
     from hoccl.sched import build_plan
-    from hoccl.sched.select import _path_of
+    from hoccl.sched.algorithms import path_of
     shape = Shape(collective, 3, 64, "float32", 4)
     for path in candidates(collective, 3):
         options = path_options(path, size_of(shape), Options())
-        assert _path_of(shape, options) == path
+        assert path_of(shape, options) == path
         plan = build_plan(shape, options)
         assert bool(plan.kernel_blocks) == (path == "direct")
 

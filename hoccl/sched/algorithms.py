@@ -24,7 +24,7 @@ from .plan import DONE, GATHERED, PAIR_DONE, PAIR_READY, READY, BufRef, Plan
 
 __all__ = ["Shape", "Options", "build_plan", "COLLECTIVES", "KERNEL_COLLECTIVES",
            "KERNEL_MAX_BLOCKS", "KERNEL_MAX_RANKS", "SELF_ROUTES", "split", "kernel_bytes_of",
-           "kernel_blocks_for"]
+           "kernel_blocks_for", "path_of"]
 
 
 def _all_gather(b: _Builder) -> Plan:
@@ -137,12 +137,8 @@ def _reducing(b: _Builder) -> Plan:
     s, n = b.shape, b.n
     kind, item = s.collective, s.itemsize
     # one phase: every rank reduces the whole of it (all_reduce up to one_shot_bytes)
-    # (a threshold of 0 is off for every size, an empty buffer's included)
-    one_shot = (kind == "all_reduce" and n > 1 and b.options.one_shot_bytes > 0
-                and s.count * item <= b.options.one_shot_bytes)
-    input_bytes = (n if kind == "reduce_scatter" else 1) * s.count * item
-    pull = (n > 1 and not one_shot and b.options.pull_bytes > 0
-            and input_bytes <= b.options.pull_bytes)
+    path = path_of(s, b.options)
+    one_shot, pull = path == "one_shot", path == "pull"
     if kind == "reduce_scatter":
         owned = [(r * s.count, s.count) for r in range(n)]  # element range each rank reduces
         total = n * s.count
@@ -301,6 +297,25 @@ _ALGORITHMS = {
 }
 
 
+def path_of(shape: Shape, options: Options) -> str:
+    """The path ``build_plan`` takes for ``shape`` with ``options``: "direct" (one direct
+    kernel), "one_shot" (an all_reduce in one phase), "pull" (a reduction that sums the
+    peers' inputs where they lie) or "push".  Each threshold compares nccl-tests' size of
+    the call (``kernel_bytes_of``: the largest buffer, a reduction's whole input); a
+    threshold of 0 is off for every size, an empty buffer's included."""
+    n, size = shape.world_size, kernel_bytes_of(shape)
+    if (options.kernel_bytes and shape.collective in KERNEL_COLLECTIVES
+            and 1 < n <= KERNEL_MAX_RANKS and size <= options.kernel_bytes):
+        return "direct"
+    if n > 1 and shape.collective == "all_reduce" and options.one_shot_bytes \
+            and size <= options.one_shot_bytes:
+        return "one_shot"
+    if n > 1 and shape.collective in ("reduce_scatter", "all_reduce", "reduce") \
+            and options.pull_bytes and size <= options.pull_bytes:
+        return "pull"
+    return "push"
+
+
 @lru_cache(maxsize=512)
 def build_plan(shape: Shape, options: Options = Options()) -> Plan:
     """The plan for ``shape``; cached, so repeated calls with one shape cost a dict lookup."""
@@ -312,8 +327,6 @@ def build_plan(shape: Shape, options: Options = Options()) -> Plan:
                          f"got {options.self_route!r}")
     if shape.world_size < 1:
         raise ValueError(f"build_plan: world_size must be >= 1, got {shape.world_size}")
-    if (options.kernel_bytes and shape.collective in KERNEL_COLLECTIVES
-            and 1 < shape.world_size <= KERNEL_MAX_RANKS
-            and kernel_bytes_of(shape) <= options.kernel_bytes):  # 0: off, for every size
+    if path_of(shape, options) == "direct":
         return _direct(_Builder(shape, options))
     return _ALGORITHMS[shape.collective](_Builder(shape, options))

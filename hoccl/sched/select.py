@@ -35,7 +35,8 @@ import json
 from dataclasses import dataclass
 from typing import Any, Dict, FrozenSet, Iterable, List, Mapping, Optional, Sequence, Tuple
 
-from .algorithms import KERNEL_COLLECTIVES, KERNEL_MAX_RANKS, Options, Shape, kernel_bytes_of
+from .algorithms import (KERNEL_COLLECTIVES, KERNEL_MAX_RANKS, Options, Shape, kernel_bytes_of,
+                         path_of)
 
 __all__ = ["PATHS", "TUNED", "TABLE_FORMAT", "TABLE_VERSION", "Row", "Table", "Choice",
            "TableError", "choose", "candidates", "size_of", "path_options"]
@@ -264,7 +265,7 @@ def choose(table: Optional[Table], shape: Shape, base: Options,
     found = (table.row_for(shape.collective, size_of(shape), "in" if shape.in_place else "out",
                            shape.dtype) if table is not None else None)
     if found is None:
-        return Choice(_path_of(shape, base), base, tuple(sorted(sources.items())))
+        return Choice(path_of(shape, base), base, tuple(sorted(sources.items())))
     index, row = found
     source = f"table row {index}" + (f" ({row.source})" if row.source else "")
     chosen = path_options(row.path, row.max_bytes, base)
@@ -272,21 +273,4 @@ def choose(table: Optional[Table], shape: Shape, base: Options,
     changes.update({name: value for name, value in row.settings if name not in user})
     options = dataclasses.replace(base, **changes)
     sources.update({name: source for name in changes})
-    return Choice(_path_of(shape, options), options, tuple(sorted(sources.items())), index)
-
-
-def _path_of(shape: Shape, options: Options) -> str:
-    """The path ``build_plan`` takes for ``shape`` with ``options`` (its order)."""
-    size = size_of(shape)
-    if (options.kernel_bytes and shape.collective in KERNEL_COLLECTIVES
-            and 1 < shape.world_size <= KERNEL_MAX_RANKS and size <= options.kernel_bytes):
-        return "direct"
-    nb = shape.count * shape.itemsize
-    if shape.world_size > 1 and shape.collective == "all_reduce" and options.one_shot_bytes \
-            and nb <= options.one_shot_bytes:
-        return "one_shot"
-    if shape.world_size > 1 and shape.collective in _REDUCING and options.pull_bytes \
-            and (shape.world_size if shape.collective == "reduce_scatter" else 1) * nb \
-            <= options.pull_bytes:
-        return "pull"
-    return "push"
+    return Choice(path_of(shape, options), options, tuple(sorted(sources.items())), index)
