@@ -5,9 +5,10 @@ hoccl can do, and makes hoccl calls through the rank's Launcher (which picks the
 stream and makes the Work).  What hoccl has no form for is built from what it has:
 
 * list forms (all_gather, gather, reduce_scatter, scatter) go through one flat
-  temporary, copied out or in by torch on the call's stream;
+  temporary, copied out or in by torch on the call's stream (``_lists``);
 * all_to_all with uneven splits, and the list all_to_all, are a batch of send/recv
-  pairs (every rank's chunk for every peer) plus a local copy of the own chunk;
+  pairs (every rank's chunk for every peer) plus a local copy of the own chunk
+  (``_p2p.exchange``);
 * PREMUL_SUM(f) is SUM times f (``_ops.premultiply``): a number f multiplied by hoccl's
   reduction kernel, else SUM of ``input * f``, the scaled input a temporary (out of
   place) or the tensor itself (all_reduce, whose output overwrites it);
@@ -32,9 +33,10 @@ import torch
 import torch.distributed as dist
 
 from .. import InvalidArgumentError
+from . import _lists
 from ._collectives import all_gather_into, reduce_scatter_into
 from ._ops import movable, one_tensor, premultiply, reducible, reduction
-from ._p2p import HeldP2P, SendCounts, issue_held
+from ._p2p import HeldP2P, SendCounts, even_splits, exchange, issue_held
 from ._work import Launcher, WorkList
 
 __all__ = ["ProcessGroupHoccl"]
@@ -44,25 +46,6 @@ def _async(opts: Any) -> bool:
     """torch passes ``asyncOp``; without it (older releases, C++ callers' defaults) a call is
     asynchronous, which is also correct for a caller that waits at once."""
     return bool(getattr(opts, "asyncOp", True))
-
-
-def _even_splits(call: str, tensor: torch.Tensor, world_size: int) -> List[int]:
-    rows = tensor.size(0) if tensor.dim() else 1
-    if rows % world_size:
-        raise InvalidArgumentError(f"{call}: with no split sizes, dim 0 ({rows}) must be a "
-                                   f"multiple of the world size {world_size}")
-    return [rows // world_size] * world_size
-
-
-def _copy_blocks(flat: torch.Tensor, outputs: Sequence[torch.Tensor]) -> Callable[[], None]:
-    """What copies ``flat`` (the flat temporary of a list form), cut in pieces of the
-    outputs' sizes, into ``outputs`` in order, run by the Launcher once the hoccl call is
-    on the stream."""
-    def copy_out() -> None:
-        pieces = flat.split([output.numel() for output in outputs])
-        for piece, output in zip(pieces, outputs):
-            output.copy_(piece.view_as(output))
-    return copy_out
 
 
 def _untracked(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -156,17 +139,6 @@ class ProcessGroupHoccl(dist.ProcessGroup):
             raise InvalidArgumentError(f"{call}: hoccl takes one tensor per rank (rootTensor 0)")
         return opts.rootRank
 
-    def _blocks(self, call: str, tensors: Sequence[torch.Tensor], like: torch.Tensor) -> None:
-        """A list form's ``world_size`` tensors, each of ``like``'s size and dtype."""
-        if len(tensors) != self.size():
-            raise InvalidArgumentError(f"{call}: expected a list of world_size = {self.size()} "
-                                       f"tensors; got {len(tensors)}")
-        for tensor in tensors:
-            if tensor.numel() != like.numel() or tensor.dtype != like.dtype:
-                raise InvalidArgumentError(
-                    f"{call}: every tensor of the list must have {like.numel()} elements of "
-                    f"{like.dtype}, like this rank's; got {tensor.numel()} of {tensor.dtype}")
-
     # -- collectives ------------------------------------------------------------------------
     @_untracked
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,
@@ -191,14 +163,8 @@ class ProcessGroupHoccl(dist.ProcessGroup):
         outputs = one_tensor(call, output_tensors)
         if self._gloo(call, [input, *outputs]):
             return self.cpu_group.allgather(output_tensors, input_tensors, opts)
-        self._blocks(call, outputs, input)
-
-        def issue(stream: Any) -> Callable[[], None]:
-            flat = input.new_empty(input.numel() * self.size())
-            self.communicator.all_gather(movable(input.contiguous()), movable(flat),
-                                         stream=stream)
-            return _copy_blocks(flat, outputs)
-        return self._run(issue, outputs, [input, *outputs], opts)
+        return self._record(_lists.all_gather_list(self.launcher, outputs, input,
+                                                   _async(opts)))
 
     @_untracked
     def allgather_coalesced(self, output_lists: List[List[torch.Tensor]],  # type: ignore[override]
@@ -210,22 +176,8 @@ class ProcessGroupHoccl(dist.ProcessGroup):
         outputs = [output for outputs in output_lists for output in outputs]
         if self._gloo(call, [*input_list, *outputs]):
             return self.cpu_group.allgather_coalesced(output_lists, input_list, opts)
-        if len(output_lists) != self.size():
-            raise InvalidArgumentError(f"{call}: expected world_size = {self.size()} output "
-                                       f"lists; got {len(output_lists)}")
-        wanted = [(input.numel(), input.dtype) for input in input_list]
-        for outputs_of_rank in output_lists:
-            got = [(output.numel(), output.dtype) for output in outputs_of_rank]
-            if got != wanted:
-                raise InvalidArgumentError(f"{call}: every output list must hold tensors of "
-                                           f"the inputs' (numel, dtype) {wanted}; got {got}")
-
-        def issue(stream: Any) -> Callable[[], None]:
-            flat_input = torch.cat([input.reshape(-1) for input in input_list])
-            flat = flat_input.new_empty(flat_input.numel() * self.size())
-            self.communicator.all_gather(movable(flat_input), movable(flat), stream=stream)
-            return _copy_blocks(flat, outputs)
-        return self._run(issue, outputs, [*input_list, *outputs], opts)
+        return self._record(_lists.all_gather_coalesced(self.launcher, output_lists, input_list,
+                                                        _async(opts)))
 
     def all_gather_single_coalesced(self, outputs: List[torch.Tensor],
                                     inputs: List[torch.Tensor], opts: Any = None) -> dist.Work:
@@ -261,15 +213,9 @@ class ProcessGroupHoccl(dist.ProcessGroup):
         inputs = one_tensor(call, input_tensors)
         if self._gloo(call, [output, *inputs]):
             return self.cpu_group.reduce_scatter(output_tensors, input_tensors, opts)
-        self._blocks(call, inputs, output)
         op, factor = reduction(call, opts.reduceOp)
-        reducible(call, output, factor)
-
-        def issue(stream: Any) -> None:
-            flat = torch.cat([tensor.reshape(-1) for tensor in inputs])
-            source, scale = premultiply(self.communicator, flat, factor, in_place=True)
-            self.communicator.reduce_scatter(source, output, op, scale=scale, stream=stream)
-        return self._run(issue, [output], [output, *inputs], opts)
+        return self._record(_lists.reduce_scatter_list(self.launcher, output, inputs, op, factor,
+                                                       _async(opts)))
 
     def reduce_scatter_single_coalesced(self, outputs: List[torch.Tensor],
                                         inputs: List[torch.Tensor], opts: Any = None) -> dist.Work:
@@ -321,9 +267,10 @@ class ProcessGroupHoccl(dist.ProcessGroup):
                 self.communicator.all_to_all(movable(input), movable(output), stream=stream)
             return self._run(issue, [output], [input, output], opts)
         n = self.size()
-        sends = input.split(list(input_split_sizes) or _even_splits(call, input, n))
-        receives = output.split(list(output_split_sizes) or _even_splits(call, output, n))
-        return self._exchange(call, list(receives), list(sends), [output], opts)
+        sends = input.split(list(input_split_sizes) or even_splits(call, input, n))
+        receives = output.split(list(output_split_sizes) or even_splits(call, output, n))
+        return self._record(exchange(self.launcher, call, list(receives), list(sends),
+                                     [output], _async(opts)))
 
     # its name before torch 2.13
     alltoall_base = all_to_all_single  # type: ignore[assignment]
@@ -340,36 +287,8 @@ class ProcessGroupHoccl(dist.ProcessGroup):
             raise InvalidArgumentError(f"{call}: expected world_size = {self.size()} input and "
                                        f"output tensors; got {len(input_tensors)} and "
                                        f"{len(output_tensors)}")
-        return self._exchange(call, output_tensors, input_tensors, output_tensors, opts)
-
-    def _exchange(self, call: str, receives: Sequence[torch.Tensor],
-                  sends: Sequence[torch.Tensor], outputs: List[torch.Tensor],
-                  opts: Any) -> dist.Work:
-        """Chunk ``p`` of ``sends`` to rank p, into chunk ``r`` of rank p's ``receives``: the
-        own chunk by a local copy on the current stream, every other non-empty one by a
-        send/recv pair, all issued as one batch."""
-        rank = self.rank()
-        for peer, (send, receive) in enumerate(zip(sends, receives)):
-            if send.dtype != receive.dtype:
-                raise InvalidArgumentError(f"{call}: input and output must have one dtype; got "
-                                           f"{send.dtype} and {receive.dtype}")
-        own_send, own_receive = sends[rank], receives[rank]
-        if own_send.numel() != own_receive.numel():
-            raise InvalidArgumentError(f"{call}: this rank sends itself {own_send.numel()} "
-                                       f"elements but receives {own_receive.numel()}")
-        own_receive.copy_(own_send.view_as(own_receive))
-        works: List[dist.Work] = []
-        for peer in range(self.size()):
-            if peer == rank:
-                continue
-            for kind, chunk in (("send", sends[peer]), ("recv", receives[peer])):
-                if chunk.numel():
-                    works.append(HeldP2P(self.launcher, kind, movable(chunk), chunk, peer))
-        issue_held()
-        work = WorkList(works, outputs)
-        if not _async(opts):
-            work.wait()
-        return self._record(work)
+        return self._record(exchange(self.launcher, call, output_tensors, input_tensors,
+                                     output_tensors, _async(opts)))
 
     @_untracked
     def broadcast(self, tensors: List[torch.Tensor], opts: Any = None) -> dist.Work:  # type: ignore[override]
@@ -416,17 +335,8 @@ class ProcessGroupHoccl(dist.ProcessGroup):
         outputs: List[torch.Tensor] = one_tensor(call, output_tensors) if is_root else []
         if self._gloo(call, [input, *outputs]):
             return self.cpu_group.gather(output_tensors, input_tensors, opts)
-        if is_root:
-            self._blocks(call, outputs, input)
-
-        def issue(stream: Any) -> Optional[Callable[[], None]]:
-            if not is_root:
-                self.communicator.gather(movable(input), None, root, stream=stream)
-                return None
-            flat = input.new_empty(input.numel() * self.size())
-            self.communicator.gather(movable(input), movable(flat), root, stream=stream)
-            return _copy_blocks(flat, outputs)
-        return self._run(issue, outputs, [input, *outputs], opts)
+        return self._record(_lists.gather_list(self.launcher, outputs, input, root,
+                                               _async(opts)))
 
     @_untracked
     def scatter(self, output_tensors: List[torch.Tensor], input_tensors: List[List[torch.Tensor]],  # type: ignore[override]
@@ -439,14 +349,8 @@ class ProcessGroupHoccl(dist.ProcessGroup):
         inputs: List[torch.Tensor] = one_tensor(call, input_tensors) if is_root else []
         if self._gloo(call, [output, *inputs]):
             return self.cpu_group.scatter(output_tensors, input_tensors, opts)
-        if is_root:
-            self._blocks(call, inputs, output)
-
-        def issue(stream: Any) -> None:
-            flat = torch.cat([tensor.reshape(-1) for tensor in inputs]) if is_root else None
-            self.communicator.scatter(None if flat is None else movable(flat), movable(output),
-                                      root, stream=stream)
-        return self._run(issue, [output], [output, *inputs], opts)
+        return self._record(_lists.scatter_list(self.launcher, output, inputs, root,
+                                                _async(opts)))
 
     def barrier(self, opts: Any = None) -> dist.Work:
         """Every rank's stream reaches the barrier before any goes on; ``wait()`` also blocks
