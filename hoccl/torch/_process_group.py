@@ -21,13 +21,15 @@ off (``_untracked``), so they write into tensors that require grad (DDP's gradie
 under ``backward(create_graph=True)``), which hoccl's own API refuses to do.
 
 CPU tensors in a group whose communicator is on a GPU go to a gloo group made from the
-same store.  Unsupported requests raise InvalidArgumentError naming the call.
+same store, except in a job whose hosts differ (``_mixed``: there they go through the
+GPU).  Unsupported requests raise InvalidArgumentError naming the call (and, across
+hosts, the rank's host and engines).
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -35,6 +37,7 @@ import torch.distributed as dist
 from .. import InvalidArgumentError
 from . import _lists
 from ._collectives import all_gather_into, reduce_scatter_into
+from ._mixed import is_mixed, library_groups, staged, tensors_of, where
 from ._ops import movable, one_tensor, premultiply, reducible, reduction
 from ._p2p import HeldP2P, SendCounts, even_splits, exchange, issue_held
 from ._work import Launcher, WorkList
@@ -49,17 +52,25 @@ def _async(opts: Any) -> bool:
 
 
 def _untracked(method: Callable[..., Any]) -> Callable[..., Any]:
-    """``method`` with grad mode off: a collective of torch's backends is not recorded by
-    autograd and writes into tensors that require grad; hoccl's API refuses those
-    unless grad mode is off, and torch's in-place copies and scalings inside the call
-    would otherwise be recorded or refused."""
+    """``method`` as torch's backends run a collective: with grad mode off (it is not
+    recorded by autograd and writes into tensors that require grad; hoccl's API refuses
+    those unless grad mode is off, and torch's in-place copies and scalings inside the
+    call would otherwise be recorded or refused); on a mixed job, a GPU rank's CPU
+    tensors through its GPU, and errors naming the rank's host and engines (``_mixed``)."""
     @functools.wraps(method)
-    def untracked(*args: Any, **kwargs: Any) -> Any:
+    def untracked(self: "ProcessGroupHoccl", *args: Any, **kwargs: Any) -> Any:
         with torch.no_grad():
-            return method(*args, **kwargs)
+            if not self.across_hosts:
+                return method(self, *args, **kwargs)
+            try:
+                device = self.launcher.device
+                if device is not None and self.stages(tensors_of(args)):
+                    return staged(functools.partial(method, self, **kwargs), list(args),
+                                  device)
+                return method(self, *args, **kwargs)
+            except InvalidArgumentError as error:
+                raise InvalidArgumentError(f"{error} ({where(self.communicator)})") from None
     return untracked
-
-
 class ProcessGroupHoccl(dist.ProcessGroup):
     """A torch.distributed process group whose collectives are hoccl calls.
 
@@ -70,16 +81,54 @@ class ProcessGroupHoccl(dist.ProcessGroup):
     supports_splitting = False
     supports_coalescing = False
 
-    def __init__(self, comm: Any, cpu_group: Any = None, store: Any = None):
-        super().__init__(comm.rank, comm.world_size)  # type: ignore[call-arg]
-        self.communicator = comm
-        self.cpu_group = cpu_group  # gloo, for CPU tensors when comm runs on a GPU
-        # the host backend's recvs from any source are matched through the group's store
-        self.send_counts = (SendCounts(store, comm.rank, comm.world_size)
-                            if store is not None and comm.backend == "host" else None)
-        self.launcher = Launcher(comm)
+    def __init__(self, comm: Any = None, cpu_group: Any = None, store: Any = None, *,
+                 connect: Optional[Callable[[], Tuple[Any, Any]]] = None, rank: int = 0,
+                 world_size: int = 1):
+        if comm is not None:
+            rank, world_size = comm.rank, comm.world_size
+        super().__init__(rank, world_size)  # type: ignore[call-arg]
+        self.store = store
+        self._connect = connect  # (communicator, cpu group), made at the first call
+        self._comm: Any = None
+        self._launcher: Optional[Launcher] = None
+        self.cpu_group: Any = None
+        self.send_counts: Optional[SendCounts] = None
+        self.across_hosts = self.mixed = False
         self._coalesced: Optional[List[dist.Work]] = None
         self._group_name = ""
+        if comm is not None:
+            self._attach(comm, cpu_group)
+
+    def _attach(self, comm: Any, cpu_group: Any) -> None:
+        from .._hierarchy import HierarchicalCommunicator
+        self._comm = comm
+        self.cpu_group = cpu_group  # gloo, for CPU tensors when comm runs on a GPU
+        # the host backend's recvs from any source are matched through the group's store
+        self.send_counts = (SendCounts(self.store, comm.rank, comm.world_size)
+                            if self.store is not None and comm.backend == "host" else None)
+        self._launcher = Launcher(comm)
+        self.across_hosts = isinstance(comm, HierarchicalCommunicator)
+        self.mixed = self.across_hosts and is_mixed(comm)
+
+    @property
+    def communicator(self) -> Any:
+        """The hoccl Communicator (connected now if the group defers it to its first call)."""
+        if self._comm is None:
+            assert self._connect is not None
+            with library_groups():
+                self._attach(*self._connect())
+        return self._comm
+
+    @property
+    def launcher(self) -> Launcher:
+        self.communicator  # noqa: B018 - connects a deferred group
+        assert self._launcher is not None
+        return self._launcher
+
+    def stages(self, tensors: Sequence[torch.Tensor]) -> bool:
+        """Whether a call on ``tensors`` goes through this rank's GPU (a GPU rank's): CPU
+        tensors in a mixed job (see hoccl.torch._mixed)."""
+        return (self.mixed and bool(tensors) and all(tensor.device.type == "cpu" for tensor in tensors))
 
     # -- what torch asks of a backend -----------------------------------------------------
     def getBackendName(self) -> str:
@@ -103,10 +152,12 @@ class ProcessGroupHoccl(dist.ProcessGroup):
 
     def shutdown(self) -> None:
         issue_held()
-        self.communicator.close()
+        if self._comm is not None:
+            self._comm.close()
 
     def abort(self) -> None:
-        self.communicator.abort("torch.distributed aborted the process group")
+        if self._comm is not None:
+            self._comm.abort("torch.distributed aborted the process group")
 
     # -- routing and bookkeeping --------------------------------------------------------
     def _gloo(self, call: str, tensors: Sequence[torch.Tensor]) -> bool:
@@ -118,6 +169,9 @@ class ProcessGroupHoccl(dist.ProcessGroup):
                                            f"backend and takes CPU tensors; got {kinds} tensors")
             return False
         if kinds == ["cpu"]:
+            if self.cpu_group is None:  # a mixed job: its collectives stage them instead
+                raise InvalidArgumentError(f"{call}: takes GPU tensors on a GPU rank of a "
+                                           f"job whose hosts differ; got CPU tensors")
             return True
         if kinds not in ([], ["cuda"]):
             raise InvalidArgumentError(f"{call}: the tensors of one call must all be on the GPU "
