@@ -16,7 +16,7 @@ TRANSFERS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadc
 
 
 def test_every_engine_is_an_inter_host_engine_under_its_own_name():
-    assert INTER_HOST_ENGINES == ("nccl", "mpi", "hoccl") == tuple(ENGINES)
+    assert INTER_HOST_ENGINES == ("nccl", "mpi", "gloo", "hoccl") == tuple(ENGINES)
     for name, engine in ENGINES.items():
         assert issubclass(engine, InterHostEngine) and engine.name == name
     assert sorted(InterHostEngine.__abstractmethods__) == sorted(
@@ -25,15 +25,20 @@ def test_every_engine_is_an_inter_host_engine_under_its_own_name():
 
 def test_engines_refuse_the_worlds_they_cannot_serve():
     with pytest.raises(hoccl.InvalidArgumentError, match=r"^init: inter_host='nccl' needs the "
-                                                         r"cuda backend; this world uses 'host'"):
-        ENGINES["nccl"].check_world("init", "host", ["a", "b"])
+                                                         r"cuda backend on every rank; this "
+                                                         r"world also uses \['host'\]"):
+        ENGINES["nccl"].check_world("init", ["cuda", "host"], ["a", "b"])
+    with pytest.raises(hoccl.InvalidArgumentError, match=r"^init: inter_host='hoccl' needs one "
+                                                         r"hoccl backend on every rank"):
+        ENGINES["hoccl"].check_world("init", ["cuda", "host"], ["a", "a"])
     with pytest.raises(hoccl.InvalidArgumentError,
                        match=r"^init: inter_host='hoccl' connects simulated hosts on one "
                              r"machine; these ranks run on \['a', 'b'\]"):
-        ENGINES["hoccl"].check_world("init", "host", ["a", "a", "b", "b"])
-    ENGINES["hoccl"].check_world("init", "host", ["a", "a"])
-    ENGINES["mpi"].check_world("init", "host", ["a", "b"])
-    ENGINES["nccl"].check_world("init", "cuda", ["a", "b"])
+        ENGINES["hoccl"].check_world("init", ["host"] * 4, ["a", "a", "b", "b"])
+    ENGINES["hoccl"].check_world("init", ["host"] * 2, ["a", "a"])
+    ENGINES["mpi"].check_world("init", ["cuda", "host"], ["a", "b"])
+    ENGINES["gloo"].check_world("init", ["cuda", "host"], ["a", "b"])
+    ENGINES["nccl"].check_world("init", ["cuda"] * 2, ["a", "b"])
 
 
 class Recorder:

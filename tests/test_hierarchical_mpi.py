@@ -1,8 +1,12 @@
 """Collectives across simulated hosts under mpiexec on the host backend: every
-collective, both forms, odd counts, several dtypes, ops and roots, against numpy
-(``tests/mpi/run_hierarchical.py``), on 2 hosts x 2, 3 x 1 and 2 x 3 ranks with hoccl
-itself between the hosts, on 2 x 2 with MPI between them, and one simulated host (the
-plain Communicator); a step across hosts whose peer never comes ends in a timeout.  Plus the grouping of ranks into hosts, in one process."""
+collective, both forms, odd counts, several dtypes, ops and roots, bit for bit against
+numpy reducing as the hosts do (``tests/mpi/run_hierarchical.py``), on 2 hosts x 2,
+3 x 1 and 2 x 3 ranks with hoccl itself between the hosts, on 2 x 2 with MPI between
+them, and one simulated host (the plain Communicator); hosts whose inside engines
+differ (hoccl's host backend on some, a torch gloo group standing for a vendor library
+on others) with MPI, gloo or hoccl between them, every dtype and op; a step across
+hosts whose peer never comes ends in a timeout.  Plus the grouping of ranks into hosts,
+in one process."""
 
 import os
 import subprocess
@@ -19,21 +23,30 @@ from test_mpi import MPI_ENV, _mpiexec
 
 SCRIPT = Path(__file__).parent / "mpi" / "run_hierarchical.py"
 
-RUNS = {  # (ranks, local size, inter-host engine): (dtypes, counts, ops)
-    (4, 2, "hoccl"): ("float32,bfloat16,int32,uint8", "0,5,17", "sum,max,avg"),
-    (4, 2, "mpi"): ("float32,bfloat16", "17", "sum,avg"),
-    (3, 1, "hoccl"): ("float32,uint8", "1,17", "sum,avg"),
-    (6, 3, "hoccl"): ("int32,bfloat16", "0,17", "sum,avg"),
-    (2, 2, "hoccl"): ("int32", "5", "sum"),
+ALL_DTYPES = "float16,bfloat16,float32,float64,int8,uint8,int32,int64"
+ALL_OPS = "sum,prod,max,min,avg"
+RUNS = {  # (ranks, local size, inter-host engine, torch hosts): (dtypes, counts, ops)
+    (4, 2, "hoccl", ""): ("float32,bfloat16,int32,uint8", "0,5,17", "sum,max,avg"),
+    (4, 2, "mpi", ""): ("float32,bfloat16", "17", "sum,avg"),
+    (3, 1, "hoccl", ""): ("float32,uint8", "1,17", "sum,avg"),
+    (6, 3, "hoccl", ""): ("int32,bfloat16", "0,17", "sum,avg"),
+    (2, 2, "hoccl", ""): ("int32", "5", "sum"),
+    # hosts of different kinds: a torch gloo group inside some, hoccl's backend in others
+    (4, 2, "mpi", "1"): (ALL_DTYPES, "0,5,17", ALL_OPS),
+    (4, 2, "gloo", "0"): ("float16,bfloat16,int8", "0,17", "sum,prod,avg"),
+    (6, 2, "hoccl", "1"): ("float16,bfloat16,float32", "17", "sum,min,avg"),
+    (3, 1, "mpi", "1"): ("bfloat16,int64", "5", "sum,max,avg"),
 }
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("ranks,local_size,inter_host", list(RUNS))
-def test_collectives_across_simulated_hosts_match_numpy(ranks, local_size, inter_host):
-    dtypes, counts, ops = RUNS[ranks, local_size, inter_host]
+@pytest.mark.parametrize("ranks,local_size,inter_host,torch_hosts", list(RUNS))
+def test_collectives_across_simulated_hosts_match_numpy(ranks, local_size, inter_host,
+                                                        torch_hosts):
+    dtypes, counts, ops = RUNS[ranks, local_size, inter_host, torch_hosts]
     command = [_mpiexec(), "-n", str(ranks), sys.executable, str(SCRIPT), "--backend", "host",
-               "--inter-host", inter_host, "--dtypes", dtypes, "--counts", counts, "--ops", ops]
+               "--inter-host", inter_host, "--dtypes", dtypes, "--counts", counts, "--ops", ops,
+               "--torch-hosts", torch_hosts]
     env = {**os.environ, **MPI_ENV, "HOCCL_VERIFY": "1", "HOCCL_LOCAL_SIZE": str(local_size)}
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
     output = result.stdout + result.stderr
@@ -41,6 +54,9 @@ def test_collectives_across_simulated_hosts_match_numpy(ranks, local_size, inter
     hosts = ranks // local_size
     assert f"ranks={ranks} hosts={hosts}x{local_size} backend=host" in output, output[-4000:]
     assert " 0 failed" in output and " 0 passed" not in output, output[-4000:]
+    for host in (int(h) for h in torch_hosts.split(",") if h):
+        assert f"'host': {host}, 'hostname'" in output, output[-4000:]
+        assert "'engine': 'torch (gloo)'" in output, output[-4000:]
 
 
 @pytest.mark.mpi
@@ -112,4 +128,4 @@ def test_a_sub_bootstrap_keeps_its_members_values():
 
 def test_an_unknown_inter_host_engine_is_refused():
     with pytest.raises(hoccl.InvalidArgumentError, match="inter_host must be one of"):
-        hoccl.init(backend="host", bootstrap=NamedRanks(["a"]), inter_host="gloo")
+        hoccl.init(backend="host", bootstrap=NamedRanks(["a"]), inter_host="ucx")

@@ -3,6 +3,7 @@ use them: flat views, scratch, staging through host memory, raw addresses."""
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Optional, Tuple
 
 import numpy as np
@@ -28,7 +29,10 @@ class Arrays:
         return array.reshape(-1)
 
     def _stream(self, handle: Optional[int], like: Any) -> Any:
-        """A context that makes ``handle`` (a stream of ``like``'s GPU) current."""
+        """A context that makes ``handle`` (a stream of ``like``'s GPU) current (None: no
+        stream, a host array)."""
+        if handle is None:
+            return contextlib.nullcontext()
         if self.kind == "torch":
             import torch
             return torch.cuda.stream(torch.cuda.ExternalStream(handle, device=like.device))

@@ -14,6 +14,7 @@ from typing import Any, Callable, ClassVar, List, Optional, Tuple
 
 from ..bootstrap import Bootstrap
 from ..comm import Communicator
+from ..config import Config
 from ..sched.hierarchical import Call, Topology
 
 __all__ = ["Setup", "InterHostEngine"]
@@ -33,6 +34,7 @@ class Setup:
     host: Communicator       #: this rank's host communicator
     #: builds a hoccl communicator over a sub-bootstrap, as the host's was built
     connect_host: Callable[[Bootstrap, Optional[int]], Communicator]
+    config: Config = Config()  #: the settings (the staged engine's ``stage_bytes``)
 
 
 class InterHostEngine(abc.ABC):
@@ -50,9 +52,9 @@ class InterHostEngine(abc.ABC):
     label: str
 
     @classmethod
-    def check_world(cls, call: str, backend: str, hostnames: List[str]) -> None:
+    def check_world(cls, call: str, backends: List[str], hostnames: List[str]) -> None:
         """Raise ``InvalidArgumentError`` (starting with ``call``) when this engine cannot
-        connect these ranks (every rank's hostname) with this backend."""
+        connect these ranks (every rank's hoccl backend and hostname)."""
 
     @classmethod
     @abc.abstractmethod
