@@ -132,7 +132,7 @@ def _device(options: Options) -> Optional[int]:
             return current
     if dist.is_initialized():
         default = dist.distributed_c10d._get_default_group()
-        if isinstance(default, ProcessGroupHoccl):
+        if isinstance(default, ProcessGroupHoccl) and default.connected:
             return default.communicator.device
     return None
 
@@ -169,7 +169,7 @@ def _create(backend_options: Any, pg_options: Any) -> Any:
     config = Config.from_environment("init_process_group", dict(options.settings),
                                      options.config)
     if not dist.is_initialized() and needs_torch_groups(
-            store, rank, world_size, getattr(config, "intra_host", None), options.inter_host):
+            store, rank, world_size, config.intra_host, options.inter_host):
         return ProcessGroupHoccl(store=store, connect=connect, rank=rank, world_size=world_size)
     return ProcessGroupHoccl(*connect(), store)
 

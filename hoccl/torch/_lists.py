@@ -15,7 +15,7 @@ from typing import Any, Callable, List, Optional, Sequence
 import torch
 
 from .. import InvalidArgumentError
-from ._ops import movable, premultiply, reducible
+from ._ops import averaged, movable, premultiply, reducible
 from ._work import Launcher
 
 __all__ = ["all_gather_list", "all_gather_coalesced", "reduce_scatter_list", "gather_list",
@@ -94,9 +94,11 @@ def reduce_scatter_list(launcher: Launcher, output: torch.Tensor,
     _check_blocks(call, inputs, output, comm.world_size)
     reducible(call, output, factor)
 
-    def issue(stream: Any) -> None:
+    def issue(stream: Any) -> Optional[Callable[[], None]]:
         source, scale = premultiply(comm, _flat(inputs), factor, in_place=True)
-        comm.reduce_scatter(source, output, op, scale=scale, stream=stream)
+        called, divide = averaged(comm, op, output)
+        comm.reduce_scatter(source, output, called, scale=scale, stream=stream)
+        return divide
     return launcher.run(issue, [output], [output, *inputs], async_op)
 
 

@@ -24,17 +24,41 @@ from __future__ import annotations
 import contextlib
 import threading
 from datetime import timedelta
-from typing import Any, Callable, Iterator, List, Optional
+from typing import Any, Callable, Iterator, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
+from .. import InvalidArgumentError
 from ._bootstrap import StoreBootstrap
 
-__all__ = ["needs_torch_groups", "library_groups", "making_library_groups",
+__all__ = ["to_gloo", "needs_torch_groups", "library_groups", "making_library_groups",
            "library_group", "is_mixed", "where", "tensors_of", "staged"]
 
 _MAKING = threading.local()
+
+
+def to_gloo(call: str, tensors: Sequence[torch.Tensor], device: Optional[torch.device],
+            beside: bool) -> bool:
+    """Whether a call on ``tensors`` goes to the gloo group ``beside`` hoccl's: CPU
+    tensors on a GPU rank (``device``) of a job of GPUs.  Raises for tensors the rank's
+    communicator cannot take: GPU tensors on the host backend, both kinds in one call,
+    and CPU tensors that a mixed job's collectives did not stage (send and recv)."""
+    kinds = sorted({tensor.device.type for tensor in tensors})
+    if device is None:
+        if kinds not in ([], ["cpu"]):
+            raise InvalidArgumentError(f"{call}: this hoccl process group runs on the host "
+                                       f"backend and takes CPU tensors; got {kinds} tensors")
+        return False
+    if kinds == ["cpu"]:
+        if not beside:
+            raise InvalidArgumentError(f"{call}: takes GPU tensors on a GPU rank of a job "
+                                       f"whose hosts differ; got CPU tensors")
+        return True
+    if kinds not in ([], ["cuda"]):
+        raise InvalidArgumentError(f"{call}: the tensors of one call must all be on the GPU "
+                                   f"or all on the CPU; got {kinds}")
+    return False
 
 
 def needs_torch_groups(store: Any, rank: int, world_size: int, intra_host: Optional[str],

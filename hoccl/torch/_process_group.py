@@ -37,8 +37,8 @@ import torch.distributed as dist
 from .. import InvalidArgumentError
 from . import _lists
 from ._collectives import all_gather_into, reduce_scatter_into
-from ._mixed import is_mixed, library_groups, staged, tensors_of, where
-from ._ops import movable, one_tensor, premultiply, reducible, reduction
+from ._mixed import is_mixed, library_groups, staged, tensors_of, to_gloo, where
+from ._ops import averaged, movable, one_tensor, premultiply, reducible, reduction
 from ._p2p import HeldP2P, SendCounts, even_splits, exchange, issue_held
 from ._work import Launcher, WorkList
 
@@ -120,15 +120,20 @@ class ProcessGroupHoccl(dist.ProcessGroup):
         return self._comm
 
     @property
+    def connected(self) -> bool:
+        """Whether the communicator is made (a deferred group makes it at its first call)."""
+        return self._comm is not None
+
+    @property
     def launcher(self) -> Launcher:
         self.communicator  # noqa: B018 - connects a deferred group
         assert self._launcher is not None
         return self._launcher
 
     def stages(self, tensors: Sequence[torch.Tensor]) -> bool:
-        """Whether a call on ``tensors`` goes through this rank's GPU (a GPU rank's): CPU
-        tensors in a mixed job (see hoccl.torch._mixed)."""
-        return (self.mixed and bool(tensors) and all(tensor.device.type == "cpu" for tensor in tensors))
+        """Whether a call on ``tensors`` goes through this rank's GPU (``_mixed``)."""
+        return self.mixed and bool(tensors) and all(tensor.device.type == "cpu"
+                                                    for tensor in tensors)
 
     # -- what torch asks of a backend -----------------------------------------------------
     def getBackendName(self) -> str:
@@ -161,22 +166,8 @@ class ProcessGroupHoccl(dist.ProcessGroup):
 
     # -- routing and bookkeeping --------------------------------------------------------
     def _gloo(self, call: str, tensors: Sequence[torch.Tensor]) -> bool:
-        """True when ``tensors`` are CPU tensors and this rank's communicator is on a GPU."""
-        kinds = sorted({tensor.device.type for tensor in tensors})
-        if self.launcher.device is None:
-            if kinds not in ([], ["cpu"]):
-                raise InvalidArgumentError(f"{call}: this hoccl process group runs on the host "
-                                           f"backend and takes CPU tensors; got {kinds} tensors")
-            return False
-        if kinds == ["cpu"]:
-            if self.cpu_group is None:  # a mixed job: its collectives stage them instead
-                raise InvalidArgumentError(f"{call}: takes GPU tensors on a GPU rank of a "
-                                           f"job whose hosts differ; got CPU tensors")
-            return True
-        if kinds not in ([], ["cuda"]):
-            raise InvalidArgumentError(f"{call}: the tensors of one call must all be on the GPU "
-                                       f"or all on the CPU; got {kinds}")
-        return False
+        """True when ``tensors`` go to the gloo group beside hoccl (``_mixed.to_gloo``)."""
+        return to_gloo(call, tensors, self.launcher.device, self.cpu_group is not None)
 
     def _run(self, issue: Callable[[Any], Any], outputs: List[torch.Tensor],
              tensors: Sequence[torch.Tensor], opts: Any, blocking: bool = False) -> dist.Work:
@@ -291,10 +282,12 @@ class ProcessGroupHoccl(dist.ProcessGroup):
         op, factor = reduction(call, opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
         reducible(call, tensor, factor)
 
-        def issue(stream: Any) -> None:
+        def issue(stream: Any) -> Optional[Callable[[], None]]:
             # the output overwrites the tensor: a premultiply needs no temporary
             source, scale = premultiply(self.communicator, tensor, factor, in_place=True)
-            self.communicator.all_reduce(source, tensor, op, scale=scale, stream=stream)
+            called, divide = averaged(self.communicator, op, tensor)
+            self.communicator.all_reduce(source, tensor, called, scale=scale, stream=stream)
+            return divide
         return self._run(issue, [tensor], [tensor], opts)
 
     def allreduce_coalesced(self, tensors: List[torch.Tensor], opts: Any = None) -> dist.Work:
@@ -371,11 +364,13 @@ class ProcessGroupHoccl(dist.ProcessGroup):
         op, factor = reduction(call, opts.reduceOp)
         reducible(call, tensor, factor)
 
-        def issue(stream: Any) -> None:
+        def issue(stream: Any) -> Optional[Callable[[], None]]:
             output = tensor if self.rank() == root else None
             # off the root the tensor must stay as it was: a premultiply goes to a temporary
             source, scale = premultiply(self.communicator, tensor, factor, in_place=False)
-            self.communicator.reduce(source, output, root, op, scale=scale, stream=stream)
+            called, divide = averaged(self.communicator, op, output)
+            self.communicator.reduce(source, output, root, called, scale=scale, stream=stream)
+            return divide
         return self._run(issue, [tensor], [tensor], opts)
 
     @_untracked

@@ -141,10 +141,10 @@ def fsdp(group, hooks=None, bf16=False, prefetch=False, divide=None, scale=1.0,
 
     def unshard_first(module):
         module[0].unshard(async_op=True).wait()
-    direct = DIRECT in (group, hooks)
+    direct = DIRECT is not None and DIRECT in (group, hooks)
     engine = hoccl.torch.communicator(DIRECT)._engine if direct else None
     kernels = engine.direct_calls if direct else 0
-    chunked = CHUNKED in (group, hooks)
+    chunked = CHUNKED is not None and CHUNKED in (group, hooks)
     executor = hoccl.torch.communicator(CHUNKED)._engine.executor if chunked else None
     fused = executor.fused_launches if chunked else 0
     run = train(model, scale=scale, prefetch=unshard_first if prefetch else None,
