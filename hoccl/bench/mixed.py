@@ -231,26 +231,35 @@ def _staged(call: Callable[[Any, Any], None]) -> Callable[[Any, Any], None]:
 
 
 def _phase_callers(job: Job, comm: Any, nbytes: int, dtype: str
-                   ) -> Dict[str, Tuple[Callable[[], None], Any]]:
+                   ) -> Dict[str, Callable[[], None]]:
     """all_reduce's phases alone, each at the size it has inside an all_reduce of
-    ``nbytes`` per rank: the host's reduce_scatter (hoccl inside the host), the rails'
-    all_reduce of 1/local_size of it (the engine between hosts), the host's
-    all_gather.  Name: (one call, what to synchronise after it)."""
+    ``nbytes`` per rank, on the engines the communicator runs them on: the host's
+    reduce_scatter (the engine inside the host), the rails' all_reduce of 1/local_size
+    of it (the engine between hosts), the host's all_gather.  Each call returns once
+    its work is done."""
     torch = job.torch
-    host, rail = comm.host_communicator, comm._levels["rail"]
-    local = host.world_size
+    # the level engines, as the communicator's phases call them
+    host, rail = comm._levels["host"], comm._levels["rail"]
+    local = job.args.local_size
     count = max(nbytes // np.dtype(dtype).itemsize // local * local, local)
     whole = torch.ones(count, dtype=getattr(torch, dtype), device=job.device)
     part = torch.ones(count // local, dtype=whole.dtype, device=job.device)
     part_out = torch.empty_like(part)
+    if job.kind == "cpu":  # as the communicator hands the host backend's engines
+        whole, part, part_out = whole.numpy(), part.numpy(), part_out.numpy()
 
-    def stream() -> Any:
-        return torch.cuda.current_stream().cuda_stream if job.kind == "cuda" else None
+    def on(engine: Any, step: Callable[[Any], None]) -> Callable[[], None]:
+        def once() -> None:
+            stream = torch.cuda.current_stream().cuda_stream if job.kind == "cuda" else None
+            step(stream)
+            engine.synchronize()
+            job.synchronize()
+        return once
     return {
-        "host reduce_scatter": (lambda: host.reduce_scatter(whole, part, "sum"), host),
-        "rail all_reduce": (lambda: rail.all_reduce(part, part_out, "sum", stream=stream()),
-                            rail),
-        "host all_gather": (lambda: host.all_gather(part, whole), host)}
+        "host reduce_scatter": on(host, lambda s: host.reduce_scatter(whole, part, "sum",
+                                                                      stream=s)),
+        "rail all_reduce": on(rail, lambda s: rail.all_reduce(part, part_out, "sum", stream=s)),
+        "host all_gather": on(host, lambda s: host.all_gather(part, whole, stream=s))}
 
 
 def phase_study(job: Job, comm: Any, nbytes: int, dtype: str) -> List[Dict[str, Any]]:
@@ -263,11 +272,7 @@ def phase_study(job: Job, comm: Any, nbytes: int, dtype: str) -> List[Dict[str, 
             record = measure(job, "hoccl", comm, collective, nbytes, dtype)
             records.append({**record, "library": f"hoccl {phases}", "phases": phases})
     comm.set_options(phases="auto")
-    for name, (call, synchronized) in _phase_callers(job, comm, nbytes, dtype).items():
-        def once() -> None:
-            call()
-            synchronized.synchronize()
-            job.synchronize()
+    for name, once in _phase_callers(job, comm, nbytes, dtype).items():
         micros = _time(job, once)
         records.append(dict(collective="all_reduce", bytes=nbytes, library=f"phase {name}",
                             phase=name, time_us=micros))
