@@ -42,6 +42,10 @@ def test_the_smoke_run_checks_every_result_against_numpy_and_writes_its_files(tm
         "pipelined / slowest phase alone", "sequential / pipelined"}
     text = (tmp_path / "mixed.md").read_text()
     assert "pipelined / slowest phase alone" in text and "hoccl / gloo busbw" in text
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return
     assert (tmp_path / "mixed.png").stat().st_size > 0
 
 
