@@ -406,6 +406,19 @@ class Engine:
             self.abort_reason = reason
             return True
 
+    def configure(self, config: Any) -> None:
+        """Take ``config``'s settings (a ``hoccl.Config``) for later calls."""
+        with self.lock:
+            self.sms.max_sms = config.max_sms
+            self.sms.copy_sms = config.copy_sms or self.sms.copy_sms
+            if config.fuse_sums != self.sms.fuse_sums:
+                self.sms.fuse_sums = bool(config.fuse_sums)
+                self.forget_programs()  # bound programs hold the fused launches, or not
+            self.verify_plans = config.verify_plans
+            if config.plan_options != self.options or config.given != self.given:
+                self.options = config.plan_options  # a new object: templates are remade
+                self.given = config.given
+
     # -- a call -----------------------------------------------------------------------------
     def choice(self, shape: Shape) -> Choice:
         """The path and options ``shape``'s calls take: the tuning table's row for it,
