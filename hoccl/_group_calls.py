@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from ._engine import Call
     from .comm import Communicator
 
-__all__ = ["group", "group_start", "group_end", "held_calls", "hand_over"]
+__all__ = ["group", "group_start", "group_end", "held_calls", "hand_over", "fatal"]
 
 log = logging.getLogger("hoccl")
 
@@ -116,3 +116,11 @@ def hand_over(batches: Sequence[Tuple["Communicator", List["Call"]]]) -> None:
         attempt(comm, comm._group.complete, calls)
     if failures:
         raise failures[0]
+
+
+def fatal(error: BaseException) -> bool:
+    """Whether handing calls over failed for good (the communicator is aborted): a plain
+    mismatch released the calls and the communicator stays usable; a divergence (an
+    earlier registered call ran differently) or anything else leaves nothing to match
+    up."""
+    return isinstance(error, DivergedError) or not isinstance(error, MismatchError)

@@ -20,7 +20,7 @@ import contextlib
 import dataclasses
 import logging
 import weakref
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 from . import _validate as check
 from ._api import CommunicatorApi
@@ -28,7 +28,7 @@ from ._buffers import Buffer, as_buffer
 from ._engine import Call, Engine
 from ._errors import (AbortedError, DivergedError, HocclError, HocclTimeoutError,
                       InvalidArgumentError, PeerDeadError)
-from ._group_calls import group, group_end, group_start, hand_over, held_calls
+from ._group_calls import fatal, group, group_end, group_start, held_calls
 from ._groups import _ABORTED, Group, _describe
 from ._health import Health
 from .bootstrap import end_of_job
@@ -401,19 +401,10 @@ class Communicator(CommunicatorApi):
 
     def _run(self, name: str, shape: Shape, buffers: Dict[str, Optional[Buffer]],
                stream: Any) -> None:
-        """Prepare (may fail: nothing enqueued), enqueue (the caller's stream is fenced),
-        then hand to the group — now, or at the end of the enclosing ``hoccl.group()``."""
+        """Prepare (may fail: nothing enqueued; a repeated call finds its prepared call),
+        enqueue (the caller's stream is fenced), then hand to the group — now, or at the
+        end of the enclosing ``hoccl.group()``."""
         engine = self._engine
-        if self._group.exported and held_calls() is None:
-            repeated = engine.repeat(name, shape, buffers, stream)
-            if repeated is not None:  # issued at once, as the first one was
-                try:
-                    self._group.repeat(repeated)
-                except HocclError as error:  # an earlier call's check: nothing to match up
-                    self._fail([repeated], error)
-                    raise
-                self._health.start_watchdog()
-                return
         call = engine.prepare(name, shape, buffers, stream, exported=self._group.exported)
         self._usable(name)  # the watchdog may have aborted meanwhile
         held = held_calls()
@@ -435,7 +426,14 @@ class Communicator(CommunicatorApi):
         if held is not None:
             held.append((self, call))
             return
-        hand_over([(self, [call])])
+        calls = [call]  # offered and completed at once, as ``hand_over`` does for a group
+        try:
+            self._group.post(calls)
+            self._group.complete(calls)
+        except BaseException as error:
+            if fatal(error):
+                self._fail(calls, error)
+            raise
 
     def _fail(self, calls: List[Call], error: BaseException) -> None:
         """The peers never answered: nothing can be matched up any more."""
