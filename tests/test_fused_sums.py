@@ -94,13 +94,10 @@ def test_pushed_reductions_of_many_chunks_are_fused_and_others_are_not():
 
 
 class _Pad:
-    def local(self, slot):
-        return 1000 + slot
-
-    def remote(self, peer, slot):
-        return ("remote", peer, slot)
-
+    """A pad's tables (``SignalPad.waits``, ``signals``) naming each slot."""
     graph_offset = 100
+    waits = [1000 + slot for slot in range(200)]
+    signals = [[("remote", peer, slot) for slot in range(200)] for peer in range(2)]
 
 
 @pytest.mark.parametrize("fuse", [True, False])

@@ -37,6 +37,8 @@ RUNS = {  # (ranks, local size, inter-host engine, torch hosts): (dtypes, counts
     (6, 2, "hoccl", "1"): ("float16,bfloat16,float32", "17", "sum,min,avg"),
     (3, 1, "mpi", "1"): ("bfloat16,int64", "5", "sum,max,avg"),
 }
+#: runs whose phases are pipelined in chunks of this many bytes
+PIPELINED_RUNS = {(4, 2, "mpi", "1"): 16, (6, 2, "hoccl", "1"): 8}
 
 
 @pytest.mark.mpi
@@ -47,6 +49,9 @@ def test_collectives_across_simulated_hosts_match_numpy(ranks, local_size, inter
     command = [_mpiexec(), "-n", str(ranks), sys.executable, str(SCRIPT), "--backend", "host",
                "--inter-host", inter_host, "--dtypes", dtypes, "--counts", counts, "--ops", ops,
                "--torch-hosts", torch_hosts]
+    if (ranks, local_size, inter_host, torch_hosts) in PIPELINED_RUNS:
+        command += ["--phases", "pipelined", "--phase-bytes",
+                    str(PIPELINED_RUNS[ranks, local_size, inter_host, torch_hosts])]
     env = {**os.environ, **MPI_ENV, "HOCCL_VERIFY": "1", "HOCCL_LOCAL_SIZE": str(local_size)}
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
     output = result.stdout + result.stderr

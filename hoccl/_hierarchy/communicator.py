@@ -1,22 +1,26 @@
-"""The communicator across hosts: the API and argument checks of ``Communicator``, each
+"""The communicator across hosts: the API and argument checks of ``CommunicatorApi``, each
 call run as the phases of its ``hoccl.sched.hierarchical`` plan on the level engines."""
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Dict, List, Optional, Type
+from typing import Any, Callable, Dict, List, Optional, Tuple, Type, Union
 
 from .._buffers import Buffer, as_buffer
 from .._errors import AbortedError, HocclError, HocclTimeoutError, InvalidArgumentError
 from ..bootstrap import Bootstrap
-from ..comm import Communicator, _held_calls
+from .._api import CommunicatorApi
+from .._group_calls import held_calls
+from ..comm import Communicator
 from ..sched import Shape
-from ..sched.hierarchical import (Call, Divide, HierarchicalPlan, Region, Topology,
-                                  build_hierarchical, divide_in_place, verify_hierarchical)
+from ..sched.hierarchical import (PIPELINED, Call, Divide, HierarchicalPlan, PipelinedPlan,
+                                  Region, Step, Topology, build_hierarchical, divide_in_place,
+                                  pipeline_hierarchical, verify_hierarchical, verify_pipelined)
 from ..config import ACROSS_HOSTS, Config
 from .arrays import Arrays, framework_array
 from .engine import InterHostEngine, Setup
 from .hoccl_engine import HocclEngine
+from .phases import Entry, PhaseRunner
 from .hosts import HostReport, agree, intra_host_engine, local_report
 from .nccl import NcclEngine
 from .staged import GlooStagedEngine, MpiStagedEngine
@@ -61,13 +65,13 @@ def _default_engine(reports: List[HostReport], one_machine: bool) -> str:
         return "gloo"
 
 
-class HierarchicalCommunicator(Communicator):
+class HierarchicalCommunicator(CommunicatorApi):
     """One rank of a world that spans hosts.  Create with ``hoccl.init``.
 
-    The API is ``Communicator``'s, with the same argument checks; each call runs the
-    phases of its ``hoccl.sched.hierarchical`` plan.  ``describe()`` says how the world
-    is split and which engines run where (each host's device kind and engine inside
-    it).  Not inside ``hoccl.group()``."""
+    The API is ``CommunicatorApi``'s, with the same argument checks as ``Communicator``;
+    each call runs the phases of its ``hoccl.sched.hierarchical`` plan.  ``describe()``
+    says how the world is split and which engines run where (each host's device kind and
+    engine inside it).  Not inside ``hoccl.group()``."""
 
     def __init__(self, *, topology: Topology, rank: int, host: Communicator,
                  intra: InterHostEngine, rail: InterHostEngine, world: InterHostEngine,
@@ -85,12 +89,13 @@ class HierarchicalCommunicator(Communicator):
         self._grouping = grouping
         self._bootstrap = bootstrap
         self._config = config
-        self._verified: Dict[int, HierarchicalPlan] = {}
+        self._verified: Dict[int, Union[HierarchicalPlan, PipelinedPlan]] = {}
         self._streams: Dict[int, Any] = {}   # caller streams used since the last synchronize
         self._aborted_reason = ""
         self._closed = False
         # the host backend runs a call's phases one after another on the host
         self._blocking = host.backend == "host"
+        self._runner = PhaseRunner(host.timeout)
 
     @classmethod
     def connect(cls, *, call: str, backend: str, bootstrap: Bootstrap, topology: Topology,
@@ -252,6 +257,12 @@ class HierarchicalCommunicator(Communicator):
         self._usable("deregister")
         raise InvalidArgumentError("deregister: nothing is registered across hosts")
 
+    def _explain(self, shape: Shape) -> Dict[str, Any]:
+        raise InvalidArgumentError("explain: not offered across hosts yet (a "
+                                   "HierarchicalCommunicator): each call runs the phases of its "
+                                   "hoccl.sched.hierarchical plan; explain on host_communicator "
+                                   "tells the path of a phase inside a host")
+
     def set_options(self, **changes: Any) -> None:
         """Settings for later calls: the phases' (``phases``, ``phase_bytes``) here, the
         others on the hoccl communicators (the host's, and the rails' with hoccl).  The
@@ -282,6 +293,7 @@ class HierarchicalCommunicator(Communicator):
             except HocclError as error:
                 log.warning("rank %d close: %s", self.rank, error)
         self._closed = True
+        self._runner.close()
         closers = [(level, self._levels[level].close) for level in ("rail", "world", "host")]
         # NCCL's rails were split from its world; the hoccl host communicator goes last
         # (the host level's engine when it is hoccl's: closing twice is harmless)
@@ -299,22 +311,39 @@ class HierarchicalCommunicator(Communicator):
         if self.aborted:
             raise AbortedError(f"{name}: the communicator was aborted: {self.abort_reason}")
 
-    def _plan(self, shape: Shape) -> HierarchicalPlan:
-        plan = build_hierarchical(shape, self.topology)
-        if self._config.verify_plans and self._verified.get(id(plan)) is not plan:
-            verify_hierarchical(plan)
+    def _plan(self, shape: Shape) -> Union[HierarchicalPlan, PipelinedPlan]:
+        """The call's plan: pipelined (``phases``, ``phase_bytes``) for all_reduce,
+        broadcast and reduce of at least two chunks (or with ``phases="pipelined"``)
+        where no level's engine enqueues on the caller's stream (NCCL: its phases
+        are ordered there already), else the sequential one."""
+        config = self._config
+        chunk = max(1, config.phase_bytes // shape.itemsize)
+        chunk = max(self.topology.local_size, chunk - chunk % self.topology.local_size)
+        pipelined = (shape.collective in PIPELINED and config.phases != "sequential"
+                     and (config.phases == "pipelined" or shape.count >= 2 * chunk)
+                     and not any(engine.enqueues for engine in self._levels.values()))
+        plan: Union[HierarchicalPlan, PipelinedPlan]
+        if pipelined:
+            plan = pipeline_hierarchical(shape, self.topology, chunk)
+        else:
+            plan = build_hierarchical(shape, self.topology)
+        if config.verify_plans and self._verified.get(id(plan)) is not plan:
+            if isinstance(plan, PipelinedPlan):
+                verify_pipelined(plan)
+            else:
+                verify_hierarchical(plan)
             self._verified[id(plan)] = plan
         return plan
 
-    def _enter(self, name: str, shape: Shape, buffers: Dict[str, Optional[Buffer]],
+    def _run(self, name: str, shape: Shape, buffers: Dict[str, Optional[Buffer]],
                stream: Any) -> None:
         """Run ``shape``'s hierarchical plan on this rank's arrays (every argument has been
-        checked by ``Communicator``)."""
+        checked by ``CommunicatorApi``)."""
         if shape.scale is not None:
             raise InvalidArgumentError(
                 f"{name}: scale is not supported across hosts yet; scale the result, or use a "
                 f"communicator within one host")
-        if _held_calls() is not None:
+        if held_calls() is not None:
             raise InvalidArgumentError(
                 f"{name}: a communicator across hosts does not take calls inside hoccl.group() "
                 f"(its phases mix engines); make them outside, sends and receives in an order "
@@ -332,23 +361,45 @@ class HierarchicalCommunicator(Communicator):
 
         def region(part: Optional[Region]) -> Any:
             return None if part is None else views[part.buffer][part.start:part.stop]
-        for level, steps in plan.program(self.rank):
-            self._usable(name)
-            if level == "local":
-                for step in steps:
-                    assert isinstance(step, Divide)
-                    self._divide(name, region(step.region), step.divisor, handle)
-                continue
-            engine = self._levels[level]
+
+        def runner(level: str, steps: Tuple[Step, ...]) -> Callable[[], None]:
+            return lambda: self._steps(name, level, steps, region, handle)
+        if isinstance(plan, PipelinedPlan):
+            program = plan.program(self.rank)
+            last: Dict[int, int] = {}
+            entries: List[Entry] = []
+            for index, entry in enumerate(program):
+                entries.append((entry.level, runner(entry.level, entry.steps),
+                                last.get(entry.chunk)))
+                last[entry.chunk] = index
+            try:
+                self._runner.pipelined(name, entries)
+            except HocclTimeoutError as error:
+                self.abort(f"rank {self.rank}: {name}: {error}")
+                raise
+            return
+        self._runner.sequential([(level, runner(level, steps), None)
+                                 for level, steps in plan.program(self.rank)])
+
+    def _steps(self, name: str, level: str, steps: Tuple[Step, ...],
+               region: Callable[[Optional[Region]], Any], handle: Optional[int]) -> None:
+        """One phase's steps of this rank on its level's engine."""
+        self._usable(name)
+        if level == "local":
             for step in steps:
-                assert isinstance(step, Call)
-                try:
-                    engine.issue(step, region(step.send), region(step.recv), handle)
-                except HocclTimeoutError as error:  # a step left to its engine: no more calls
-                    self.abort(f"rank {self.rank}: {name}: {error}")
-                    raise
-            if self._blocking:
-                engine.synchronize()
+                assert isinstance(step, Divide)
+                self._divide(name, region(step.region), step.divisor, handle)
+            return
+        engine = self._levels[level]
+        for step in steps:
+            assert isinstance(step, Call)
+            try:
+                engine.issue(step, region(step.send), region(step.recv), handle)
+            except HocclTimeoutError as error:  # a step left to its engine: no more calls
+                self.abort(f"rank {self.rank}: {name}: {error}")
+                raise
+        if self._blocking:
+            engine.synchronize()
 
     def _divide(self, name: str, view: Any, divisor: int,
                 stream: Optional[int]) -> None:

@@ -50,6 +50,9 @@ class InterHostEngine(abc.ABC):
 
     name: ClassVar[str]
     label: str
+    #: whether its steps are enqueued on the caller's stream (NCCL) rather than done, or
+    #: ordered on the host, when a method returns: such levels are not pipelined
+    enqueues: ClassVar[bool] = False
 
     @classmethod
     def check_world(cls, call: str, backends: List[str], hostnames: List[str]) -> None:

@@ -17,6 +17,7 @@ class NcclEngine(InterHostEngine):
     ``TorchNcclEngine`` (``HOCCL_NCCL_BINDING=torch`` forces torch.distributed)."""
 
     name = "nccl"
+    enqueues = True
 
     @classmethod
     def check_world(cls, call: str, backends: List[str], hostnames: List[str]) -> None:

@@ -77,6 +77,35 @@ def check_pairs(comm, seed):
     comm.synchronize()
 
 
+def check_phases_agree(comm, seed):
+    """all_reduce, broadcast and reduce of 1000 elements, sequential and pipelined in
+    chunks of 64 bytes: the same bits on every rank."""
+    if not isinstance(comm, hoccl.HierarchicalCommunicator):
+        return
+    before = comm.config
+    n = comm.world_size
+    for collective, dtype, op in (("all_reduce", "bfloat16", "avg"), ("all_reduce", "float32",
+                                  "sum"), ("reduce", "float16", "sum"), ("broadcast", "int8", "")):
+        arrays = array_module_for(comm.backend, dtype)
+        rng = np.random.default_rng([seed, comm.rank])
+        data = random_array(rng, 1000, dtype)
+        results = []
+        for phases in ("sequential", "pipelined"):
+            comm.set_options(phases=phases, phase_bytes=64)
+            out = arrays.asarray(poison(1000, dtype), comm.device)
+            send = arrays.asarray(data, comm.device)
+            if collective == "all_reduce":
+                comm.all_reduce(send, out, op)
+            elif collective == "reduce":
+                comm.reduce(send, out, n - 1, op)
+            else:
+                comm.broadcast(send, out, n - 1)
+            comm.synchronize()
+            results.append(arrays.to_numpy(out, dtype).view(np.uint8))
+        assert np.array_equal(results[0], results[1]), f"{collective}: pipelined differs"
+    comm.set_options(phases=before.phases, phase_bytes=before.phase_bytes)
+
+
 def check_barrier(comm):
     comm.barrier()
     comm.synchronize()
@@ -140,7 +169,8 @@ def main():
             failed += 1
             print(f"rank {comm.rank} FAILED {case}\n{traceback.format_exc()}", flush=True)
     for name, action in (("send/recv", lambda: check_pairs(comm, 7)),
-                         ("barrier", lambda: check_barrier(comm))):
+                         ("barrier", lambda: check_barrier(comm)),
+                         ("phases", lambda: check_phases_agree(comm, 11))):
         try:
             action()
             passed += 1
