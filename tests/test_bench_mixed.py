@@ -18,12 +18,14 @@ from hoccl.bench.mixed import expected, pattern, ratios, wrong_elements  # noqa:
 @pytest.mark.mpi
 def test_the_smoke_run_checks_every_result_against_numpy_and_writes_its_files(tmp_path):
     code, output = launch(4, "-m", "hoccl.bench.mixed", "--devices", "cpu", "--local-size",
-                          "2", "--sizes", "16K,64K", "--phase-bytes", "64K", "--iters", "1",
+                          "2", "--sizes", "16K,64K", "--phase-bytes", "64K", "--phase-chunk", "16K",
+                          "--iters", "1",
                           "--warmup", "0", "--out", tmp_path, timeout=300)
     assert code == 0, output[-6000:]
     result = json.loads((tmp_path / "mixed.json").read_text())
     assert result["world_size"] == 4 and result["devices"] == ["cpu"] * 4
     assert result["local_size"] == 2 and len(result["engines"]) == 4
+    assert result["phase_chunk"] == 16 << 10  # the pipelined all_reduce has 4 chunks
     records = result["records"]
     assert {(r["collective"], r["bytes"], r["library"]) for r in records} == {
         (collective, size, library) for collective in ("all_reduce", "all_gather")

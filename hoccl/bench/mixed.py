@@ -54,6 +54,9 @@ def arguments(argv: Optional[List[str]] = None) -> argparse.Namespace:
                         help="nccl-tests' sizes, comma-separated (up to 1G)")
     parser.add_argument("--phase-bytes", default="256M",
                         help="the size of the pipelined / sequential / phase-alone study")
+    parser.add_argument("--phase-chunk", default="",
+                        help="the chunk of pipelined phases (Config.phase_bytes; default its "
+                             "default)")
     parser.add_argument("--dtype", default="float32", help="numpy / torch dtype name")
     parser.add_argument("--iters", type=int, default=5, help="timed calls per measurement")
     parser.add_argument("--warmup", type=int, default=1, help="untimed calls first")
@@ -96,6 +99,8 @@ class Job:
                  if self.args.intra_host else None)
         if intra is not None:
             settings["intra_host"] = intra
+        if self.args.phase_chunk:
+            settings["phase_bytes"] = parse_size(self.args.phase_chunk)
         return hoccl.init(backend="cuda" if self.kind == "cuda" else "host",
                           device=0 if self.kind == "cuda" else None,
                           local_size=self.args.local_size, inter_host=self.args.inter_host,
@@ -106,9 +111,10 @@ class Job:
         import torch.distributed as dist
         address = self.mpi.bcast(socket.gethostname() if self.rank == 0 else None)
         port = self.mpi.bcast(_free_port() if self.rank == 0 else None)
-        store = dist.TCPStore(address, port, self.world_size, self.rank == 0,
-                              timeout=timedelta(seconds=300))
-        return dist.ProcessGroupGloo(store, self.rank, self.world_size, timedelta(seconds=300))
+        # a bounded wait: a call one rank cannot make must not hold the others for long
+        timeout = timedelta(seconds=120)
+        store = dist.TCPStore(address, port, self.world_size, self.rank == 0, timeout=timeout)
+        return dist.ProcessGroupGloo(store, self.rank, self.world_size, timeout)
 
     def max(self, value: float) -> float:
         from mpi4py import MPI
@@ -331,7 +337,8 @@ def table(result: Dict[str, Any]) -> str:
                      + (f" WRONG {by[name]['wrong']}" if by[name]["wrong"] else "")
                      if name in by else "" for name in names]
             lines.append(f"| {human(nbytes)} | " + " | ".join(cells) + " |")
-    lines += [f"\n## phases at {human(result['phase_bytes'])}, time us",
+    lines += [f"\n## phases at {human(result['phase_bytes'])} (pipelined in chunks of "
+              f"{human(result['phase_chunk'] or 0)}), time us",
               "| collective | run | time us | wrong |", "|---|---|---|---|"]
     for r in result["phases"]:
         if "error" not in r:
@@ -396,7 +403,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     result: Dict[str, Any] = {
         "meta": metadata(sys.argv), "world_size": job.world_size, "devices": devices,
         "local_size": args.local_size, "dtype": dtype, "engines": engines,
-        "phase_bytes": phase_bytes, "records": records, "phases": study}
+        "phase_bytes": phase_bytes, "records": records, "phases": study,
+        "phase_chunk": None if comm is None else comm.config.phase_bytes}
     result["ratios"] = ratios(result)
     if job.rank == 0:
         report(result, args.out, "mixed", table(result))
