@@ -23,7 +23,9 @@ all_gather, the whole input of reduce_scatter and all_to_all), returning µs:
   ``pipelined=True`` runs them chunk by chunk as the runtime does (``phases``
   "pipelined": each level, inside hosts and between them, on a worker of its own): the
   first chunk through every phase, then one chunk per period of the busiest level
-  (``pipeline_us``), each chunk paying its phases' host costs and latencies again.
+  (``pipeline_us``), each chunk paying its phases' host costs and latencies again (the
+  runtime pipelines all_reduce, broadcast and reduce; for the other collectives the
+  model shows what the same scheme would give).
   ``staged=True``: the engine between hosts is MPI or gloo on pinned host memory, its
   device-to-host and host-to-device copies (on copy engines) two more overlapped phases
   and all_reduce's sums on the host's CPUs.
