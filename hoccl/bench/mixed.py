@@ -32,7 +32,7 @@ import numpy as np
 
 from ._harness import bus_factor, human, metadata, parse_size, report
 
-__all__ = ["main", "arguments", "ratios", "table", "plot"]
+__all__ = ["main", "arguments", "sweep", "ratios", "table", "plot"]
 
 COLLECTIVES = ("all_reduce", "all_gather")
 #: the sizes from which hoccl's bus bandwidth is compared with gloo's
@@ -384,37 +384,46 @@ def _engines(described: Dict[str, Any]) -> str:
             f"{described['inter_host']} between")
 
 
-def main(argv: Optional[List[str]] = None) -> None:
-    import os
-    args = arguments(argv)
-    job = Job(args)
-    dtype = args.dtype
+def sweep(job: Job, comm: Any) -> Dict[str, Any]:
+    """Every rank's measurements (rank 0's records hold everyone's: figures are the
+    slowest rank's, wrong elements the sum over ranks)."""
+    args = job.args
     sizes = [parse_size(text) for text in args.sizes.split(",")]
     wanted = args.libraries.split(",")
-    comm = job.hoccl() if "hoccl" in wanted else None
     handles = {"hoccl": comm, "gloo": job.gloo() if "gloo" in wanted else None}
     devices = job.mpi.allgather(job.kind)
     engines = job.mpi.allgather(None if comm is None else _engines(comm.describe()))
     job.say(f"# hoccl.bench.mixed: devices {devices}, {args.local_size} ranks per host")
-    records = [measure(job, library, handles[library], collective, nbytes, dtype)
+    records = [measure(job, library, handles[library], collective, nbytes, args.dtype)
                for collective in COLLECTIVES for nbytes in sizes for library in wanted]
     phase_bytes = parse_size(args.phase_bytes)
-    study = phase_study(job, comm, phase_bytes, dtype) if comm is not None else []
-    result: Dict[str, Any] = {
-        "meta": metadata(sys.argv), "world_size": job.world_size, "devices": devices,
-        "local_size": args.local_size, "dtype": dtype, "engines": engines,
-        "phase_bytes": phase_bytes, "records": records, "phases": study,
-        "phase_chunk": None if comm is None else comm.config.phase_bytes}
+    study = phase_study(job, comm, phase_bytes, args.dtype) if comm is not None else []
+    return {"world_size": job.world_size, "devices": devices, "local_size": args.local_size,
+            "dtype": args.dtype, "engines": engines, "phase_bytes": phase_bytes,
+            "records": records, "phases": study,
+            "phase_chunk": None if comm is None else comm.config.phase_bytes}
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    import os
+    args = arguments(argv)
+    job = Job(args)
+    comm = job.hoccl() if "hoccl" in args.libraries.split(",") else None
+    try:
+        result = sweep(job, comm)
+    finally:
+        if comm is not None:
+            comm.close()
+    if job.rank != 0:
+        return
+    result = {"meta": metadata(sys.argv), **result}
     result["ratios"] = ratios(result)
-    if job.rank == 0:
-        report(result, args.out, "mixed", table(result))
-        try:
-            plot(result, os.path.join(args.out, "mixed.png"))
-            print("wrote", os.path.join(args.out, "mixed.png"))
-        except ImportError as error:
-            print(f"# plot skipped: {error}")
-    if comm is not None:
-        comm.close()
+    report(result, args.out, "mixed", table(result))
+    try:
+        plot(result, os.path.join(args.out, "mixed.png"))
+        print("wrote", os.path.join(args.out, "mixed.png"))
+    except ImportError as error:
+        print(f"# plot skipped: {error}")
 
 
 if __name__ == "__main__":
