@@ -48,16 +48,21 @@ def _to_numpy(array: Any) -> np.ndarray:
     return array.numpy()
 
 
-def fold(parts: Sequence[Any], out: Any, op: str) -> None:
+def fold(parts: Sequence[Any], out: Any, op: str, stream: Optional[int] = None) -> None:
     """``out[...] = op over parts`` by hoccl's rule (the module docstring); ``parts`` and
     ``out`` are flat arrays of one framework, on one device, of ``out``'s dtype.  Work on a
-    device is enqueued on the current stream of that framework."""
-    kind = Arrays.of(out).kind
-    on_host = kind == "numpy" or (kind == "torch" and out.device.type == "cpu")
-    if on_host:
+    device is enqueued on ``stream`` (a raw handle)."""
+    kit = Arrays.of(out)
+    if kit.kind == "numpy" or (kit.kind == "torch" and out.device.type == "cpu"):
         host = _to_numpy(out)
         host[...] = reduce_arrays([_to_numpy(part) for part in parts], op, host.dtype)
         return
+    with kit.on_stream(stream, out):
+        _fold_on_device(kit.kind, parts, out, op)
+
+
+def _fold_on_device(kind: str, parts: Sequence[Any], out: Any, op: str) -> None:
+    """``fold``'s operations in torch or cupy, on the current stream."""
     if kind == "torch":
         import torch
         wide = torch.float32 if out.dtype in (torch.float16, torch.bfloat16) else out.dtype
@@ -97,7 +102,7 @@ class FoldingEngine(InterHostEngine):
 
     def folding(self, parts: Sequence[Any], out: Any, op: str, stream: Optional[int]) -> None:
         """``fold`` ordered on ``stream`` (the caller's, on a device)."""
-        fold(parts, out, op)
+        fold(parts, out, op, stream)
 
     def reduce_scatter(self, send: Any, recv: Any, op: str, *, stream: Any = None) -> None:
         count = recv.shape[0]

@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import abc
 import time
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+import ctypes
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -33,7 +34,7 @@ from .._errors import AbortedError, HocclTimeoutError, InvalidArgumentError
 from .._mailbox import wait_until
 from ..bootstrap import Bootstrap, MPIBootstrap
 from .arrays import Arrays, address
-from .engine import InterHostEngine, Setup
+from .engine import Setup
 from .folding import FoldingEngine, _to_numpy
 
 __all__ = ["StagedEngine", "MpiStagedEngine", "GlooStagedEngine", "Transport"]
@@ -187,7 +188,7 @@ class GlooTransport(Transport):
 class _Stager:
     """Pinned slots, two lanes and their events on one GPU (hoccl's device handle)."""
 
-    def __init__(self, device: Any, slot_bytes: int):
+    def __init__(self, device: Any, slot_bytes: int, allocate: Callable[[int], np.ndarray]):
         self.device, self.slot_bytes = device, slot_bytes
         self.lanes = (device.create_stream(), device.create_stream())   # out, in
         self.out_done = [device.create_event(), device.create_event()]
@@ -195,23 +196,62 @@ class _Stager:
         self.in_used = [False, False]
         self.started = device.create_event()
         self.pinned: List[Tuple[np.ndarray, np.ndarray]] = [
-            (_pinned(slot_bytes), _pinned(slot_bytes)) for _ in range(2)]  # (out, in) per slot
+            (allocate(slot_bytes), allocate(slot_bytes)) for _ in range(2)]  # (out, in) per slot
 
-    def close(self) -> None:
+    def close(self, timeout: float) -> None:
+        """After the copies in flight (a copy in reads the pinned slots)."""
+        for lane in self.lanes:
+            self.device.synchronize_stream(lane, timeout)
         for event in self.out_done + self.in_done + [self.started]:
             self.device.destroy_event(event)
         for lane in self.lanes:
             self.device.destroy_stream(lane)
 
 
-def _pinned(nbytes: int) -> np.ndarray:
-    """``nbytes`` of page-locked host memory as a numpy array (torch's, else cupy's)."""
-    try:
-        import torch
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy()
-    except ImportError:
-        import cupyx
-        return cupyx.empty_pinned(nbytes, np.uint8)
+class _HostCopies:
+    """The device interface for arrays in host memory: each copy is done when issued, so
+    every event has been reached (a rank on hoccl's host backend stages nothing, but
+    cuts its steps into the chunks its peers cut theirs)."""
+
+    def activate(self) -> None:
+        pass
+
+    def resolve_stream(self, stream: Any, arrays: Sequence[Any]) -> None:
+        return None
+
+    def create_stream(self) -> None:
+        return None
+
+    def destroy_stream(self, stream: Any) -> None:
+        pass
+
+    def create_event(self) -> None:
+        return None
+
+    def destroy_event(self, event: Any) -> None:
+        pass
+
+    def record(self, stream: Any, event: Any) -> None:
+        pass
+
+    def wait_event(self, stream: Any, event: Any) -> None:
+        pass
+
+    def done(self, event: Any) -> bool:
+        return True
+
+    def synchronize_stream(self, stream: Any, timeout: float) -> None:
+        pass
+
+    def copy(self, stream: Any, dst: int, src: int, nbytes: int) -> None:
+        ctypes.memmove(dst, src, nbytes)
+
+
+HOST_COPIES = _HostCopies()
+
+
+def _host_bytes(nbytes: int) -> np.ndarray:
+    return np.empty(nbytes, np.uint8)
 
 
 class StagedEngine(FoldingEngine):
@@ -226,7 +266,7 @@ class StagedEngine(FoldingEngine):
         self.size, self.member = transport.size, transport.member
         self.timeout, self.stage_bytes = timeout, stage_bytes
         self.label = f"{transport.label} (staged)"
-        self._stager: Optional[_Stager] = None
+        self._stagers: Dict[int, _Stager] = {}  # by the id of the device that copies
         self._broken = ""
         self._aborted = ""
 
@@ -241,6 +281,17 @@ class StagedEngine(FoldingEngine):
     @abc.abstractmethod
     def transports(cls, setup: Setup) -> Tuple[Transport, Transport]:
         """(this rank's rail transport, the world's)."""
+
+    @staticmethod
+    def pinned(nbytes: int) -> np.ndarray:
+        """``nbytes`` of page-locked host memory as a numpy array (torch's, else cupy's):
+        the copy engines move it without a bounce through pageable memory."""
+        try:
+            import torch
+            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy()
+        except ImportError:
+            import cupyx
+            return cupyx.empty_pinned(nbytes, np.uint8)
 
     # -- waiting ----------------------------------------------------------------------
     def _wait(self, ready: Callable[[], bool], what: str) -> None:
@@ -268,8 +319,7 @@ class StagedEngine(FoldingEngine):
     def _transferred(self, request: Any, what: str) -> None:
         self._wait(lambda: self.transport.test(request), what)
 
-    def _copied(self, event: Any, what: str) -> None:
-        device = self.device
+    def _copied(self, device: Any, event: Any, what: str) -> None:
         self._wait(lambda: bool(device.done(event)), what)
 
     # -- one step ---------------------------------------------------------------------
@@ -283,34 +333,38 @@ class StagedEngine(FoldingEngine):
             raise AbortedError(f"{what} across hosts ({self.label}): the engine takes no more "
                                f"calls: {self._broken}")
         arrays = [array for array in (send, recv) if array is not None]
-        kit = Arrays.of(arrays[0]) if arrays else Arrays("numpy")
-        on_host = kit.kind == "numpy" or (kit.kind == "torch" and arrays[0].device.type == "cpu")
-        if on_host:
-            host_send = None if send is None else _to_numpy(send).view(np.uint8)
-            host_recv = None if recv is None else _to_numpy(recv).view(np.uint8)
-            if host_send is not None and host_recv is not None and _overlap(host_send, host_recv):
-                host_send = host_send.copy()  # in place: the transport reads a copy
-            self._transfer(what, lambda: start(host_send, host_recv))
-            return
-        self._staged(what, stream, count, send, send_blocks, recv, recv_blocks, start)
-
-    def _staged(self, what: str, stream: Optional[int], count: int, send: Any,
-                send_blocks: int, recv: Any, recv_blocks: int,
-                start: Start) -> None:
-        """The pipeline of the module docstring on device arrays."""
-        from cuda.bindings import driver
-        device = self.device
+        on_host = self._on_host(arrays)
+        device = HOST_COPIES if on_host else self.device
         if device is None:
             raise InvalidArgumentError(f"{what} across hosts ({self.label}): device arrays on a "
                                        f"rank without hoccl's cuda backend")
+        self._staged(what, device, None if on_host else stream, count, send, send_blocks,
+                     recv, recv_blocks, start)
+
+    @staticmethod
+    def _on_host(arrays: List[Any]) -> bool:
+        """Whether the arrays are in host memory (numpy, torch CPU tensors): no stage."""
+        kit = Arrays.of(arrays[0]) if arrays else Arrays("numpy")
+        return kit.kind == "numpy" or (kit.kind == "torch" and arrays[0].device.type == "cpu")
+
+    def _staged(self, what: str, device: Any, stream: Optional[int], count: int, send: Any,
+                send_blocks: int, recv: Any, recv_blocks: int, start: Start) -> None:
+        """The pipeline of the module docstring.  Every member cuts the step into the same
+        chunks (from the step's shape and ``stage_bytes``, which every rank shares),
+        whether its arrays are on a device or on the host."""
         item = _itemsize(send if send is not None else recv)
-        blocks = max(send_blocks if send is not None else 0, recv_blocks if recv is not None else 0)
-        if self._stager is None:
-            self._stager = _Stager(device, self.stage_bytes)
-        stager = self._stager
+        blocks = max(send_blocks, recv_blocks)
         per_chunk = max(1, self.stage_bytes // (blocks * item))
-        caller = driver.CUstream(stream)
+        stager = self._stagers.get(id(device))
+        if stager is not None and stager.slot_bytes < per_chunk * blocks * item:
+            stager.close(self.timeout)  # a slot must hold one element of every block
+            stager = None
+        if stager is None:
+            allocate = _host_bytes if device is HOST_COPIES else self.pinned
+            stager = _Stager(device, max(self.stage_bytes, blocks * item), allocate)
+            self._stagers[id(device)] = stager
         device.activate()
+        caller = device.resolve_stream(stream, [])
         # lane out starts after the caller's work so far
         device.record(caller, stager.started)
         device.wait_event(stager.lanes[0], stager.started)
@@ -346,9 +400,9 @@ class StagedEngine(FoldingEngine):
                     copy_in(in_flight[0])
                 in_flight = None
             if stager.in_used[slot]:  # the slot's last H2D has read its pinned bytes
-                self._copied(stager.in_done[slot], f"{what} (copy in)")
+                self._copied(device, stager.in_done[slot], f"{what} (copy in)")
                 stager.in_used[slot] = False
-            self._copied(stager.out_done[slot], f"{what} (copy out)")
+            self._copied(device, stager.out_done[slot], f"{what} (copy out)")
             request = start(out_host[:send_blocks * width] if send is not None else None,
                             in_host[:recv_blocks * width] if recv is not None else None)
             in_flight = (k, request)
@@ -384,9 +438,8 @@ class StagedEngine(FoldingEngine):
         if stream is None or self.device is None:
             _to_numpy(dst)[...] = _to_numpy(src)
             return
-        from cuda.bindings import driver
         (dst_at, nbytes), (src_at, _) = address(dst), address(src)
-        self.device.copy(driver.CUstream(stream), dst_at, src_at, nbytes)
+        self.device.copy(self.device.resolve_stream(stream, []), dst_at, src_at, nbytes)
 
     def gather(self, send: Any, recv: Any, root: int, *, stream: Any = None) -> None:
         at_root = self.member == root
@@ -408,8 +461,7 @@ class StagedEngine(FoldingEngine):
 
     def barrier(self, *, stream: Any = None) -> None:
         if stream is not None and self.device is not None:
-            from cuda.bindings import driver
-            self.device.synchronize_stream(driver.CUstream(stream), self.timeout)
+            self.device.synchronize_stream(self.device.resolve_stream(stream, []), self.timeout)
         self._transfer("barrier", self.transport.barrier)
 
     # -- state ------------------------------------------------------------------------
@@ -419,19 +471,14 @@ class StagedEngine(FoldingEngine):
         self._aborted = reason or "abort() was called"
 
     def close(self) -> None:
-        if self._stager is not None:
-            self._stager.close()
-            self._stager = None
+        for stager in self._stagers.values():
+            stager.close(self.timeout)
+        self._stagers.clear()
         self.transport.close()
 
 
 def _itemsize(array: Any) -> int:
     return array.element_size() if hasattr(array, "element_size") else array.dtype.itemsize
-
-
-def _overlap(a: np.ndarray, b: np.ndarray) -> bool:
-    a_at, b_at = a.ctypes.data, b.ctypes.data
-    return a_at < b_at + b.nbytes and b_at < a_at + a.nbytes
 
 
 class MpiStagedEngine(StagedEngine):

@@ -11,8 +11,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 import numpy as np
 
 from .._errors import AbortedError, HocclTimeoutError, InvalidArgumentError
-from .arrays import Arrays
-from .engine import InterHostEngine, Setup
+from .engine import Setup
 from .folding import FoldingEngine
 
 __all__ = ["TorchGroupEngine", "torch_groups"]
@@ -94,17 +93,6 @@ class TorchGroupEngine(FoldingEngine):
                 f"{what} ({self.label}, member {self.member} of {self.size}): not finished "
                 f"within {self.timeout:g} s, or failed: {error}; the group is torch's to "
                 f"recover, so this engine takes no more calls") from None
-
-    def scratch(self, like: Any, count: int, stream: Optional[int]) -> Any:
-        return Arrays.of(like).empty(like, count, stream)
-
-    def folding(self, parts: Sequence[Any], out: Any, op: str, stream: Optional[int]) -> None:
-        from .folding import fold
-        if stream is not None:
-            with self.torch.cuda.stream(self.torch.cuda.ExternalStream(stream)):
-                fold(parts, out, op)
-            return
-        fold(parts, out, op)
 
     # -- the copies --------------------------------------------------------------------
     def _global(self, member: int) -> int:
