@@ -24,6 +24,8 @@ MIXED = ["--devices", "cpu", "--local-size", "2", "--intra-host", "host,host,tor
 
 @pytest.mark.mpi
 def test_ddp_and_fsdp2_on_hosts_with_different_engines_train_to_gloos_losses():
+    """Four ranks: within 1e-6 of gloo (gloo's ring sums four ranks in another order than
+    hoccl's rule: hosts first, then between them)."""
     code, output = launch(4, PROGRAMS / "run_training.py", *MIXED, timeout=900)
     assert code == 0, output[-6000:]
     found = re.search(r"torch training ranks=4 default=hoccl mixed: (\d+) passed, 0 failed",
@@ -32,6 +34,17 @@ def test_ddp_and_fsdp2_on_hosts_with_different_engines_train_to_gloos_losses():
     for name in ("DDP", "FSDP2 on hoccl, fp32", "FSDP2 on hoccl, bf16, prefetch"):
         assert re.search(rf"^{re.escape(name)}: largest relative difference", output, re.M), \
             output[-6000:]
+
+
+@pytest.mark.mpi
+def test_on_two_hosts_of_one_rank_training_matches_gloo_bit_for_bit():
+    """Two ranks, one per host (hoccl's host backend, a gloo group): a sum of two is the
+    same in either order, so every configuration ends identical to gloo's."""
+    code, output = launch(2, PROGRAMS / "run_training.py", "--devices", "cpu", "--local-size",
+                          "1", "--intra-host", "host,torch", timeout=600)
+    assert code == 0, output[-6000:]
+    lines = re.findall(r"^(.+): largest relative difference .*\((.+)\)$", output, re.M)
+    assert len(lines) == 6 and all(verdict == "identical" for _, verdict in lines), lines
 
 
 @pytest.mark.mpi
