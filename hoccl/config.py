@@ -114,7 +114,7 @@ class Config:
     kernel_sms: int = _PLANNED.kernel_sms
     intra_host: Optional[str] = None
     phases: str = "auto"
-    phase_bytes: int = 4 << 20
+    phase_bytes: int = 64 << 20
     stage_bytes: int = 4 << 20
     #: the settings the user gave (keywords, ``HOCCL_<NAME>``, or a ``Config`` made with
     #: them, where they differ from the defaults): they override a tuning table's choice;

@@ -86,3 +86,29 @@ def test_the_transfers_take_the_arguments_of_hoccls_api():
         api = list(inspect.signature(getattr(hoccl.Communicator, name)).parameters)[1:]
         api = [{"sendbuf": "send", "recvbuf": "recv", "scale": None}.get(p, p) for p in api]
         assert ours == [p for p in api if p is not None], name
+
+
+def test_a_call_a_hosts_library_cannot_run_is_refused_naming_the_host_and_engine():
+    """Every rank holds every host's report and the plan: the verdict is the same on all
+    of them, reached before any data moves."""
+    from hoccl._hierarchy.communicator import _PRIMITIVES
+    from hoccl._hierarchy.hosts import HostReport, refusal
+    from hoccl.sched.hierarchical import Topology, build_hierarchical
+    topology = Topology(2, 2)
+    hosts = [HostReport("a", "cpu", "host", "host", "hoccl (host)"),
+             HostReport("b", "cuda", "torch", "cuda", "torch (gloo)",
+                        lacks=(("all_to_all", "unsupported device type cuda"),))]
+
+    def verdict(shape):
+        plan = build_hierarchical(shape, topology)
+        steps = [(topology.host_of(rank), step.shape.collective) for phase in plan.phases
+                 if phase.level == "host" for rank, made in enumerate(phase.steps)
+                 for step in made]
+        return refusal(shape.collective, hosts, steps, _PRIMITIVES)
+    assert verdict(Shape("all_reduce", 4, 9, "bfloat16", 2)) == (
+        "all_reduce: host 1 (b) runs torch (gloo) inside, on cuda, which cannot run all_to_all "
+        "(its reduce_scatter step): unsupported device type cuda; refused on every rank before "
+        "any data moved")
+    assert verdict(Shape("all_gather", 4, 9, "bfloat16", 2)) is None
+    assert verdict(Shape("broadcast", 4, 9, "int8", 1, root=3)) is None
+    assert "cannot run all_to_all (its all_to_all step)" in verdict(Shape("all_to_all", 4, 3))

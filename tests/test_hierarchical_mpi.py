@@ -9,6 +9,7 @@ hosts whose peer never comes ends in a timeout.  Plus the grouping of ranks into
 in one process."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -138,3 +139,17 @@ def test_a_sub_bootstrap_keeps_its_members_values():
 def test_an_unknown_inter_host_engine_is_refused():
     with pytest.raises(hoccl.InvalidArgumentError, match="inter_host must be one of"):
         hoccl.init(backend="host", bootstrap=NamedRanks(["a"]), inter_host="ucx")
+
+
+@pytest.mark.mpi
+def test_the_mixed_job_program_runs_on_cpus_alone():
+    """run_mixed_job.py (the one-GPU mixed job) with every rank on the host backend: each
+    rank checks every collective, sequential and pipelined, and reports OK."""
+    command = [_mpiexec(), "-n", "4", sys.executable, str(SCRIPT.parent / "run_mixed_job.py"),
+               "--cpu-only", "--counts", "0,17", "--dtypes", "bfloat16,int32", "--ops", "sum,avg"]
+    env = {**os.environ, **MPI_ENV, "HOCCL_VERIFY": "1"}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:]
+    for rank in range(4):
+        assert re.search(rf"rank {rank}: OK (\d+)/\1\b", output), output[-4000:]

@@ -4,6 +4,7 @@ call run as the phases of its ``hoccl.sched.hierarchical`` plan on the level eng
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Any, Callable, Dict, List, Optional, Tuple, Type, Union
 
 from .._buffers import Buffer, as_buffer
@@ -21,7 +22,7 @@ from .arrays import Arrays, framework_array
 from .engine import InterHostEngine, Setup
 from .hoccl_engine import HocclEngine
 from .phases import Entry, PhaseRunner
-from .hosts import HostReport, agree, intra_host_engine, local_report
+from .hosts import HostReport, agree, intra_host_engine, local_report, refusal
 from .nccl import NcclEngine
 from .staged import GlooStagedEngine, MpiStagedEngine
 from .topology import SubBootstrap
@@ -36,6 +37,9 @@ ENGINES: Dict[str, Type[InterHostEngine]] = {
     engine.name: engine for engine in (NcclEngine, MpiStagedEngine, GlooStagedEngine,
                                        HocclEngine)}
 INTER_HOST_ENGINES = tuple(ENGINES)
+#: what a collective runs on each kind of engine inside a host
+_PRIMITIVES = {"torch": TorchGroupEngine.primitives, "cuda": HocclEngine.primitives,
+               "host": HocclEngine.primitives}
 
 
 def _default_engine(reports: List[HostReport], one_machine: bool) -> str:
@@ -90,6 +94,7 @@ class HierarchicalCommunicator(CommunicatorApi):
         self._bootstrap = bootstrap
         self._config = config
         self._verified: Dict[int, Union[HierarchicalPlan, PipelinedPlan]] = {}
+        self._refusals: Dict[int, Tuple[Any, Optional[str]]] = {}  # by plan: (plan, verdict)
         self._streams: Dict[int, Any] = {}   # caller streams used since the last synchronize
         self._aborted_reason = ""
         self._closed = False
@@ -130,8 +135,13 @@ class HierarchicalCommunicator(CommunicatorApi):
             groups = torch_groups(call, rank, topology.world_size,
                                   [members[index] for index in torch_hosts])
             if host_index in torch_hosts:
-                intra = TorchGroupEngine(groups[torch_hosts.index(host_index)],
-                                         members[host_index], host.timeout, mine.label)
+                engine_inside = TorchGroupEngine(groups[torch_hosts.index(host_index)],
+                                                 members[host_index], host.timeout, mine.label)
+                engine_inside.probe("cuda" if backend == "cuda" else "cpu")
+                intra = engine_inside
+            lacks = bootstrap.allgather(intra.lacks)
+            hosts = [replace(report, lacks=tuple(lacks[members[index][0]]))
+                     for index, report in enumerate(hosts)]
         rail, world = kind.connect(Setup(call=call, backend=backend, bootstrap=bootstrap,
                                          topology=topology, device=device, mpi_comm=mpi_comm,
                                          host=host, connect_host=connect_host, config=config))
@@ -352,6 +362,7 @@ class HierarchicalCommunicator(CommunicatorApi):
                   if buffer is not None}
         handle = self._stream(name, stream, list(arrays.values()))
         plan = self._plan(shape)
+        self._refuse(name, plan)
         first = next(iter(arrays.values()), None)
         kit = Arrays.of(first) if first is not None else Arrays("numpy")
         views = {key: kit.flat(array) for key, array in arrays.items()}
@@ -380,6 +391,22 @@ class HierarchicalCommunicator(CommunicatorApi):
             return
         self._runner.sequential([(level, runner(level, steps), None)
                                  for level, steps in plan.program(self.rank)])
+
+    def _refuse(self, name: str, plan: Union[HierarchicalPlan, PipelinedPlan]) -> None:
+        """Raise, on every rank alike and before any data moves, when a host's engine
+        cannot run its steps of ``plan`` (what it lacks was exchanged at init)."""
+        if not any(report.lacks for report in self._hosts):
+            return
+        if id(plan) not in self._refusals:
+            whole = plan.flatten() if isinstance(plan, PipelinedPlan) else plan
+            steps = [(self.topology.host_of(rank), step.shape.collective)
+                     for phase in whole.phases if phase.level == "host"
+                     for rank, made in enumerate(phase.steps) for step in made
+                     if isinstance(step, Call)]
+            self._refusals[id(plan)] = (plan, refusal(name, self._hosts, steps, _PRIMITIVES))
+        verdict = self._refusals[id(plan)][1]
+        if verdict is not None:
+            raise InvalidArgumentError(verdict)
 
     def _steps(self, name: str, level: str, steps: Tuple[Step, ...],
                region: Callable[[Optional[Region]], Any], handle: Optional[int]) -> None:

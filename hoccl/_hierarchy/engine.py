@@ -53,6 +53,14 @@ class InterHostEngine(abc.ABC):
     #: whether its steps are enqueued on the caller's stream (NCCL) rather than done, or
     #: ordered on the host, when a method returns: such levels are not pipelined
     enqueues: ClassVar[bool] = False
+    #: the library's primitives this engine found it cannot run, with why: (primitive,
+    #: reason) pairs (``TorchGroupEngine`` probes its group at init)
+    lacks: Tuple[Tuple[str, str], ...] = ()
+
+    @classmethod
+    def primitives(cls, collective: str) -> Tuple[str, ...]:
+        """The library primitives a call of ``collective`` runs on this engine."""
+        return ("send", "recv") if collective == "sendrecv" else (collective,)
 
     @classmethod
     def check_world(cls, call: str, backends: List[str], hostnames: List[str]) -> None:

@@ -27,7 +27,7 @@ those of this rule.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -95,6 +95,12 @@ class FoldingEngine(InterHostEngine):
 
     size: int
     member: int
+
+    @classmethod
+    def primitives(cls, collective: str) -> Tuple[str, ...]:
+        return {"reduce_scatter": ("all_to_all",), "all_reduce": ("all_to_all", "all_gather"),
+                "reduce": ("gather",), "barrier": ("all_gather",),
+                "sendrecv": ("send", "recv")}.get(collective, (collective,))
 
     def scratch(self, like: Any, count: int, stream: Optional[int]) -> Any:
         """``count`` elements of ``like``'s dtype, where ``like`` lives."""

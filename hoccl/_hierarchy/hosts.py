@@ -15,12 +15,13 @@ set per host) or else chosen from what the host has:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .._errors import InvalidArgumentError
 from ..sched.hierarchical import Topology
 
-__all__ = ["HostReport", "intra_host_engine", "backend_for", "local_report", "agree"]
+__all__ = ["HostReport", "intra_host_engine", "backend_for", "local_report", "agree",
+           "refusal"]
 
 
 @dataclass(frozen=True)
@@ -31,10 +32,15 @@ class HostReport:
     engine: str      #: the engine inside its host: "cuda", "host" or "torch"
     backend: str     #: hoccl's backend on the rank: "cuda" or "host"
     label: str       #: the engine as ``describe()`` names it
+    #: the primitives the engine's library cannot run, with why (found after the report)
+    lacks: Tuple[Tuple[str, str], ...] = ()
 
     def describe(self, host: int, ranks: Sequence[int]) -> Dict[str, Any]:
-        return {"host": host, "hostname": self.hostname, "ranks": list(ranks),
-                "device": self.device, "engine": self.label}
+        described = {"host": host, "hostname": self.hostname, "ranks": list(ranks),
+                     "device": self.device, "engine": self.label}
+        if self.lacks:
+            described["lacks"] = [primitive for primitive, _ in self.lacks]
+        return described
 
 
 def _torch_accelerator() -> Optional[str]:
@@ -101,3 +107,21 @@ def agree(call: str, reports: List[HostReport], topology: Topology) -> List[Host
                     f"on every rank of a host)")
         hosts.append(first)
     return hosts
+
+
+def refusal(name: str, hosts: Sequence[HostReport], steps: Sequence[Tuple[int, Any]],
+            primitives: Dict[str, Any]) -> Optional[str]:
+    """Why a call cannot run, or None: ``steps`` are (host, collective) of the call's
+    steps inside hosts, ``primitives[engine]`` what a collective runs on that engine
+    kind.  Every rank holds the same reports and plan, so every rank finds the same
+    answer before any data moves."""
+    for host, collective in steps:
+        report = hosts[host]
+        lacks = dict(report.lacks)
+        for primitive in primitives[report.engine](collective):
+            if primitive in lacks:
+                return (f"{name}: host {host} ({report.hostname}) runs {report.label} inside, on "
+                        f"{report.device}, which cannot run {primitive} (its {collective} "
+                        f"step): {lacks[primitive]}; refused on every rank before any data "
+                        f"moved")
+    return None

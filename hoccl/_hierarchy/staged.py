@@ -288,10 +288,12 @@ class StagedEngine(FoldingEngine):
         the copy engines move it without a bounce through pageable memory."""
         try:
             import torch
-            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy()
+            if torch.cuda.is_available():
+                return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy()
         except ImportError:
-            import cupyx
-            return cupyx.empty_pinned(nbytes, np.uint8)
+            pass
+        import cupyx
+        return cupyx.empty_pinned(nbytes, np.uint8)
 
     # -- waiting ----------------------------------------------------------------------
     def _wait(self, ready: Callable[[], bool], what: str) -> None:

@@ -145,6 +145,29 @@ class TorchGroupEngine(FoldingEngine):
                            self.torch.zeros(self.size, dtype=self.torch.uint8, device=device))
         self.all_gather(*self._token, stream=stream)
 
+    def probe(self, device: str) -> None:
+        """Find the collectives the group cannot run on ``device`` ("cpu", "cuda"): each
+        on a few bytes, every member at once (a backend refuses a device type before it
+        communicates, so every member finds the same); sets ``lacks``."""
+        torch, size = self.torch, self.size
+        lacks = []
+        for primitive in ("all_gather", "all_to_all", "broadcast", "gather", "scatter"):
+            small = torch.zeros(1, dtype=torch.uint8, device=device)
+            large = torch.zeros(size, dtype=torch.uint8, device=device)
+            send, recv = {"all_gather": (small, large), "all_to_all": (large, large),
+                          "broadcast": (None, small), "gather": (small, large),
+                          "scatter": (large, small)}[primitive]
+            try:
+                if primitive == "broadcast":
+                    self.broadcast(None, recv, 0)
+                else:
+                    getattr(self, primitive)(send, recv, *((0,) if primitive in (
+                        "gather", "scatter") else ()))
+            except (RuntimeError, HocclTimeoutError, AbortedError) as error:
+                lacks.append((primitive, str(error).splitlines()[0][:200]))
+                self._broken = ""  # a refusal before any byte moved leaves the group usable
+        self.lacks = tuple(lacks)
+
     def abort(self, reason: str = "") -> None:
         """torch.distributed groups are the application's: later calls are refused."""
         self._broken = self._broken or (reason or "abort() was called")
