@@ -114,7 +114,9 @@ class ProcessGroupHoccl(dist.ProcessGroup):
     def communicator(self) -> Any:
         """The hoccl Communicator (connected now if the group defers it to its first call)."""
         if self._comm is None:
-            assert self._connect is not None
+            if self._connect is None:
+                raise InvalidArgumentError("communicator: this hoccl process group was shut "
+                                           "down (destroy_process_group)")
             with library_groups():
                 self._attach(*self._connect())
         return self._comm
@@ -156,9 +158,12 @@ class ProcessGroupHoccl(dist.ProcessGroup):
         return False
 
     def shutdown(self) -> None:
+        """Close the communicator and let go of it, and so of the torch groups its engines
+        hold (a job whose hosts differ), while torch destroys its groups."""
         issue_held()
         if self._comm is not None:
             self._comm.close()
+        self._comm = self._launcher = self._connect = None
 
     def abort(self) -> None:
         if self._comm is not None:
