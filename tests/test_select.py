@@ -29,7 +29,7 @@ def _machine(world_size=3):
 
 
 def _table(rows, machine=None):
-    return {"format": "hoccl-tuning", "version": 1, "machine": machine or _machine(),
+    return {"format": "hoccl-tuning", "version": 2, "machine": machine or _machine(),
             "rows": rows}
 
 
@@ -113,7 +113,11 @@ def test_path_options_make_build_plan_take_the_path(collective):
     ({"rows": [{"collective": "all_gather", "min_bytes": 0, "max_bytes": 1, "path": "fly"}]},
      "a path of"),
     ({"rows": [{"collective": "all_gather", "min_bytes": 0, "max_bytes": 1, "path": "push",
-                "settings": {"max_sms": 3}}]}, "settings may name only"),
+                "settings": {"lanes": 3}}]}, "settings may name only"),
+    ({"rows": [{"collective": "all_gather", "min_bytes": 0, "max_bytes": 1, "path": "push",
+                "settings": {"max_sms": 0}}]}, "max_sms must be a positive int"),
+    ({"rows": [{"collective": "all_gather", "min_bytes": 0, "max_bytes": 1, "path": "push",
+                "registered": "yes"}]}, "registered must be true or false"),
     ({"rows": [{"collective": "all_gather", "min_bytes": 0, "max_bytes": 1, "path": "push",
                 "settings": {"chunk_bytes": 0}}]}, "chunk_bytes must be"),
     ({"rows": [{"collective": "all_gather", "min_bytes": 0, "max_bytes": 9, "path": "push"},
