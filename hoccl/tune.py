@@ -435,10 +435,11 @@ def rows_of(collective: str, chosen: Sequence[Tuple[int, Measurement]], complete
 
 #: the rows of a sweep beside compute
 BESIDE = (("beside_compute", True),)
+#: a sweep's rows' traits, its measurements and its skipped sizes
+Sweep = Tuple[Tuple[Tuple[str, bool], ...], Dict[str, List[Measurement]], Dict[str, int]]
 
 
-def table_of(machine: Dict[str, Any], sweeps: Sequence[Tuple[Tuple[Tuple[str, bool], ...],
-             Dict[str, List[Measurement]], Dict[str, int]]], run: str) -> Table:
+def table_of(machine: Dict[str, Any], sweeps: Sequence[Sweep], run: str) -> Table:
     """The table of ``sweeps``, each (traits its rows are narrowed to, measurements,
     skipped sizes), their rows in that order."""
     rows: List[Row] = []
@@ -500,7 +501,7 @@ def main(argv: Optional[Sequence[str]] = None, arrays: Any = None) -> int:
                f"({launch}, hoccl {hoccl.__version__})")
         started = time.monotonic()
         share = 0.5 if args.beside_compute else 1.0
-        sweeps = [((), *sweep(ranks, args, args.budget * share, arrays))]
+        sweeps: List[Sweep] = [((), *sweep(ranks, args, args.budget * share, arrays))]
         if args.beside_compute:
             compute = _beside.open_compute(args.backend, [comm.device for comm in ranks.comms])
             left = args.budget - (time.monotonic() - started)

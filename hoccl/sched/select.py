@@ -48,6 +48,7 @@ import dataclasses
 import json
 import math
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import (Any, Callable, Dict, FrozenSet, Iterable, List, Mapping, Optional, Sequence,
                     Tuple)
 
@@ -70,6 +71,8 @@ TUNED = ("chunk_bytes", "copy_lanes", "kernel_sms", "self_route", "max_sms")
 TRAITS = ("registered", "captured", "beside_compute")
 #: the largest size: the last row of a sweep that reached its largest size runs on to it
 ANY_SIZE = 1 << 62
+#: a call none of whose traits is known
+_UNKNOWN: Mapping[str, Optional[bool]] = MappingProxyType({})
 #: the thresholds a path is taken by (``build_plan`` compares the size with them)
 _THRESHOLDS = ("kernel_bytes", "pull_bytes", "one_shot_bytes")
 _PATH_THRESHOLD = {"direct": "kernel_bytes", "pull": "pull_bytes", "one_shot": "one_shot_bytes"}
@@ -133,7 +136,7 @@ class Row:
 
     def covers(self, collective: str, size: int, form: Optional[str] = None,
                dtype: Optional[str] = None,
-               traits: Mapping[str, Optional[bool]] = {}) -> bool:
+               traits: Mapping[str, Optional[bool]] = _UNKNOWN) -> bool:
         """Whether a call of ``collective`` and ``size`` (of ``form``, ``dtype`` and
         ``traits`` where known; a trait None or left out: unknown) is this row's."""
         return (self.collective == collective and self.min_bytes <= size <= self.max_bytes
@@ -210,7 +213,7 @@ class Table:
         return ", ".join(differ) if differ else None
 
     def row_for(self, collective: str, size: int, form: Optional[str] = None,
-                dtype: Optional[str] = None, traits: Mapping[str, Optional[bool]] = {}
+                dtype: Optional[str] = None, traits: Mapping[str, Optional[bool]] = _UNKNOWN
                 ) -> Optional[Tuple[int, Row]]:
         """The first row that covers the call, and its index."""
         for index, row in enumerate(self.rows):
@@ -251,10 +254,10 @@ def _row(where: str, index: int, row: Any) -> Row:
     except ValueError as error:  # InvalidArgumentError is a ValueError
         raise TableError(f"{where}: row {index}: {error}") from None
     traits = tuple((name, row[name]) for name in TRAITS if name in row)
-    for name, value in traits:
-        if not isinstance(value, bool):
+    for name, given in traits:
+        if not isinstance(given, bool):
             raise TableError(f"{where}: row {index}: {name} must be true or false (left out: "
-                             f"every call); got {value!r}")
+                             f"every call); got {given!r}")
     narrowed = []
     for key, known in (("forms", FORMS), ("dtypes", DTYPES)):
         value: Any = row.get(key, [])
