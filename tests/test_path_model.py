@@ -134,3 +134,12 @@ def test_every_collective_stays_exact_on_the_models_paths(modelled, collective):
             check_collective(modelled, collective, count=count, dtype="float32",
                              seed=int(seed), in_place=collective != "all_to_all")
     assert {modelled[0].explain(collective, 3 * 4 * 1000)["path"]} <= {"direct", "push"}
+
+
+def test_every_constant_names_the_recorded_runs_it_comes_from():
+    import re
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    for path, cost in NVLINK.items():
+        named = re.findall(r"(?:results|docs)/[\w./-]+\.(?:log|md)", cost.source)
+        assert named and all((root / name).is_file() for name in named), (path, cost.source)

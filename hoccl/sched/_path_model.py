@@ -22,8 +22,8 @@ change:
 * the cuda backend only: the host backend keeps its documented defaults (no model), so
   that a host communicator behaves the same on every machine;
 * ranks sharing a GPU (``ranks_per_gpu`` > 1): no direct kernel (a kernel that waits for
-  its peers spins through its context's time slice while the peer's waits: 2,256 µs per
-  call on one H200, ``shared/DEVICE.md``);
+  its peers spins through its context's time slice while the peer's waits: about 2.3 ms
+  per call at every size on one H200, results/h200/session13/tune/README.md);
 * a link other than NVLink (PCIe, none, unknown): copy engines only (the defaults),
   since no other path was measured on one;
 * the world size: the bytes above, and the direct kernels' rank limit.
@@ -55,10 +55,11 @@ _SESSION7 = ("results/h200x2/session7/figures-a/bench-small.log (2 x H200, NVLin
              "in place, in CUDA graphs)")
 #: 2 × H200 over NVLink: conservative constants per path
 NVLINK: Mapping[str, PathCost] = {
-    # reduce_scatter 8 KiB 30.6 µs, all_reduce 43.4 µs (session 7); 210 GB/s, the lowest
-    # of hoccl's 1 GiB copy-engine figures (reduce_scatter, shared/DEVICE.md)
-    "push": PathCost(30.6, 12.8, 210e3, ANY_SIZE,
-                     f"{_SESSION7}; 1 GiB reduce_scatter 210 GB/s (shared/DEVICE.md)"),
+    # reduce_scatter 8 KiB 30.6 µs, all_reduce 43.4 µs (session 7); 205 GB/s, the lowest
+    # of hoccl's 1 GiB copy-engine figures (reduce_scatter on 8 SMs)
+    "push": PathCost(30.6, 12.8, 205e3, ANY_SIZE,
+                     f"{_SESSION7}; 1 GiB reduce_scatter 205 GB/s "
+                     f"(docs/results/h200x2-2026-11-30.md)"),
     # reduce_scatter 8 KiB 18.3 µs, all_reduce 31.7 µs; 16 MiB reduce_scatter 76.7 µs:
     # 8.4 MB in 58.4 µs, 144 GB/s (session 7)
     "pull": PathCost(18.3, 13.4, 144e3, 16 << 20, _SESSION7),
