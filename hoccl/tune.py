@@ -58,6 +58,7 @@ import numpy as np
 from . import _beside
 from ._dtypes import numpy_dtype
 from .bench._harness import Ranks, human, parse_size
+from .sched._path_model import excluded_paths
 from .sched.algorithms import Shape
 from .sched.select import ANY_SIZE, Row, Table, candidates, path_options, rows_from, size_of
 
@@ -173,13 +174,15 @@ def shape_at(collective: str, size: int, world_size: int, dtype: str, itemsize: 
 
 
 def candidates_at(collective: str, world_size: int, size: int, chunk_bytes: int,
-                  sms: Sequence[int] = ()) -> List[Candidate]:
-    """Every path ``select.candidates`` allows; push and pull reductions also in chunks of
+                  sms: Sequence[int] = (), excluded: Sequence[str] = ()) -> List[Candidate]:
+    """Every path ``select.candidates`` allows but ``excluded``; push and pull reductions also in chunks of
     about a quarter and a sixteenth of ``size`` (powers of two, at least 4 KiB) besides
     the communicator's ``chunk_bytes`` (a candidate of no chunk of its own), and with each
     SM cap of ``sms`` besides the communicator's."""
     found = []
     for path in candidates(collective, world_size):
+        if path in excluded:
+            continue
         if path in ("push", "pull") and collective in _REDUCTIONS:
             parts = (1 << (size // divisor).bit_length() - 1 for divisor in (4, 16)
                      if size // divisor >= _MIN_CHUNK)
@@ -355,11 +358,15 @@ def sweep(ranks: Ranks, args: argparse.Namespace, budget: float, arrays: Any = N
     sizes = sizes_between(args.min_bytes, args.max_bytes, args.factor)
     collectives = [collective for collective in args.collectives
                    if compute is None or collective in _REDUCTIONS]
+    excluded = excluded_paths(machine_of(ranks))
     plan = {(collective, size): candidates_at(collective, n, size_of(shape_at(
         collective, size, n, dtype, itemsize)), chunk_bytes,
-        _SMS_BESIDE if compute is not None else ())
+        _SMS_BESIDE if compute is not None else (), excluded)
         for size in sizes for collective in collectives}
     progress = Progress(ranks.leader, sum(map(len, plan.values())), budget)
+    if excluded:
+        progress.say(f"{_PROGRAM}: not timed here: {', '.join(excluded)} "
+                     f"({ranks.comms[0]._engine.machine['ranks_per_gpu']} ranks per GPU)")
     if compute is not None:
         progress.say(f"{_PROGRAM}: the reductions beside {compute.name}")
     seed = int(agreed(ranks, int(np.random.default_rng().integers(1 << 30))))

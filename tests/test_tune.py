@@ -266,6 +266,20 @@ def test_candidates_are_the_selectors_paths_and_a_few_chunks():
         ("push", None), ("push", 32), ("pull", None), ("pull", 32), ("direct", None)]
 
 
+def test_ranks_sharing_a_gpu_time_no_direct_kernel():
+    """A direct kernel spins through its context's time slice while a peer on the same GPU
+    waits: the tuner leaves it out there, as the model does."""
+    from hoccl.sched._path_model import excluded_paths
+    shared, alone = {"ranks_per_gpu": 2}, {"ranks_per_gpu": 1}
+    assert excluded_paths(shared) == ("direct",) and excluded_paths(alone) == ()
+    for collective in ("all_gather", "all_reduce", "broadcast"):
+        every = [c.path for c in tune.candidates_at(collective, 2, 16 << 10, 32 << 20)]
+        kept = [c.path for c in tune.candidates_at(collective, 2, 16 << 10, 32 << 20,
+                                                   excluded=excluded_paths(shared))]
+        assert "direct" in every and "direct" not in kept
+        assert kept == [path for path in every if path != "direct"]
+
+
 def test_beside_compute_writes_rows_for_overlapped_calls_that_init_takes(tmp_path,
                                                                           monkeypatch):
     """--beside-compute on the host backend (a numpy matmul beside the calls): the table

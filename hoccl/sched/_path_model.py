@@ -36,7 +36,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from .select import ANY_SIZE, MACHINE_KEYS, Row, Table, candidates, rows_from
 
-__all__ = ["PathCost", "NVLINK", "MODEL_SIZES", "costs", "paths_for", "model_table"]
+__all__ = ["PathCost", "NVLINK", "MODEL_SIZES", "costs", "excluded_paths", "paths_for", "model_table"]
 
 
 @dataclass(frozen=True)
@@ -100,12 +100,19 @@ def costs(collective: str, size: int, world_size: int,
     return found
 
 
+def excluded_paths(machine: Mapping[str, Any]) -> Tuple[str, ...]:
+    """Paths neither the model nor the tuner offers on ``machine``: the direct kernel where
+    ranks share a GPU (its timing there is the time slice's, not the path's)."""
+    return ("direct",) if machine.get("ranks_per_gpu", 1) > 1 else ()
+
+
 def paths_for(machine: Mapping[str, Any]) -> Tuple[Optional[Mapping[str, PathCost]], str]:
     """The paths the model scores on ``machine`` (None: no model, the defaults) and why."""
     if machine["backend"] != "cuda":
         return None, f"the {machine['backend']} backend keeps its defaults"
-    if machine["ranks_per_gpu"] > 1:
-        return ({path: cost for path, cost in NVLINK.items() if path != "direct"},
+    excluded = excluded_paths(machine)
+    if excluded:
+        return ({path: cost for path, cost in NVLINK.items() if path not in excluded},
                 f"{machine['ranks_per_gpu']} ranks per GPU: no direct kernel")
     if machine["link"] != "nvlink":
         return {"push": NVLINK["push"]}, f"link {machine['link']}: copy engines only"
