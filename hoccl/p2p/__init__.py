@@ -485,25 +485,26 @@ class Executor:
         operations are kept until its next other command and go as one batched call
         (``cuStreamBatchMemOp`` keeps their order)."""
         device, streams = self.device, self.streams
+        total = lanes if isinstance(lanes, int) else len(lanes)
+        pending: List[list] = [[] for _ in range(total)]
+        marks: Dict[Any, Any] = {}
+        sms = self.sms
         if needs is not None:  # see ``reserve``
             streams.ensure_lanes(needs[0])
             streams.reserve_events(needs[1])
         for caller in fence:
             streams.fence_out(caller, value)
         if isinstance(lanes, int):
-            total = lanes
             if callers is not None:
                 streams.ensure_capture_lanes(total)
                 lanes = streams.capture_lanes
             else:
                 streams.ensure_lanes(total)  # made by ``reserve`` already, unless skipped
                 lanes = streams.lanes
-        else:
-            total = len(lanes)
         start = streams.reach(0 if callers is not None else after)
-        pending: List[list] = [list(start) for _ in range(total)]
-        marks: Dict[Any, Any] = {}
-        sms = self.sms
+        if start:
+            for waiting in pending:
+                waiting.extend(start)
         try:
             for lane_index, kind, arg in commands:
                 if kind == _MEMOP:
