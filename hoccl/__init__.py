@@ -15,6 +15,7 @@ import logging
 from typing import Any, List, Optional, Sequence, Union
 
 from . import _build
+from ._api import CommunicatorApi
 from .config import DEFAULT_TIMEOUT, Config, default_copy_sms, environ
 from ._errors import (AbortedError, DivergedError, DriverError, HocclError, HocclTimeoutError,
                       InvalidArgumentError, MismatchError, PeerClosedError, PeerDeadError,
@@ -26,7 +27,8 @@ from .bootstrap import Bootstrap, MPIBootstrap
 from .comm import Communicator, group, group_end, group_start
 from ._windows import Window, empty
 
-__all__ = ["init", "init_local", "split_local", "Config", "Communicator", "HierarchicalCommunicator",
+__all__ = ["init", "init_local", "split_local", "Config", "Communicator", "CommunicatorApi",
+           "HierarchicalCommunicator",
            "ReduceOp", "group", "group_start", "group_end", "Bootstrap", "HocclError",
            "InvalidArgumentError", "PlanError", "HocclTimeoutError", "AbortedError", "DriverError", "MismatchError",
            "PeerDeadError", "PeerClosedError", "DivergedError", "Window", "empty",
@@ -125,7 +127,7 @@ def init(*, backend: Optional[str] = None, mpi_comm: Any = None,
          config: Optional[Config] = None, timeout: Optional[float] = None,
          verify_plans: Optional[bool] = None, max_sms: Optional[int] = None,
          copy_sms: Optional[int] = None, local_size: Optional[int] = None,
-         inter_host: Optional[str] = None, **settings: Any) -> Communicator:
+         inter_host: Optional[str] = None, **settings: Any) -> CommunicatorApi:
     """This process's rank of a multi-process job.
 
     The ranks find each other through ``bootstrap`` (any ``hoccl.Bootstrap``: rank,

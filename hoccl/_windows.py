@@ -29,6 +29,9 @@ from __future__ import annotations
 import bisect
 from typing import Any, Dict, List, Optional, Tuple
 
+from ._buffers import as_buffer
+from ._errors import InvalidArgumentError
+
 __all__ = ["Window", "Windows", "WINDOW", "window_ref"]
 
 #: the first element of a window reference ``(WINDOW, index, offset)``, the form a
@@ -104,6 +107,20 @@ class Windows:
             return None
         return window, offset
 
+    def of(self, call: str, window: Any) -> Optional[Window]:
+        """The registered window ``window`` names: a ``Window`` of this registry, or the
+        array registered as a whole; None if it names none."""
+        if isinstance(window, Window):
+            return window if self._by_index.get(window.index) is window else None
+        try:
+            buffer = as_buffer(call, "window", window, writable=False, reduction=False)
+        except InvalidArgumentError:
+            return None
+        found = self.find(buffer.address, max(buffer.nbytes, 1))
+        if found is None or found[1] or found[0].nbytes != buffer.nbytes:
+            return None
+        return found[0]
+
     def add(self, address: int, nbytes: int, owner: Any, bases: Optional[List[Any]],
             sizes: Optional[List[int]]) -> Window:
         window = Window(self.next_index, address, nbytes, owner, bases, sizes)
@@ -135,7 +152,6 @@ def empty(shape: Any, dtype: Any, comm: Any, *, framework: Optional[str] = None)
     lacks).  ``dtype`` is a hoccl dtype name (``"bfloat16"``) or a numpy / torch dtype.
     The array is held until ``comm.deregister(array)``; its contents are undefined."""
     from . import _dtypes
-    from ._errors import InvalidArgumentError
     name = _dtype_name(dtype)
     if name not in _dtypes.NAMES:
         raise InvalidArgumentError(f"empty: expected a dtype of {_dtypes.NAMES}, got {dtype!r}")

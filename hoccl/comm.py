@@ -1,16 +1,16 @@
-"""The Communicator: hoccl's public API for one rank.
+"""The Communicator: hoccl's communicator of ranks on one host.
 
-A collective checks its arguments (``hoccl._validate``), resolves the buffers, and
-hands the call to the rank's engine and group::
+``CommunicatorApi`` (``hoccl._api``) checks a collective's arguments and hands it to
+``_run``, which here hands it to the rank's engine and group::
 
     call = engine.prepare(...)   # plan, caller's stream, exports: may raise, enqueues nothing
     engine.enqueue(call)         # number it; in one process, fence the caller's stream now
     group.submit([call])         # match with the peers' calls, then engine.issue (which
                                  # maps the peers' buffers, then fences across processes)
 
-Inside ``hoccl.group()`` the submission waits for the outermost ``group_end``, where
-every held call is offered to its peers first and matched after, so cycles of calls
-cannot block each other.
+Inside ``hoccl.group()`` (``hoccl._group_calls``) the submission waits for the outermost
+``group_end``, where every held call is offered to its peers first and matched after,
+so cycles of calls cannot block each other.
 """
 
 from __future__ import annotations
@@ -19,27 +19,23 @@ import atexit
 import contextlib
 import dataclasses
 import logging
-import threading
 import weakref
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 from . import _validate as check
+from ._api import CommunicatorApi
 from ._buffers import Buffer, as_buffer
 from ._engine import Call, Engine
 from ._errors import (AbortedError, DivergedError, HocclError, HocclTimeoutError,
-                      InvalidArgumentError, MismatchError, PeerDeadError)
-from ._health import Health
-from ._windows import Window
+                      InvalidArgumentError, PeerDeadError)
+from ._group_calls import fatal, group, group_end, group_start, held_calls
 from ._groups import _ABORTED, Group, _describe
+from ._health import Health
 from .bootstrap import end_of_job
 from .config import Config
 from .sched import Shape
 
 __all__ = ["Communicator", "group", "group_start", "group_end"]
-
-#: the collectives ``Communicator.explain`` tells about
-_EXPLAINED = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast",
-              "reduce", "gather", "scatter")
 
 log = logging.getLogger("hoccl")
 
@@ -49,7 +45,7 @@ _DRAIN_SECONDS = 10.0
 _KEPT: List[Any] = []  # buffers of calls still queued behind a stuck stream at close
 
 
-class Communicator:
+class Communicator(CommunicatorApi):
     """One rank of a group.  Create with ``hoccl.init`` or ``hoccl.init_local``."""
 
     def __init__(self, *, engine: Engine, group: Group, health: Health,
@@ -90,29 +86,7 @@ class Communicator:
         ``hoccl.tuning``), or None: the defaults."""
         return self._engine.tuning
 
-    def explain(self, collective: str, nbytes: int, dtype: Any = "float32", *,
-                in_place: bool = False, op: Any = "sum", root: int = 0) -> Dict[str, Any]:
-        """The path and settings a call would get, and where each came from: ``path``
-        (push, pull, one_shot, direct), ``settings`` (the planning options), ``sources``
-        (each setting the user or a table row decided: "user" or "table row N (...)"),
-        ``row`` and ``table`` (where the table came from, or "defaults").  ``nbytes`` is
-        nccl-tests' size: the whole output of all_gather, the whole input of
-        reduce_scatter and all_to_all, the buffer of the others.  Nothing is enqueued."""
-        name = "explain"
-        if collective not in _EXPLAINED:
-            raise InvalidArgumentError(f"{name}: collective must be one of {_EXPLAINED}; got "
-                                       f"{collective!r}")
-        itemsize = check.dtype_itemsize(name, dtype)
-        blocks = self.world_size if collective in ("all_gather", "reduce_scatter",
-                                                   "all_to_all") else 1
-        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0 \
-                or nbytes % (itemsize * blocks):
-            raise InvalidArgumentError(f"{name}: nbytes must be an int >= 0, a multiple of "
-                                       f"{itemsize * blocks} ({blocks} blocks of {dtype}); got "
-                                       f"{nbytes!r}")
-        shape = Shape(collective, self.world_size, nbytes // itemsize // blocks,
-                      check.dtype_name(name, dtype), itemsize, op=check.reduce_op(name, op),
-                      root=check.rank(name, "root", root, self.world_size), in_place=in_place)
+    def _explain(self, shape: Shape) -> Dict[str, Any]:
         choice = self._engine.choice(shape)
         return {**choice.describe(), "table": self._engine.tuning_origin}
 
@@ -153,149 +127,6 @@ class Communicator:
     def closed(self) -> bool:
         return self._engine.closed
 
-    # -- public collectives ----------------------------------------------------------------
-    def all_gather(self, sendbuf: Any, recvbuf: Any, *, stream: Any = None) -> None:
-        """``recvbuf[r*count:(r+1)*count] = sendbuf of rank r`` for every rank r.
-
-        Naive equivalent: ``recv = concatenate([send_of(r) for r in range(world_size)])``.
-        In place when ``sendbuf`` is this rank's own block of ``recvbuf`` (no copy of
-        the own block at all).  Ordered after the work already on ``stream`` and before
-        the work enqueued on it later; returns without waiting.
-        """
-        name = "all_gather"
-        send, recv = self._buffers(name, sendbuf=sendbuf, recvbuf=recvbuf)
-        check.blocks(name, send, recv, self.world_size, recv_is_large=True)
-        in_place = check.in_place(name, self.rank, send, recv,
-                                  recv.block(self.rank, send.count), send)
-        self._submit(name, self._shape(name, send, in_place=in_place), send, recv, stream)
-
-    def reduce_scatter(self, sendbuf: Any, recvbuf: Any, op: Any = "sum", *,
-                       scale: Optional[float] = None, stream: Any = None) -> None:
-        """``recvbuf = op over ranks r of sendbuf_r[rank*count:(rank+1)*count]``.
-
-        In place when ``recvbuf`` is this rank's own block of ``sendbuf``.  Reductions
-        run on at most ``max_sms`` SMs, overlapped with the copies.  ``scale`` (a sum of
-        floats only; every rank passes the same): the sum times ``scale``, multiplied by
-        the reduction kernel before it rounds (torch's PREMUL_SUM, with no pass of its own).
-        """
-        name = "reduce_scatter"
-        send, recv = self._buffers(name, sendbuf=sendbuf, recvbuf=recvbuf)
-        op = check.reduce_op(name, op)
-        factor = check.scale(name, scale, op, recv.dtype)
-        check.blocks(name, send, recv, self.world_size, recv_is_large=False)
-        in_place = check.in_place(name, self.rank, send, recv,
-                                  send.block(self.rank, recv.count), recv)
-        self._submit(name, self._shape(name, recv, op=op, in_place=in_place, scale=factor),
-                     send, recv, stream)
-
-    def all_reduce(self, sendbuf: Any, recvbuf: Any, op: Any = "sum", *,
-                   scale: Optional[float] = None, stream: Any = None) -> None:
-        """``recvbuf = op over ranks of sendbuf`` on every rank.  In place when they are one
-        buffer.  ``scale``: as for ``reduce_scatter``."""
-        name = "all_reduce"
-        send, recv = self._buffers(name, sendbuf=sendbuf, recvbuf=recvbuf)
-        op = check.reduce_op(name, op)
-        factor = check.scale(name, scale, op, send.dtype)
-        check.same_shape(name, send, recv)
-        in_place = check.in_place(name, self.rank, send, recv, recv, send)
-        self._submit(name, self._shape(name, send, op=op, in_place=in_place, scale=factor),
-                     send, recv, stream)
-
-    def all_to_all(self, sendbuf: Any, recvbuf: Any, *, stream: Any = None) -> None:
-        """Block j of rank i's ``sendbuf`` goes to block i of rank j's ``recvbuf``."""
-        name = "all_to_all"
-        send, recv = self._buffers(name, sendbuf=sendbuf, recvbuf=recvbuf)
-        check.same_shape(name, send, recv)
-        if send.count % self.world_size:
-            raise InvalidArgumentError(f"{name}: sendbuf.size must be a multiple of world_size "
-                                       f"{self.world_size}; got {send.count}")
-        check.disjoint(name, send, recv)
-        self._submit(name, self._shape(name, send, count=send.count // self.world_size),
-                     send, recv, stream)
-
-    def broadcast(self, sendbuf: Any, recvbuf: Any, root: int, *, stream: Any = None) -> None:
-        """Every rank's ``recvbuf`` = root's ``sendbuf`` (``sendbuf`` is ignored off the root
-        and may be None).  In place when ``sendbuf is recvbuf`` on the root."""
-        name = "broadcast"
-        root = check.rank(name, "root", root, self.world_size)
-        is_root = self.rank == root
-        send, recv = self._buffers(name, sendbuf=sendbuf if is_root else None, recvbuf=recvbuf,
-                                   optional=() if is_root else ("sendbuf",))
-        in_place = False  # only the root knows; the plans of other ranks do not depend on it
-        if is_root:
-            check.same_shape(name, send, recv)
-            in_place = check.in_place(name, self.rank, send, recv, recv, send)
-        self._submit(name, self._shape(name, recv, root=root, in_place=in_place), send, recv,
-                     stream)
-
-    def reduce(self, sendbuf: Any, recvbuf: Any, root: int, op: Any = "sum", *,
-               scale: Optional[float] = None, stream: Any = None) -> None:
-        """Root's ``recvbuf`` = op over ranks of ``sendbuf`` (``recvbuf`` may be None
-        elsewhere).  ``scale``: as for ``reduce_scatter``."""
-        name = "reduce"
-        root = check.rank(name, "root", root, self.world_size)
-        op = check.reduce_op(name, op)
-        is_root = self.rank == root
-        send, recv = self._buffers(name, sendbuf=sendbuf, recvbuf=recvbuf if is_root else None,
-                                   optional=() if is_root else ("recvbuf",))
-        in_place = False
-        if is_root:
-            check.same_shape(name, send, recv)
-            in_place = check.in_place(name, self.rank, send, recv, recv, send)
-        factor = check.scale(name, scale, op, send.dtype)
-        self._submit(name, self._shape(name, send, op=op, root=root, in_place=in_place,
-                                       scale=factor), send, recv, stream)
-
-    def gather(self, sendbuf: Any, recvbuf: Any, root: int, *, stream: Any = None) -> None:
-        """Root's ``recvbuf[r*count:(r+1)*count]`` = rank r's ``sendbuf`` (``recvbuf`` may be
-        None off the root).  In place when the root's ``sendbuf`` is its own block of
-        ``recvbuf``."""
-        self._rooted_blocks("gather", sendbuf, recvbuf, root, stream)
-
-    def scatter(self, sendbuf: Any, recvbuf: Any, root: int, *, stream: Any = None) -> None:
-        """Rank r's ``recvbuf`` = root's ``sendbuf[r*count:(r+1)*count]`` (``sendbuf`` may be
-        None off the root).  In place when the root's ``recvbuf`` is its own block of
-        ``sendbuf``."""
-        self._rooted_blocks("scatter", sendbuf, recvbuf, root, stream)
-
-    def _rooted_blocks(self, name: str, sendbuf: Any, recvbuf: Any, root: int,
-                       stream: Any) -> None:
-        """gather and scatter: the root's large buffer holds world_size blocks of the size
-        of every rank's small one (send for gather, receive for scatter)."""
-        root = check.rank(name, "root", root, self.world_size)
-        is_root = self.rank == root
-        gathers = name == "gather"
-        large_name = "recvbuf" if gathers else "sendbuf"  # None is allowed for it off the root
-        send, recv = self._buffers(name, sendbuf=sendbuf if is_root or gathers else None,
-                                   recvbuf=recvbuf if is_root or not gathers else None,
-                                   optional=() if is_root else (large_name,))
-        small, large = (send, recv) if gathers else (recv, send)
-        in_place = False
-        if is_root:
-            check.blocks(name, send, recv, self.world_size, recv_is_large=gathers,
-                         whose="the root's ")
-            in_place = check.in_place(name, self.rank, send, recv,
-                                      large.block(root, small.count), small)
-        self._submit(name, self._shape(name, small, root=root, in_place=in_place), send, recv,
-                     stream)
-
-    def send(self, buf: Any, peer: int, *, stream: Any = None) -> None:
-        """Send ``buf`` to ``peer``, which must call ``recv`` with a buffer of the same size.
-
-        Without ``hoccl.group()`` the call may wait on the host until ``peer`` makes its
-        ``recv`` (the ranks swap buffer descriptors); a cycle of sends must be grouped."""
-        self._pair("send", buf, peer, stream)
-
-    def recv(self, buf: Any, peer: int, *, stream: Any = None) -> None:
-        """Receive into ``buf`` what ``peer`` sends with ``send``."""
-        self._pair("recv", buf, peer, stream)
-
-    def barrier(self, *, stream: Any = None) -> None:
-        """Work enqueued on ``stream`` after the barrier starts only after every rank's
-        stream reached its barrier.  Zero SMs, no data."""
-        self._usable("barrier")
-        self._enter("barrier", Shape("barrier", self.world_size, 0), {}, stream)
-
     # -- registered buffers ------------------------------------------------------------
     def register(self, array: Any) -> Any:
         """Register ``array`` (any array hoccl accepts, on this rank's device) with every
@@ -321,7 +152,7 @@ class Communicator:
         ``hoccl.group()``."""
         name = "register"
         self._usable(name)
-        if _held_calls() is not None:
+        if held_calls() is not None:
             raise InvalidArgumentError("register: not inside hoccl.group()")
         buffer = as_buffer(name, "array", array, writable=False, reduction=False)
         check.on_device(name, "array", buffer, self.backend, self.device)
@@ -344,10 +175,10 @@ class Communicator:
         touches the memory afterwards; then the array is released."""
         name = "deregister"
         self._usable(name)
-        if _held_calls() is not None:
+        if held_calls() is not None:
             raise InvalidArgumentError("deregister: not inside hoccl.group()")
         engine = self._engine
-        found, verdict = self._window_of(window), None
+        found, verdict = engine.windows.of("deregister", window), None
         if found is None:
             verdict = (f"expected a Window from register or a registered array itself, got a "
                        f"{type(window).__name__} that is not a window registered with this "
@@ -360,19 +191,6 @@ class Communicator:
     def windows(self) -> List[Any]:
         """This rank's registered windows, by address."""
         return list(self._engine.windows)
-
-    def _window_of(self, window: Any) -> Any:
-        windows = self._engine.windows
-        if isinstance(window, Window):
-            return window if windows.get(window.index) is window else None
-        try:
-            buffer = as_buffer("deregister", "window", window, writable=False, reduction=False)
-        except InvalidArgumentError:
-            return None
-        found = windows.find(buffer.address, max(buffer.nbytes, 1))
-        if found is None or found[1] or found[0].nbytes != buffer.nbytes:
-            return None
-        return found[0]
 
     # -- host side ---------------------------------------------------------------------
     def synchronize(self) -> None:
@@ -474,7 +292,7 @@ class Communicator:
         usable.  Not inside ``hoccl.group()``.
         """
         self._usable("split")
-        if _held_calls() is not None:
+        if held_calls() is not None:
             raise InvalidArgumentError("split: not inside hoccl.group(); split before or after")
         if self._splitter is None:
             raise InvalidArgumentError("split: this communicator was not made by hoccl.init "
@@ -488,20 +306,9 @@ class Communicator:
         """Change settings (fields of ``hoccl.Config``) for later calls; the rest stay.
         Every change is checked before any takes effect."""
         self._usable("set_options")
-        engine = self._engine
-        old = self.config
-        config = old.replace("set_options", **changes)
-        with engine.lock:
-            engine.sms.max_sms = config.max_sms
-            engine.sms.copy_sms = config.copy_sms or engine.sms.copy_sms
-            if config.fuse_sums != old.fuse_sums:
-                engine.sms.fuse_sums = bool(config.fuse_sums)
-                engine.forget_programs()  # bound programs hold the fused launches, or not
-            engine.verify_plans = config.verify_plans
-            if config.plan_options != engine.options or config.given != engine.given:
-                engine.options = config.plan_options  # a new object: templates are remade
-                engine.given = config.given
-            self._health.timeout = config.timeout
+        config = self.config.replace("set_options", **changes)
+        self._engine.configure(config)
+        self._health.timeout = config.timeout
 
     def close(self) -> None:
         """Wait for outstanding work (aborting it after ``timeout``), then release streams,
@@ -544,12 +351,6 @@ class Communicator:
         engine.close_streams()
         self._group.leave(engine, leak)  # frees the device once no local peer can write to it
         _OPEN.discard(self)
-
-    def __enter__(self) -> "Communicator":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return (f"<hoccl.Communicator rank {self.rank}/{self.world_size} backend={self.backend} "
@@ -598,60 +399,15 @@ class Communicator:
         self._health.abort(reason, kind="diverged")
         raise DivergedError(reason)
 
-    def _buffers(self, name: str, optional: Tuple[str, ...] = (),
-                 **arrays: Any) -> List[Buffer]:
-        """Resolve each array (None only where ``optional``; then None is returned)."""
-        self._usable(name)
-        resolved: List[Any] = []
-        for argument, array in arrays.items():
-            if array is None:
-                if argument in optional:
-                    resolved.append(None)
-                    continue
-                raise InvalidArgumentError(f"{name}: {argument} is required on rank "
-                                           f"{self.rank}; got None")
-            buffer = as_buffer(name, argument, array,
-                               writable=argument == "recvbuf" or name == "recv",
-                               reduction=name in ("all_reduce", "reduce_scatter", "reduce"))
-            check.on_device(name, argument, buffer, self.backend, self.device)
-            resolved.append(buffer)
-        return resolved
-
-    def _shape(self, name: str, buffer: Buffer, count: Optional[int] = None, **fields: Any
-               ) -> Shape:
-        return Shape(name, self.world_size, buffer.count if count is None else count,
-                     buffer.dtype, buffer.itemsize, **fields)
-
-    def _pair(self, name: str, buf: Any, peer: int, stream: Any) -> None:
-        (buffer,) = self._buffers(name, buf=buf)
-        peer = check.rank(name, "peer", peer, self.world_size, other_than=self.rank)
-        sender, receiver = (self.rank, peer) if name == "send" else (peer, self.rank)
-        shape = Shape("sendrecv", self.world_size, buffer.count, buffer.dtype, buffer.itemsize,
-                      root=sender, peer=receiver)
-        self._enter(name, shape, {name: buffer}, stream)
-
-    def _submit(self, name: str, shape: Shape, send: Optional[Buffer], recv: Optional[Buffer],
-                stream: Any) -> None:
-        self._enter(name, shape, {"send": send, "recv": recv}, stream)
-
-    def _enter(self, name: str, shape: Shape, buffers: Dict[str, Optional[Buffer]],
+    def _run(self, name: str, shape: Shape, buffers: Dict[str, Optional[Buffer]],
                stream: Any) -> None:
-        """Prepare (may fail: nothing enqueued), enqueue (the caller's stream is fenced),
-        then hand to the group — now, or at the end of the enclosing ``hoccl.group()``."""
+        """Prepare (may fail: nothing enqueued; a repeated call finds its prepared call),
+        enqueue (the caller's stream is fenced), then hand to the group — now, or at the
+        end of the enclosing ``hoccl.group()``."""
         engine = self._engine
-        if self._group.exported and _held_calls() is None:
-            repeated = engine.repeat(name, shape, buffers, stream)
-            if repeated is not None:  # issued at once, as the first one was
-                try:
-                    self._group.repeat(repeated)
-                except HocclError as error:  # an earlier call's check: nothing to match up
-                    self._fail([repeated], error)
-                    raise
-                self._health.start_watchdog()
-                return
         call = engine.prepare(name, shape, buffers, stream, exported=self._group.exported)
         self._usable(name)  # the watchdog may have aborted meanwhile
-        held = _held_calls()
+        held = held_calls()
         if call.captured and held is not None:
             raise InvalidArgumentError(f"{name}: a call captured into a CUDA graph cannot be "
                                        f"inside hoccl.group() yet")
@@ -670,34 +426,14 @@ class Communicator:
         if held is not None:
             held.append((self, call))
             return
-        self._hand_over_phased([(self, [call])])
-
-    @staticmethod
-    def _hand_over_phased(batches: Sequence[Tuple["Communicator", List[Call]]]) -> None:
-        """Offer every batch to its group, then complete each: no batch's completion can
-        wait for a peer's offer that is queued behind it.  A mismatch has already
-        released the calls (the callers' streams go on, the outputs are not written) and
-        the communicator stays usable; any other failure aborts it."""
-        failures: List[BaseException] = []
-
-        def attempt(comm: "Communicator", step: Callable[[List[Call]], None],
-                    calls: List[Call]) -> bool:
-            try:
-                step(calls)
-                return True
-            except BaseException as error:
-                # a plain mismatch released the calls; a divergence (an earlier registered
-                # call ran differently) or anything else leaves nothing to match up
-                if isinstance(error, DivergedError) or not isinstance(error, MismatchError):
-                    comm._fail(calls, error)
-                failures.append(error)
-                return False
-        posted = [(comm, calls) for comm, calls in batches
-                  if attempt(comm, comm._group.post, calls)]
-        for comm, calls in posted:
-            attempt(comm, comm._group.complete, calls)
-        if failures:
-            raise failures[0]
+        calls = [call]  # offered and completed at once, as ``hand_over`` does for a group
+        try:
+            self._group.post(calls)
+            self._group.complete(calls)
+        except BaseException as error:
+            if fatal(error):
+                self._fail(calls, error)
+            raise
 
     def _fail(self, calls: List[Call], error: BaseException) -> None:
         """The peers never answered: nothing can be matched up any more."""
@@ -708,79 +444,6 @@ class Communicator:
             self._health.abort_for_lost_peer(reason, type(error))
         else:
             self._health.abort(reason)
-
-
-# -- hoccl.group() ------------------------------------------------------------------------
-_GROUPS = threading.local()
-
-
-def _held_calls() -> Optional[List[Tuple[Communicator, Call]]]:
-    return getattr(_GROUPS, "calls", None) if getattr(_GROUPS, "depth", 0) else None
-
-
-def group_start() -> None:
-    """Begin a group (nestable): calls made on this thread until the matching
-    ``group_end`` are held, then matched with their peers together."""
-    depth = getattr(_GROUPS, "depth", 0)
-    if depth == 0:
-        _GROUPS.calls = []
-    _GROUPS.depth = depth + 1
-
-
-def group_end() -> None:
-    """End a group; the outermost end hands every held call over.
-
-    Each communicator's held calls go to the device side by side (they do not wait for
-    each other), so a ring of send/recv, or one thread driving several ranks'
-    calls (``init_local``), cannot deadlock.  Errors (a mismatch, a timeout) are raised
-    here."""
-    depth = getattr(_GROUPS, "depth", 0)
-    if depth == 0:
-        raise InvalidArgumentError("group_end: no group_start on this thread")
-    _GROUPS.depth = depth - 1
-    if depth > 1:
-        return
-    held, _GROUPS.calls = _GROUPS.calls, []
-    batches: Dict[int, Tuple[Communicator, List[Call]]] = {}
-    for comm, call in held:
-        batches.setdefault(id(comm), (comm, []))[1].append(call)
-    for comm, calls in batches.values():
-        if not comm._group.exported:  # a process group fences them as it issues them
-            comm._engine.fence_callers(calls)
-    if batches:
-        Communicator._hand_over_phased(list(batches.values()))
-
-
-@contextlib.contextmanager
-def group() -> Iterator[None]:
-    """``with hoccl.group(): ...`` — ``group_start()`` ... ``group_end()``.
-
-    If the body raises, the calls it made are offered to their peers as abandoned: every
-    participant's matching call is completed unrun (outputs not written, callers'
-    streams released; the peers get MismatchError naming the abandoned call), so the
-    ranks' sequences of calls stay aligned; then the body's error propagates.
-    """
-    group_start()
-    try:
-        yield
-    except BaseException:
-        _GROUPS.depth -= 1
-        if _GROUPS.depth == 0:
-            held, _GROUPS.calls = _GROUPS.calls, []
-            for _, call in held:
-                call.signature = _ABANDONED
-            _GROUPS.depth, _GROUPS.calls = 1, held
-            try:
-                group_end()
-            except MismatchError:
-                pass  # expected: the peers disagree with an abandoned call
-            except HocclError as error:
-                log.warning("group: handing over the abandoned calls failed: %s", error)
-        raise
-    group_end()
-
-
-_ABANDONED = (("abandoned", "the body of its hoccl.group() raised"),)
 
 
 @atexit.register

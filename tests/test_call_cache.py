@@ -1,12 +1,14 @@
-"""Repeated calls of one shape reuse what the engine worked out for the first (the call
-template, the bound program): every later call must still write its own buffers with
-its own data, and anything that changes the layout must be seen.  Host backend, every
+"""Repeated calls of one shape reuse what the engine worked out for the first (the
+prepared call: the shape's plan, the addresses, the bound program, in the engine's one
+bounded cache): every later call must still write its own buffers with its own data,
+and anything that changes the layout must be seen.  Host backend, every
 rank in this process (the cross-process path: tests/mpi/run_checks.py)."""
 
 import numpy as np
 import pytest
 
 import hoccl
+from hoccl._engine import PREPARED_CALLS, PreparedCall, ShapePlan
 from hoccl.testing import assert_exact, expected, is_poison, poison, random_array
 
 N = 3
@@ -164,13 +166,14 @@ def test_changed_options_plan_the_next_repeated_call_afresh(init_local):
     rng = np.random.default_rng(6)
     full = _full_buffers("reduce_scatter")
     _in_place_round(comms, "reduce_scatter", full, rng)
-    before = [list(comm._engine._templates.values()) for comm in comms]
+    before = [_cached(comm, ShapePlan) for comm in comms]
     for comm in comms:
         comm.set_options(chunk_bytes=16)
     _in_place_round(comms, "reduce_scatter", full, rng)
     for comm, (old,) in zip(comms, before):
-        (new,) = comm._engine._templates.values()
-        assert new.plan is not old.plan and new.options is comm.options
+        (new,) = _cached(comm, ShapePlan)
+        (prepared,) = _cached(comm, PreparedCall)
+        assert new.plan is not old.plan and prepared.part is new
         assert dict(new.plan.options)["chunk_bytes"] == 16
         assert dict(old.plan.options)["chunk_bytes"] == 4096
 
@@ -185,7 +188,53 @@ def test_a_new_communicator_after_abort_and_close_runs_the_same_shape(init_local
         comms[1].all_gather(full[1][COUNT:2 * COUNT], full[1])
     for comm in comms:
         comm.close()
-    assert not any(comm._engine._templates or comm._engine._programs for comm in comms)
+    assert not any(len(comm._engine.preparer.cache) for comm in comms)
     comms = init_local(N, backend="host")
     for _ in range(3):
         _in_place_round(comms, "all_gather", full, rng)
+
+
+def _cached(comm, kind):
+    return [entry for entry in comm._engine.preparer.cache.values() if isinstance(entry, kind)]
+
+
+def test_a_repeated_call_reuses_its_prepared_call_and_bound_program(init_local):
+    comms = init_local(N, backend="host")
+    rng = np.random.default_rng(8)
+    full = _full_buffers("all_reduce")
+    _in_place_round(comms, "all_reduce", full, rng)
+    first = [_cached(comm, PreparedCall) for comm in comms]
+    programs = [[prepared.program for prepared in cached] for cached in first]
+    assert all(len(cached) == 1 and cached[0].program is not None for cached in first)
+    for _ in range(3):
+        _in_place_round(comms, "all_reduce", full, rng)
+    for comm, cached, bound in zip(comms, first, programs):
+        assert _cached(comm, PreparedCall) == cached  # the same objects, nothing added
+        assert [prepared.program for prepared in cached] == bound
+        assert all(prepared.program is program for prepared, program in zip(cached, bound))
+
+
+def test_the_cache_keeps_at_most_its_size_least_recently_used_first(init_local):
+    assert PREPARED_CALLS >= 64  # the documented bound the engines are built with
+    comms = init_local(N, backend="host")
+    for comm in comms:
+        assert comm._engine.preparer.cache.size == PREPARED_CALLS
+        comm._engine.preparer.cache.size = 5
+    rng = np.random.default_rng(9)
+    sizes = (8, 16, 24, 32, 40)
+    for round_ in range(2):  # the second round finds every call made afresh and exact
+        for count in sizes:
+            data = [random_array(rng, count, "float32") for _ in range(N)]
+            outputs = [poison(count, "float32") for _ in range(N)]
+            for rank, comm in enumerate(comms):
+                comm.all_reduce(data[rank], outputs[rank])
+            for comm in comms:
+                comm.synchronize()
+            want = expected("all_reduce", data, op="sum")
+            for rank in range(N):
+                assert_exact(f"all_reduce of {count}: rank {rank}", want[rank], outputs[rank])
+            for comm in comms:
+                assert len(comm._engine.preparer.cache) <= 5
+    for comm in comms:  # the latest shape and its call stay; the first ones went
+        shapes = [entry.shape for entry in _cached(comm, ShapePlan)]
+        assert shapes[-1].count == sizes[-1] and all(shape.count != sizes[0] for shape in shapes)

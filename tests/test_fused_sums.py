@@ -94,13 +94,10 @@ def test_pushed_reductions_of_many_chunks_are_fused_and_others_are_not():
 
 
 class _Pad:
-    def local(self, slot):
-        return 1000 + slot
-
-    def remote(self, peer, slot):
-        return ("remote", peer, slot)
-
+    """A pad's tables (``SignalPad.waits``, ``signals``) naming each slot."""
     graph_offset = 100
+    waits = [1000 + slot for slot in range(200)]
+    signals = [[("remote", peer, slot) for slot in range(200)] for peer in range(2)]
 
 
 @pytest.mark.parametrize("fuse", [True, False])
@@ -285,8 +282,8 @@ def test_fuse_sums_is_a_switch_of_init_set_options_and_split():
 
 
 def test_a_repeated_call_follows_a_changed_fuse_sums():
-    """Repeats (``Engine.repeat``) keep bound programs: toggling ``fuse_sums`` must end them,
-    or a repeat would go on in the old form."""
+    """Repeats keep their prepared calls' bound programs: toggling ``fuse_sums`` must end
+    them, or a repeat would go on in the old form."""
     comms = hoccl.init_local(2, backend="host", chunk_bytes=64)
     launches = _count_launches(comms)
     try:

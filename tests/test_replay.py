@@ -46,13 +46,10 @@ def test_problems_are_named():
 
 
 class _Pad:
+    """A pad's tables (``SignalPad.waits``, ``signals``) naming each slot."""
     graph_offset = 100  # past every slot of a 3-rank plan
-
-    def local(self, slot):
-        return ("local", slot)
-
-    def remote(self, peer, slot):
-        return ("remote", peer, slot)
+    waits = [("local", slot) for slot in range(200)]
+    signals = [[("remote", peer, slot) for slot in range(200)] for peer in range(3)]
 
 
 def test_captured_binding_uses_graph_slots_and_resets_after_each_last_wait():

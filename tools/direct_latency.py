@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from cuda.bindings import driver  # noqa: E402
 
-from hoccl._engine import SignalPad, _digest  # noqa: E402
+from hoccl._engine import SignalPad, digest  # noqa: E402
 from hoccl.streams import StreamManager  # noqa: E402
 from hoccl.backends import cuda as backend  # noqa: E402
 from hoccl.backends._base import SmCaps  # noqa: E402
@@ -78,7 +78,7 @@ def measure(device, pads, executors, streams, collective: str, nbytes: int, bloc
             addresses[(rank, spec.name)] = ((tensor.data_ptr(), spec.nbytes)
                                             if spec.name == RING else tensor.data_ptr())
     # with a signature, as a communicator binds them: the kernels compare it on the device
-    signature = _digest((("shape", repr(shape)),))
+    signature = digest((("shape", repr(shape)),))
     programs = [executors[rank].bind(plan, addresses, signature=signature)[0][2]
                 for rank in range(N)]
     # fresh small integers (exact in bfloat16 sums), then one call each, checked

@@ -25,8 +25,6 @@ log = logging.getLogger("hoccl")
 
 __all__ = ["Group"]
 
-_DESCRIPTIONS = 256  # call descriptions a process group remembers each way
-
 
 class Group(Protocol):
     """What the Communicator hands its calls to."""
@@ -42,10 +40,6 @@ class Group(Protocol):
         """Match the posted ``calls`` with the other participants' and issue them, now or
         when the peers' calls arrive (``LocalGroup``).  A disagreement releases the
         participants' calls and raises ``MismatchError``."""
-
-    def repeat(self, call: "Call") -> None:
-        """Post and issue at once a repeat of a call issued without asking the peers
-        (``Engine.repeat``; only where ``exported``)."""
 
     def withdraw(self, call: "Call") -> None:
         """``call`` will never be issued (its rank closes): forget it."""

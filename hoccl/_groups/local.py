@@ -174,9 +174,6 @@ class LocalGroup:
                 return [(member, waits[member][1], waits[member][0]) for member in loop]
         return []
 
-    def repeat(self, call: "Call") -> None:
-        raise AssertionError("repeat: calls in one process are never repeated at once")
-
     def withdraw(self, call: "Call") -> None:
         """``call``'s rank closes with it never issued: forget it (the other ranks'
         matching calls then wait for ever, and their ``synchronize`` names this rank)."""

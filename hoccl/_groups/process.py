@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 from .._errors import DivergedError, InvalidArgumentError, MismatchError
 from .._mailbox import Mailboxes, Notice, made_call, wait_until
 from ..bootstrap import Bootstrap
-from .base import (_ABORTED, _DESCRIPTIONS, _describe, _disagreement, _misplaced,
-                   _raise_verdicts, _silent)
+from .base import (_ABORTED, _describe, _disagreement, _misplaced, _raise_verdicts,
+                   _silent)
 
 if TYPE_CHECKING:
     from .._engine import Call, Engine, PeerBuffer
@@ -43,14 +43,9 @@ class ProcessGroup:
         self.mailboxes = Mailboxes(self.rank, self.world_size, bootstrap.allgather,
                                    bootstrap.barrier,
                                    on_lost=getattr(bootstrap, "peer_lost", lambda gone: None))
-        # the descriptions of calls lately sent (by signature: the shared buffers and the
-        # bytes) and received (by bytes: the contents)
-        self._sent: Dict[tuple, Tuple[Dict[str, "PeerBuffer"], bytes]] = {}
-        self._received: Dict[bytes, Tuple[tuple, Dict[str, "PeerBuffer"]]] = {}
         # per peer, in call order: the calls issued without the peer's description (on
         # registered buffers), whose description is checked when it comes (``check``)
         self._unchecked: List[deque] = [deque() for _ in range(self.world_size)]
-        self._used_cache: Dict[int, Tuple[Any, Dict[int, tuple]]] = {}
 
     def local_rank(self) -> int:
         """This rank's index among the ranks on its host."""
@@ -74,24 +69,12 @@ class ProcessGroup:
             description = self._description(call)
             # issued without asking: what this rank took each peer's buffers to be, for the
             # peer to check before it issues its own (``_misplaced``)
-            used = self._used(call.fast) if fast else None
+            used = call.prepared.used if fast else None
             for peer in call.plan.participants:
                 if peer != self.rank:
                     self.mailboxes.send(peer, (call.key, description,
                                                used[peer] if used else None),
                                         deadline, call.name)
-
-    def _used(self, fast: Any) -> Dict[int, tuple]:
-        """``(name, where)`` of every peer buffer in ``fast`` (``Call.fast``: one dict per
-        layout, from the engine's cache, so the tuples are made once per layout)."""
-        cached = self._used_cache.get(id(fast))
-        if cached is None or cached[0] is not fast:
-            cached = (fast, {peer: tuple((name, buffer.where) for name, buffer in buffers.items())
-                             for peer, buffers in fast.items()})
-            if len(self._used_cache) >= _DESCRIPTIONS:
-                self._used_cache.clear()
-            self._used_cache[id(fast)] = cached
-        return cached[1]
 
     def agree(self, name: str, value: Any) -> List[Any]:
         """Every rank's ``value`` for a collective step that is not a call (``split``'s
@@ -161,28 +144,19 @@ class ProcessGroup:
             theirs = received[call.key]
             call.peers = {peer: theirs[peer][1] for peer in call.plan.participants
                           if peer != self.rank}
-        engine.learn(calls)
+        engine.preparer.learn(call.peers for call in calls)
         engine.issue(calls, imported=True)
-
-    def repeat(self, call: "Call") -> None:
-        """A repeat (``Engine.repeat``): its message goes first (a direct kernel's call
-        goes without), which checks what has come of the peers' descriptions of earlier
-        calls; then it is issued at once, and the peers' descriptions of it are checked
-        when they come, as for any call on registered buffers."""
-        silent = _silent(call)
-        if not silent:
-            self.post([call])
-        call.engine.issue_repeat(call)
-        if not silent:
-            self._expect(call)
 
     # -- calls issued without the peers' descriptions ---------------------------------
     def _expect(self, call: "Call") -> None:
         """``call`` was issued without its peers' descriptions: check them when they come."""
         if _silent(call):
             return
-        for peer, used in self._used(call.peers).items():
-            self._unchecked[peer].append((call.key, call.name, call.signature, used))
+        used = call.prepared.used
+        assert used is not None and call.peers is call.fast, "issued without asking"
+        for peer, took in used.items():
+            self._unchecked[peer].append((call.key, call.name, call.signature, took,
+                                          call.prepared))
 
     def _ready(self, peer: int) -> bool:
         """Whether ``peer``'s next message for a call still to be matched has come (the
@@ -201,14 +175,14 @@ class ProcessGroup:
     def _check_peer(self, peer: int) -> None:
         pending = self._unchecked[peer]
         while pending and self.mailboxes.ready(peer):
-            key, name, signature, used = pending.popleft()
+            key, name, signature, used, prepared = pending.popleft()
             got_key, description, _ = self.mailboxes.receive(peer)
             if got_key != key:
                 raise DivergedError(
                     f"{name}: rank {self.rank} ran call {key} on registered buffers, but rank "
                     f"{peer}'s call was {got_key}: the ranks' sequences of calls differ; "
                     f"{_ABORTED}")
-            theirs, shared = self._described(description)
+            theirs, shared = _described(prepared, peer, description)
             if theirs != signature:
                 raise DivergedError(
                     f"{name}: rank {self.rank} ran {_describe(signature)} on registered "
@@ -272,29 +246,16 @@ class ProcessGroup:
         _raise_verdicts("deregister", values)
         engine.forget_window(window)
 
-    def _description(self, call: "Call") -> bytes:
-        """``(call.signature, call.shared)`` pickled.  A repeated call (the same signature
-        and the same descriptors) sends the bytes of the previous one."""
-        known = self._sent.get(call.signature)
+    @staticmethod
+    def _description(call: "Call") -> bytes:
+        """``(call.signature, call.shared)`` pickled.  A repeated call (the same prepared
+        call and the same descriptors) sends the bytes of the previous one."""
+        prepared = call.prepared
+        known = prepared.description
         if known is None or known[0] != call.shared:
-            known = (call.shared, pickle.dumps((call.signature, call.shared),
-                                               protocol=pickle.HIGHEST_PROTOCOL))
-            if len(self._sent) >= _DESCRIPTIONS:
-                self._sent.clear()
-            self._sent[call.signature] = known
+            known = prepared.description = (call.shared, pickle.dumps(
+                (call.signature, call.shared), protocol=pickle.HIGHEST_PROTOCOL))
         return known[1]
-
-    def _described(self, description: bytes) -> Tuple[tuple, Dict[str, "PeerBuffer"]]:
-        """A peer's ``(signature, shared)`` from its description.  Equal bytes are equal
-        contents, so a repeated description is unpickled once and its objects reused
-        (the engine then finds the call's bound program by them)."""
-        found = self._received.get(description)
-        if found is None:
-            found = pickle.loads(description)
-            if len(self._received) >= _DESCRIPTIONS:
-                self._received.clear()
-            self._received[description] = found
-        return found
 
     def _receive(self, calls: Sequence["Call"], deadline: float
                  ) -> Dict[tuple, Dict[int, Tuple[tuple, Dict[str, "PeerBuffer"], Any]]]:
@@ -310,6 +271,7 @@ class ProcessGroup:
         received: Dict[tuple, Dict[int, Tuple[tuple, Dict[str, "PeerBuffer"], Any]]] = {
             call.key: {} for call in calls}
         names = {call.key: call.name for call in calls}
+        prepared = {call.key: call.prepared for call in calls}
         first = calls[0]
         mailboxes = self.mailboxes
         while expected:
@@ -333,7 +295,7 @@ class ProcessGroup:
                         f"{keys[0] if len(calls) == 1 else keys} but rank {peer}'s next call "
                         f"with it was {key}: the ranks' sequences of calls differ (a cycle of "
                         f"send/recv must be made inside hoccl.group())")
-                signature, shared = self._described(description)
+                signature, shared = _described(prepared[key], peer, description)
                 keys.remove(key)
                 if not keys:
                     del expected[peer]
@@ -398,3 +360,15 @@ class ProcessGroup:
         engine.leave_device(leak, peers_done=peers_done)
         self.mailboxes.close()
         self.bootstrap.close()
+
+
+def _described(prepared: Any, peer: int, description: bytes
+               ) -> Tuple[tuple, Dict[str, "PeerBuffer"]]:
+    """``peer``'s ``(signature, shared)`` from its description of a call matched with
+    ``prepared``.  Equal bytes are equal contents, so a repeated description (the peer's
+    same call on the same buffers) is unpickled once and its objects reused (the engine
+    then finds the prepared call's bound program by them)."""
+    known = prepared.received.get(peer)
+    if known is None or known[0] != description:
+        known = prepared.received[peer] = (description, pickle.loads(description))
+    return known[1]

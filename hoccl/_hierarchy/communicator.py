@@ -1,4 +1,4 @@
-"""The communicator across hosts: the API and argument checks of ``Communicator``, each
+"""The communicator across hosts: the API and argument checks of ``CommunicatorApi``, each
 call run as the phases of its ``hoccl.sched.hierarchical`` plan on the level engines."""
 
 from __future__ import annotations
@@ -9,7 +9,9 @@ from typing import Any, Callable, Dict, List, Optional, Type
 from .._buffers import Buffer, as_buffer
 from .._errors import AbortedError, HocclError, HocclTimeoutError, InvalidArgumentError
 from ..bootstrap import Bootstrap
-from ..comm import Communicator, _held_calls
+from .._api import CommunicatorApi
+from .._group_calls import held_calls
+from ..comm import Communicator
 from ..sched import Shape
 from ..sched.hierarchical import (Call, Divide, HierarchicalPlan, Region, Topology,
                                   build_hierarchical, divide_in_place, verify_hierarchical)
@@ -50,11 +52,11 @@ def _default_engine(backend: str, one_machine: bool) -> str:
 
 
 
-class HierarchicalCommunicator(Communicator):
+class HierarchicalCommunicator(CommunicatorApi):
     """One rank of a world that spans hosts.  Create with ``hoccl.init``.
 
-    The API is ``Communicator``'s, with the same argument checks; each call runs the
-    phases of its ``hoccl.sched.hierarchical`` plan.  ``describe()`` says how the world
+    The API is ``CommunicatorApi``'s, with the same argument checks as ``Communicator``;
+    each call runs the phases of its ``hoccl.sched.hierarchical`` plan.  ``describe()`` says how the world
     is split and which engines run where.  Not inside ``hoccl.group()``."""
 
     def __init__(self, *, topology: Topology, rank: int, host: Communicator,
@@ -217,6 +219,12 @@ class HierarchicalCommunicator(Communicator):
         self._usable("deregister")
         raise InvalidArgumentError("deregister: nothing is registered across hosts")
 
+    def _explain(self, shape: Shape) -> Dict[str, Any]:
+        raise InvalidArgumentError("explain: not offered across hosts yet (a "
+                                   "HierarchicalCommunicator): each call runs the phases of its "
+                                   "hoccl.sched.hierarchical plan; explain on host_communicator "
+                                   "tells the path of a phase inside a host")
+
     def set_options(self, **changes: Any) -> None:
         """Options of the hoccl communicators (the host's, and the rails' with hoccl)."""
         self._usable("set_options")
@@ -255,15 +263,15 @@ class HierarchicalCommunicator(Communicator):
             self._verified[id(plan)] = plan
         return plan
 
-    def _enter(self, name: str, shape: Shape, buffers: Dict[str, Optional[Buffer]],
+    def _run(self, name: str, shape: Shape, buffers: Dict[str, Optional[Buffer]],
                stream: Any) -> None:
         """Run ``shape``'s hierarchical plan on this rank's arrays (every argument has been
-        checked by ``Communicator``)."""
+        checked by ``CommunicatorApi``)."""
         if shape.scale is not None:
             raise InvalidArgumentError(
                 f"{name}: scale is not supported across hosts yet; scale the result, or use a "
                 f"communicator within one host")
-        if _held_calls() is not None:
+        if held_calls() is not None:
             raise InvalidArgumentError(
                 f"{name}: a communicator across hosts does not take calls inside hoccl.group() "
                 f"(its phases mix engines); make them outside, sends and receives in an order "

@@ -277,6 +277,7 @@ class HocclAuto(Hoccl):
 
     def __init__(self, ranks: Ranks, name: str, settings: Dict[str, Any]):
         import hoccl
+        comms: List[Any]
         if ranks.mpi is None:
             comms = hoccl.init_local(list(ranks.devices), backend="cuda", **settings)
         else:

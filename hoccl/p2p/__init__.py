@@ -1,14 +1,15 @@
 """The P2P executor: issue one rank's plan steps through its device.
 
 The executor holds no algorithm: it interprets the steps a plan gives this rank, in
-three stages, the first two cached by their callers::
+three stages, the first two kept by the caller's prepared call (``hoccl._engine``)::
 
     compile_program(plan, rank)      steps as tuples, independent copies merged (per plan)
     executor.bind(plan, addresses)   BufRef (rank, buffer, offset) and pad slots resolved
-                                     to addresses through the rank's SignalPad (own slots
-                                     for waits, the peers' mapped pads for signals)
+                                     to addresses through the rank's SignalPad's tables
+                                     (own slots for waits, the peers' pads for signals)
     executor.issue(items, value)     the call's signal base added to every value, the
-                                     operations enqueued
+                                     steps enqueued in one pass (``_enqueue``: from there
+                                     only the stream manager and the device are called)
 
 Stream memory operations are buffered per lane and flushed as one batched call before
 the lane's next copy, kernel or event (``cuStreamBatchMemOp`` keeps their order);
@@ -37,7 +38,7 @@ from ..backends._base import (DIRECT_COPY, DIRECT_REDUCE, DIRECT_SIGNAL, DIRECT_
 from ..backends._kernels import CHUNK_FLAGS, MAX_INPUTS
 from ..sched.plan import RING, After, Copy, Mark, Plan, Reduce, Signal, Wait
 
-__all__ = ["Executor", "StepKind", "compile_program"]
+__all__ = ["Executor", "StepKind", "compile_program", "marks_of"]
 
 
 class StepKind(IntEnum):
@@ -61,7 +62,6 @@ _COPY, _LOCAL_COPY, _SIGNAL, _WAIT = (StepKind.COPY, StepKind.LOCAL_COPY, StepKi
 _REDUCE, _MARK, _AFTER, _RESET = StepKind.REDUCE, StepKind.MARK, StepKind.AFTER, StepKind.RESET
 _DIRECT, _CHUNKS = StepKind.DIRECT, StepKind.CHUNKS
 
-_COMPILED: Dict[Tuple[int, int, bool], Tuple[Plan, tuple]] = {}
 
 
 def _overlap(a, a_bytes, b, b_bytes) -> bool:
@@ -193,12 +193,8 @@ def _chunk_run(lane_ops: List[list], start: int, rank: int) -> Optional[Tuple[li
 def compile_program(plan: Plan, rank: int, fuse: bool = False) -> Tuple[tuple, ...]:
     """``rank``'s steps as tuples the executor runs without isinstance checks, with runs
     of independent copies on one lane merged, and with ``fuse`` each lane's run of chunk
-    waits and sums as one ``_CHUNKS`` op (``_chunk_runs``).  Cached per plan object (plans
-    are built once per shape), so a hot call pays a dict lookup, not a hash of the plan."""
-    key = (id(plan), rank, fuse)
-    cached = _COMPILED.get(key)
-    if cached is not None and cached[0] is plan:
-        return cached[1]
+    waits and sums as one ``_CHUNKS`` op (``_chunk_runs``).  Made once per prepared call
+    (``hoccl._engine.prepared``), which keeps it."""
     ops: List[list] = []
     for step in plan.programs[rank]:
         if isinstance(step, Copy):
@@ -226,12 +222,13 @@ def compile_program(plan: Plan, rank: int, fuse: bool = False) -> Tuple[tuple, .
             ops.append([_AFTER, step.lane, step.mark])
     if fuse and not plan.kernel_blocks:
         ops = _chunk_runs(ops, rank)
-    compiled = tuple((kind, lane, tuple(arg) if isinstance(arg, list) else arg)
-                     for kind, lane, arg in ops)
-    if len(_COMPILED) > 4096:
-        _COMPILED.clear()
-    _COMPILED[key] = (plan, compiled)
-    return compiled
+    return tuple((kind, lane, tuple(arg) if isinstance(arg, list) else arg)
+                 for kind, lane, arg in ops)
+
+
+def marks_of(program: Tuple[tuple, ...]) -> int:
+    """How many events a compiled program's MARK steps record (``Executor.reserve``)."""
+    return sum(1 for kind, _, _ in program if kind == _MARK)
 
 
 def direct_kind(plan: Plan) -> Tuple[str, str]:
@@ -246,8 +243,9 @@ def direct_kind(plan: Plan) -> Tuple[str, str]:
 class Executor:
     """Issues plans for one rank.
 
-    ``pad`` is the rank's ``SignalPad``: ``pad.local(slot)`` is where its lanes wait,
-    ``pad.remote(peer, slot)`` where they signal ``peer``.
+    ``pad`` is the rank's ``SignalPad``: its tables ``pad.waits[slot]`` (where its lanes
+    wait) and ``pad.signals[peer][slot]`` (where they signal ``peer``), and their
+    direct-kernel twins, are the only addresses of slots the executor uses.
     """
 
     def __init__(self, rank: int, device: Any, streams: Any, pad: Any, sms: SmCaps):
@@ -256,18 +254,22 @@ class Executor:
         self.streams = streams
         self.pad = pad
         self.sms = sms  # the communicator's caps (its device may serve other communicators)
-        #: per plan (by id, the plan kept so the id stays its): the marks its program
-        #: records, for ``reserve`` (which also has its direct kernel loaded, once)
-        self._needs: Dict[int, Tuple[Plan, int]] = {}
         #: chunk sums issued as one launch that waits on the device (``_CHUNKS``), in all
         self.fused_launches = 0
 
+    def compile(self, plan: Plan, captured: bool = False) -> Tuple[tuple, ...]:
+        """This rank's compiled steps of ``plan`` as ``bind`` takes them (chunk sums fused
+        as the caps say, never in a captured call)."""
+        return compile_program(plan, self.rank,
+                               fuse=not captured and self.sms is not None and self.sms.fuse_sums)
+
     def bind(self, plan: Plan, addresses: Dict[Tuple[int, str], Any],
-             captured: bool = False, signature: int = 0) -> Tuple[tuple, ...]:
-        """This rank's compiled steps of ``plan`` with every address resolved:
-        ``addresses[(rank, name)]`` are the buffers' bases, slots become addresses in
-        this rank's pad (waits) or a peer's (signals).  Signal values stay relative to
-        the call; ``issue`` adds its base.
+             captured: bool = False, signature: int = 0,
+             program: Optional[Tuple[tuple, ...]] = None) -> Tuple[tuple, ...]:
+        """This rank's compiled steps of ``plan`` (``program``: from ``compile``, made now
+        if not given) with every address resolved: ``addresses[(rank, name)]`` are the
+        buffers' bases, slots become addresses in this rank's pad (waits) or a peer's
+        (signals).  Signal values stay relative to the call; ``issue`` adds its base.
 
         ``captured`` (a call captured into a CUDA graph, ``issue`` with callers): the graph
         slots instead, and after the last wait on each slot a reset of it to 0 on the
@@ -276,11 +278,12 @@ class Executor:
         ``signature``: a direct kernel's digest of the call, which its peers' kernels
         compare with theirs (``DirectProgram``; 0: unchecked)."""
         pad = self.pad
-        program = compile_program(plan, self.rank,
-                                  fuse=not captured and self.sms is not None and self.sms.fuse_sums)
+        if program is None:
+            program = self.compile(plan, captured)
         if plan.kernel_blocks:
             return ((_DIRECT, 0, self._direct(plan, program, addresses, signature)),)
         offset = pad.graph_offset if captured else 0
+        waits, signals = pad.waits, pad.signals
         last: Dict[int, int] = {}  # slot -> index of its last wait
         if captured:
             for index, (kind, _, arg) in enumerate(program):
@@ -294,13 +297,13 @@ class Executor:
         for index, (kind, lane_index, arg) in enumerate(program):
             if kind == _SIGNAL:
                 peer, slot, value = arg
-                arg = (pad.remote(peer, slot + offset), value)
+                arg = (signals[peer][slot + offset], value)
             elif kind == _WAIT:
                 slot, value = arg
-                arg = (pad.local(slot + offset), value)
+                arg = (waits[slot + offset], value)
                 if captured and last[slot] == index:
                     bound.append((kind, lane_index, arg))
-                    kind, arg = _RESET, pad.local(slot + offset)
+                    kind, arg = _RESET, waits[slot + offset]
             elif kind == _COPY or kind == _LOCAL_COPY:
                 arg = tuple((at(dst), at(src), nbytes) for dst, src, nbytes in arg)
             elif kind == _REDUCE:
@@ -308,7 +311,7 @@ class Executor:
                 arg = (tuple(at(ref) for ref in inputs), at(output), count, dtype, op, scale)
             elif kind == _CHUNKS:
                 slots, value, inputs, output, *rest = arg
-                arg = (tuple(pad.local(slot) for slot in slots), value,
+                arg = (tuple(waits[slot] for slot in slots), value,
                        tuple(at(ref) for ref in inputs), at(output), *rest)
             bound.append((kind, lane_index, arg))
         return tuple(bound)
@@ -332,10 +335,10 @@ class Executor:
         for kind, _, arg in program:
             if kind == _SIGNAL:
                 peer, slot, value = arg
-                ops.append((DIRECT_SIGNAL, pad.kernel_remote(peer, slot), value))
+                ops.append((DIRECT_SIGNAL, pad.kernel_signals[peer][slot], value))
             elif kind == _WAIT:
                 slot, value = arg
-                ops.append((DIRECT_WAIT, pad.kernel_local(slot), value))
+                ops.append((DIRECT_WAIT, pad.kernel_waits[slot], value))
             elif kind == _COPY or kind == _LOCAL_COPY:
                 for dst, src, nbytes in arg:
                     (dst_address, dst_shift), (src_address, src_shift) = at(dst), at(src)
@@ -369,24 +372,12 @@ class Executor:
                 self.device.wait_value(caller, self.streams.completion, after)
             self.device.direct(caller, direct, value)
             return
-        pending: List[list] = [self.streams.reach(after)]
-
-        def flush(lane_index: int) -> None:
-            if pending[lane_index]:
-                self.device.memops(caller, pending[lane_index])
-                pending[lane_index] = []
-        marks: Dict[Tuple[int, int], Any] = {}
-        try:
-            self._steps(program, base, 0, pending, flush, marks, 0, [caller], batch=True)
-            if value:
-                pending[0].extend(self.streams.completion_writes(value))
-            flush(0)
-        finally:
-            for event in marks.values():
-                self.streams.release(event)
+        self._enqueue([(None, program, base, None)], {None: 0}, [caller], value, after)
 
     def issue(self, items: Sequence[Tuple[Plan, Tuple[tuple, ...], int, Any]],
-              value: int, callers: Optional[Sequence[Any]] = None, after: int = 0) -> None:
+              value: int, callers: Optional[Sequence[Any]] = None, after: int = 0,
+              fence: Sequence[Any] = (),
+              reserve: Sequence[Tuple[Plan, int]] = ()) -> None:
         """Enqueue each ``(plan, program, base, entry)`` of ``items`` (``program``: the
         plan's steps for this rank from ``bind``) and end with the completion value
         ``value``.  ``after``: the value of a call that ran on its caller's stream, not
@@ -394,6 +385,11 @@ class Executor:
         reach it before its first step, so that this rank's signals into a peer's slot
         keep their call order (a later call's value is never overwritten by an earlier
         call's, which the peer would then wait past for ever) and completion values grow.
+
+        ``fence``: caller streams to make wait for ``value`` first (calls enqueued without
+        a fence, once what they need is known), after creating every lane and event that
+        ``reserve`` (``(plan, marks)`` of every call not yet issued) will take: a caller
+        must never wait while a driver call that may synchronize the context runs.
 
         Each plan's lanes wait for its caller's ``entry`` event, then run its steps
         (signal values offset by ``base``).  Several items (a ``hoccl.group()``) run
@@ -409,136 +405,149 @@ class Executor:
         replay is not a call the host counts), and the exit is an event every caller's
         stream waits for: the lanes join the capture back, as a graph needs.
         """
-        device, streams = self.device, self.streams
-        captured = callers is not None
         firsts, total = _families(plan for plan, _, _, _ in items)
-        if captured:
-            streams.ensure_capture_lanes(total)
-            lanes = streams.capture_lanes
-        else:
-            streams.ensure_lanes(total)  # made by ``reserve`` already, unless it was skipped
-            lanes = streams.lanes
-        start = streams.reach(0 if captured else after)
-        pending: List[list] = [list(start) for _ in range(total)]
-        marks: Dict[Tuple[int, int], Any] = {}
-
-        def flush(lane_index: int) -> None:
-            if pending[lane_index]:
-                device.memops(lanes[lane_index], pending[lane_index])
-                pending[lane_index] = []
-
-        try:
-            for item, (plan, program, base, entry) in enumerate(items):
-                first = firsts[plan.pair]
-                for lane_index in range(first, first + plan.lanes):
-                    flush(lane_index)
-                    device.wait_event(lanes[lane_index], entry)
-                self._steps(program, base, first, pending, flush, marks, item, lanes,
-                            batch=not captured)
-            # join: lane 0 continues only after every other lane's last step
-            for lane_index in range(1, total):
-                flush(lane_index)
-                flush(0)
-                event = streams.event()
-                marks[(-1, lane_index)] = event
-                device.record(lanes[lane_index], event)
-                device.wait_event(lanes[0], event)
-            if not captured:
-                pending[0].extend(streams.completion_writes(value))
-            flush(0)
-            if captured:
-                end = streams.event()
-                marks[(-2, 0)] = end
-                device.record(lanes[0], end)
-                for caller in callers:  # type: ignore[union-attr]
-                    device.wait_event(caller, end)
-        finally:
-            for event in marks.values():
-                streams.release(event)
+        needs = _needs(reserve) if fence else None
+        self._enqueue(items, firsts, total, value, after, callers, fence, needs)
 
     def load(self, plan: Plan) -> None:
-        """Have ``plan``'s direct kernel loaded (once per plan: ``reserve`` does it too)."""
-        entry = self._needs.get(id(plan))
-        if entry is None or entry[0] is not plan:
-            self.reserve([plan])
+        """Have ``plan``'s direct kernel loaded (before any caller waits for its call)."""
+        if plan.kernel_blocks:  # the device loads each kernel once
+            self.device.prepare_direct(*direct_kind(plan))
 
-    def reserve(self, plans: Iterable[Plan], captured: bool = False) -> None:
-        """Create now every lane and event that issuing ``plans`` together will take
-        (``captured``: the capture lanes).
+    def reserve(self, plans: Iterable[Tuple[Plan, int]], captured: bool = False) -> None:
+        """Create now every lane and event that issuing ``plans`` (each ``(plan, marks)``:
+        ``marks_of`` its program) together will take (``captured``: the capture lanes).
 
         Called before a caller's stream is fenced: creating a stream (or an event) may
         synchronize the context, and once a caller's stream waits for a call that is not
         yet issued, such a driver call would wait for itself (FSDP2's first backward
         reduce-scatter, which needs a second lane, hung so)."""
-        widths: Dict[tuple, int] = {}
-        marks = count = 0
-        for plan in plans:
-            entry = self._needs.get(id(plan))
-            if entry is None or entry[0] is not plan:
-                if plan.kernel_blocks:  # the device loads each kernel once
-                    self.device.prepare_direct(*direct_kind(plan))
-                entry = (plan, sum(1 for kind, _, _ in compile_program(plan, self.rank)
-                                   if kind == _MARK))
-                if len(self._needs) >= 1024:
-                    self._needs.clear()
-                self._needs[id(plan)] = entry
-            widths[plan.pair] = max(widths.get(plan.pair, 0), plan.lanes)
-            marks += entry[1]
-            count += 1
-        total = max(sum(widths.values()), 1)  # as ``_families`` counts them
+        total, events = _needs(plans)
         if captured:
             self.streams.ensure_capture_lanes(total)
         else:
             self.streams.ensure_lanes(total)
-        # marks, joins, entries, and a captured call's exit
-        self.streams.reserve_events(marks + total + count)
+        self.streams.reserve_events(events)
 
-    def _steps(self, program: Tuple[tuple, ...], base: int, first: int, pending: List[list],
-               flush: Any, marks: Dict[Tuple[int, int], Any], item: int, lanes: List[Any],
-               batch: bool) -> None:
-        """One bound program's steps on ``lanes`` ``first, first + 1, ...``; ``batch``:
-        independent copies in one batched call."""
+    def _enqueue(self, items: Sequence[Tuple[Any, Tuple[tuple, ...], int, Any]],
+                 firsts: Dict[Any, int], lanes: Any, value: int, after: int,
+                 callers: Optional[Sequence[Any]] = None, fence: Sequence[Any] = (),
+                 needs: Optional[Tuple[int, int]] = None) -> None:
+        """Enqueue ``items``' bound programs on ``lanes`` (the caller's stream, or a number
+        of this rank's lanes: the capture lanes with ``callers``), each family from its
+        first lane (``firsts``), each item's lanes after its entry event, signal values
+        offset by its base; then join the lanes into lane 0 and write ``value``
+        (``issue`` says the rest).  The one pass down: from here only the stream
+        manager's and the device's methods are called.  A lane's memory operations are
+        kept until its next other step and go as one batched call (``cuStreamBatchMemOp``
+        keeps their order); independent copies go as one batched call, except in a
+        capture (``cuMemcpyBatchAsync`` cannot be captured)."""
         device, streams = self.device, self.streams
-        for kind, lane_index, arg in program:
-            lane_index += first
-            if kind == _SIGNAL:
-                pending[lane_index].append((MemOp.WRITE, arg[0], base + arg[1]))
-                continue
-            if kind == _WAIT:
-                pending[lane_index].append((MemOp.WAIT, arg[0], base + arg[1]))
-                continue
-            if kind == _RESET:
-                pending[lane_index].append((MemOp.WRITE, arg, 0))
-                continue
-            if kind == _DIRECT:
-                flush(lane_index)
-                device.direct(lanes[lane_index], arg)
-                continue
-            flush(lane_index)
-            lane = lanes[lane_index]
-            if kind == _COPY:
-                if len(arg) == 1 or not batch:
-                    for copy in arg:
-                        device.copy(lane, *copy)
-                else:
-                    device.copy_batch(lane, arg)
-            elif kind == _LOCAL_COPY:
-                for dst, src, nbytes in arg:
-                    device.local_copy(lane, dst, src, nbytes, self.sms.copy_sms)
-            elif kind == _REDUCE:
-                inputs, output, count, dtype, op, scale = arg
-                device.reduce(lane, output, inputs, count, dtype, op, sms=self.sms.max_sms,
-                              scale=scale)
-            elif kind == _CHUNKS:
-                self.fused_launches += 1
-                flags, value, inputs, output, count, last_count, chunks, stride, dtype, op, \
-                    scale = arg
-                device.reduce_chunks(lane, flags, base + value, output, inputs, count,
-                                     last_count, chunks, stride, dtype, op,
-                                     sms=self.sms.max_sms, scale=scale)
-            elif kind == _MARK:
-                event = streams.event()
-                device.record(lane, event)
-                marks[(item, arg)] = event
-            else:  # _AFTER
-                device.wait_event(lane, marks[(item, arg)])
+        total = lanes if isinstance(lanes, int) else len(lanes)
+        pending: List[list] = [[] for _ in range(total)]
+        marks: Dict[Any, Any] = {}
+        sms = self.sms
+        batch = callers is None
+        write, wait = MemOp.WRITE, MemOp.WAIT
+        if needs is not None:  # see ``reserve``
+            streams.ensure_lanes(needs[0])
+            streams.reserve_events(needs[1])
+        for caller in fence:
+            streams.fence_out(caller, value)
+        if isinstance(lanes, int):
+            if callers is not None:
+                streams.ensure_capture_lanes(total)
+                lanes = streams.capture_lanes
+            else:
+                streams.ensure_lanes(total)  # made by ``reserve`` already, unless skipped
+                lanes = streams.lanes
+        start = streams.reach(0 if callers is not None else after)
+        if start:
+            for waiting in pending:
+                waiting.extend(start)
+        try:
+            for item, (plan, program, base, entry) in enumerate(items):
+                first = firsts[plan.pair if plan is not None else None]
+                if entry is not None:
+                    for lane_index in range(first, first + plan.lanes):
+                        if pending[lane_index]:
+                            device.memops(lanes[lane_index], pending[lane_index])
+                            pending[lane_index] = []
+                        device.wait_event(lanes[lane_index], entry)
+                for kind, lane_index, arg in program:
+                    lane_index += first
+                    if kind == _SIGNAL:
+                        pending[lane_index].append((write, arg[0], base + arg[1]))
+                        continue
+                    if kind == _WAIT:
+                        pending[lane_index].append((wait, arg[0], base + arg[1]))
+                        continue
+                    if kind == _RESET:
+                        pending[lane_index].append((write, arg, 0))
+                        continue
+                    lane = lanes[lane_index]
+                    if pending[lane_index]:
+                        device.memops(lane, pending[lane_index])
+                        pending[lane_index] = []
+                    if kind == _COPY:
+                        if len(arg) == 1 or not batch:
+                            for copy in arg:
+                                device.copy(lane, *copy)
+                        else:
+                            device.copy_batch(lane, arg)
+                    elif kind == _LOCAL_COPY:
+                        for dst, src, nbytes in arg:
+                            device.local_copy(lane, dst, src, nbytes, sms.copy_sms)
+                    elif kind == _REDUCE:
+                        inputs, output, count, dtype, op, scale = arg
+                        device.reduce(lane, output, inputs, count, dtype, op, sms=sms.max_sms,
+                                      scale=scale)
+                    elif kind == _CHUNKS:
+                        self.fused_launches += 1
+                        flags, chunk_value, inputs, output, count, last_count, chunks, stride, \
+                            dtype, op, scale = arg
+                        device.reduce_chunks(lane, flags, base + chunk_value, output, inputs,
+                                             count, last_count, chunks, stride, dtype, op,
+                                             sms=sms.max_sms, scale=scale)
+                    elif kind == _MARK:
+                        event = marks[(item, arg)] = streams.event()
+                        device.record(lane, event)
+                    elif kind == _AFTER:
+                        device.wait_event(lane, marks[(item, arg)])
+                    else:  # _DIRECT
+                        device.direct(lane, arg)
+            # join: lane 0 continues only after every other lane's last step
+            for lane_index in range(1, total):
+                for index in (lane_index, 0):
+                    if pending[index]:
+                        device.memops(lanes[index], pending[index])
+                        pending[index] = []
+                event = marks[(-1, lane_index)] = streams.event()
+                device.record(lanes[lane_index], event)
+                device.wait_event(lanes[0], event)
+            if callers is None and value:
+                pending[0].extend(streams.completion_writes(value))
+            if pending[0]:
+                device.memops(lanes[0], pending[0])
+            if callers is not None:
+                end = marks[(-2, 0)] = streams.event()
+                device.record(lanes[0], end)
+                for caller in callers:
+                    device.wait_event(caller, end)
+        finally:
+            for event in marks.values():
+                streams.release(event)
+
+
+def _needs(plans: Iterable[Tuple[Plan, int]]) -> Tuple[int, int]:
+    """(lanes, events) that issuing ``plans`` (each ``(plan, marks)``) together takes: the
+    lanes as ``_families`` counts them; the events for marks, joins, entries, and a
+    captured call's exit."""
+    widths: Dict[tuple, int] = {}
+    marks = count = 0
+    for plan, plan_marks in plans:
+        widths[plan.pair] = max(widths.get(plan.pair, 0), plan.lanes)
+        marks += plan_marks
+        count += 1
+    total = max(sum(widths.values()), 1)
+    return total, marks + total + count

@@ -16,9 +16,9 @@ late       (host only) the same, with rank 1's kernel slow to look at its wait (
            signature; rank 1 learns why from rank 0's abort and raises DivergedError too
            (not a bare AbortedError)
 repeat     40 calls alternating between an all_reduce and an all_gather on the same
-           arrays, fresh values each time, every output exact: the repeats go on the
-           shortest path (``Engine.repeat``); then rank 0 repeats the all_reduce while rank
-           1 calls one of another count: both raise DivergedError
+           arrays, fresh values each time, every output exact: the repeats find their
+           prepared calls (``hoccl._engine.prepared``); then rank 0 repeats the all_reduce
+           while rank 1 calls one of another count: both raise DivergedError
 replay     (cuda only) both ranks capture two CUDA graphs, an all_reduce of 1000 elements
            and one of 1001; rank 0 replays the first, rank 1 the second: the replayed
            kernels see each other's signatures, and both ranks raise DivergedError naming
@@ -93,14 +93,7 @@ def main() -> None:
             got = arrays.to_numpy(out, "float32")
             wrong += int(not np.array_equal(got.view(np.uint32), expected.view(np.uint32)))
         silent = sent[0] - before
-        repeats = [0]
-        original_repeat = comm._engine.repeat
-
-        def counting_repeat(*repeat_args):
-            call = original_repeat(*repeat_args)
-            repeats[0] += call is not None
-            return call
-        comm._engine.repeat = counting_repeat
+        reused = comm._engine.preparer.reused  # calls that found their prepared call
         if args.scenario == "repeat":
             total = arrays.asarray(poison(1000, "float32"), comm.device)
             full = arrays.asarray(poison(640 * n, "float32"), comm.device)
@@ -122,11 +115,12 @@ def main() -> None:
                                                for peer in range(n)])
                     got = arrays.to_numpy(full, "float32")
                     wrong += int(not np.array_equal(got.view(np.uint32), expected.view(np.uint32)))
-            if wrong or repeats[0] < 36:
+            repeats = comm._engine.preparer.reused - reused
+            if wrong or repeats < 36:
                 print(f"rank {r}: FAILED 40 calls on the same arrays: {wrong} wrong, "
-                      f"{repeats[0]} repeats", flush=True)
+                      f"{repeats} repeats", flush=True)
                 raise SystemExit
-            print(f"rank {r}: 40 calls on the same arrays: 0 wrong, {repeats[0]} repeats",
+            print(f"rank {r}: 40 calls on the same arrays: 0 wrong, {repeats} repeats",
                   flush=True)
         if args.scenario == "silent":
             ok = wrong == 0 and silent == 0 and comm._engine.issued_fast >= 50
