@@ -22,7 +22,7 @@ from .arrays import Arrays, framework_array
 from .engine import InterHostEngine, Setup
 from .hoccl_engine import HocclEngine
 from .phases import Entry, PhaseRunner
-from .hosts import HostReport, agree, intra_host_engine, local_report, refusal
+from .hosts import SHARED_SETTINGS, HostReport, agree, intra_host_engine, local_report, refusal
 from .nccl import NcclEngine
 from .staged import GlooStagedEngine, MpiStagedEngine
 from .topology import SubBootstrap
@@ -113,7 +113,8 @@ class HierarchicalCommunicator(CommunicatorApi):
         rank = bootstrap.rank
         one_machine = len(set(hostnames)) == 1
         mine = local_report(hostnames[rank], intra_host_engine(config.intra_host, backend),
-                            backend)
+                            backend, tuple((name, getattr(config, name))
+                                           for name in SHARED_SETTINGS))
         reports: List[HostReport] = bootstrap.allgather(mine)
         hosts = agree(call, reports, topology)
         engine = inter_host if inter_host is not None else _default_engine(reports, one_machine)
