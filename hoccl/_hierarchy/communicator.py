@@ -166,8 +166,13 @@ class HierarchicalCommunicator(CommunicatorApi):
                 "inter_host": self._levels["rail"].label,
                 "host_engines": [report.describe(index, ranks) for index, (report, ranks)
                                  in enumerate(zip(self._hosts, self.topology.groups("host")))],
-                "ordering": ("each call's phases run one after another on the host"
-                             if self._blocking else "every phase enqueued on the caller's stream")}
+                "phases": self._config.phases,
+                "ordering": ("each call's phases run on the host" if self._blocking else
+                             "every phase enqueued on the caller's stream"
+                             if self._levels["rail"].enqueues else
+                             "hoccl's phases enqueued on the caller's stream; the engine "
+                             "between hosts waits for what it reads and orders the stream "
+                             "after what it writes")}
 
     @property
     def config(self) -> Config:
