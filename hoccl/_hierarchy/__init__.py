@@ -38,13 +38,13 @@ data with the library and fold it themselves.  NCCL between all-NVIDIA hosts kee
 own reductions (every rank gets the same bits, not those of the rule).
 
 Pipelined phases (the ``phases`` and ``phase_bytes`` settings): an all_reduce,
-broadcast or reduce is cut into chunks (``hoccl.sched.hierarchical``'s
-``pipeline_hierarchical``); each level runs on a worker thread of its own, taking its
-steps in the plan's order, each after its chunk's previous phase, so the host's
-reduce_scatter of chunk k+1 overlaps chunk k crossing hosts and chunk k-1's all_gather.
-Pipelined and sequential give the same bits.  Levels that enqueue on the caller's stream
-(NCCL) stay sequential; all_gather, reduce_scatter and the others run their phases one
-after another (their chunks would be strided in the caller's buffers: not built).
+broadcast or reduce is cut into chunks of elements, an all_gather or reduce_scatter into
+one chunk per host (``hoccl.sched.hierarchical``'s ``pipeline_hierarchical``); each
+level runs on a worker thread of its own (``phases.py``), taking its steps in the plan's
+order, each after its chunk's previous phase, so the host's reduce_scatter of chunk k+1
+overlaps chunk k crossing hosts and chunk k-1's all_gather.  Pipelined and sequential
+give the same bits.  Levels that enqueue on the caller's stream (NCCL) stay sequential;
+all_to_all, gather and scatter run their phases one after another.
 
 A call that a host's engine cannot run (what the torch engine's probe at init found its
 library lacks on the host's device) is refused on every rank before any data moves,

@@ -14,14 +14,14 @@ from .._api import CommunicatorApi
 from .._group_calls import held_calls
 from ..comm import Communicator
 from ..sched import Shape
-from ..sched.hierarchical import (PIPELINED, Call, Divide, HierarchicalPlan, PipelinedPlan,
-                                  Region, Step, Topology, build_hierarchical, divide_in_place,
-                                  pipeline_hierarchical, verify_hierarchical, verify_pipelined)
+from ..sched.hierarchical import (Call, Divide, HierarchicalPlan, PipelinedPlan, Region, Step,
+                                  Topology, divide_in_place, verify_hierarchical,
+                                  verify_pipelined)
 from ..config import ACROSS_HOSTS, Config
 from .arrays import Arrays, framework_array
 from .engine import InterHostEngine, Setup
 from .hoccl_engine import HocclEngine
-from .phases import Entry, PhaseRunner
+from .phases import Entry, PhaseRunner, plan_of
 from .hosts import SHARED_SETTINGS, HostReport, agree, intra_host_engine, local_report, refusal
 from .nccl import NcclEngine
 from .staged import GlooStagedEngine, MpiStagedEngine
@@ -328,21 +328,9 @@ class HierarchicalCommunicator(CommunicatorApi):
             raise AbortedError(f"{name}: the communicator was aborted: {self.abort_reason}")
 
     def _plan(self, shape: Shape) -> Union[HierarchicalPlan, PipelinedPlan]:
-        """The call's plan: pipelined (``phases``, ``phase_bytes``) for all_reduce,
-        broadcast and reduce of at least two chunks (or with ``phases="pipelined"``)
-        where no level's engine enqueues on the caller's stream (NCCL: its phases
-        are ordered there already), else the sequential one."""
         config = self._config
-        chunk = max(1, config.phase_bytes // shape.itemsize)
-        chunk = max(self.topology.local_size, chunk - chunk % self.topology.local_size)
-        pipelined = (shape.collective in PIPELINED and config.phases != "sequential"
-                     and (config.phases == "pipelined" or shape.count >= 2 * chunk)
-                     and not any(engine.enqueues for engine in self._levels.values()))
-        plan: Union[HierarchicalPlan, PipelinedPlan]
-        if pipelined:
-            plan = pipeline_hierarchical(shape, self.topology, chunk)
-        else:
-            plan = build_hierarchical(shape, self.topology)
+        plan = plan_of(shape, self.topology, config.phases, config.phase_bytes,
+                       any(engine.enqueues for engine in self._levels.values()))
         if config.verify_plans and self._verified.get(id(plan)) is not plan:
             if isinstance(plan, PipelinedPlan):
                 verify_pipelined(plan)
