@@ -23,6 +23,7 @@ from ._errors import (AbortedError, DivergedError, DriverError, HocclError, Hocc
 from ._validate import ReduceOp
 from .backends import cuda_device_count, pick_backend
 from ._hierarchy import INTER_HOST_ENGINES, HierarchicalCommunicator, host_topology
+from ._hierarchy.hosts import backend_for
 from .bootstrap import Bootstrap, MPIBootstrap
 from .comm import Communicator, group, group_end, group_start
 from ._windows import Window, empty
@@ -136,18 +137,21 @@ def init(*, backend: Optional[str] = None, mpi_comm: Any = None,
     ``MPI.COMM_WORLD``).  ``device=None`` picks the local rank modulo the visible GPUs.
 
     Ranks on several hosts (grouped by hostname, or ``local_size`` / ``HOCCL_LOCAL_SIZE``
-    consecutive ranks per simulated host) get a ``HierarchicalCommunicator``: hoccl
-    inside each host, ``inter_host`` ("nccl", "mpi" or "hoccl"; None picks) between
-    hosts, behind the same API.  On one host ``inter_host`` is not used.
+    consecutive ranks per simulated host) get a ``HierarchicalCommunicator``: an engine
+    inside each host (the ``intra_host`` setting, ``HOCCL_INTRA_HOST`` per host: hoccl's
+    "cuda" or "host" backend, or "torch"'s device library; None picks from what the host
+    has; it also picks this rank's backend), ``inter_host`` ("nccl", "mpi", "gloo" or
+    "hoccl"; None picks) between hosts, behind the same API.  On one host
+    ``inter_host`` and ``intra_host`` are not used.
 
     Settings: ``config`` (a ``hoccl.Config``), or any of its fields as keywords (they
     override ``config``'s); unset ones come from the environment (``HOCCL_<NAME>``) or the
     defaults.  Every rank should pass the same.
     """
     call = "init"
-    backend = pick_backend(call, backend)
     resolved = _config(call, config, dict(settings, timeout=timeout, verify_plans=verify_plans,
                                           max_sms=max_sms, copy_sms=copy_sms))
+    backend = pick_backend(call, backend_for(call, resolved.intra_host, backend))
     if inter_host not in (None,) + INTER_HOST_ENGINES:
         raise InvalidArgumentError(f"{call}: inter_host must be one of {INTER_HOST_ENGINES} or "
                                    f"None; got {inter_host!r}")
@@ -166,5 +170,5 @@ def init(*, backend: Optional[str] = None, mpi_comm: Any = None,
         return HierarchicalCommunicator.connect(
             call=call, backend=backend, bootstrap=bootstrap, topology=topology,
             hostnames=hostnames, grouping=grouping, device=device, inter_host=inter_host,
-            mpi_comm=mpi_comm, verify_plans=resolved.verify_plans, connect_host=connect_host)
+            mpi_comm=mpi_comm, config=resolved, connect_host=connect_host)
     return _build.connect_process(call, backend, bootstrap, device, resolved)

@@ -24,8 +24,8 @@ from typing import Any, Dict, FrozenSet, Mapping, Optional, Tuple
 from ._errors import InvalidArgumentError
 from .sched import Options
 
-__all__ = ["Config", "DEFAULT_TIMEOUT", "ENVIRONMENT", "SETTINGS", "environ",
-           "default_copy_sms"]
+__all__ = ["Config", "DEFAULT_TIMEOUT", "ENVIRONMENT", "SETTINGS", "ACROSS_HOSTS",
+           "INTRA_HOST_ENGINES", "PHASES", "environ", "default_copy_sms"]
 
 #: seconds a host wait may take before it raises
 DEFAULT_TIMEOUT = 300.0
@@ -41,6 +41,10 @@ def default_copy_sms(world_size: int) -> int:
 
 
 _PLANNED = Options()
+#: ``intra_host`` values: hoccl's cuda backend, hoccl's host backend, a torch.distributed group
+INTRA_HOST_ENGINES = ("cuda", "host", "torch")
+#: ``phases`` values
+PHASES = ("auto", "pipelined", "sequential")
 
 
 @dataclass(frozen=True)
@@ -79,6 +83,22 @@ class Config:
       all_reduce whose largest buffer is at most this many bytes runs as one direct
       kernel per rank (stores into the peers' staging rings, no copy engine); 0: off.
     - ``kernel_sms``: the most SMs a direct kernel takes.
+
+    Across hosts (a ``HierarchicalCommunicator``; a communicator of one host checks these
+    and has no use for them):
+
+    - ``intra_host``: the engine inside this rank's host: "cuda" (hoccl's cuda backend),
+      "host" (hoccl's host backend) or "torch" (the torch.distributed group of the host's
+      ranks: the device library, NCCL or RCCL); None: chosen from what the host has.
+      Every rank of a host must give the same; hosts may differ (``HOCCL_INTRA_HOST`` is
+      set per host).
+    - ``phases``: "pipelined" (the phases of all_reduce, broadcast and reduce overlap chunk
+      by chunk, those of all_gather and reduce_scatter host by host, each level on a
+      worker of its own), "sequential", or "auto" (pipelined when the call holds at
+      least two chunks of ``phase_bytes``).
+    - ``phase_bytes``: the chunk of pipelined phases.
+    - ``stage_bytes``: the chunk of the staged engine between hosts: the device-to-host
+      copy of chunk k+1 overlaps the transfer of chunk k.
     """
     timeout: float = DEFAULT_TIMEOUT
     verify_plans: bool = False
@@ -93,6 +113,10 @@ class Config:
     pull_bytes: int = _PLANNED.pull_bytes
     kernel_bytes: int = _PLANNED.kernel_bytes
     kernel_sms: int = _PLANNED.kernel_sms
+    intra_host: Optional[str] = None
+    phases: str = "auto"
+    phase_bytes: int = 64 << 20
+    stage_bytes: int = 4 << 20
     #: the settings the user gave (keywords, ``HOCCL_<NAME>``, or a ``Config`` made with
     #: them, where they differ from the defaults): they override a tuning table's choice;
     #: every other planning setting is the table's to choose (``hoccl.sched.select``)
@@ -161,6 +185,8 @@ class Config:
 SETTINGS: Tuple[str, ...] = tuple(field.name for field in fields(Config) if field.name != "given")
 _PLAN = tuple(field.name for field in fields(Options))
 assert set(_PLAN) <= set(SETTINGS), "every planning option is a setting"
+#: the settings only a communicator across hosts uses
+ACROSS_HOSTS: Tuple[str, ...] = ("intra_host", "phases", "phase_bytes", "stage_bytes")
 
 #: every environment variable hoccl reads: the settings' (``HOCCL_<NAME>``) and these
 ENVIRONMENT: Dict[str, str] = {
@@ -198,8 +224,10 @@ def _parse(call: str, variable: str, name: str, text: str) -> Any:
         if lowered in ("0", "false", "off", "no"):
             return False
         raise InvalidArgumentError(f"{call}: {variable} must be 1 or 0; got {text!r}")
-    if name == "self_route":
+    if name in ("self_route", "phases"):
         return lowered
+    if name == "intra_host":
+        return None if lowered == "auto" else lowered
     try:
         if name == "timeout":
             return float(lowered)
@@ -237,6 +265,15 @@ def _check(config: Config) -> None:
             raise InvalidArgumentError(f"fuse_sums must be True or False (or 1 or 0) or "
                                        f"None; got {fuse!r}")
         object.__setattr__(config, "fuse_sums", bool(fuse))
+    if config.intra_host is not None and config.intra_host not in INTRA_HOST_ENGINES:
+        raise InvalidArgumentError(f"intra_host must be one of {INTRA_HOST_ENGINES} or None; "
+                                   f"got {config.intra_host!r}")
+    if config.phases not in PHASES:
+        raise InvalidArgumentError(f"phases must be one of {PHASES}; got {config.phases!r}")
+    for name in ("phase_bytes", "stage_bytes"):
+        if not _positive_int(getattr(config, name)):
+            raise InvalidArgumentError(f"{name} must be a positive int; got "
+                                       f"{getattr(config, name)!r}")
     config.plan_options  # noqa: B018 - Options checks the planning fields itself
 
 

@@ -32,6 +32,9 @@ what the backends compute, in the same order and precision:
   is also one of its inputs past the first launch folds the inputs equal to the output
   first instead, a case ``reduced`` does not model: ``_kernels.reduce_launches``.)
 
+Across hosts every engine follows one rule (``hoccl._hierarchy.folding``), which
+``hierarchical_reduced`` computes: ``expected(..., local_size=L)`` checks exactly too.
+
 Poison (``poison``) is a value no input equals, nor any result but the few that
 ``POISON_BITS`` names (the checker then runs twice), so an element still equal to it
 was never written, and the checker says so.
@@ -48,7 +51,7 @@ import numpy as np
 from ._dtypes import from_numpy, numpy_dtype, reduce_arrays
 from .backends._kernels import MAX_INPUTS
 
-__all__ = ["expected", "reduced", "random_array", "poison", "is_poison", "assert_exact",
+__all__ = ["expected", "reduced", "hierarchical_reduced", "random_array", "poison", "is_poison", "assert_exact",
            "check_collective", "check_interleaved", "PlantedFault", "FAULTS", "ArrayModule", "RegisteredArrays",
            "array_module_for", "run_or_abort", "nvrtc_ptx",
            "IN_PLACE_FORMS", "POISON_BITS"]
@@ -176,19 +179,37 @@ def reduced(inputs: Sequence[np.ndarray], op: str, *,
     return (total / np.float32(len(inputs))).astype(dtype)
 
 
+def hierarchical_reduced(inputs: Sequence[np.ndarray], op: str, local_size: int
+                         ) -> np.ndarray:
+    """``op`` over ``inputs`` as across hosts of ``local_size`` ranks: each host's inputs
+    folded and rounded, then the hosts' results, then "avg" divided once."""
+    from .sched.hierarchical import divide_in_place
+    dtype = inputs[0].dtype
+    step = "sum" if op == "avg" else op
+    total = reduce_arrays([reduce_arrays(list(inputs[first:first + local_size]), step, dtype)
+                           for first in range(0, len(inputs), local_size)], step, dtype)
+    if op == "avg":
+        divide_in_place(total, len(inputs))
+    return total
+
+
 def expected(collective: str, inputs: Sequence[Any], *, op: str = "sum",
              root: int = 0, inputs_per_launch: Optional[int] = None,
-             scale: Optional[float] = None) -> List[Optional[np.ndarray]]:
+             scale: Optional[float] = None, local_size: Optional[int] = None
+             ) -> List[Optional[np.ndarray]]:
     """What each rank's receive buffer must hold; ``inputs[r]`` is rank r's send data
     (None where a rank sends nothing).  None where a rank receives nothing.
 
     ``send_recv`` is a ring: rank r sends to rank r+1 and receives from rank r-1.
     Reductions fold the ranks' data in rank order (see the module docstring);
-    ``inputs_per_launch`` models a backend whose reduce chains launches of that many.
+    ``inputs_per_launch`` models a backend whose reduce chains launches of that many;
+    ``local_size`` (fewer than the ranks) a world across hosts of that many ranks each.
     """
     n = len(inputs)
 
     def reduce(blocks):
+        if local_size is not None and local_size < n:
+            return hierarchical_reduced(blocks, op, local_size)
         return reduced(blocks, op, inputs_per_launch=inputs_per_launch, scale=scale)
     if collective == "all_gather":
         return [np.concatenate(inputs) for _ in range(n)]
@@ -389,14 +410,13 @@ def check_collective(comms: Sequence[Any], collective: str, *, count: int, dtype
                      op: str = "sum", root: int = 0, in_place: bool = False, seed: int = 0,
                      arrays: Optional[ArrayModule] = None, streams: Optional[Sequence[Any]] = None,
                      synchronize: bool = True, rounding: Optional[float] = None,
-                     scale: Optional[float] = None) -> None:
+                     scale: Optional[float] = None, local_size: Optional[int] = None) -> None:
     """Run ``collective`` on every communicator in ``comms`` and assert each output exactly.
 
     ``scale``: a sum's factor (reduce_scatter, all_reduce, reduce), in the reference too.
-
-    ``rounding``: for a backend whose float reductions add in another order than the
-    reference (the hierarchical path adds per host first), compare float outputs to a
-    relative and absolute error of ``rounding`` instead; unwritten elements still fail.
+    ``local_size``: the communicators span hosts of that many ranks (``expected``'s).
+    ``rounding``: for float reductions that add in another order than the reference,
+    compare to a relative and absolute error of ``rounding``; unwritten elements fail.
 
     ``collective`` is a collective's method name, or ``"send_recv"``: a ring where every
     rank sends to rank+1 and receives from rank-1 (even ranks send first, odd ranks
@@ -415,7 +435,7 @@ def check_collective(comms: Sequence[Any], collective: str, *, count: int, dtype
     inputs: List[Any] = [random_array(rng, send_count, dtype) for _ in range(n)]
     if collective in ("broadcast", "scatter"):
         inputs = [x if r == root else None for r, x in enumerate(inputs)]
-    want = expected(collective, inputs, op=op, root=root, scale=scale,
+    want = expected(collective, inputs, op=op, root=root, scale=scale, local_size=local_size,
                     inputs_per_launch=MAX_INPUTS if comms[0].backend == "cuda" else None)
     poisons = [POISON_BITS[dtype]]
     if any(w is not None and is_poison(w).any() for w in want):

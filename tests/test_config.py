@@ -10,15 +10,17 @@ import numpy as np
 import pytest
 
 import hoccl
-from hoccl.config import ENVIRONMENT, SETTINGS, Config
+from hoccl.config import ACROSS_HOSTS, ENVIRONMENT, SETTINGS, Config
 
 #: a valid value other than the default, per setting
 OTHER = {"timeout": 42.0, "verify_plans": True, "max_sms": 12, "copy_sms": 3, "fuse_sums": False,
          "copy_lanes": 2, "chunk_bytes": 1 << 20, "self_route": "peer", "one_shot_bytes": 4096,
-         "pull_bytes": 8192, "kernel_bytes": 2048, "kernel_sms": 4}
+         "pull_bytes": 8192, "kernel_bytes": 2048, "kernel_sms": 4, "intra_host": "torch",
+         "phases": "sequential", "phase_bytes": 1 << 16, "stage_bytes": 1 << 18}
 BAD = {"timeout": 0, "verify_plans": "yes", "max_sms": 0, "copy_sms": -1, "fuse_sums": 2,
        "copy_lanes": 0, "chunk_bytes": 0, "self_route": "sideways", "one_shot_bytes": -1,
-       "pull_bytes": 1.5, "kernel_bytes": True, "kernel_sms": 10 ** 6}
+       "pull_bytes": 1.5, "kernel_bytes": True, "kernel_sms": 10 ** 6, "intra_host": "rocm",
+       "phases": "overlapped", "phase_bytes": 0, "stage_bytes": -4}
 
 
 def test_every_setting_has_a_valid_and_a_bad_value_here():
@@ -72,7 +74,7 @@ def test_init_local_takes_a_config_and_keywords_override_it():
             comm.close()
 
 
-@pytest.mark.parametrize("name", SETTINGS)
+@pytest.mark.parametrize("name", [name for name in SETTINGS if name not in ACROSS_HOSTS])
 def test_set_options_takes_every_setting_and_a_bad_one_changes_nothing(name):
     comms = hoccl.init_local(2, backend="host")
     try:
@@ -98,6 +100,30 @@ def test_set_options_takes_every_setting_and_a_bad_one_changes_nothing(name):
     finally:
         for comm in comms:
             comm.close()
+
+
+@pytest.mark.parametrize("name", ACROSS_HOSTS)
+def test_a_communicator_of_one_host_checks_the_settings_across_hosts(name):
+    comms = hoccl.init_local(2, backend="host")
+    try:
+        before = comms[0].config
+        with pytest.raises(hoccl.InvalidArgumentError, match=f"^set_options: {name} "):
+            comms[0].set_options(**{name: BAD[name]})
+        assert comms[0].config == before
+    finally:
+        for comm in comms:
+            comm.close()
+
+
+def test_the_settings_across_hosts_come_from_the_environment(monkeypatch):
+    monkeypatch.setenv("HOCCL_INTRA_HOST", "torch")
+    monkeypatch.setenv("HOCCL_PHASES", "Sequential")
+    monkeypatch.setenv("HOCCL_PHASE_BYTES", "64K")
+    config = Config.from_environment("init")
+    assert (config.intra_host, config.phases, config.phase_bytes) == ("torch", "sequential",
+                                                                      1 << 16)
+    monkeypatch.setenv("HOCCL_INTRA_HOST", "auto")
+    assert Config.from_environment("init").intra_host is None
 
 
 def test_split_local_inherits_the_parents_config_with_its_overrides():

@@ -16,7 +16,7 @@ TRANSFERS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadc
 
 
 def test_every_engine_is_an_inter_host_engine_under_its_own_name():
-    assert INTER_HOST_ENGINES == ("nccl", "mpi", "hoccl") == tuple(ENGINES)
+    assert INTER_HOST_ENGINES == ("nccl", "mpi", "gloo", "hoccl") == tuple(ENGINES)
     for name, engine in ENGINES.items():
         assert issubclass(engine, InterHostEngine) and engine.name == name
     assert sorted(InterHostEngine.__abstractmethods__) == sorted(
@@ -25,15 +25,20 @@ def test_every_engine_is_an_inter_host_engine_under_its_own_name():
 
 def test_engines_refuse_the_worlds_they_cannot_serve():
     with pytest.raises(hoccl.InvalidArgumentError, match=r"^init: inter_host='nccl' needs the "
-                                                         r"cuda backend; this world uses 'host'"):
-        ENGINES["nccl"].check_world("init", "host", ["a", "b"])
+                                                         r"cuda backend on every rank; this "
+                                                         r"world also uses \['host'\]"):
+        ENGINES["nccl"].check_world("init", ["cuda", "host"], ["a", "b"])
+    with pytest.raises(hoccl.InvalidArgumentError, match=r"^init: inter_host='hoccl' needs one "
+                                                         r"hoccl backend on every rank"):
+        ENGINES["hoccl"].check_world("init", ["cuda", "host"], ["a", "a"])
     with pytest.raises(hoccl.InvalidArgumentError,
                        match=r"^init: inter_host='hoccl' connects simulated hosts on one "
                              r"machine; these ranks run on \['a', 'b'\]"):
-        ENGINES["hoccl"].check_world("init", "host", ["a", "a", "b", "b"])
-    ENGINES["hoccl"].check_world("init", "host", ["a", "a"])
-    ENGINES["mpi"].check_world("init", "host", ["a", "b"])
-    ENGINES["nccl"].check_world("init", "cuda", ["a", "b"])
+        ENGINES["hoccl"].check_world("init", ["host"] * 4, ["a", "a", "b", "b"])
+    ENGINES["hoccl"].check_world("init", ["host"] * 2, ["a", "a"])
+    ENGINES["mpi"].check_world("init", ["cuda", "host"], ["a", "b"])
+    ENGINES["gloo"].check_world("init", ["cuda", "host"], ["a", "b"])
+    ENGINES["nccl"].check_world("init", ["cuda"] * 2, ["a", "b"])
 
 
 class Recorder:
@@ -81,3 +86,48 @@ def test_the_transfers_take_the_arguments_of_hoccls_api():
         api = list(inspect.signature(getattr(hoccl.Communicator, name)).parameters)[1:]
         api = [{"sendbuf": "send", "recvbuf": "recv", "scale": None}.get(p, p) for p in api]
         assert ours == [p for p in api if p is not None], name
+
+
+def test_a_call_a_hosts_library_cannot_run_is_refused_naming_the_host_and_engine():
+    """Every rank holds every host's report and the plan: the verdict is the same on all
+    of them, reached before any data moves."""
+    from hoccl._hierarchy.communicator import _PRIMITIVES
+    from hoccl._hierarchy.hosts import HostReport, refusal
+    from hoccl.sched.hierarchical import Topology, build_hierarchical
+    topology = Topology(2, 2)
+    hosts = [HostReport("a", "cpu", "host", "host", "hoccl (host)"),
+             HostReport("b", "cuda", "torch", "cuda", "torch (gloo)",
+                        lacks=(("all_to_all", "unsupported device type cuda"),))]
+
+    def verdict(shape):
+        plan = build_hierarchical(shape, topology)
+        steps = [(topology.host_of(rank), step.shape.collective) for phase in plan.phases
+                 if phase.level == "host" for rank, made in enumerate(phase.steps)
+                 for step in made]
+        return refusal(shape.collective, hosts, steps, _PRIMITIVES)
+    assert verdict(Shape("all_reduce", 4, 9, "bfloat16", 2)) == (
+        "all_reduce: host 1 (b) runs torch (gloo) inside, on cuda, which cannot run all_to_all "
+        "(its reduce_scatter step): unsupported device type cuda; refused on every rank before "
+        "any data moved")
+    assert verdict(Shape("all_gather", 4, 9, "bfloat16", 2)) is None
+    assert verdict(Shape("broadcast", 4, 9, "int8", 1, root=3)) is None
+    assert "cannot run all_to_all (its all_to_all step)" in verdict(Shape("all_to_all", 4, 3))
+
+
+def test_init_refuses_hosts_whose_ranks_differ_and_ranks_that_would_cut_calls_apart():
+    from hoccl._hierarchy.hosts import HostReport, agree
+    from hoccl.sched.hierarchical import Topology
+    shared = (("phases", "auto"), ("phase_bytes", 1 << 26), ("stage_bytes", 1 << 22))
+    cpu = HostReport("a", "cpu", "host", "host", "hoccl (host)", shared)
+    gloo = HostReport("b", "cpu", "torch", "host", "torch (gloo)", shared)
+    assert agree("init", [cpu, cpu, gloo, gloo], Topology(2, 2)) == [cpu, gloo]
+    with pytest.raises(hoccl.InvalidArgumentError,
+                       match=r"^init: the ranks of host 1 \(b\) must use one engine inside it; "
+                             r"rank 2 has torch \(gloo\) on cpu, rank 3 hoccl \(host\) on cpu"):
+        agree("init", [cpu, cpu, gloo, cpu], Topology(2, 2))
+    other = HostReport("b", "cpu", "torch", "host", "torch (gloo)",
+                       (("phases", "auto"), ("phase_bytes", 1 << 20), ("stage_bytes", 1 << 22)))
+    with pytest.raises(hoccl.InvalidArgumentError,
+                       match=r"^init: every rank must have the same \['phases', 'phase_bytes', "
+                             r"'stage_bytes'\]; .* rank 3 .*\(differ: \['phase_bytes'\]\)"):
+        agree("init", [cpu, cpu, gloo, other], Topology(2, 2))

@@ -1,10 +1,15 @@
 """Collectives across simulated hosts under mpiexec on the host backend: every
-collective, both forms, odd counts, several dtypes, ops and roots, against numpy
-(``tests/mpi/run_hierarchical.py``), on 2 hosts x 2, 3 x 1 and 2 x 3 ranks with hoccl
-itself between the hosts, on 2 x 2 with MPI between them, and one simulated host (the
-plain Communicator); a step across hosts whose peer never comes ends in a timeout.  Plus the grouping of ranks into hosts, in one process."""
+collective, both forms, odd counts, several dtypes, ops and roots, bit for bit against
+numpy reducing as the hosts do (``tests/mpi/run_hierarchical.py``), on 2 hosts x 2,
+3 x 1 and 2 x 3 ranks with hoccl itself between the hosts, on 2 x 2 with MPI between
+them, and one simulated host (the plain Communicator); hosts whose inside engines
+differ (hoccl's host backend on some, a torch gloo group standing for a vendor library
+on others) with MPI, gloo or hoccl between them, every dtype and op; a step across
+hosts whose peer never comes ends in a timeout.  Plus the grouping of ranks into hosts,
+in one process."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -19,28 +24,49 @@ from test_mpi import MPI_ENV, _mpiexec
 
 SCRIPT = Path(__file__).parent / "mpi" / "run_hierarchical.py"
 
-RUNS = {  # (ranks, local size, inter-host engine): (dtypes, counts, ops)
-    (4, 2, "hoccl"): ("float32,bfloat16,int32,uint8", "0,5,17", "sum,max,avg"),
-    (4, 2, "mpi"): ("float32,bfloat16", "17", "sum,avg"),
-    (3, 1, "hoccl"): ("float32,uint8", "1,17", "sum,avg"),
-    (6, 3, "hoccl"): ("int32,bfloat16", "0,17", "sum,avg"),
-    (2, 2, "hoccl"): ("int32", "5", "sum"),
+ALL_DTYPES = "float16,bfloat16,float32,float64,int8,uint8,int32,int64"
+ALL_OPS = "sum,prod,max,min,avg"
+RUNS = {  # (ranks, local size, inter-host engine, torch hosts): (dtypes, counts, ops)
+    (4, 2, "hoccl", ""): ("float32,bfloat16,int32,uint8", "0,5,17", "sum,max,avg"),
+    (4, 2, "mpi", ""): ("float32,bfloat16", "17", "sum,avg"),
+    (3, 1, "hoccl", ""): ("float32,uint8", "1,17", "sum,avg"),
+    (6, 3, "hoccl", ""): ("int32,bfloat16", "0,17", "sum,avg"),
+    (2, 2, "hoccl", ""): ("int32", "5", "sum"),
+    # hosts of different kinds: a torch gloo group inside some, hoccl's backend in others
+    (4, 2, "mpi", "1"): (ALL_DTYPES, "0,5,17", ALL_OPS),
+    (4, 2, "gloo", "0"): ("float16,bfloat16,int8", "0,17", "sum,prod,avg"),
+    (6, 2, "hoccl", "1"): ("float16,bfloat16,float32", "17", "sum,min,avg"),
+    (3, 1, "mpi", "1"): ("bfloat16,int64", "5", "sum,max,avg"),
 }
+#: runs whose phases are pipelined in chunks of this many bytes
+PIPELINED_RUNS = {(4, 2, "mpi", "1"): 16, (6, 2, "hoccl", "1"): 8}
+#: runs whose staged engine cuts each step into chunks of this many bytes
+STAGED_RUNS = {(4, 2, "gloo", "0"): 16, (3, 1, "mpi", "1"): 6}
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("ranks,local_size,inter_host", list(RUNS))
-def test_collectives_across_simulated_hosts_match_numpy(ranks, local_size, inter_host):
-    dtypes, counts, ops = RUNS[ranks, local_size, inter_host]
+@pytest.mark.parametrize("ranks,local_size,inter_host,torch_hosts", list(RUNS))
+def test_collectives_across_simulated_hosts_match_numpy(ranks, local_size, inter_host,
+                                                        torch_hosts):
+    dtypes, counts, ops = RUNS[ranks, local_size, inter_host, torch_hosts]
     command = [_mpiexec(), "-n", str(ranks), sys.executable, str(SCRIPT), "--backend", "host",
-               "--inter-host", inter_host, "--dtypes", dtypes, "--counts", counts, "--ops", ops]
+               "--inter-host", inter_host, "--dtypes", dtypes, "--counts", counts, "--ops", ops,
+               "--torch-hosts", torch_hosts]
+    if (ranks, local_size, inter_host, torch_hosts) in PIPELINED_RUNS:
+        command += ["--phases", "pipelined", "--phase-bytes",
+                    str(PIPELINED_RUNS[ranks, local_size, inter_host, torch_hosts])]
     env = {**os.environ, **MPI_ENV, "HOCCL_VERIFY": "1", "HOCCL_LOCAL_SIZE": str(local_size)}
+    if (ranks, local_size, inter_host, torch_hosts) in STAGED_RUNS:
+        env["HOCCL_STAGE_BYTES"] = str(STAGED_RUNS[ranks, local_size, inter_host, torch_hosts])
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-4000:]
     hosts = ranks // local_size
     assert f"ranks={ranks} hosts={hosts}x{local_size} backend=host" in output, output[-4000:]
     assert " 0 failed" in output and " 0 passed" not in output, output[-4000:]
+    for host in (int(h) for h in torch_hosts.split(",") if h):
+        assert f"'host': {host}, 'hostname'" in output, output[-4000:]
+        assert "'engine': 'torch (gloo)'" in output, output[-4000:]
 
 
 @pytest.mark.mpi
@@ -112,4 +138,18 @@ def test_a_sub_bootstrap_keeps_its_members_values():
 
 def test_an_unknown_inter_host_engine_is_refused():
     with pytest.raises(hoccl.InvalidArgumentError, match="inter_host must be one of"):
-        hoccl.init(backend="host", bootstrap=NamedRanks(["a"]), inter_host="gloo")
+        hoccl.init(backend="host", bootstrap=NamedRanks(["a"]), inter_host="ucx")
+
+
+@pytest.mark.mpi
+def test_the_mixed_job_program_runs_on_cpus_alone():
+    """run_mixed_job.py (the one-GPU mixed job) with every rank on the host backend: each
+    rank checks every collective, sequential and pipelined, and reports OK."""
+    command = [_mpiexec(), "-n", "4", sys.executable, str(SCRIPT.parent / "run_mixed_job.py"),
+               "--cpu-only", "--counts", "0,17", "--dtypes", "bfloat16,int32", "--ops", "sum,avg"]
+    env = {**os.environ, **MPI_ENV, "HOCCL_VERIFY": "1"}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:]
+    for rank in range(4):
+        assert re.search(rf"rank {rank}: OK (\d+)/\1\b", output), output[-4000:]

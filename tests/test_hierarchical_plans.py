@@ -1,10 +1,12 @@
 """Hierarchical plans (hosts x local ranks) are verified and simulated for every collective,
 both forms, odd counts, several roots, dtypes and ops, on 2x2, 2x8, 4x8 and 16x8 ranks
 (and the one-host and one-rank-per-host edges), and the results match hoccl.testing's
-numpy reference: copies and integer or max/min reductions bit for bit, float sums within
-the reference's tolerance (the hosts' partial sums are added in another order).  Inputs
-are fresh random data, outputs poisoned; the caller's input-only elements must come
-back untouched.  Set ``HOCCL_TEST_SEED`` to replay a run."""
+numpy reference bit for bit: copies, and reductions too (the reference reduces as every
+engine across hosts does: each host's inputs, then the hosts' sums, each step rounded
+once: ``hoccl.testing.hierarchical_reduced``).  Pipelined plans (all_reduce, broadcast,
+reduce cut into chunks) are proved and give the same bits.  Inputs are fresh random
+data, outputs poisoned; the caller's input-only elements must come back untouched.
+Set ``HOCCL_TEST_SEED`` to replay a run."""
 
 from __future__ import annotations
 
@@ -19,9 +21,10 @@ import pytest
 from hoccl import PlanError
 from hoccl._dtypes import ITEMSIZE, numpy_dtype
 from hoccl.sched import SCRATCH_FILL, Shape
-from hoccl.sched.hierarchical import (Call, HierarchicalPlan, Phase, Region, Topology,
-                                      build_hierarchical, simulate_hierarchical,
-                                      verify_hierarchical)
+from hoccl.sched.hierarchical import (BY_HOST, PIPELINED, Call, HierarchicalPlan, Phase, PipelinedPlan,
+                                      Region, Topology, build_hierarchical,
+                                      pipeline_hierarchical, simulate_hierarchical,
+                                      verify_hierarchical, verify_pipelined)
 from hoccl.testing import IN_PLACE_FORMS, expected, random_array
 
 SESSION_SEED = int(os.environ.get("HOCCL_TEST_SEED", random.randrange(2 ** 32)))
@@ -74,8 +77,7 @@ def run(topology: Topology, collective: str, count: int, dtype: str = "int32", o
     if collective == "sendrecv":
         want = [data[root] if r == peer else None for r in range(n)]
     else:
-        want = expected(collective, data, op=op, root=root)
-    exact = (collective not in REDUCING or np_dtype.kind in "iu" or op in ("max", "min"))
+        want = expected(collective, data, op=op, root=root, local_size=topology.local_size)
     for rank in range(n):
         for layout in plan.buffers[rank]:  # the caller's input-only elements stay as they were
             if layout.name == "scratch":
@@ -91,7 +93,7 @@ def run(topology: Topology, collective: str, count: int, dtype: str = "int32", o
         if want[rank] is None:
             continue
         result = _result(plan, rank, arrays[rank])
-        _assert_result(collective, rank, want[rank], result, exact, n)
+        _assert_result(collective, rank, want[rank], result)
     return arrays
 
 
@@ -103,16 +105,11 @@ def _result(plan: HierarchicalPlan, rank: int, buffers: Dict[str, np.ndarray]) -
     return buffers[region.buffer][region.start:region.stop]
 
 
-def _assert_result(collective, rank, want, got, exact, n):
+def _assert_result(collective, rank, want, got):
     assert got.shape == want.shape, f"{collective}: rank {rank} {got.shape} vs {want.shape}"
-    if exact:
-        bad = np.flatnonzero(want.view(np.uint8) != got.view(np.uint8))
-        assert bad.size == 0, (f"{collective}: rank {rank} differs at byte {bad[0]}: "
-                               f"got {got[:8]}, want {want[:8]}")
-    else:
-        eps = {2: 1e-2, 4: 1e-5, 8: 1e-12}[want.dtype.itemsize] * n
-        assert np.allclose(got.astype(np.float64), want.astype(np.float64), rtol=eps, atol=eps), \
-            f"{collective}: rank {rank} got {got[:8]}, want {want[:8]}"
+    bad = np.flatnonzero(want.view(np.uint8) != got.view(np.uint8))
+    assert bad.size == 0, (f"{collective}: rank {rank} differs at byte {bad[0]}: "
+                           f"got {got[:8]}, want {want[:8]}")
 
 
 def _roots(n: int, L: int) -> List[int]:
@@ -298,3 +295,64 @@ def test_the_result_check_fails_on_a_plan_with_a_wrong_source():
     verify_hierarchical(mutated)
     with pytest.raises(AssertionError, match="differs"):
         run(topology, "all_gather", 3, plan=mutated)
+
+
+# -- pipelined plans ------------------------------------------------------------------
+@pytest.mark.parametrize("hosts,local_size", [(2, 2), (3, 2), (2, 3), (4, 1)])
+@pytest.mark.parametrize("collective", PIPELINED + BY_HOST)
+def test_pipelined_plans_are_proved_and_give_the_bits_of_the_whole_call(collective, hosts,
+                                                                         local_size):
+    """Chunked into 1, 2 and many chunks (the last short) or, for all_gather and
+    reduce_scatter, one chunk per host; both forms, every root: the flattened steps
+    verify and simulate to the reference's bits (which the unchunked plan gives too:
+    the same folds per element)."""
+    topology = Topology(hosts, local_size)
+    n = topology.world_size
+    seed = 0
+    for count, chunk in ((7, 7), (17, 6), (23, 2)):
+        for in_place in (False, True):
+            for root in (_roots(n, local_size) if collective in ROOTED else [0]):
+                for dtype, op in (("bfloat16", "avg"), ("float16", "sum"), ("int8", "prod")):
+                    if collective in ("broadcast", "all_gather") and op != "sum":
+                        continue
+                    seed += 1
+                    shape = Shape(collective, n, count, dtype, ITEMSIZE[dtype], op, root,
+                                  -1, in_place)
+                    pipelined = pipeline_hierarchical(shape, topology, chunk)
+                    verify_pipelined(pipelined)
+                    chunks = (-(-count // chunk) if collective in PIPELINED else
+                              hosts if hosts > 1 and local_size > 1 else 1)
+                    assert len(pipelined.plans) == chunks
+                    run(topology, collective, count, dtype, op, root, in_place=in_place,
+                        seed=seed, plan=pipelined.flatten())
+
+
+def test_a_pipelined_program_runs_along_the_diagonals_with_each_phase_after_its_chunks_last():
+    shape = Shape("all_reduce", 4, 32, "float32", 4, "avg")
+    pipelined = pipeline_hierarchical(shape, Topology(2, 2), 8)
+    program = [(entry.chunk, entry.phase, entry.level) for entry in pipelined.program(0)]
+    assert program[:6] == [(0, 0, "host"), (1, 0, "host"), (0, 1, "rail"), (2, 0, "host"),
+                           (1, 1, "rail"), (0, 2, "local")]
+    host = [(chunk, phase) for chunk, phase, level in program if level == "host"]
+    # the host's reduce_scatter of later chunks comes before the all_gather of chunk 0
+    assert host.index((2, 0)) < host.index((0, 3))
+
+
+def test_verify_pipelined_refuses_overlapping_chunks_and_orders_that_differ_between_members():
+    shape = Shape("broadcast", 4, 8, "int32", 4, root=1)
+    topology = Topology(2, 2)
+    good = pipeline_hierarchical(shape, topology, 4)
+    overlapping = PipelinedPlan(shape, topology, ((0, 4), (0, 4)), good.plans[:1] * 2)
+    with pytest.raises(PlanError, match="no step writes|written 2 times"):
+        verify_pipelined(overlapping)
+
+    class Swapped(PipelinedPlan):
+        def program(self, rank):
+            steps = super().program(rank)
+            if rank == 3:
+                first, second = [i for i, entry in enumerate(steps) if entry.level == "rail"][:2]
+                steps[first], steps[second] = steps[second], steps[first]
+            return steps
+    with pytest.raises(PlanError, match="verify_pipelined: rank 3 takes phase|at the rail level"):
+        verify_pipelined(Swapped(shape, topology, good.chunks, good.plans))
+    verify_pipelined(good)

@@ -1,55 +1,101 @@
-"""A communicator across hosts: hoccl inside each host, an existing engine between hosts.
+"""A communicator across hosts: an engine inside each host, chosen per host, and one
+between hosts.
 
 ``hoccl.init()`` on a world that spans several hosts (or, with ``local_size=k`` /
 ``HOCCL_LOCAL_SIZE=k``, on simulated hosts of k consecutive ranks) returns a
 ``HierarchicalCommunicator``: the same API and argument checks as ``Communicator``,
 whose calls run the phases of ``hoccl.sched.hierarchical`` plans:
 
-* ``"host"`` calls on a hoccl communicator of the rank's host (built by ``init``'s
-  single-host path over a ``SubBootstrap`` of the host's ranks): zero SMs for data;
+* ``"host"`` calls on the engine inside the rank's host;
 * ``"rail"`` calls on the inter-host engine among the ranks with this local rank;
 * ``"world"`` send/recv on the engine over all ranks;
 * ``"local"`` steps (avg's division) on the rank's arrays.
 
-Engines (``inter_host=``): ``"nccl"`` (nccl4py, or torch.distributed when it is
-initialised with NCCL; CUDA buffers, enqueued on the caller's stream), ``"mpi"``
-(mpi4py; device buffers are staged through host memory, so each MPI step waits on the
-host for the work before it), and ``"hoccl"`` (hoccl communicators over the rails:
-simulated hosts on one machine only).
+Inside each host (``hosts.py``): the ``intra_host`` setting (``HOCCL_INTRA_HOST``, set
+per host; every rank of a host gives the same) or else what the host has picks
+"cuda" (hoccl's cuda backend: zero SMs), "torch" (``TorchGroupEngine``: the
+torch.distributed group of the host's ranks, ProcessGroupNCCL, which is RCCL in ROCm
+builds; gloo in CI) or "host" (hoccl's host backend).  The choice also sets the rank's
+hoccl backend, so ranks of one job may differ (CUDA on some hosts, CPU on others).  At
+init every rank reports (hostname, device kind, engine) in one allgather over the
+bootstrap; ``describe()["host_engines"]`` lists each host's ranks, device kind and
+engine.  A hoccl communicator of the host is built on every host (it gives the device,
+streams and avg's division), whichever engine runs the host's steps.
+
+Engines between hosts (``inter_host=``): ``"nccl"`` (nccl4py, or torch.distributed when
+it is initialised with NCCL; every rank on the cuda backend; CUDA buffers, enqueued on
+the caller's stream), ``"mpi"`` and ``"gloo"`` (``StagedEngine``: hosts of any kinds;
+device data staged through pinned host memory on copy engines, chunk by chunk, the
+transfer by mpi4py or torch's gloo), and ``"hoccl"`` (hoccl communicators over the
+rails: simulated hosts on one machine, one backend).  None picks: NCCL when every host
+is on hoccl's cuda backend and NCCL is there, hoccl for simulated CPU hosts, else MPI
+(else gloo).
+
+Reductions agree across device kinds (``folding.py``): every reduction step folds its
+inputs in member order, 16-bit floats in a float32 accumulator, one rounding per step;
+engines whose library reduces in an order of its own (torch groups, MPI, gloo) move the
+data with the library and fold it themselves.  NCCL between all-NVIDIA hosts keeps its
+own reductions (every rank gets the same bits, not those of the rule).
+
+Pipelined phases (the ``phases`` and ``phase_bytes`` settings): an all_reduce,
+broadcast or reduce is cut into chunks of elements, an all_gather or reduce_scatter into
+one chunk per host (``hoccl.sched.hierarchical``'s ``pipeline_hierarchical``); each
+level runs on a worker thread of its own (``phases.py``), taking its steps in the plan's
+order, each after its chunk's previous phase, so the host's reduce_scatter of chunk k+1
+overlaps chunk k crossing hosts and chunk k-1's all_gather.  Pipelined and sequential
+give the same bits.  Levels that enqueue on the caller's stream (NCCL) stay sequential;
+all_to_all, gather and scatter run their phases one after another.
+
+A call that a host's engine cannot run (what the torch engine's probe at init found its
+library lacks on the host's device) is refused on every rank before any data moves,
+naming the host and engine (``hosts.refusal``); init refuses ranks of one host on
+different engines and ranks whose ``phases``, ``phase_bytes`` or ``stage_bytes`` differ.
 
 Ordering.  On the cuda backend with NCCL every phase is enqueued on the caller's stream,
-in order: a call returns without waiting for the GPU, like a single-host call.  On the
-host backend (and for MPI steps) a call runs its phases one after the other and returns
-when they are done (each phase's communicator is synchronised before the next phase
-reads what it wrote), so ``stream`` must be None there.
+in order: a call returns without waiting for the GPU, like a single-host call.  The
+staged engine waits on the host for what its step reads (events on its copy lanes) and
+makes the caller's stream wait for what it writes.  On the host backend a call runs its
+phases one after the other and returns when they are done, so ``stream`` must be None
+there.
 
 Modules::
 
     topology.py      host_topology (which ranks share a host), SubBootstrap
+    hosts.py         HostReport: each host's device kind and engine inside; the choice
     engine.py        InterHostEngine: the interface every level's engine implements
-    nccl.py          NcclEngine: nccl4py or torch.distributed's NCCL groups
-    mpi.py           MpiEngine: mpi4py, device arrays staged through host memory
+    folding.py       the reduction rule; FoldingEngine: reductions by moving and folding
     hoccl_engine.py  HocclEngine: a hoccl Communicator (the host's; simulated hosts' rails)
+    torch_group.py   TorchGroupEngine: a torch.distributed group (inside a host)
+    phases.py        PhaseRunner: a call's phases in sequence, or pipelined (a worker per level)
+    staged.py        StagedEngine (MPI, gloo): pinned staging on copy engines, chunked
+    nccl.py          NcclEngine: nccl4py or torch.distributed's NCCL groups
     arrays.py        flat views, scratch and host staging for numpy, torch and cupy
     communicator.py  HierarchicalCommunicator, and ENGINES: the engines by name
 
-Adding an engine between hosts (gloo, UCX, MPI over pinned host memory on copy
-engines) is one more module with one ``InterHostEngine`` subclass, listed in
-``communicator.ENGINES``.  The subclass gives:
+Adding an engine between hosts (an RDMA transport: UCX through ucx-py, which registers
+CUDA and ROCm memory and so needs no staging) is one more module with one
+``InterHostEngine`` subclass, listed in ``communicator.ENGINES``.  The subclass gives:
 
 * ``name``: the ``inter_host=`` value that picks it;
-* ``check_world(call, backend, hostnames)``: raise ``InvalidArgumentError`` for a world
-  it cannot serve (NCCL: the cuda backend only; hoccl: one machine only);
-* ``connect(setup)`` (a ``Setup``: the bootstrap, topology, device, host communicator):
-  this rank's rail engine and world engine, each with a ``label`` for ``describe()``;
-  every rank connects at the same time;
+* ``check_world(call, backends, hostnames)``: raise ``InvalidArgumentError`` for a world
+  it cannot serve (NCCL: the cuda backend on every rank; hoccl: one machine only);
+* ``connect(setup)`` (a ``Setup``: the bootstrap, topology, device, host communicator,
+  settings): this rank's rail engine and world engine, each with a ``label`` for
+  ``describe()``; every rank connects at the same time;
 * the transfers, hoccl's API over the level's group (members numbered from 0):
   ``all_gather``, ``reduce_scatter``, ``all_reduce``, ``all_to_all``, ``broadcast``,
   ``reduce``, ``gather``, ``scatter``, ``send``, ``recv``, ``barrier``, each on flat
   arrays of the caller's framework with ``stream`` the caller's raw stream handle (None
-  on the host backend): enqueued on it, or done when the method returns;
+  on the host backend): enqueued on it, or done when the method returns.  Deriving
+  from ``FoldingEngine`` gives the three reductions by hoccl's rule from the copies;
 * ``abort(reason)``, ``close()``, and, where it keeps work of its own in flight,
   ``synchronize()``.
+
+A UCX engine would take ``StagedEngine``'s shape without the stage: ucx-py's tag
+send/receive on the device arrays themselves (``ucp.create_endpoint`` to each peer of
+the level, the addresses swapped through ``setup.bootstrap``), collectives built from
+them (a ring for all_gather and reduce_scatter, as ``FoldingEngine`` folds), waits with
+the engine's timeout, and ``ENGINES["ucx"]``.
 """
 
 from .communicator import ENGINES, INTER_HOST_ENGINES, HierarchicalCommunicator

@@ -1,21 +1,21 @@
 """Arrays of any framework (numpy, torch, cupy) as the phases of a hierarchical call
-use them: flat views, scratch, staging through host memory, raw addresses."""
+use them: flat views, scratch, the caller's stream, raw addresses."""
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Optional, Tuple
 
 import numpy as np
 
-from .._dtypes import numpy_dtype
 from ..backends._caller_stream import array_framework
 
 __all__ = ["Arrays", "framework_array", "address"]
 
 
 class Arrays:
-    """Flat views, scratch, staging and division for one array framework (numpy, torch,
-    cupy), each ordered on the stream given as a raw handle (None: the host backend)."""
+    """Flat views and scratch for one array framework (numpy, torch, cupy), each ordered
+    on the stream given as a raw handle (None: the host backend)."""
 
     def __init__(self, kind: str):
         self.kind = kind
@@ -27,8 +27,11 @@ class Arrays:
     def flat(self, array: Any) -> Any:
         return array.reshape(-1)
 
-    def _stream(self, handle: Optional[int], like: Any) -> Any:
-        """A context that makes ``handle`` (a stream of ``like``'s GPU) current."""
+    def on_stream(self, handle: Optional[int], like: Any) -> Any:
+        """A context that makes ``handle`` (a stream of ``like``'s GPU) current (None: no
+        stream, a host array)."""
+        if handle is None:
+            return contextlib.nullcontext()
         if self.kind == "torch":
             import torch
             return torch.cuda.stream(torch.cuda.ExternalStream(handle, device=like.device))
@@ -42,42 +45,11 @@ class Arrays:
             return np.empty(count, like.dtype)
         if self.kind == "torch":
             import torch
-            with self._stream(stream, like):
+            with self.on_stream(stream, like):
                 return torch.empty(count, dtype=like.dtype, device=like.device)
         import cupy
-        with cupy.cuda.Device(like.device.id), self._stream(stream, like):
+        with cupy.cuda.Device(like.device.id), self.on_stream(stream, like):
             return cupy.empty(count, like.dtype)
-
-    def to_host(self, view: Any) -> np.ndarray:
-        """A numpy copy of ``view`` (whose stream work the caller has waited for)."""
-        if self.kind == "numpy":
-            return view
-        if self.kind == "torch":
-            import torch
-            if view.dtype == torch.bfloat16:
-                return view.view(torch.int16).cpu().numpy().view(numpy_dtype("bfloat16"))
-            return view.cpu().numpy()
-        return view.get()
-
-    def from_host(self, view: Any, host: np.ndarray, stream: Optional[int]) -> None:
-        """``view[...] = host``, ordered on ``stream`` (synchronous with the host)."""
-        if self.kind == "numpy":
-            if host is not view:
-                view[...] = host
-            return
-        if self.kind == "torch":
-            import torch
-            if str(host.dtype) == "bfloat16":
-                source = torch.from_numpy(host.view(np.int16)).view(torch.bfloat16)
-            else:
-                source = torch.from_numpy(host)
-            with self._stream(stream, view):
-                view.copy_(source)
-                torch.cuda.current_stream().synchronize()  # ``host`` may go once we return
-            return
-        stream_object = self._stream(stream, view)
-        view.set(host, stream=stream_object)
-        stream_object.synchronize()
 
 
 def framework_array(array: Any) -> Any:

@@ -4,7 +4,8 @@ call run as the phases of its ``hoccl.sched.hierarchical`` plan on the level eng
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Dict, List, Optional, Type
+from dataclasses import replace
+from typing import Any, Callable, Dict, List, Optional, Tuple, Type, Union
 
 from .._buffers import Buffer, as_buffer
 from .._errors import AbortedError, HocclError, HocclTimeoutError, InvalidArgumentError
@@ -13,14 +14,19 @@ from .._api import CommunicatorApi
 from .._group_calls import held_calls
 from ..comm import Communicator
 from ..sched import Shape
-from ..sched.hierarchical import (Call, Divide, HierarchicalPlan, Region, Topology,
-                                  build_hierarchical, divide_in_place, verify_hierarchical)
+from ..sched.hierarchical import (Call, Divide, HierarchicalPlan, PipelinedPlan, Region, Step,
+                                  Topology, divide_in_place, verify_hierarchical,
+                                  verify_pipelined)
+from ..config import ACROSS_HOSTS, Config
 from .arrays import Arrays, framework_array
 from .engine import InterHostEngine, Setup
 from .hoccl_engine import HocclEngine
-from .mpi import MpiEngine
+from .phases import Entry, PhaseRunner, plan_of
+from .hosts import SHARED_SETTINGS, HostReport, agree, intra_host_engine, local_report, refusal
 from .nccl import NcclEngine
+from .staged import GlooStagedEngine, MpiStagedEngine
 from .topology import SubBootstrap
+from .torch_group import TorchGroupEngine, torch_groups
 
 __all__ = ["HierarchicalCommunicator", "ENGINES", "INTER_HOST_ENGINES"]
 
@@ -28,14 +34,21 @@ log = logging.getLogger("hoccl")
 
 #: the engines between hosts, by their ``inter_host=`` name
 ENGINES: Dict[str, Type[InterHostEngine]] = {
-    engine.name: engine for engine in (NcclEngine, MpiEngine, HocclEngine)}
+    engine.name: engine for engine in (NcclEngine, MpiStagedEngine, GlooStagedEngine,
+                                       HocclEngine)}
 INTER_HOST_ENGINES = tuple(ENGINES)
+#: what a collective runs on each kind of engine inside a host
+_PRIMITIVES = {"torch": TorchGroupEngine.primitives, "cuda": HocclEngine.primitives,
+               "host": HocclEngine.primitives}
 
 
-def _default_engine(backend: str, one_machine: bool) -> str:
-    """cuda: NCCL when nccl4py imports or torch.distributed runs on NCCL, else MPI; host:
-    hoccl itself for simulated hosts on one machine, else MPI."""
-    if backend == "cuda":
+def _default_engine(reports: List[HostReport], one_machine: bool) -> str:
+    """Every host on hoccl's cuda backend: NCCL when nccl4py imports or torch.distributed
+    runs on NCCL, else MPI.  Every rank on the host backend: hoccl itself for simulated
+    hosts on one machine.  Otherwise (hosts of different kinds): staged through host
+    memory over MPI when mpi4py imports, else over torch.distributed's gloo."""
+    backends = {report.backend for report in reports}
+    if backends == {"cuda"}:
         try:
             import nccl.core  # noqa: F401
             return "nccl"
@@ -47,21 +60,27 @@ def _default_engine(backend: str, one_machine: bool) -> str:
                 return "nccl"
         except ImportError:
             pass
+    if backends == {"host"} and one_machine:
+        return "hoccl"
+    try:
+        import mpi4py  # noqa: F401
         return "mpi"
-    return "hoccl" if one_machine else "mpi"
-
+    except ImportError:
+        return "gloo"
 
 
 class HierarchicalCommunicator(CommunicatorApi):
     """One rank of a world that spans hosts.  Create with ``hoccl.init``.
 
     The API is ``CommunicatorApi``'s, with the same argument checks as ``Communicator``;
-    each call runs the phases of its ``hoccl.sched.hierarchical`` plan.  ``describe()`` says how the world
-    is split and which engines run where.  Not inside ``hoccl.group()``."""
+    each call runs the phases of its ``hoccl.sched.hierarchical`` plan.  ``describe()``
+    says how the world is split and which engines run where (each host's device kind and
+    engine inside it).  Not inside ``hoccl.group()``."""
 
     def __init__(self, *, topology: Topology, rank: int, host: Communicator,
-                 rail: InterHostEngine, world: InterHostEngine, inter_host: str, grouping: str,
-                 bootstrap: Bootstrap, verify_plans: bool):
+                 intra: InterHostEngine, rail: InterHostEngine, world: InterHostEngine,
+                 inter_host: str, grouping: str, bootstrap: Bootstrap, config: Config,
+                 hosts: List[HostReport]):
         self.topology = topology
         self.rank = rank
         self.world_size = topology.world_size
@@ -69,48 +88,71 @@ class HierarchicalCommunicator(CommunicatorApi):
         self.device: Optional[int] = host.device
         self.inter_host = inter_host
         self._host = host
-        self._levels: Dict[str, InterHostEngine] = {
-            "host": HocclEngine(host, f"hoccl ({host.backend})"), "rail": rail, "world": world}
+        self._hosts = hosts
+        self._levels: Dict[str, InterHostEngine] = {"host": intra, "rail": rail, "world": world}
         self._grouping = grouping
         self._bootstrap = bootstrap
-        self._verify_plans = verify_plans
-        self._verified: Dict[int, HierarchicalPlan] = {}
+        self._config = config
+        self._verified: Dict[int, Union[HierarchicalPlan, PipelinedPlan]] = {}
+        self._refusals: Dict[int, Tuple[Any, Optional[str]]] = {}  # by plan: (plan, verdict)
         self._streams: Dict[int, Any] = {}   # caller streams used since the last synchronize
         self._aborted_reason = ""
         self._closed = False
         # the host backend runs a call's phases one after another on the host
         self._blocking = host.backend == "host"
+        self._runner = PhaseRunner(host.timeout)
 
     @classmethod
     def connect(cls, *, call: str, backend: str, bootstrap: Bootstrap, topology: Topology,
                 hostnames: List[str], grouping: str, device: Optional[int],
-                inter_host: Optional[str], mpi_comm: Any, verify_plans: bool,
+                inter_host: Optional[str], mpi_comm: Any, config: Config,
                 connect_host: Callable[..., Communicator]) -> "HierarchicalCommunicator":
-        """Build this rank's host communicator, its rail engine and the world engine; every
-        rank of ``bootstrap`` must call this at the same time (as ``init`` does)."""
+        """Report this rank's host kind (one allgather), build its host communicator and
+        the engine inside its host, its rail engine and the world engine; every rank of
+        ``bootstrap`` must call this at the same time (as ``init`` does)."""
         rank = bootstrap.rank
         one_machine = len(set(hostnames)) == 1
-        engine = inter_host if inter_host is not None else _default_engine(backend, one_machine)
+        mine = local_report(hostnames[rank], intra_host_engine(config.intra_host, backend),
+                            backend, tuple((name, getattr(config, name))
+                                           for name in SHARED_SETTINGS))
+        reports: List[HostReport] = bootstrap.allgather(mine)
+        hosts = agree(call, reports, topology)
+        engine = inter_host if inter_host is not None else _default_engine(reports, one_machine)
         if engine not in ENGINES:
             raise InvalidArgumentError(f"{call}: inter_host must be one of {INTER_HOST_ENGINES} "
                                        f"or None; got {engine!r}")
         kind = ENGINES[engine]
-        kind.check_world(call, backend, hostnames)
+        kind.check_world(call, [report.backend for report in reports], hostnames)
         if backend == "cuda" and device is None:
             from ..backends import cuda_device_count
             machine_rank = hostnames[:rank].count(hostnames[rank])
             device = machine_rank % cuda_device_count()
         host_index, local = topology.host_of(rank), topology.local_of(rank)
-        host = connect_host(SubBootstrap(bootstrap, topology.groups("host")[host_index]), device)
+        members = topology.groups("host")
+        host = connect_host(SubBootstrap(bootstrap, members[host_index]), device)
+        torch_hosts = [index for index, report in enumerate(hosts) if report.engine == "torch"]
+        intra: InterHostEngine = HocclEngine(host, mine.label)
+        if torch_hosts:  # every rank makes every torch group, as torch requires
+            groups = torch_groups(call, rank, topology.world_size,
+                                  [members[index] for index in torch_hosts])
+            if host_index in torch_hosts:
+                engine_inside = TorchGroupEngine(groups[torch_hosts.index(host_index)],
+                                                 members[host_index], host.timeout, mine.label)
+                engine_inside.probe("cuda" if backend == "cuda" else "cpu")
+                intra = engine_inside
+            lacks = bootstrap.allgather(intra.lacks)
+            hosts = [replace(report, lacks=tuple(lacks[members[index][0]]))
+                     for index, report in enumerate(hosts)]
         rail, world = kind.connect(Setup(call=call, backend=backend, bootstrap=bootstrap,
                                          topology=topology, device=device, mpi_comm=mpi_comm,
-                                         host=host, connect_host=connect_host))
+                                         host=host, connect_host=connect_host, config=config))
         bootstrap.barrier()
-        comm = cls(topology=topology, rank=rank, host=host, rail=rail, world=world,
-                   inter_host=engine, grouping=grouping, bootstrap=bootstrap,
-                   verify_plans=verify_plans)
-        log.info("init: rank %d/%d on host %d of %d (local rank %d), inter-host engine %s",
-                 rank, topology.world_size, host_index, topology.hosts, local, rail.label)
+        comm = cls(topology=topology, rank=rank, host=host, intra=intra, rail=rail,
+                   world=world, inter_host=engine, grouping=grouping, bootstrap=bootstrap,
+                   config=config, hosts=hosts)
+        log.info("init: rank %d/%d on host %d of %d (local rank %d), inside %s, between %s",
+                 rank, topology.world_size, host_index, topology.hosts, local, intra.label,
+                 rail.label)
         return comm
 
     # -- state ------------------------------------------------------------------------------
@@ -122,8 +164,20 @@ class HierarchicalCommunicator(CommunicatorApi):
                 "local_rank": self.topology.local_of(self.rank), "grouping": self._grouping,
                 "intra_host": self._levels["host"].label,
                 "inter_host": self._levels["rail"].label,
-                "ordering": ("each call's phases run one after another on the host"
-                             if self._blocking else "every phase enqueued on the caller's stream")}
+                "host_engines": [report.describe(index, ranks) for index, (report, ranks)
+                                 in enumerate(zip(self._hosts, self.topology.groups("host")))],
+                "phases": self._config.phases,
+                "ordering": ("each call's phases run on the host" if self._blocking else
+                             "every phase enqueued on the caller's stream"
+                             if self._levels["rail"].enqueues else
+                             "hoccl's phases enqueued on the caller's stream; the engine "
+                             "between hosts waits for what it reads and orders the stream "
+                             "after what it writes")}
+
+    @property
+    def config(self) -> Config:
+        """The settings this communicator was made with (``set_options`` changes them)."""
+        return self._config
 
     @property
     def host_communicator(self) -> Communicator:
@@ -226,10 +280,23 @@ class HierarchicalCommunicator(CommunicatorApi):
                                    "tells the path of a phase inside a host")
 
     def set_options(self, **changes: Any) -> None:
-        """Options of the hoccl communicators (the host's, and the rails' with hoccl)."""
+        """Settings for later calls: the phases' (``phases``, ``phase_bytes``) here, the
+        others on the hoccl communicators (the host's, and the rails' with hoccl).  The
+        engines are fixed at init: ``intra_host`` and ``stage_bytes`` cannot change."""
         self._usable("set_options")
-        for engine in self._levels.values():
-            engine.set_options(**changes)
+        config = self._config.replace("set_options", **changes)
+        fixed = sorted(name for name in ("intra_host", "stage_bytes")
+                       if getattr(config, name) != getattr(self._config, name))
+        if fixed:
+            raise InvalidArgumentError(f"set_options: {fixed} choose the engines, made at init; "
+                                       f"they cannot change (got {changes})")
+        hoccl_settings = {name: value for name, value in changes.items()
+                          if name not in ACROSS_HOSTS}
+        if hoccl_settings:
+            self._host.set_options(**hoccl_settings)
+            for engine in self._levels.values():
+                engine.set_options(**hoccl_settings)
+        self._config = config
 
     def close(self) -> None:
         """Wait for outstanding work, then close the engines, the host communicator and
@@ -242,9 +309,13 @@ class HierarchicalCommunicator(CommunicatorApi):
             except HocclError as error:
                 log.warning("rank %d close: %s", self.rank, error)
         self._closed = True
-        for level in ("rail", "world", "host"):  # NCCL's rails were split from its world
+        self._runner.close()
+        closers = [(level, self._levels[level].close) for level in ("rail", "world", "host")]
+        # NCCL's rails were split from its world; the hoccl host communicator goes last
+        # (the host level's engine when it is hoccl's: closing twice is harmless)
+        for level, close in closers + [("host communicator", self._host.close)]:
             try:
-                self._levels[level].close()
+                close()
             except Exception as error:  # every level must get its close
                 log.warning("rank %d close %s: %r", self.rank, level, error)
         self._bootstrap.close()
@@ -256,10 +327,15 @@ class HierarchicalCommunicator(CommunicatorApi):
         if self.aborted:
             raise AbortedError(f"{name}: the communicator was aborted: {self.abort_reason}")
 
-    def _plan(self, shape: Shape) -> HierarchicalPlan:
-        plan = build_hierarchical(shape, self.topology)
-        if self._verify_plans and self._verified.get(id(plan)) is not plan:
-            verify_hierarchical(plan)
+    def _plan(self, shape: Shape) -> Union[HierarchicalPlan, PipelinedPlan]:
+        config = self._config
+        plan = plan_of(shape, self.topology, config.phases, config.phase_bytes,
+                       any(engine.enqueues for engine in self._levels.values()))
+        if config.verify_plans and self._verified.get(id(plan)) is not plan:
+            if isinstance(plan, PipelinedPlan):
+                verify_pipelined(plan)
+            else:
+                verify_hierarchical(plan)
             self._verified[id(plan)] = plan
         return plan
 
@@ -280,6 +356,7 @@ class HierarchicalCommunicator(CommunicatorApi):
                   if buffer is not None}
         handle = self._stream(name, stream, list(arrays.values()))
         plan = self._plan(shape)
+        self._refuse(name, plan)
         first = next(iter(arrays.values()), None)
         kit = Arrays.of(first) if first is not None else Arrays("numpy")
         views = {key: kit.flat(array) for key, array in arrays.items()}
@@ -289,23 +366,61 @@ class HierarchicalCommunicator(CommunicatorApi):
 
         def region(part: Optional[Region]) -> Any:
             return None if part is None else views[part.buffer][part.start:part.stop]
-        for level, steps in plan.program(self.rank):
-            self._usable(name)
-            if level == "local":
-                for step in steps:
-                    assert isinstance(step, Divide)
-                    self._divide(name, region(step.region), step.divisor, handle)
-                continue
-            engine = self._levels[level]
+
+        def runner(level: str, steps: Tuple[Step, ...]) -> Callable[[], None]:
+            return lambda: self._steps(name, level, steps, region, handle)
+        if isinstance(plan, PipelinedPlan):
+            program = plan.program(self.rank)
+            last: Dict[int, int] = {}
+            entries: List[Entry] = []
+            for index, entry in enumerate(program):
+                entries.append((entry.level, runner(entry.level, entry.steps),
+                                last.get(entry.chunk)))
+                last[entry.chunk] = index
+            try:
+                self._runner.pipelined(name, entries)
+            except HocclTimeoutError as error:
+                self.abort(f"rank {self.rank}: {name}: {error}")
+                raise
+            return
+        self._runner.sequential([(level, runner(level, steps), None)
+                                 for level, steps in plan.program(self.rank)])
+
+    def _refuse(self, name: str, plan: Union[HierarchicalPlan, PipelinedPlan]) -> None:
+        """Raise, on every rank alike and before any data moves, when a host's engine
+        cannot run its steps of ``plan`` (what it lacks was exchanged at init)."""
+        if not any(report.lacks for report in self._hosts):
+            return
+        if id(plan) not in self._refusals:
+            whole = plan.flatten() if isinstance(plan, PipelinedPlan) else plan
+            steps = [(self.topology.host_of(rank), step.shape.collective)
+                     for phase in whole.phases if phase.level == "host"
+                     for rank, made in enumerate(phase.steps) for step in made
+                     if isinstance(step, Call)]
+            self._refusals[id(plan)] = (plan, refusal(name, self._hosts, steps, _PRIMITIVES))
+        verdict = self._refusals[id(plan)][1]
+        if verdict is not None:
+            raise InvalidArgumentError(verdict)
+
+    def _steps(self, name: str, level: str, steps: Tuple[Step, ...],
+               region: Callable[[Optional[Region]], Any], handle: Optional[int]) -> None:
+        """One phase's steps of this rank on its level's engine."""
+        self._usable(name)
+        if level == "local":
             for step in steps:
-                assert isinstance(step, Call)
-                try:
-                    engine.issue(step, region(step.send), region(step.recv), handle)
-                except HocclTimeoutError as error:  # a step left to its engine: no more calls
-                    self.abort(f"rank {self.rank}: {name}: {error}")
-                    raise
-            if self._blocking:
-                engine.synchronize()
+                assert isinstance(step, Divide)
+                self._divide(name, region(step.region), step.divisor, handle)
+            return
+        engine = self._levels[level]
+        for step in steps:
+            assert isinstance(step, Call)
+            try:
+                engine.issue(step, region(step.send), region(step.recv), handle)
+            except HocclTimeoutError as error:  # a step left to its engine: no more calls
+                self.abort(f"rank {self.rank}: {name}: {error}")
+                raise
+        if self._blocking:
+            engine.synchronize()
 
     def _divide(self, name: str, view: Any, divisor: int,
                 stream: Optional[int]) -> None:

@@ -14,6 +14,7 @@ from typing import Any, Callable, ClassVar, List, Optional, Tuple
 
 from ..bootstrap import Bootstrap
 from ..comm import Communicator
+from ..config import Config
 from ..sched.hierarchical import Call, Topology
 
 __all__ = ["Setup", "InterHostEngine"]
@@ -33,6 +34,7 @@ class Setup:
     host: Communicator       #: this rank's host communicator
     #: builds a hoccl communicator over a sub-bootstrap, as the host's was built
     connect_host: Callable[[Bootstrap, Optional[int]], Communicator]
+    config: Config = Config()  #: the settings (the staged engine's ``stage_bytes``)
 
 
 class InterHostEngine(abc.ABC):
@@ -48,11 +50,22 @@ class InterHostEngine(abc.ABC):
 
     name: ClassVar[str]
     label: str
+    #: whether its steps are enqueued on the caller's stream (NCCL) rather than done, or
+    #: ordered on the host, when a method returns: such levels are not pipelined
+    enqueues: ClassVar[bool] = False
+    #: the library's primitives this engine found it cannot run, with why: (primitive,
+    #: reason) pairs (``TorchGroupEngine`` probes its group at init)
+    lacks: Tuple[Tuple[str, str], ...] = ()
 
     @classmethod
-    def check_world(cls, call: str, backend: str, hostnames: List[str]) -> None:
+    def primitives(cls, collective: str) -> Tuple[str, ...]:
+        """The library primitives a call of ``collective`` runs on this engine."""
+        return ("send", "recv") if collective == "sendrecv" else (collective,)
+
+    @classmethod
+    def check_world(cls, call: str, backends: List[str], hostnames: List[str]) -> None:
         """Raise ``InvalidArgumentError`` (starting with ``call``) when this engine cannot
-        connect these ranks (every rank's hostname) with this backend."""
+        connect these ranks (every rank's hoccl backend and hostname)."""
 
     @classmethod
     @abc.abstractmethod

@@ -23,7 +23,11 @@ class HocclEngine(InterHostEngine):
         self.comm, self.label = comm, label
 
     @classmethod
-    def check_world(cls, call: str, backend: str, hostnames: List[str]) -> None:
+    def check_world(cls, call: str, backends: List[str], hostnames: List[str]) -> None:
+        if len(set(backends)) != 1:
+            raise InvalidArgumentError(f"{call}: inter_host='hoccl' needs one hoccl backend on "
+                                       f"every rank; these ranks use {backends} (use 'mpi' or "
+                                       f"'gloo')")
         if len(set(hostnames)) != 1:
             raise InvalidArgumentError(f"{call}: inter_host='hoccl' connects simulated hosts on "
                                        f"one machine; these ranks run on {sorted(set(hostnames))}")

@@ -17,12 +17,15 @@ class NcclEngine(InterHostEngine):
     ``TorchNcclEngine`` (``HOCCL_NCCL_BINDING=torch`` forces torch.distributed)."""
 
     name = "nccl"
+    enqueues = True
 
     @classmethod
-    def check_world(cls, call: str, backend: str, hostnames: List[str]) -> None:
-        if backend != "cuda":
-            raise InvalidArgumentError(f"{call}: inter_host='nccl' needs the cuda backend; this "
-                                       f"world uses {backend!r} (use 'mpi' or 'hoccl')")
+    def check_world(cls, call: str, backends: List[str], hostnames: List[str]) -> None:
+        others = sorted(set(backends) - {"cuda"})
+        if others:
+            raise InvalidArgumentError(f"{call}: inter_host='nccl' needs the cuda backend on "
+                                       f"every rank; this world also uses {others} (use 'mpi' "
+                                       f"or 'gloo')")
 
     @classmethod
     def connect(cls, setup: Setup) -> Tuple["NcclEngine", "NcclEngine"]:

@@ -54,16 +54,28 @@ The algorithms (n = hosts · local_size ranks, c = count; r = (h, l)):
 "avg" is a sum everywhere and one ``Divide`` by the world size, applied to the fewest
 elements (a rank's shard before all_reduce's all_gather, a piece before reduce's gather).
 
+Pipelined: ``pipeline_hierarchical(shape, topology, chunk)`` cuts an all_reduce,
+broadcast or reduce into chunks of elements, an all_gather or reduce_scatter into one
+chunk per host (``build_host_share``), whose phases overlap (``PipelinedPlan.program`` orders
+them along the pipeline's diagonals; ``verify_pipelined`` proves the order matches on
+every member of every group).  Elementwise, a chunked call computes what the whole call
+does, in the same order: the bits are the same.
+
 The module's parts: ``_hierarchical_plan`` (the types), ``_hierarchical_build`` (the
-builders) and ``_hierarchical_check`` (verifying and simulating).
+builders), ``_hierarchical_check`` (verifying and simulating) and
+``_hierarchical_pipeline`` (chunks).
 """
 
 from ._hierarchical_build import build_hierarchical
 from ._hierarchical_check import divide_in_place, simulate_hierarchical, verify_hierarchical
+from ._hierarchical_build import build_host_share
+from ._hierarchical_pipeline import (BY_HOST, PIPELINED, PipelinedPlan, PipelinedStep, pipeline_hierarchical,
+                                     verify_pipelined)
 # Step and _caller_regions too: importers of this module use them
 from ._hierarchical_plan import (LEVELS, BufferLayout, Call, Divide, HierarchicalPlan, Phase,
                                  Region, Step, Topology, _caller_regions)
 
 __all__ = ["Topology", "Region", "Call", "Divide", "Phase", "BufferLayout",
            "HierarchicalPlan", "LEVELS", "build_hierarchical", "verify_hierarchical",
-           "simulate_hierarchical", "divide_in_place"]
+           "simulate_hierarchical", "divide_in_place", "PIPELINED", "BY_HOST", "PipelinedPlan",
+           "PipelinedStep", "pipeline_hierarchical", "verify_pipelined", "build_host_share"]

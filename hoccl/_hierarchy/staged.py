@@ -1,0 +1,534 @@
+"""Between hosts of any kinds: device data staged through pinned host memory on copy
+engines, MPI (mpi4py) or gloo (torch.distributed) for the transfer, chunk by chunk.
+
+A step of ``StagedEngine`` on device arrays runs as a pipeline over chunks of
+``stage_bytes``::
+
+    lane out (D2H, copy engine)  | c0 | c1 | c2 |
+    transport (MPI / gloo)            | c0 | c1 | c2 |
+    lane in  (H2D, copy engine)            | c0 | c1 | c2 |
+    caller's stream  ...waits for the last H2D (an event), then goes on
+
+Chunk k+1 is copied out while chunk k is on the wire and chunk k−1 is copied in: two
+pinned slots per direction, each reused only after the copy that read it (an event on
+the lane) and the transfer that filled it are done.  The copies are ``cuMemcpyAsync``
+on two streams of hoccl's device (copy engines, no SM); the transport's steps are its
+nonblocking forms, tested until done, so each ends within ``timeout`` or at ``abort()``.
+On host arrays (hoccl's host backend, torch CPU tensors) the stage is a no-op: the
+transport moves the caller's memory itself, in one step.
+
+Reductions follow hoccl's rule (``FoldingEngine``): the library moves the inputs, hoccl
+folds them in member order.
+"""
+
+from __future__ import annotations
+
+import abc
+import time
+import ctypes
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from .._errors import AbortedError, HocclTimeoutError, InvalidArgumentError
+from .._mailbox import wait_until
+from ..bootstrap import Bootstrap, MPIBootstrap
+from .arrays import Arrays, address
+from .engine import Setup
+from .folding import FoldingEngine, _to_numpy
+
+__all__ = ["StagedEngine", "MpiStagedEngine", "GlooStagedEngine", "Transport"]
+
+#: starts a transport's step on (host send bytes, host receive bytes), either may be None
+Start = Callable[[Any, Any], Any]
+
+
+class Transport(abc.ABC):
+    """A library's nonblocking steps on host byte arrays (flat uint8 numpy arrays): each
+    starts a step and returns a request that ``test`` polls."""
+
+    size: int
+    member: int
+    label: str
+
+    @abc.abstractmethod
+    def all_gather(self, send: np.ndarray, recv: np.ndarray) -> Any: ...
+
+    @abc.abstractmethod
+    def all_to_all(self, send: np.ndarray, recv: np.ndarray) -> Any: ...
+
+    @abc.abstractmethod
+    def broadcast(self, buf: np.ndarray, root: int) -> Any: ...
+
+    @abc.abstractmethod
+    def gather(self, send: np.ndarray, recv: Optional[np.ndarray], root: int) -> Any: ...
+
+    @abc.abstractmethod
+    def scatter(self, send: Optional[np.ndarray], recv: np.ndarray, root: int) -> Any: ...
+
+    @abc.abstractmethod
+    def send(self, buf: np.ndarray, peer: int) -> Any: ...
+
+    @abc.abstractmethod
+    def recv(self, buf: np.ndarray, peer: int) -> Any: ...
+
+    @abc.abstractmethod
+    def barrier(self) -> Any: ...
+
+    @abc.abstractmethod
+    def test(self, request: Any) -> bool: ...
+
+    def close(self) -> None:
+        """Free what the transport made."""
+
+
+class MpiTransport(Transport):
+    """mpi4py's nonblocking collectives on bytes."""
+
+    def __init__(self, comm: Any):
+        from mpi4py import MPI
+        self.MPI, self.comm = MPI, comm
+        self.size, self.member, self.label = comm.Get_size(), comm.Get_rank(), "mpi"
+
+    def all_gather(self, send: np.ndarray, recv: np.ndarray) -> Any:
+        return self.comm.Iallgather(send, recv)
+
+    def all_to_all(self, send: np.ndarray, recv: np.ndarray) -> Any:
+        return self.comm.Ialltoall(send, recv)
+
+    def broadcast(self, buf: np.ndarray, root: int) -> Any:
+        return self.comm.Ibcast(buf, root=root)
+
+    def gather(self, send: np.ndarray, recv: Optional[np.ndarray], root: int) -> Any:
+        return self.comm.Igather(send, recv, root=root)
+
+    def scatter(self, send: Optional[np.ndarray], recv: np.ndarray, root: int) -> Any:
+        return self.comm.Iscatter(send, recv, root=root)
+
+    def send(self, buf: np.ndarray, peer: int) -> Any:
+        return self.comm.Isend(buf, dest=peer)
+
+    def recv(self, buf: np.ndarray, peer: int) -> Any:
+        return self.comm.Irecv(buf, source=peer)
+
+    def barrier(self) -> Any:
+        return self.comm.Ibarrier()
+
+    def test(self, request: Any) -> bool:
+        return bool(request.Test())
+
+    def close(self) -> None:
+        if not self.MPI.Is_finalized():
+            self.comm.Free()
+
+
+class GlooTransport(Transport):
+    """torch.distributed's asynchronous collectives of a (gloo) group on bytes.  gloo's
+    send and receive report completion only to ``wait``: they are waited for at once, at
+    most ``timeout`` seconds (gloo's own limit)."""
+
+    def __init__(self, group: Any, members: Sequence[int], timeout: float):
+        self.timeout = timeout
+        import torch
+        import torch.distributed as dist
+        self.torch, self.dist, self.group, self.members = torch, dist, group, list(members)
+        self.size, self.member = len(self.members), self.members.index(dist.get_rank())
+        self.label = dist.get_backend(group)
+
+    def _t(self, array: Optional[np.ndarray]) -> Any:
+        return None if array is None else self.torch.from_numpy(array)
+
+    def all_gather(self, send: np.ndarray, recv: np.ndarray) -> Any:
+        gather = getattr(self.dist, "all_gather_single", None) or self.dist.all_gather_into_tensor
+        return gather(self._t(recv), self._t(send), group=self.group, async_op=True)
+
+    def all_to_all(self, send: np.ndarray, recv: np.ndarray) -> Any:
+        return self.dist.all_to_all_single(self._t(recv), self._t(send), group=self.group,
+                                           async_op=True)
+
+    def broadcast(self, buf: np.ndarray, root: int) -> Any:
+        return self.dist.broadcast(self._t(buf), src=self.members[root], group=self.group,
+                                   async_op=True)
+
+    def gather(self, send: np.ndarray, recv: Optional[np.ndarray], root: int) -> Any:
+        parts = list(self._t(recv).chunk(self.size)) if recv is not None else None
+        return self.dist.gather(self._t(send), gather_list=parts, dst=self.members[root],
+                                group=self.group, async_op=True)
+
+    def scatter(self, send: Optional[np.ndarray], recv: np.ndarray, root: int) -> Any:
+        parts = list(self._t(send).chunk(self.size)) if send is not None else None
+        return self.dist.scatter(self._t(recv), scatter_list=parts, src=self.members[root],
+                                 group=self.group, async_op=True)
+
+    def send(self, buf: np.ndarray, peer: int) -> Any:
+        return self._waited("send", self.dist.isend(self._t(buf), dst=self.members[peer],
+                                                    group=self.group))
+
+    def recv(self, buf: np.ndarray, peer: int) -> Any:
+        return self._waited("recv", self.dist.irecv(self._t(buf), src=self.members[peer],
+                                                    group=self.group))
+
+    def _waited(self, what: str, work: Any) -> Any:
+        import datetime
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=self.timeout))
+        except RuntimeError as error:
+            raise HocclTimeoutError(f"{what} across hosts ({self.label}, member {self.member} "
+                                    f"of {self.size}): not finished within {self.timeout:g} s, "
+                                    f"or failed: {error}") from None
+        return None
+
+    def barrier(self) -> Any:
+        return self.all_gather(np.zeros(1, np.uint8), np.zeros(self.size, np.uint8))
+
+    def test(self, request: Any) -> bool:
+        return request is None or bool(request.is_completed())
+
+
+class _Stager:
+    """Pinned slots, two lanes and their events on one GPU (hoccl's device handle)."""
+
+    def __init__(self, device: Any, slot_bytes: int, allocate: Callable[[int], np.ndarray]):
+        self.device, self.slot_bytes = device, slot_bytes
+        self.lanes = (device.create_stream(), device.create_stream())   # out, in
+        self.out_done = [device.create_event(), device.create_event()]
+        self.in_done = [device.create_event(), device.create_event()]
+        self.in_used = [False, False]
+        self.started = device.create_event()
+        self.pinned: List[Tuple[np.ndarray, np.ndarray]] = [
+            (allocate(slot_bytes), allocate(slot_bytes)) for _ in range(2)]  # (out, in) per slot
+
+    def close(self, timeout: float) -> None:
+        """After the copies in flight (a copy in reads the pinned slots)."""
+        for lane in self.lanes:
+            self.device.synchronize_stream(lane, timeout)
+        for event in self.out_done + self.in_done + [self.started]:
+            self.device.destroy_event(event)
+        for lane in self.lanes:
+            self.device.destroy_stream(lane)
+
+
+class _HostCopies:
+    """The device interface for arrays in host memory: each copy is done when issued, so
+    every event has been reached (a rank on hoccl's host backend stages nothing, but
+    cuts its steps into the chunks its peers cut theirs)."""
+
+    def activate(self) -> None:
+        pass
+
+    def resolve_stream(self, stream: Any, arrays: Sequence[Any]) -> None:
+        return None
+
+    def create_stream(self) -> None:
+        return None
+
+    def destroy_stream(self, stream: Any) -> None:
+        pass
+
+    def create_event(self) -> None:
+        return None
+
+    def destroy_event(self, event: Any) -> None:
+        pass
+
+    def record(self, stream: Any, event: Any) -> None:
+        pass
+
+    def wait_event(self, stream: Any, event: Any) -> None:
+        pass
+
+    def done(self, event: Any) -> bool:
+        return True
+
+    def synchronize_stream(self, stream: Any, timeout: float) -> None:
+        pass
+
+    def copy(self, stream: Any, dst: int, src: int, nbytes: int) -> None:
+        ctypes.memmove(dst, src, nbytes)
+
+
+HOST_COPIES = _HostCopies()
+
+
+def _host_bytes(nbytes: int) -> np.ndarray:
+    return np.empty(nbytes, np.uint8)
+
+
+class StagedEngine(FoldingEngine):
+    """A ``Transport`` between hosts, device data staged through pinned host memory (the
+    module docstring).  ``MpiStagedEngine`` and ``GlooStagedEngine`` say how the
+    transport is connected; everything else is here."""
+
+    name = "staged"
+
+    def __init__(self, transport: Transport, device: Any, timeout: float, stage_bytes: int):
+        self.transport, self.device = transport, device
+        self.size, self.member = transport.size, transport.member
+        self.timeout, self.stage_bytes = timeout, stage_bytes
+        self.label = f"{transport.label} (staged)"
+        self._stagers: Dict[int, _Stager] = {}  # by the id of the device that copies
+        self._broken = ""
+        self._aborted = ""
+
+    @classmethod
+    def connect(cls, setup: Setup) -> Tuple["StagedEngine", "StagedEngine"]:
+        rails, world = cls.transports(setup)
+        device = setup.host.device_handle if setup.backend == "cuda" else None
+        timeout, stage = setup.host.timeout, setup.config.stage_bytes
+        return cls(rails, device, timeout, stage), cls(world, device, timeout, stage)
+
+    @classmethod
+    @abc.abstractmethod
+    def transports(cls, setup: Setup) -> Tuple[Transport, Transport]:
+        """(this rank's rail transport, the world's)."""
+
+    @staticmethod
+    def pinned(nbytes: int) -> np.ndarray:
+        """``nbytes`` of page-locked host memory as a numpy array (torch's, else cupy's):
+        the copy engines move it without a bounce through pageable memory."""
+        try:
+            import torch
+            if torch.cuda.is_available():
+                return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy()
+        except ImportError:
+            pass
+        import cupyx
+        return cupyx.empty_pinned(nbytes, np.uint8)
+
+    # -- waiting ----------------------------------------------------------------------
+    def _wait(self, ready: Callable[[], bool], what: str) -> None:
+        """Poll ``ready`` until it holds, the timeout passes or the engine is aborted; a
+        step that ends otherwise is still in the library's hands: no more calls."""
+        def aborted() -> None:
+            if self._aborted:
+                self._broken = f"{what} was left unfinished by an abort"
+                raise AbortedError(f"{what} across hosts ({self.label}): aborted: "
+                                   f"{self._aborted}")
+        try:
+            wait_until(ready, time.monotonic() + self.timeout,
+                       lambda: f"{what} across hosts ({self.label}, member {self.member} of "
+                               f"{self.size} in its group): not finished within "
+                               f"{self.timeout:g} s: a rank did not make the matching call, or "
+                               f"is gone; the step cannot be taken back, so this communicator "
+                               f"takes no more calls", check=aborted)
+        except HocclTimeoutError:
+            self._broken = f"{what} did not finish within {self.timeout:g} s"
+            raise
+
+    def _transfer(self, what: str, start: Callable[[], Any]) -> None:
+        self._transferred(start(), what)
+
+    def _transferred(self, request: Any, what: str) -> None:
+        self._wait(lambda: self.transport.test(request), what)
+
+    def _copied(self, device: Any, event: Any, what: str) -> None:
+        self._wait(lambda: bool(device.done(event)), what)
+
+    # -- one step ---------------------------------------------------------------------
+    def _step(self, what: str, stream: Optional[int], count: int,
+              send: Any, send_blocks: int, recv: Any, recv_blocks: int,
+              start: Start) -> None:
+        """A step whose send holds ``send_blocks`` blocks of ``count`` elements and whose
+        recv ``recv_blocks`` (either may be None); ``start(host_send, host_recv)`` starts
+        the transport's step on byte arrays laid out block-major."""
+        if self._broken:
+            raise AbortedError(f"{what} across hosts ({self.label}): the engine takes no more "
+                               f"calls: {self._broken}")
+        arrays = [array for array in (send, recv) if array is not None]
+        on_host = self._on_host(arrays)
+        device = HOST_COPIES if on_host else self.device
+        if device is None:
+            raise InvalidArgumentError(f"{what} across hosts ({self.label}): device arrays on a "
+                                       f"rank without hoccl's cuda backend")
+        self._staged(what, device, None if on_host else stream, count, send, send_blocks,
+                     recv, recv_blocks, start)
+
+    @staticmethod
+    def _on_host(arrays: List[Any]) -> bool:
+        """Whether the arrays are in host memory (numpy, torch CPU tensors): no stage."""
+        kit = Arrays.of(arrays[0]) if arrays else Arrays("numpy")
+        return kit.kind == "numpy" or (kit.kind == "torch" and arrays[0].device.type == "cpu")
+
+    def _staged(self, what: str, device: Any, stream: Optional[int], count: int, send: Any,
+                send_blocks: int, recv: Any, recv_blocks: int, start: Start) -> None:
+        """The pipeline of the module docstring.  Every member cuts the step into the same
+        chunks (from the step's shape and ``stage_bytes``, which every rank shares),
+        whether its arrays are on a device or on the host."""
+        item = _itemsize(send if send is not None else recv)
+        blocks = max(send_blocks, recv_blocks)
+        per_chunk = max(1, self.stage_bytes // (blocks * item))
+        stager = self._stagers.get(id(device))
+        if stager is not None and stager.slot_bytes < per_chunk * blocks * item:
+            stager.close(self.timeout)  # a slot must hold one element of every block
+            stager = None
+        if stager is None:
+            allocate = _host_bytes if device is HOST_COPIES else self.pinned
+            stager = _Stager(device, max(self.stage_bytes, blocks * item), allocate)
+            self._stagers[id(device)] = stager
+        device.activate()
+        caller = device.resolve_stream(stream, [])
+        # lane out starts after the caller's work so far
+        device.record(caller, stager.started)
+        device.wait_event(stager.lanes[0], stager.started)
+        chunks = [(a, min(count, a + per_chunk)) for a in range(0, count, per_chunk)]
+        send_at = address(send)[0] if send is not None else 0
+        recv_at = address(recv)[0] if recv is not None else 0
+        in_flight: Optional[Tuple[int, Any]] = None  # (chunk index, request)
+        pending = 0
+
+        def copy_in(k: int) -> None:
+            a, b = chunks[k]
+            slot = k % 2
+            host = stager.pinned[slot][1]
+            width = (b - a) * item
+            for block in range(recv_blocks):
+                device.copy(stager.lanes[1], recv_at + (block * count + a) * item,
+                            host.ctypes.data + block * width, width)
+            device.record(stager.lanes[1], stager.in_done[slot])
+            stager.in_used[slot] = True
+
+        for k, (a, b) in enumerate(chunks):
+            slot = k % 2
+            out_host, in_host = stager.pinned[slot]
+            width = (b - a) * item
+            if send is not None:
+                for block in range(send_blocks):
+                    device.copy(stager.lanes[0], out_host.ctypes.data + block * width,
+                                send_at + (block * count + a) * item, width)
+            device.record(stager.lanes[0], stager.out_done[slot])
+            if in_flight is not None:
+                self._transferred(in_flight[1], what)
+                if recv is not None:
+                    copy_in(in_flight[0])
+                in_flight = None
+            if stager.in_used[slot]:  # the slot's last H2D has read its pinned bytes
+                self._copied(device, stager.in_done[slot], f"{what} (copy in)")
+                stager.in_used[slot] = False
+            self._copied(device, stager.out_done[slot], f"{what} (copy out)")
+            request = start(out_host[:send_blocks * width] if send is not None else None,
+                            in_host[:recv_blocks * width] if recv is not None else None)
+            in_flight = (k, request)
+            pending = k
+        if in_flight is not None:
+            self._transferred(in_flight[1], what)
+            if recv is not None:
+                copy_in(in_flight[0])
+        if recv is not None and chunks:
+            device.wait_event(caller, stager.in_done[pending % 2])
+
+    # -- the copies -------------------------------------------------------------------
+    def all_gather(self, send: Any, recv: Any, *, stream: Any = None) -> None:
+        self._step("all_gather", stream, send.shape[0], send, 1, recv, self.size,
+                   self.transport.all_gather)
+
+    def all_to_all(self, send: Any, recv: Any, *, stream: Any = None) -> None:
+        self._step("all_to_all", stream, send.shape[0] // self.size, send, self.size, recv,
+                   self.size, self.transport.all_to_all)
+
+    def broadcast(self, send: Any, recv: Any, root: int, *, stream: Any = None) -> None:
+        if self.member != root:
+            self._step("broadcast", stream, recv.shape[0], None, 0, recv, 1,
+                       lambda s, r: self.transport.broadcast(r, root))
+            return
+        if address(send)[0] != address(recv)[0]:
+            self._local_copy(recv, send, stream)
+        self._step("broadcast", stream, send.shape[0], send, 1, None, 0,
+                   lambda s, r: self.transport.broadcast(s, root))
+
+    def _local_copy(self, dst: Any, src: Any, stream: Optional[int]) -> None:
+        """``dst[...] = src``: on the host, or on the caller's stream by a copy engine."""
+        if stream is None or self.device is None:
+            _to_numpy(dst)[...] = _to_numpy(src)
+            return
+        (dst_at, nbytes), (src_at, _) = address(dst), address(src)
+        self.device.copy(self.device.resolve_stream(stream, []), dst_at, src_at, nbytes)
+
+    def gather(self, send: Any, recv: Any, root: int, *, stream: Any = None) -> None:
+        at_root = self.member == root
+        self._step("gather", stream, send.shape[0], send, 1, recv if at_root else None,
+                   self.size, lambda s, r: self.transport.gather(s, r, root))
+
+    def scatter(self, send: Any, recv: Any, root: int, *, stream: Any = None) -> None:
+        at_root = self.member == root
+        self._step("scatter", stream, recv.shape[0], send if at_root else None, self.size,
+                   recv, 1, lambda s, r: self.transport.scatter(s, r, root))
+
+    def send(self, buf: Any, peer: int, *, stream: Any = None) -> None:
+        self._step("send", stream, buf.shape[0], buf, 1, None, 0,
+                   lambda s, r: self.transport.send(s, peer))
+
+    def recv(self, buf: Any, peer: int, *, stream: Any = None) -> None:
+        self._step("recv", stream, buf.shape[0], None, 0, buf, 1,
+                   lambda s, r: self.transport.recv(r, peer))
+
+    def barrier(self, *, stream: Any = None) -> None:
+        if stream is not None and self.device is not None:
+            self.device.synchronize_stream(self.device.resolve_stream(stream, []), self.timeout)
+        self._transfer("barrier", self.transport.barrier)
+
+    # -- state ------------------------------------------------------------------------
+    def abort(self, reason: str = "") -> None:
+        """A step in progress returns (its request cannot be taken back: the engine takes
+        no more calls); later calls are refused."""
+        self._aborted = reason or "abort() was called"
+
+    def close(self) -> None:
+        for stager in self._stagers.values():
+            stager.close(self.timeout)
+        self._stagers.clear()
+        self.transport.close()
+
+
+def _itemsize(array: Any) -> int:
+    return array.element_size() if hasattr(array, "element_size") else array.dtype.itemsize
+
+
+class MpiStagedEngine(StagedEngine):
+    """The staged engine over MPI: the rails split from the MPI communicator, the world a
+    duplicate of it."""
+
+    name = "mpi"
+
+    @classmethod
+    def transports(cls, setup: Setup) -> Tuple[Transport, Transport]:
+        mpi = _mpi_communicator(setup.call, setup.bootstrap, setup.mpi_comm)
+        rank = setup.bootstrap.rank
+        host, local = setup.topology.host_of(rank), setup.topology.local_of(rank)
+        return MpiTransport(mpi.Split(color=local, key=host)), MpiTransport(mpi.Dup())
+
+
+class GlooStagedEngine(StagedEngine):
+    """The staged engine over torch.distributed groups (gloo): the application's default
+    group must span the same world."""
+
+    name = "gloo"
+
+    @classmethod
+    def transports(cls, setup: Setup) -> Tuple[Transport, Transport]:
+        from .torch_group import torch_groups
+        topology, rank = setup.topology, setup.bootstrap.rank
+        groups = topology.groups("rail") + [tuple(range(topology.world_size))]
+        made = torch_groups(setup.call, rank, topology.world_size, groups)
+        local = topology.local_of(rank)
+        timeout = setup.host.timeout
+        return (GlooTransport(made[local], groups[local], timeout),
+                GlooTransport(made[-1], groups[-1], timeout))
+
+
+def _mpi_communicator(call: str, bootstrap: Bootstrap, mpi_comm: Any) -> Any:
+    """The MPI communicator the engine splits: the bootstrap's own, or ``mpi_comm`` / the
+    world when the bootstrap is not MPI's (its ranks must then be the same)."""
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        raise InvalidArgumentError(f"{call}: inter_host='mpi' needs mpi4py (pip install "
+                                   f"'hoccl[mpi]')") from None
+    if isinstance(bootstrap, MPIBootstrap):
+        return bootstrap.mpi
+    world = mpi_comm if mpi_comm is not None else MPI.COMM_WORLD
+    if world.Get_size() != bootstrap.world_size or world.Get_rank() != bootstrap.rank:
+        raise InvalidArgumentError(f"{call}: inter_host='mpi' needs an MPI communicator with the "
+                                   f"bootstrap's ranks; MPI has rank {world.Get_rank()} of "
+                                   f"{world.Get_size()}, the bootstrap {bootstrap.rank} of "
+                                   f"{bootstrap.world_size}")
+    return world

@@ -1,0 +1,312 @@
+"""The staged engine between hosts, on CPU: its device pipeline (copy out on one lane,
+transfer, copy in on another, two pinned slots, chunks of ``stage_bytes``) through a
+device whose copies run only when the engine waits for an event recorded after them
+(``LazyDevice``: a copy the engine forgot to wait for is missing, not early), and a
+transport of two members in one process (``Wire``); every copy and the reductions by
+hoccl's rule (``FoldingEngine``) bit for bit against numpy, outputs poisoned first.
+The fold of a reduction is enqueued on the caller's stream, as on a GPU."""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from hoccl._dtypes import reduce_arrays
+from hoccl._hierarchy.folding import fold
+from hoccl._hierarchy.staged import StagedEngine, Transport
+from hoccl.testing import poison, random_array
+
+SIZE = 2
+
+
+class LazyStream:
+    def __init__(self):
+        self.work, self.ran = [], 0
+
+    def run_until(self, upto):
+        while self.ran < upto:
+            self.ran += 1
+            self.work[self.ran - 1]()
+
+
+class LazyDevice:
+    """hoccl's device interface as the staged engine uses it; work runs when waited for."""
+
+    def __init__(self):
+        self.caller = LazyStream()
+
+    def activate(self):
+        pass
+
+    def resolve_stream(self, stream, arrays):
+        assert stream == 7, "the engine passes the caller's stream handle"
+        return self.caller
+
+    def create_stream(self):
+        return LazyStream()
+
+    def destroy_stream(self, stream):
+        pass
+
+    def create_event(self):
+        return {}
+
+    def destroy_event(self, event):
+        pass
+
+    def record(self, stream, event):
+        event.update(stream=stream, upto=len(stream.work))
+
+    def wait_event(self, stream, event):
+        target, upto = event["stream"], event["upto"]
+        stream.work.append(lambda: target.run_until(upto))
+
+    def done(self, event):
+        event["stream"].run_until(event["upto"])
+        return True
+
+    def copy(self, stream, dst, src, nbytes):
+        stream.work.append(lambda: ctypes.memmove(dst, src, nbytes))
+
+    def synchronize_stream(self, stream, timeout):
+        stream.run_until(len(stream.work))
+
+
+class Wire:
+    """The members' steps, matched by their sequence numbers; a step runs when every
+    member has started it."""
+
+    def __init__(self):
+        self.lock, self.posted, self.done = threading.Lock(), {}, set()
+
+    def post(self, seq, member, kind, args):
+        with self.lock:
+            self.posted.setdefault(seq, {})[member] = (kind, args)
+            if len(self.posted[seq]) == SIZE:
+                self._run(self.posted.pop(seq))
+                self.done.add(seq)
+
+    @staticmethod
+    def _run(steps):
+        kind = steps[0][0]
+        args = [steps[m][1] for m in range(SIZE)]
+        if kind == "all_gather":
+            whole = np.concatenate([a[0] for a in args])
+            for _, recv in args:
+                recv[...] = whole
+        elif kind == "all_to_all":
+            width = args[0][0].size // SIZE
+            for i in range(SIZE):
+                for j in range(SIZE):
+                    args[j][1][i * width:(i + 1) * width] = args[i][0][j * width:(j + 1) * width]
+        elif kind == "broadcast":
+            root = args[0][1]
+            for buf, _ in args:
+                if buf is not args[root][0]:
+                    buf[...] = args[root][0]
+        elif kind == "gather":
+            root = args[0][2]
+            args[root][1][...] = np.concatenate([a[0] for a in args])
+        elif kind == "scatter":
+            root = args[0][2]
+            width = args[0][1].size
+            for m in range(SIZE):
+                args[m][1][...] = args[root][0][m * width:(m + 1) * width]
+        elif kind == "pair":
+            sender = next(m for m in range(SIZE) if args[m][1] == "send")
+            args[1 - sender][0][...] = args[sender][0]
+
+
+class WireTransport(Transport):
+    def __init__(self, wire, member):
+        self.wire, self.member, self.size, self.label, self.seq = wire, member, SIZE, "wire", 0
+
+    def _post(self, kind, *args):
+        self.seq += 1
+        self.wire.post(self.seq, self.member, kind, args)
+        return self.seq
+
+    def all_gather(self, send, recv):
+        return self._post("all_gather", send, recv)
+
+    def all_to_all(self, send, recv):
+        return self._post("all_to_all", send, recv)
+
+    def broadcast(self, buf, root):
+        return self._post("broadcast", buf, root)
+
+    def gather(self, send, recv, root):
+        return self._post("gather", send, recv, root)
+
+    def scatter(self, send, recv, root):
+        return self._post("scatter", send, recv, root)
+
+    def send(self, buf, peer):
+        return self._post("pair", buf, "send")
+
+    def recv(self, buf, peer):
+        return self._post("pair", buf, "recv")
+
+    def barrier(self):
+        return self._post("barrier")
+
+    def test(self, request):
+        return request in self.wire.done
+
+
+class StagedOnLazyDevice(StagedEngine):
+    """Every array counts as device memory; folds are enqueued on the caller's stream."""
+
+    name = "lazy"
+    handle = 7  #: the caller's stream
+
+    @classmethod
+    def transports(cls, setup):
+        raise NotImplementedError
+
+    @staticmethod
+    def _on_host(arrays):
+        return False
+
+    @staticmethod
+    def pinned(nbytes):
+        return np.empty(nbytes, np.uint8)
+
+    def folding(self, parts, out, op, stream):
+        if stream is None:  # a member on the host folds at once
+            fold(parts, out, op)
+            return
+        self.device.resolve_stream(stream, []).work.append(lambda: fold(parts, out, op))
+
+
+class StagedOnHost(StagedOnLazyDevice):
+    """A member whose arrays are in host memory (hoccl's host backend): no stage, but
+    the same chunks as its peer's."""
+
+    handle = None  # the host backend takes no stream
+
+    @staticmethod
+    def _on_host(arrays):
+        return True
+
+
+def _engines(stage_bytes, mixed):
+    wire = Wire()
+    kinds = [StagedOnHost if mixed and m == 0 else StagedOnLazyDevice for m in range(SIZE)]
+    return [kind(WireTransport(wire, m), LazyDevice(), 10.0, stage_bytes)
+            for m, kind in enumerate(kinds)]
+
+
+def _both(engines, step):
+    """``step(member, engine)`` on both members at once; then each caller's stream runs."""
+    with ThreadPoolExecutor(SIZE) as pool:
+        for future in [pool.submit(step, m, e) for m, e in enumerate(engines)]:
+            future.result()
+    for engine in engines:
+        engine.device.synchronize_stream(engine.device.caller, 1.0)
+
+
+def _same(what, want, got):
+    assert np.array_equal(want.view(np.uint8), got.view(np.uint8)), f"{what}: {got} != {want}"
+
+
+@pytest.mark.parametrize("stage_bytes", [6, 64, 1 << 20])
+@pytest.mark.parametrize("dtype,mixed", [("bfloat16", False), ("float16", True),
+                                         ("int32", False), ("int32", True)])
+def test_every_step_of_the_staged_pipeline_matches_numpy(stage_bytes, dtype, mixed):
+    """``mixed``: member 0's arrays are in host memory, member 1's on the (lazy) device."""
+    rng = np.random.default_rng()
+    engines = _engines(stage_bytes, mixed)
+    count = 13
+    data = [random_array(rng, SIZE * count, dtype) for _ in range(SIZE)]
+
+    def outputs(n):
+        return [poison(n, dtype) for _ in range(SIZE)]
+
+    recv = outputs(SIZE * count)
+    _both(engines, lambda m, e: e.all_gather(data[m][:count], recv[m], stream=e.handle))
+    for m in range(SIZE):
+        _same("all_gather", np.concatenate([d[:count] for d in data]), recv[m])
+
+    recv = outputs(SIZE * count)
+    _both(engines, lambda m, e: e.all_to_all(data[m], recv[m], stream=e.handle))
+    for m in range(SIZE):
+        _same("all_to_all", np.concatenate([d[m * count:(m + 1) * count] for d in data]),
+              recv[m])
+
+    for root in range(SIZE):
+        recv = outputs(count)
+        _both(engines, lambda m, e: e.broadcast(data[m][:count], recv[m], root, stream=e.handle))
+        for m in range(SIZE):
+            _same("broadcast", data[root][:count], recv[m])
+        recv = outputs(SIZE * count)
+        _both(engines, lambda m, e: e.gather(data[m][:count], recv[m] if m == root else None,
+                                             root, stream=e.handle))
+        _same("gather", np.concatenate([d[:count] for d in data]), recv[root])
+        recv = outputs(count)
+        _both(engines, lambda m, e: e.scatter(data[m] if m == root else None, recv[m], root,
+                                              stream=e.handle))
+        for m in range(SIZE):
+            _same("scatter", data[root][m * count:(m + 1) * count], recv[m])
+
+    recv = outputs(count)
+    _both(engines, lambda m, e: (e.send(data[m][:count], 1, stream=e.handle) if m == 0
+                                 else e.recv(recv[m], 0, stream=e.handle)))
+    _same("send/recv", data[0][:count], recv[1])
+
+    for op in ("sum", "prod", "max"):
+        recv = outputs(count)
+        _both(engines, lambda m, e: e.reduce_scatter(data[m], recv[m], op, stream=e.handle))
+        for m in range(SIZE):
+            want = reduce_arrays([d[m * count:(m + 1) * count] for d in data], op, data[0].dtype)
+            _same(f"reduce_scatter {op}", want, recv[m])
+        recv = outputs(count)  # 13 elements: a shard of 6 per member and a remainder of 1
+        _both(engines, lambda m, e: e.all_reduce(data[m][:count], recv[m], op, stream=e.handle))
+        want = reduce_arrays([d[:count] for d in data], op, data[0].dtype)
+        for m in range(SIZE):
+            _same(f"all_reduce {op}", want, recv[m])
+        in_place = [d[:count].copy() for d in data]
+        _both(engines, lambda m, e: e.all_reduce(in_place[m], in_place[m], op, stream=e.handle))
+        for m in range(SIZE):
+            _same(f"all_reduce {op} in place", want, in_place[m])
+        recv = outputs(count)
+        _both(engines, lambda m, e: e.reduce(data[m][:count], recv[m] if m == 1 else None, 1,
+                                             op, stream=e.handle))
+        _same(f"reduce {op}", want, recv[1])
+
+
+def test_a_copy_the_engine_did_not_wait_for_is_missing_on_the_lazy_device():
+    """The checker's model holds: a copy enqueued and never waited for does not happen."""
+    device = LazyDevice()
+    lane = device.create_stream()
+    source, target = np.arange(4, dtype=np.int32), np.zeros(4, np.int32)
+    device.copy(lane, target.ctypes.data, source.ctypes.data, source.nbytes)
+    assert not target.any()
+    event = device.create_event()
+    device.record(lane, event)
+    assert device.done(event) and np.array_equal(target, source)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64", "int8", "uint8",
+                                   "int32", "int64"])
+def test_the_device_fold_in_torch_computes_the_rules_bits(dtype):
+    """The torch operations a device runs for ``fold`` (float32 accumulator for 16-bit
+    floats, member order, one rounding), run here on CPU tensors, give numpy's
+    ``reduce_arrays`` bit for bit."""
+    torch = pytest.importorskip("torch")
+    from hoccl._hierarchy.folding import _fold_on_device, _to_numpy
+    rng = np.random.default_rng()
+    parts = [random_array(rng, 257, dtype) for _ in range(5)]
+
+    def tensor(array):
+        if dtype == "bfloat16":
+            return torch.from_numpy(array.view(np.int16).copy()).view(torch.bfloat16)
+        return torch.from_numpy(array.copy())
+    for op in ("sum", "prod", "max", "min"):
+        out = tensor(poison(257, dtype))
+        _fold_on_device("torch", [tensor(part) for part in parts], out, op)
+        _same(f"fold {op}", reduce_arrays(parts, op, parts[0].dtype), _to_numpy(out))
