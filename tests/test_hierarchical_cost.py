@@ -4,8 +4,8 @@ import math
 
 import pytest
 
-from hoccl.sched.cost import (Machine, bus_bandwidth, hoccl_hierarchical, main, nccl_ring,
-                              nccl_tree)
+from hoccl.sched.cost import (Machine, Phase, best_chunks, bus_bandwidth, hoccl_hierarchical,
+                              main, nccl_ring, nccl_tree, phases, pipeline_us)
 
 GIB = 1 << 30
 
@@ -32,13 +32,81 @@ def test_the_tree_has_logarithmic_network_latency():
     assert deltas == pytest.approx([2 * Machine(1).net_latency_us] * 3, rel=1e-3)
 
 
-@pytest.mark.parametrize("collective", ["all_reduce", "all_gather", "reduce_scatter",
-                                        "all_to_all"])
+COLLECTIVES = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all"]
+#: a machine whose every per-chunk cost is zero: only transfers count
+FREE = dict(hoccl_call_us=0.0, copy_call_us=0.0, mpi_call_us=0.0, net_latency_us=0.0,
+            nccl_base_us=0.0)
+
+
+@pytest.mark.parametrize("collective", COLLECTIVES)
 @pytest.mark.parametrize("hosts", [2, 8, 64])
-def test_overlapping_the_phases_never_costs_more(collective, hosts):
+@pytest.mark.parametrize("staged", [False, True])
+@pytest.mark.parametrize("nbytes", [1 << 20, 256 << 20, GIB])
+def test_overlapping_the_phases_never_costs_more(collective, hosts, staged, nbytes):
     m = Machine(hosts=hosts)
-    assert hoccl_hierarchical(collective, GIB, m, pipelined=True) <= \
-        hoccl_hierarchical(collective, GIB, m)
+    sequential = hoccl_hierarchical(collective, nbytes, m, staged=staged)
+    assert hoccl_hierarchical(collective, nbytes, m, pipelined=True, staged=staged) <= sequential
+
+
+@pytest.mark.parametrize("collective", COLLECTIVES)
+@pytest.mark.parametrize("staged", [False, True])
+def test_one_chunk_is_the_phases_one_after_another(collective, staged):
+    steps = phases(collective, GIB, Machine(hosts=4), staged)
+    assert pipeline_us(steps, 1) == pytest.approx(
+        sum(phase.host_us + phase.latency_us + phase.transfer_us for phase in steps))
+
+
+@pytest.mark.parametrize("collective", COLLECTIVES)
+@pytest.mark.parametrize("staged", [False, True])
+def test_with_no_per_chunk_cost_the_pipeline_tends_to_its_busiest_level(collective, staged):
+    steps = phases(collective, GIB, Machine(hosts=8, **FREE), staged)
+    levels = {}
+    for phase in steps:
+        levels[phase.level] = levels.get(phase.level, 0.0) + phase.transfer_us
+    times = [pipeline_us(steps, 1 << k) for k in range(0, 21, 4)]
+    assert times == sorted(times, reverse=True)  # more chunks, less fill and drain
+    assert times[-1] >= max(levels.values())
+    assert times[-1] == pytest.approx(max(levels.values()), rel=1e-4)
+
+
+def test_the_fill_and_drain_are_the_other_phases_chunk_times():
+    """Two levels of T each: the first chunk crosses both (2T/k), then k-1 periods of T/k."""
+    steps = [Phase("a", "one", 0.0, 0.0, 100.0), Phase("b", "two", 0.0, 0.0, 100.0)]
+    for chunks in (1, 2, 5, 64):
+        assert pipeline_us(steps, chunks) == pytest.approx(100.0 * (chunks + 1) / chunks)
+
+
+def test_phases_of_one_level_take_turns_and_per_chunk_costs_add_up():
+    """all_reduce's reduce_scatter and all_gather inside a host run on one level, so the
+    period holds both; each chunk pays their host costs again."""
+    m = Machine(hosts=2)
+    steps = phases("all_reduce", GIB, m)
+    assert [phase.level for phase in steps] == ["host", "rail", "host"]
+    host = steps[0].transfer_us + steps[2].transfer_us
+    assert pipeline_us(steps, 1 << 12) >= host + (1 << 12) * 2 * m.hoccl_call_us
+    best = best_chunks(steps, GIB)
+    assert pipeline_us(steps, best) <= min(pipeline_us(steps, k) for k in (1, 2, 8, 64, 256))
+
+
+def test_the_runtimes_chunk_size_gives_the_chunk_count():
+    m = Machine(hosts=4)
+    steps = phases("all_gather", GIB, m)
+    assert hoccl_hierarchical("all_gather", GIB, m, pipelined=True, chunk_bytes=64 << 20) == \
+        pytest.approx(pipeline_us(steps, 16))
+
+
+def test_the_staged_engine_adds_its_copies_as_levels_of_their_own():
+    m = Machine(hosts=4, **FREE)
+    plain, staged = phases("all_reduce", GIB, m), phases("all_reduce", GIB, m, staged=True)
+    assert [phase.name for phase in staged] == [
+        "host reduce_scatter", "device to host", "rail all_reduce", "host to device",
+        "host all_gather"]
+    assert {phase.level for phase in staged} == {"host", "stage in", "rail", "stage out"}
+    per_gpu = GIB / 8
+    assert staged[1].transfer_us == pytest.approx(per_gpu / (m.staging_gbps * 1e3))
+    # the rail's sums run on the CPUs: the staged rail is the plain one plus them
+    assert staged[2].transfer_us == pytest.approx(
+        plain[1].transfer_us + per_gpu * 3 / 4 / (m.host_reduce_gbps * 1e3))
 
 
 def test_the_hierarchical_network_share_is_one_nic_per_rail():
@@ -52,5 +120,8 @@ def test_the_hierarchical_network_share_is_one_nic_per_rail():
 def test_the_program_prints_a_table_per_collective(capsys):
     main(["--collective", "all_reduce,all_gather", "--size", "1G", "--hosts", "1,2,64"])
     out = capsys.readouterr().out
-    assert "| hosts x gpus | nccl ring | hoccl hier | hoccl hier pipelined | nccl tree |" in out
+    assert "a model, not a measurement" in out
+    assert ("| hosts x gpus | nccl ring | hoccl hier | hoccl pipelined | pipelined 4M chunks | "
+            "staged pipelined | nccl tree | chunks |") in out
     assert "| 64 x 8 |" in out and "all_gather, 1G" in out
+    assert out.count("pipelined at or below the ring at hosts") == 2

@@ -118,8 +118,8 @@ def metadata(command: List[str]) -> Dict[str, Any]:
     import torch
     info = {"command": " ".join(command), "date": datetime.now(timezone.utc).isoformat(),
             "host": platform.node(), "python": sys.version.split()[0],
-            "torch": torch.__version__, "gpu": torch.cuda.get_device_name(0),
-            "gpus": torch.cuda.device_count()}
+            "torch": torch.__version__, "gpus": torch.cuda.device_count(),
+            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"}
     try:
         info["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
     except Exception as error:  # report, do not fail the benchmark

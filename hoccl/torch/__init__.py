@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Tuple
 
 try:
     import torch
@@ -36,10 +36,12 @@ import hoccl
 import hoccl_autoload
 
 from .. import InvalidArgumentError
+from .._hierarchy import INTER_HOST_ENGINES
 from ..config import SETTINGS, Config
 from ._bootstrap import StoreBootstrap
 from ._fsdp import AllGather, FSDPHooks, ReduceScatter, use_for_fsdp
 from ._launchers import fill_rendezvous_env
+from ._mixed import is_mixed, library_group, making_library_groups, needs_torch_groups
 from ._pool import RegisteredPool
 from ._process_group import ProcessGroupHoccl
 from ._work import Work
@@ -60,13 +62,16 @@ class Options:
     """``pg_options`` of ``init_process_group("hoccl", ...)``, ``new_group`` or a DeviceMesh
     ``backend_override``: how the group's hoccl Communicator is made.
 
-    ``backend``: "cuda" or "host" (None: cuda when a GPU is visible).  ``device``: the
+    ``backend``: "cuda" or "host" (None: cuda when a GPU is visible).  ``inter_host``:
+    the engine between hosts when the group spans several (``hoccl.init``'s; None: picked
+    from the hosts).  ``device``: the
     CUDA ordinal (None: torch's current device when one was set, else the default
     group's, else the local rank modulo the visible GPUs).  ``settings``: fields of
     ``hoccl.Config`` (every one but the timeout, which is torch's: ``timeout``), checked
     here; ``config``: a whole ``hoccl.Config`` that ``settings`` then change."""
     backend: Optional[str] = None
     device: Optional[int] = None
+    inter_host: Optional[str] = None
     settings: Mapping[str, Any] = field(default_factory=dict)
     timeout: Optional[timedelta] = None
     config: Optional[Config] = None
@@ -75,6 +80,10 @@ class Options:
         if self.backend not in (None, "cuda", "host"):
             raise InvalidArgumentError(f"Options: backend must be 'cuda', 'host' or None; got "
                                        f"{self.backend!r}")
+        if self.inter_host not in (None,) + INTER_HOST_ENGINES:
+            raise InvalidArgumentError(f"Options: inter_host must be one of "
+                                       f"{INTER_HOST_ENGINES} or None; got "
+                                       f"{self.inter_host!r}")
         unknown = sorted(set(self.settings) - set(_SETTINGS))
         if unknown:
             raise InvalidArgumentError(f"Options: unknown settings {unknown}; expected any of "
@@ -123,14 +132,17 @@ def _device(options: Options) -> Optional[int]:
             return current
     if dist.is_initialized():
         default = dist.distributed_c10d._get_default_group()
-        if isinstance(default, ProcessGroupHoccl):
+        if isinstance(default, ProcessGroupHoccl) and default.connected:
             return default.communicator.device
     return None
 
 
-def _create(backend_options: Any, pg_options: Any) -> ProcessGroupHoccl:
+def _create(backend_options: Any, pg_options: Any) -> Any:
     """torch.distributed's creator (extended API): one Communicator per group, bootstrapped
-    through the group's store; a gloo group beside it for CPU tensors when it is on a GPU."""
+    through the group's store; a gloo group beside it for CPU tensors when it is on a GPU
+    (not in a job whose hosts differ).  The default group of a job whose hosts run torch
+    groups connects at its first call, and groups made while it does are the device
+    library's (see hoccl.torch._mixed)."""
     options = pg_options if pg_options is not None else Options()
     if not isinstance(options, Options):
         raise InvalidArgumentError(f"init_process_group: pg_options of the hoccl backend must "
@@ -138,14 +150,28 @@ def _create(backend_options: Any, pg_options: Any) -> ProcessGroupHoccl:
     store = backend_options.store
     rank, world_size = backend_options.group_rank, backend_options.group_size
     timeout = backend_options.timeout
-    comm = hoccl.init(backend=options.backend, bootstrap=StoreBootstrap(store, rank, world_size),
-                      device=_device(options), timeout=timeout.total_seconds() or None,
-                      config=options.config, **dict(options.settings))
-    cpu_group = None
-    if comm.backend == "cuda":
-        from torch.distributed import ProcessGroupGloo
-        cpu_group = ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, world_size, timeout)
-    return ProcessGroupHoccl(comm, cpu_group, store)
+    if making_library_groups():
+        return library_group(store, rank, world_size, timeout)
+
+    def connect() -> Tuple[Any, Any]:
+        comm = hoccl.init(backend=options.backend,
+                          bootstrap=StoreBootstrap(store, rank, world_size),
+                          device=_device(options), timeout=timeout.total_seconds() or None,
+                          inter_host=options.inter_host, config=options.config,
+                          **dict(options.settings))
+        cpu_group = None
+        if comm.backend == "cuda" and not (isinstance(comm, hoccl.HierarchicalCommunicator)
+                                           and is_mixed(comm)):
+            from torch.distributed import ProcessGroupGloo
+            cpu_group = ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, world_size,
+                                         timeout)
+        return comm, cpu_group
+    config = Config.from_environment("init_process_group", dict(options.settings),
+                                     options.config)
+    if not dist.is_initialized() and needs_torch_groups(
+            store, rank, world_size, config.intra_host, options.inter_host):
+        return ProcessGroupHoccl(store=store, connect=connect, rank=rank, world_size=world_size)
+    return ProcessGroupHoccl(*connect(), store)
 
 
 hoccl_autoload.register()

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
-from ._ops import movable, premultiply, reducible
+from ._ops import averaged, movable, premultiply, reducible
 from ._work import Launcher
 
 __all__ = ["all_gather_into", "reduce_scatter_into"]
@@ -31,7 +31,9 @@ def reduce_scatter_into(call: str, launcher: Launcher, output: torch.Tensor,
     and the call is then out of place)."""
     reducible(call, output, factor)
 
-    def issue(stream: Any) -> None:
+    def issue(stream: Any) -> Optional[Callable[[], None]]:
         source, scale = premultiply(launcher.comm, input, factor, in_place=False)
-        launcher.comm.reduce_scatter(source, output, op, scale=scale, stream=stream)
+        called, divide = averaged(launcher.comm, op, output)
+        launcher.comm.reduce_scatter(source, output, called, scale=scale, stream=stream)
+        return divide
     return launcher.run(issue, [output], [input, output], async_op, mark=mark)

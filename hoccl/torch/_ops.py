@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence, Tuple, TypeVar
+from typing import Any, Callable, Optional, Sequence, Tuple, TypeVar
 
 import torch
 
 from .. import InvalidArgumentError
 from .._dtypes import FLOATING, NAMES
 
-__all__ = ["REDUCIBLE", "reduction", "reducible", "movable", "one_tensor", "premultiply"]
+__all__ = ["REDUCIBLE", "reduction", "reducible", "movable", "one_tensor", "premultiply",
+           "averaged"]
 
 #: the dtypes hoccl's reduction kernels take (hoccl's dtype names are torch's)
 REDUCIBLE = tuple(getattr(torch, name) for name in NAMES)
@@ -86,3 +87,27 @@ def premultiply(comm: Any, tensor: torch.Tensor, factor: Any, *,
     if in_place:
         return tensor.mul_(factor), None
     return torch.mul(tensor, factor).to(tensor.dtype), None
+
+
+def averaged(comm: Any, op: str, output: Optional[torch.Tensor]
+             ) -> Tuple[str, Optional[Callable[[], None]]]:
+    """(the op to call ``comm`` with, what divides ``output`` after the call, or None).
+
+    Across hosts on the host backend an average is a sum that torch then divides as
+    hoccl's avg does (integers truncate toward zero, 16-bit floats divide in float32),
+    for the phases' division there takes numpy arrays only; everywhere else hoccl
+    averages itself.  ``output`` None: this rank receives nothing (reduce off the root)."""
+    from .._hierarchy import HierarchicalCommunicator
+    if op != "avg" or comm.backend != "host" or not isinstance(comm, HierarchicalCommunicator):
+        return op, None
+    if output is None:
+        return "sum", None
+
+    def divide() -> None:
+        assert output is not None
+        if not output.is_floating_point():
+            output.copy_(torch.div(output, comm.world_size, rounding_mode="trunc"))
+        else:
+            wide = output.float() if output.element_size() == 2 else output
+            output.copy_(wide / comm.world_size)
+    return "sum", divide

@@ -31,17 +31,18 @@ timed out is dropped (the recvs held behind it go on).
 from __future__ import annotations
 
 import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 import hoccl
 
-from .. import HocclTimeoutError
+from .. import HocclTimeoutError, InvalidArgumentError
 from .._mailbox import wait_until
-from ._work import Launcher, Work
+from ._ops import movable
+from ._work import Launcher, Work, WorkList
 
-__all__ = ["HeldP2P", "SendCounts", "issue_held"]
+__all__ = ["HeldP2P", "SendCounts", "issue_held", "exchange", "even_splits"]
 
 _HELD: List["HeldP2P"] = []
 
@@ -168,7 +169,7 @@ class HeldP2P(Work):
         self.issued = True
         launcher = self.launcher
         if launcher.device is None:
-            self.mark = launcher.comm.calls
+            self.mark = launcher.position()
         else:
             self.stream = launcher.side_stream()
             self.event = launcher.record(self.stream)
@@ -218,3 +219,67 @@ def _rounds(held: List[HeldP2P]) -> List[List[HeldP2P]]:
             rounds.append([])
         rounds[index].append(call)
     return rounds
+
+
+def even_splits(call: str, tensor: torch.Tensor, world_size: int) -> List[int]:
+    """``tensor``'s dim 0 cut in ``world_size`` equal parts (all_to_all with no split sizes)."""
+    rows = tensor.size(0) if tensor.dim() else 1
+    if rows % world_size:
+        raise InvalidArgumentError(f"{call}: with no split sizes, dim 0 ({rows}) must be a "
+                                   f"multiple of the world size {world_size}")
+    return [rows // world_size] * world_size
+
+
+def exchange(launcher: Launcher, call: str, receives: Sequence[torch.Tensor],
+             sends: Sequence[torch.Tensor], outputs: List[torch.Tensor],
+             async_op: bool) -> Any:
+    """An all_to_all whose chunks may differ in size: chunk ``p`` of ``sends`` to rank p,
+    into chunk ``r`` of rank p's ``receives``; the own chunk by a local copy on the
+    current stream, every other non-empty one by a send/recv pair, all issued as one
+    batch (across hosts, where there is no batch, one pair after another:
+    ``_in_pair_order``)."""
+    rank, world_size = launcher.comm.rank, launcher.comm.world_size
+    for send, receive in zip(sends, receives):
+        if send.dtype != receive.dtype:
+            raise InvalidArgumentError(f"{call}: input and output must have one dtype; got "
+                                       f"{send.dtype} and {receive.dtype}")
+    own_send, own_receive = sends[rank], receives[rank]
+    if own_send.numel() != own_receive.numel():
+        raise InvalidArgumentError(f"{call}: this rank sends itself {own_send.numel()} "
+                                   f"elements but receives {own_receive.numel()}")
+    own_receive.copy_(own_send.view_as(own_receive))
+    if launcher.across_hosts:
+        return _in_pair_order(launcher, receives, sends, outputs, async_op)
+    works: List[Any] = []
+    for peer in range(world_size):
+        if peer == rank:
+            continue
+        for kind, chunk in (("send", sends[peer]), ("recv", receives[peer])):
+            if chunk.numel():
+                works.append(HeldP2P(launcher, kind, movable(chunk), chunk, peer))
+    issue_held()
+    work = WorkList(works, outputs)
+    if not async_op:
+        work.wait()
+    return work
+
+
+def _in_pair_order(launcher: Launcher, receives: Sequence[torch.Tensor],
+                   sends: Sequence[torch.Tensor], outputs: List[torch.Tensor],
+                   async_op: bool) -> Any:
+    """``exchange``'s pairs one at a time, in one order every rank agrees on: the pairs
+    (low, high) in order, the lower rank sending first.  The first pair not yet done has
+    both its ranks at it, so the exchange never waits in a cycle."""
+    comm = launcher.comm
+
+    def issue(stream: Any) -> None:
+        for low in range(comm.world_size):
+            for high in range(low + 1, comm.world_size):
+                if comm.rank not in (low, high):
+                    continue
+                peer = high if comm.rank == low else low
+                steps = [("send", sends[peer]), ("recv", receives[peer])]
+                for kind, chunk in steps if comm.rank == low else steps[::-1]:
+                    if chunk.numel():
+                        getattr(comm, kind)(movable(chunk), peer, stream=stream)
+    return launcher.run(issue, outputs, [*sends, *receives], async_op)

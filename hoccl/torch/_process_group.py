@@ -5,9 +5,10 @@ hoccl can do, and makes hoccl calls through the rank's Launcher (which picks the
 stream and makes the Work).  What hoccl has no form for is built from what it has:
 
 * list forms (all_gather, gather, reduce_scatter, scatter) go through one flat
-  temporary, copied out or in by torch on the call's stream;
+  temporary, copied out or in by torch on the call's stream (``_lists``);
 * all_to_all with uneven splits, and the list all_to_all, are a batch of send/recv
-  pairs (every rank's chunk for every peer) plus a local copy of the own chunk;
+  pairs (every rank's chunk for every peer) plus a local copy of the own chunk
+  (``_p2p.exchange``);
 * PREMUL_SUM(f) is SUM times f (``_ops.premultiply``): a number f multiplied by hoccl's
   reduction kernel, else SUM of ``input * f``, the scaled input a temporary (out of
   place) or the tensor itself (all_reduce, whose output overwrites it);
@@ -20,21 +21,25 @@ off (``_untracked``), so they write into tensors that require grad (DDP's gradie
 under ``backward(create_graph=True)``), which hoccl's own API refuses to do.
 
 CPU tensors in a group whose communicator is on a GPU go to a gloo group made from the
-same store.  Unsupported requests raise InvalidArgumentError naming the call.
+same store, except in a job whose hosts differ (``_mixed``: there they go through the
+GPU).  Unsupported requests raise InvalidArgumentError naming the call (and, across
+hosts, the rank's host and engines).
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
 from .. import InvalidArgumentError
+from . import _lists
 from ._collectives import all_gather_into, reduce_scatter_into
-from ._ops import movable, one_tensor, premultiply, reducible, reduction
-from ._p2p import HeldP2P, SendCounts, issue_held
+from ._mixed import is_mixed, library_groups, staged, tensors_of, to_gloo, where
+from ._ops import averaged, movable, one_tensor, premultiply, reducible, reduction
+from ._p2p import HeldP2P, SendCounts, even_splits, exchange, issue_held
 from ._work import Launcher, WorkList
 
 __all__ = ["ProcessGroupHoccl"]
@@ -46,37 +51,26 @@ def _async(opts: Any) -> bool:
     return bool(getattr(opts, "asyncOp", True))
 
 
-def _even_splits(call: str, tensor: torch.Tensor, world_size: int) -> List[int]:
-    rows = tensor.size(0) if tensor.dim() else 1
-    if rows % world_size:
-        raise InvalidArgumentError(f"{call}: with no split sizes, dim 0 ({rows}) must be a "
-                                   f"multiple of the world size {world_size}")
-    return [rows // world_size] * world_size
-
-
-def _copy_blocks(flat: torch.Tensor, outputs: Sequence[torch.Tensor]) -> Callable[[], None]:
-    """What copies ``flat`` (the flat temporary of a list form), cut in pieces of the
-    outputs' sizes, into ``outputs`` in order, run by the Launcher once the hoccl call is
-    on the stream."""
-    def copy_out() -> None:
-        pieces = flat.split([output.numel() for output in outputs])
-        for piece, output in zip(pieces, outputs):
-            output.copy_(piece.view_as(output))
-    return copy_out
-
-
 def _untracked(method: Callable[..., Any]) -> Callable[..., Any]:
-    """``method`` with grad mode off: a collective of torch's backends is not recorded by
-    autograd and writes into tensors that require grad; hoccl's API refuses those
-    unless grad mode is off, and torch's in-place copies and scalings inside the call
-    would otherwise be recorded or refused."""
+    """``method`` as torch's backends run a collective: with grad mode off (it is not
+    recorded by autograd and writes into tensors that require grad; hoccl's API refuses
+    those unless grad mode is off, and torch's in-place copies and scalings inside the
+    call would otherwise be recorded or refused); on a mixed job, a GPU rank's CPU
+    tensors through its GPU, and errors naming the rank's host and engines (``_mixed``)."""
     @functools.wraps(method)
-    def untracked(*args: Any, **kwargs: Any) -> Any:
+    def untracked(self: "ProcessGroupHoccl", *args: Any, **kwargs: Any) -> Any:
         with torch.no_grad():
-            return method(*args, **kwargs)
+            if not self.across_hosts:
+                return method(self, *args, **kwargs)
+            try:
+                device = self.launcher.device
+                if device is not None and self.stages(tensors_of(args)):
+                    return staged(functools.partial(method, self, **kwargs), list(args),
+                                  device)
+                return method(self, *args, **kwargs)
+            except InvalidArgumentError as error:
+                raise InvalidArgumentError(f"{error} ({where(self.communicator)})") from None
     return untracked
-
-
 class ProcessGroupHoccl(dist.ProcessGroup):
     """A torch.distributed process group whose collectives are hoccl calls.
 
@@ -87,16 +81,59 @@ class ProcessGroupHoccl(dist.ProcessGroup):
     supports_splitting = False
     supports_coalescing = False
 
-    def __init__(self, comm: Any, cpu_group: Any = None, store: Any = None):
-        super().__init__(comm.rank, comm.world_size)  # type: ignore[call-arg]
-        self.communicator = comm
-        self.cpu_group = cpu_group  # gloo, for CPU tensors when comm runs on a GPU
-        # the host backend's recvs from any source are matched through the group's store
-        self.send_counts = (SendCounts(store, comm.rank, comm.world_size)
-                            if store is not None and comm.backend == "host" else None)
-        self.launcher = Launcher(comm)
+    def __init__(self, comm: Any = None, cpu_group: Any = None, store: Any = None, *,
+                 connect: Optional[Callable[[], Tuple[Any, Any]]] = None, rank: int = 0,
+                 world_size: int = 1):
+        if comm is not None:
+            rank, world_size = comm.rank, comm.world_size
+        super().__init__(rank, world_size)  # type: ignore[call-arg]
+        self.store = store
+        self._connect = connect  # (communicator, cpu group), made at the first call
+        self._comm: Any = None
+        self._launcher: Optional[Launcher] = None
+        self.cpu_group: Any = None
+        self.send_counts: Optional[SendCounts] = None
+        self.across_hosts = self.mixed = False
         self._coalesced: Optional[List[dist.Work]] = None
         self._group_name = ""
+        if comm is not None:
+            self._attach(comm, cpu_group)
+
+    def _attach(self, comm: Any, cpu_group: Any) -> None:
+        from .._hierarchy import HierarchicalCommunicator
+        self._comm = comm
+        self.cpu_group = cpu_group  # gloo, for CPU tensors when comm runs on a GPU
+        # the host backend's recvs from any source are matched through the group's store
+        self.send_counts = (SendCounts(self.store, comm.rank, comm.world_size)
+                            if self.store is not None and comm.backend == "host" else None)
+        self._launcher = Launcher(comm)
+        self.across_hosts = isinstance(comm, HierarchicalCommunicator)
+        self.mixed = self.across_hosts and is_mixed(comm)
+
+    @property
+    def communicator(self) -> Any:
+        """The hoccl Communicator (connected now if the group defers it to its first call)."""
+        if self._comm is None:
+            assert self._connect is not None
+            with library_groups():
+                self._attach(*self._connect())
+        return self._comm
+
+    @property
+    def connected(self) -> bool:
+        """Whether the communicator is made (a deferred group makes it at its first call)."""
+        return self._comm is not None
+
+    @property
+    def launcher(self) -> Launcher:
+        self.communicator  # noqa: B018 - connects a deferred group
+        assert self._launcher is not None
+        return self._launcher
+
+    def stages(self, tensors: Sequence[torch.Tensor]) -> bool:
+        """Whether a call on ``tensors`` goes through this rank's GPU (``_mixed``)."""
+        return self.mixed and bool(tensors) and all(tensor.device.type == "cpu"
+                                                    for tensor in tensors)
 
     # -- what torch asks of a backend -----------------------------------------------------
     def getBackendName(self) -> str:
@@ -120,26 +157,17 @@ class ProcessGroupHoccl(dist.ProcessGroup):
 
     def shutdown(self) -> None:
         issue_held()
-        self.communicator.close()
+        if self._comm is not None:
+            self._comm.close()
 
     def abort(self) -> None:
-        self.communicator.abort("torch.distributed aborted the process group")
+        if self._comm is not None:
+            self._comm.abort("torch.distributed aborted the process group")
 
     # -- routing and bookkeeping --------------------------------------------------------
     def _gloo(self, call: str, tensors: Sequence[torch.Tensor]) -> bool:
-        """True when ``tensors`` are CPU tensors and this rank's communicator is on a GPU."""
-        kinds = sorted({tensor.device.type for tensor in tensors})
-        if self.launcher.device is None:
-            if kinds not in ([], ["cpu"]):
-                raise InvalidArgumentError(f"{call}: this hoccl process group runs on the host "
-                                           f"backend and takes CPU tensors; got {kinds} tensors")
-            return False
-        if kinds == ["cpu"]:
-            return True
-        if kinds not in ([], ["cuda"]):
-            raise InvalidArgumentError(f"{call}: the tensors of one call must all be on the GPU "
-                                       f"or all on the CPU; got {kinds}")
-        return False
+        """True when ``tensors`` go to the gloo group beside hoccl (``_mixed.to_gloo``)."""
+        return to_gloo(call, tensors, self.launcher.device, self.cpu_group is not None)
 
     def _run(self, issue: Callable[[Any], Any], outputs: List[torch.Tensor],
              tensors: Sequence[torch.Tensor], opts: Any, blocking: bool = False) -> dist.Work:
@@ -155,17 +183,6 @@ class ProcessGroupHoccl(dist.ProcessGroup):
         if getattr(opts, "rootTensor", 0) != 0:
             raise InvalidArgumentError(f"{call}: hoccl takes one tensor per rank (rootTensor 0)")
         return opts.rootRank
-
-    def _blocks(self, call: str, tensors: Sequence[torch.Tensor], like: torch.Tensor) -> None:
-        """A list form's ``world_size`` tensors, each of ``like``'s size and dtype."""
-        if len(tensors) != self.size():
-            raise InvalidArgumentError(f"{call}: expected a list of world_size = {self.size()} "
-                                       f"tensors; got {len(tensors)}")
-        for tensor in tensors:
-            if tensor.numel() != like.numel() or tensor.dtype != like.dtype:
-                raise InvalidArgumentError(
-                    f"{call}: every tensor of the list must have {like.numel()} elements of "
-                    f"{like.dtype}, like this rank's; got {tensor.numel()} of {tensor.dtype}")
 
     # -- collectives ------------------------------------------------------------------------
     @_untracked
@@ -191,14 +208,8 @@ class ProcessGroupHoccl(dist.ProcessGroup):
         outputs = one_tensor(call, output_tensors)
         if self._gloo(call, [input, *outputs]):
             return self.cpu_group.allgather(output_tensors, input_tensors, opts)
-        self._blocks(call, outputs, input)
-
-        def issue(stream: Any) -> Callable[[], None]:
-            flat = input.new_empty(input.numel() * self.size())
-            self.communicator.all_gather(movable(input.contiguous()), movable(flat),
-                                         stream=stream)
-            return _copy_blocks(flat, outputs)
-        return self._run(issue, outputs, [input, *outputs], opts)
+        return self._record(_lists.all_gather_list(self.launcher, outputs, input,
+                                                   _async(opts)))
 
     @_untracked
     def allgather_coalesced(self, output_lists: List[List[torch.Tensor]],  # type: ignore[override]
@@ -210,22 +221,8 @@ class ProcessGroupHoccl(dist.ProcessGroup):
         outputs = [output for outputs in output_lists for output in outputs]
         if self._gloo(call, [*input_list, *outputs]):
             return self.cpu_group.allgather_coalesced(output_lists, input_list, opts)
-        if len(output_lists) != self.size():
-            raise InvalidArgumentError(f"{call}: expected world_size = {self.size()} output "
-                                       f"lists; got {len(output_lists)}")
-        wanted = [(input.numel(), input.dtype) for input in input_list]
-        for outputs_of_rank in output_lists:
-            got = [(output.numel(), output.dtype) for output in outputs_of_rank]
-            if got != wanted:
-                raise InvalidArgumentError(f"{call}: every output list must hold tensors of "
-                                           f"the inputs' (numel, dtype) {wanted}; got {got}")
-
-        def issue(stream: Any) -> Callable[[], None]:
-            flat_input = torch.cat([input.reshape(-1) for input in input_list])
-            flat = flat_input.new_empty(flat_input.numel() * self.size())
-            self.communicator.all_gather(movable(flat_input), movable(flat), stream=stream)
-            return _copy_blocks(flat, outputs)
-        return self._run(issue, outputs, [*input_list, *outputs], opts)
+        return self._record(_lists.all_gather_coalesced(self.launcher, output_lists, input_list,
+                                                        _async(opts)))
 
     def all_gather_single_coalesced(self, outputs: List[torch.Tensor],
                                     inputs: List[torch.Tensor], opts: Any = None) -> dist.Work:
@@ -261,15 +258,9 @@ class ProcessGroupHoccl(dist.ProcessGroup):
         inputs = one_tensor(call, input_tensors)
         if self._gloo(call, [output, *inputs]):
             return self.cpu_group.reduce_scatter(output_tensors, input_tensors, opts)
-        self._blocks(call, inputs, output)
         op, factor = reduction(call, opts.reduceOp)
-        reducible(call, output, factor)
-
-        def issue(stream: Any) -> None:
-            flat = torch.cat([tensor.reshape(-1) for tensor in inputs])
-            source, scale = premultiply(self.communicator, flat, factor, in_place=True)
-            self.communicator.reduce_scatter(source, output, op, scale=scale, stream=stream)
-        return self._run(issue, [output], [output, *inputs], opts)
+        return self._record(_lists.reduce_scatter_list(self.launcher, output, inputs, op, factor,
+                                                       _async(opts)))
 
     def reduce_scatter_single_coalesced(self, outputs: List[torch.Tensor],
                                         inputs: List[torch.Tensor], opts: Any = None) -> dist.Work:
@@ -291,10 +282,12 @@ class ProcessGroupHoccl(dist.ProcessGroup):
         op, factor = reduction(call, opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
         reducible(call, tensor, factor)
 
-        def issue(stream: Any) -> None:
+        def issue(stream: Any) -> Optional[Callable[[], None]]:
             # the output overwrites the tensor: a premultiply needs no temporary
             source, scale = premultiply(self.communicator, tensor, factor, in_place=True)
-            self.communicator.all_reduce(source, tensor, op, scale=scale, stream=stream)
+            called, divide = averaged(self.communicator, op, tensor)
+            self.communicator.all_reduce(source, tensor, called, scale=scale, stream=stream)
+            return divide
         return self._run(issue, [tensor], [tensor], opts)
 
     def allreduce_coalesced(self, tensors: List[torch.Tensor], opts: Any = None) -> dist.Work:
@@ -321,9 +314,10 @@ class ProcessGroupHoccl(dist.ProcessGroup):
                 self.communicator.all_to_all(movable(input), movable(output), stream=stream)
             return self._run(issue, [output], [input, output], opts)
         n = self.size()
-        sends = input.split(list(input_split_sizes) or _even_splits(call, input, n))
-        receives = output.split(list(output_split_sizes) or _even_splits(call, output, n))
-        return self._exchange(call, list(receives), list(sends), [output], opts)
+        sends = input.split(list(input_split_sizes) or even_splits(call, input, n))
+        receives = output.split(list(output_split_sizes) or even_splits(call, output, n))
+        return self._record(exchange(self.launcher, call, list(receives), list(sends),
+                                     [output], _async(opts)))
 
     # its name before torch 2.13
     alltoall_base = all_to_all_single  # type: ignore[assignment]
@@ -340,36 +334,8 @@ class ProcessGroupHoccl(dist.ProcessGroup):
             raise InvalidArgumentError(f"{call}: expected world_size = {self.size()} input and "
                                        f"output tensors; got {len(input_tensors)} and "
                                        f"{len(output_tensors)}")
-        return self._exchange(call, output_tensors, input_tensors, output_tensors, opts)
-
-    def _exchange(self, call: str, receives: Sequence[torch.Tensor],
-                  sends: Sequence[torch.Tensor], outputs: List[torch.Tensor],
-                  opts: Any) -> dist.Work:
-        """Chunk ``p`` of ``sends`` to rank p, into chunk ``r`` of rank p's ``receives``: the
-        own chunk by a local copy on the current stream, every other non-empty one by a
-        send/recv pair, all issued as one batch."""
-        rank = self.rank()
-        for peer, (send, receive) in enumerate(zip(sends, receives)):
-            if send.dtype != receive.dtype:
-                raise InvalidArgumentError(f"{call}: input and output must have one dtype; got "
-                                           f"{send.dtype} and {receive.dtype}")
-        own_send, own_receive = sends[rank], receives[rank]
-        if own_send.numel() != own_receive.numel():
-            raise InvalidArgumentError(f"{call}: this rank sends itself {own_send.numel()} "
-                                       f"elements but receives {own_receive.numel()}")
-        own_receive.copy_(own_send.view_as(own_receive))
-        works: List[dist.Work] = []
-        for peer in range(self.size()):
-            if peer == rank:
-                continue
-            for kind, chunk in (("send", sends[peer]), ("recv", receives[peer])):
-                if chunk.numel():
-                    works.append(HeldP2P(self.launcher, kind, movable(chunk), chunk, peer))
-        issue_held()
-        work = WorkList(works, outputs)
-        if not _async(opts):
-            work.wait()
-        return self._record(work)
+        return self._record(exchange(self.launcher, call, output_tensors, input_tensors,
+                                     output_tensors, _async(opts)))
 
     @_untracked
     def broadcast(self, tensors: List[torch.Tensor], opts: Any = None) -> dist.Work:  # type: ignore[override]
@@ -398,11 +364,13 @@ class ProcessGroupHoccl(dist.ProcessGroup):
         op, factor = reduction(call, opts.reduceOp)
         reducible(call, tensor, factor)
 
-        def issue(stream: Any) -> None:
+        def issue(stream: Any) -> Optional[Callable[[], None]]:
             output = tensor if self.rank() == root else None
             # off the root the tensor must stay as it was: a premultiply goes to a temporary
             source, scale = premultiply(self.communicator, tensor, factor, in_place=False)
-            self.communicator.reduce(source, output, root, op, scale=scale, stream=stream)
+            called, divide = averaged(self.communicator, op, output)
+            self.communicator.reduce(source, output, root, called, scale=scale, stream=stream)
+            return divide
         return self._run(issue, [tensor], [tensor], opts)
 
     @_untracked
@@ -416,17 +384,8 @@ class ProcessGroupHoccl(dist.ProcessGroup):
         outputs: List[torch.Tensor] = one_tensor(call, output_tensors) if is_root else []
         if self._gloo(call, [input, *outputs]):
             return self.cpu_group.gather(output_tensors, input_tensors, opts)
-        if is_root:
-            self._blocks(call, outputs, input)
-
-        def issue(stream: Any) -> Optional[Callable[[], None]]:
-            if not is_root:
-                self.communicator.gather(movable(input), None, root, stream=stream)
-                return None
-            flat = input.new_empty(input.numel() * self.size())
-            self.communicator.gather(movable(input), movable(flat), root, stream=stream)
-            return _copy_blocks(flat, outputs)
-        return self._run(issue, outputs, [input, *outputs], opts)
+        return self._record(_lists.gather_list(self.launcher, outputs, input, root,
+                                               _async(opts)))
 
     @_untracked
     def scatter(self, output_tensors: List[torch.Tensor], input_tensors: List[List[torch.Tensor]],  # type: ignore[override]
@@ -439,14 +398,8 @@ class ProcessGroupHoccl(dist.ProcessGroup):
         inputs: List[torch.Tensor] = one_tensor(call, input_tensors) if is_root else []
         if self._gloo(call, [output, *inputs]):
             return self.cpu_group.scatter(output_tensors, input_tensors, opts)
-        if is_root:
-            self._blocks(call, inputs, output)
-
-        def issue(stream: Any) -> None:
-            flat = torch.cat([tensor.reshape(-1) for tensor in inputs]) if is_root else None
-            self.communicator.scatter(None if flat is None else movable(flat), movable(output),
-                                      root, stream=stream)
-        return self._run(issue, [output], [output, *inputs], opts)
+        return self._record(_lists.scatter_list(self.launcher, output, inputs, root,
+                                                _async(opts)))
 
     def barrier(self, opts: Any = None) -> dist.Work:
         """Every rank's stream reaches the barrier before any goes on; ``wait()`` also blocks

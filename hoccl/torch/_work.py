@@ -23,22 +23,33 @@ import torch.distributed as dist
 
 from .. import HocclError
 
-__all__ = ["Launcher", "Mark", "Work", "WorkList", "wait_host"]
-
-
-def wait_host(comm: Any, mark: int) -> None:
-    """Block until ``comm``'s calls up to ``mark`` have finished (bounded by its timeout)."""
-    if not comm.finished(mark):
-        comm.synchronize()
+__all__ = ["Launcher", "Mark", "Work", "WorkList"]
 
 
 class Launcher:
     """Runs calls of one communicator on the right stream and makes their Work."""
 
     def __init__(self, comm: Any):
+        from .._hierarchy import HierarchicalCommunicator
         self.comm = comm
         self.device = None if comm.backend == "host" else torch.device("cuda", comm.device)
         self._side: Optional[torch.cuda.Stream] = None
+        self.across_hosts = isinstance(comm, HierarchicalCommunicator)
+        # across hosts on the host backend a call returns once its phases are done
+        self._done_on_return = comm.backend == "host" and self.across_hosts
+
+    def position(self) -> int:
+        """Host backend: the communicator's calls so far (what ``finished`` takes)."""
+        return 0 if self._done_on_return else self.comm.calls
+
+    def finished(self, mark: int) -> bool:
+        """Host backend: whether the calls up to ``mark`` have finished."""
+        return self._done_on_return or self.comm.finished(mark)
+
+    def wait_host(self, mark: int) -> None:
+        """Block until the calls up to ``mark`` have finished (bounded by the timeout)."""
+        if not self.finished(mark):
+            self.comm.synchronize()
 
     def side_stream(self) -> "torch.cuda.Stream":
         if self._side is None:
@@ -59,7 +70,7 @@ class Launcher:
         its output before it returns (that work is torch work on the host)."""
         if self.device is None:
             post = issue(None)
-            work = Work(self, outputs, mark=self.comm.calls)
+            work = Work(self, outputs, mark=self.position())
             if post is not None or blocking or not async_op:
                 work.wait()
                 if post is not None:
@@ -79,7 +90,7 @@ class Launcher:
             if post is not None:
                 post()
         if mark and not async_op:
-            return Mark(self, self.comm.calls)
+            return Mark(self, self.position())
         return Work(self, outputs, event=self.record(stream), stream=stream, blocking=blocking)
 
     def record(self, stream: "torch.cuda.Stream") -> "torch.cuda.Event":
@@ -103,7 +114,7 @@ class Mark:
     def block_current_stream(self) -> None:
         launcher = self.launcher
         if launcher.device is None:
-            wait_host(launcher.comm, self.value)
+            launcher.wait_host(self.value)
         else:
             launcher.comm.order_after(self.value,
                                       stream=torch.cuda.current_stream(launcher.device))
@@ -112,7 +123,7 @@ class Mark:
         """Whether the call has finished (False after an abort: whatever the call's memory
         is, it stays held)."""
         try:
-            return self.launcher.comm.finished(self.value)
+            return self.launcher.finished(self.value)
         except HocclError:
             return False
 
@@ -136,7 +147,7 @@ class Work(dist.Work):
     def wait(self, timeout: Any = None) -> bool:
         self.settle()
         if self.launcher.device is None:
-            wait_host(self.launcher.comm, self.mark)
+            self.launcher.wait_host(self.mark)
             return True
         torch.cuda.current_stream(self.launcher.device).wait_event(self.event)
         if self.blocking:
@@ -146,14 +157,14 @@ class Work(dist.Work):
     def block_current_stream(self) -> None:
         self.settle()
         if self.launcher.device is None:
-            wait_host(self.launcher.comm, self.mark)
+            self.launcher.wait_host(self.mark)
         else:
             torch.cuda.current_stream(self.launcher.device).wait_event(self.event)
 
     def is_completed(self) -> bool:
         self.settle()
         if self.launcher.device is None:
-            return self.launcher.comm.finished(self.mark)
+            return self.launcher.finished(self.mark)
         return self.event.query()
 
     def get_future(self) -> torch.futures.Future:

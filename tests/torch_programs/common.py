@@ -18,7 +18,7 @@ COPY_ONLY = (torch.bool, torch.complex64, torch.int16)
 DEVICE = torch.device("cpu")
 
 __all__ = ["REDUCIBLE", "COPY_ONLY", "DEVICE", "use_device", "rank_and_world", "data",
-           "poisoned", "expect_bits", "reference", "torch_op"]
+           "poisoned", "expect_bits", "reference", "torch_op", "add_placement", "place"]
 
 
 def rank_and_world() -> tuple:
@@ -35,6 +35,41 @@ def use_device(device: torch.device) -> None:
     DEVICE = device
     if device.type == "cuda":
         torch.cuda.set_device(device)
+
+
+def add_placement(parser) -> None:
+    """The options that place each rank of a job whose hosts differ."""
+    parser.add_argument("--devices", default="",
+                        help="each rank's device, comma-separated (cpu or cuda): a job whose "
+                             "hosts differ; overrides --device")
+    parser.add_argument("--intra-host", default="",
+                        help="each rank's engine inside its host (HOCCL_INTRA_HOST: host, "
+                             "cuda or torch), comma-separated")
+    parser.add_argument("--local-size", type=int, default=0,
+                        help="ranks per simulated host (HOCCL_LOCAL_SIZE)")
+
+
+def place(args, rank: int, world_size: int) -> bool:
+    """This rank's device and host settings from ``add_placement``'s options, as a job
+    launched per host would set them (``HOCCL_INTRA_HOST`` on each host); whether the job
+    is placed so (a job whose hosts differ)."""
+    def mine(text: str) -> str:
+        values = text.split(",")
+        return values[rank % len(values)] if len(values) in (1, world_size) else \
+            _refuse(f"expected one value or {world_size}; got {text!r}")
+    if args.local_size:
+        os.environ["HOCCL_LOCAL_SIZE"] = str(args.local_size)
+    if args.intra_host:
+        os.environ["HOCCL_INTRA_HOST"] = mine(args.intra_host)
+    if args.devices:
+        kind = mine(args.devices)
+        use_device(torch.device("cuda", rank % torch.cuda.device_count()) if kind == "cuda"
+                   else torch.device("cpu"))
+    return bool(args.devices or args.intra_host or args.local_size)
+
+
+def _refuse(message: str):
+    raise SystemExit(f"--devices / --intra-host: {message}")
 
 
 def data(seed: int, rank: int, shape: tuple, dtype: torch.dtype) -> torch.Tensor:

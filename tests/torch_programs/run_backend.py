@@ -6,7 +6,9 @@ Every op torch.distributed has, synchronous and asynchronous, in every dtype tor
 sends, at odd sizes, with outputs poisoned first.  Copies are compared bit for bit;
 reductions against numpy computed the way hoccl accumulates, on small integers (exact
 in every dtype and every summation order).  Then sub-groups, a DeviceMesh with a gloo
-dimension, and errors for what hoccl cannot do.  Prints one line per failure and
+dimension, and errors for what hoccl cannot do.  On a job whose hosts differ
+(``--devices``, ``--intra-host``, ``--local-size``: see common.place) the collectives only,
+each rank's tensors on its own device.  Prints one line per failure and
 ``torch ranks=N: P passed, F failed`` (rank 0); exits non-zero when any rank failed.
 """
 
@@ -413,16 +415,20 @@ def main():
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--kernel-bytes", type=int, default=0,
                         help="the group's kernel_bytes: small collectives as direct kernels")
+    common.add_placement(parser)
     args = parser.parse_args()
     if args.device == "cuda":
         common.use_device(torch.device("cuda", RANK % torch.cuda.device_count()))
+    mixed = common.place(args, RANK, WORLD)
     options = (hoccl.torch.Options(settings={"kernel_bytes": args.kernel_bytes})
                if args.kernel_bytes else None)
     dist.init_process_group("hoccl", rank=RANK, world_size=WORLD, timeout=timedelta(seconds=60),
                             pg_options=options)
     assert dist.get_backend() == "hoccl"
     passed = failed = 0
-    for name, case in [*cases(), *other_cases()]:
+    # a job whose hosts differ: the collectives (sub-groups, meshes and objects are a
+    # job of one kind's)
+    for name, case in [*cases(), *([] if mixed else other_cases())]:
         try:
             case()
             passed += 1
@@ -433,6 +439,7 @@ def main():
     dist.all_reduce(totals)
     if RANK == 0:
         label = f" kernel_bytes={args.kernel_bytes}" if args.kernel_bytes else ""
+        label += " mixed" if mixed else ""
         print(f"torch ranks={WORLD} backend=hoccl {args.device}{label}: {totals[0]} passed, "
               f"{totals[1]} failed",
               flush=True)

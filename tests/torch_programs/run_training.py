@@ -26,6 +26,10 @@ compared with the reference's:
   mesh with both dimensions on the reference; every mesh shape R x S with R * S = N
   (``--meshes`` picks some).
 
+On a job whose hosts differ (``--devices``, ``--intra-host``, ``--local-size``: ranks on
+GPUs and CPUs, engines inside hosts that differ), DDP and FSDP2 on the hoccl default group
+only, each rank on its own device, against gloo with every rank on the CPU.
+
 Prints one line per configuration with the largest differences, failures, and
 ``torch training ranks=N default=B: P passed, F failed`` (rank 0; P and F count every
 rank's configurations).
@@ -45,6 +49,7 @@ import torch.distributed as dist
 from torch import nn
 
 import hoccl.torch
+import common
 from common import rank_and_world
 
 warnings.filterwarnings("ignore")
@@ -52,6 +57,8 @@ warnings.filterwarnings("ignore")
 RANK, WORLD = rank_and_world()
 STEPS = 6
 DEVICE = torch.device("cpu")
+REFERENCE_DEVICE = torch.device("cpu")  # where the reference's runs and sums are
+MIXED = False  # a job whose hosts differ (see the docstring)
 REFERENCE = None  # the group the runs are compared with: gloo, or NCCL on GPUs
 HOCCL = None  # the hoccl group of the same ranks
 PULLED = None  # a hoccl group whose reduce-scatters pull (Options.pull_bytes)
@@ -95,7 +102,7 @@ def train(model: nn.Module, scale: float = 1.0, prefetch=None, dtype=torch.float
         (loss * scale).backward()
         optimizer.step()
         optimizer.zero_grad()
-        total = loss.detach().clone()
+        total = loss.detach().to(REFERENCE_DEVICE, copy=True)
         dist.all_reduce(total, group=REFERENCE)  # the mean over ranks, through the reference
         losses.append(total.item() / WORLD)
     from torch.distributed.tensor import DTensor
@@ -134,10 +141,10 @@ def fsdp(group, hooks=None, bf16=False, prefetch=False, divide=None, scale=1.0,
 
     def unshard_first(module):
         module[0].unshard(async_op=True).wait()
-    direct = DIRECT in (group, hooks)
+    direct = DIRECT is not None and DIRECT in (group, hooks)
     engine = hoccl.torch.communicator(DIRECT)._engine if direct else None
     kernels = engine.direct_calls if direct else 0
-    chunked = CHUNKED in (group, hooks)
+    chunked = CHUNKED is not None and CHUNKED in (group, hooks)
     executor = hoccl.torch.communicator(CHUNKED)._engine.executor if chunked else None
     fused = executor.fused_launches if chunked else 0
     run = train(model, scale=scale, prefetch=unshard_first if prefetch else None,
@@ -207,6 +214,24 @@ def hsdp(shape: tuple, shard_backend: str) -> Run:
     return run
 
 
+def on_reference_device(run):
+    """``run`` with the model and data on the reference's device (the CPU in a mixed job)."""
+    def on_it():
+        global DEVICE
+        device, DEVICE = DEVICE, REFERENCE_DEVICE
+        try:
+            return run()
+        finally:
+            DEVICE = device
+    return on_it
+
+
+#: the configurations of a job whose hosts differ: the hoccl default group's
+MIXED_RUNS = ("DDP", "FSDP2 on hoccl, fp32", "FSDP2 on hoccl, fp32, prefetch",
+              "FSDP2 on hoccl, bf16", "FSDP2 on hoccl, bf16, prefetch",
+              "FSDP2 on hoccl, divide factor (PREMUL_SUM)")
+
+
 def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got - want).abs().max()) / max(float(want.abs().max()), 1e-12)
 
@@ -237,9 +262,9 @@ def configurations():
 
     def reference(**settings):
         key = tuple(sorted(settings.items()))
-        return lambda: cache[key] if key in cache else cache.setdefault(
-            key, fsdp(REFERENCE, **settings))
-    yield ("DDP", lambda: ddp(hoccl_group), lambda: ddp(REFERENCE), 1e-6)
+        return on_reference_device(lambda: cache[key] if key in cache else cache.setdefault(
+            key, fsdp(REFERENCE, **settings)))
+    yield ("DDP", lambda: ddp(hoccl_group), on_reference_device(lambda: ddp(REFERENCE)), 1e-6)
     for bf16 in (False, True):
         for prefetch in (False, True):
             label = f"{'bf16' if bf16 else 'fp32'}{', prefetch' if prefetch else ''}"
@@ -308,7 +333,7 @@ def mesh_shapes(text: str) -> List[tuple]:
 
 
 def main():
-    global DEVICE, REFERENCE, HOCCL, PULLED, DIRECT, CHUNKED, MESHES
+    global DEVICE, REFERENCE_DEVICE, MIXED, REFERENCE, HOCCL, PULLED, DIRECT, CHUNKED, MESHES
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--default-backend", choices=("hoccl", "reference"), default="hoccl",
@@ -322,12 +347,17 @@ def main():
                              "or hooks, for one GPU shared by the ranks, where NCCL refuses")
     parser.add_argument("--only", default="", help="run only the configurations whose name "
                         "contains this text (e.g. HSDP)")
+    common.add_placement(parser)
     args = parser.parse_args()
     if args.device == "cuda":
         DEVICE = torch.device("cuda", RANK % torch.cuda.device_count())
         torch.cuda.set_device(DEVICE)
+    MIXED = common.place(args, RANK, WORLD)
+    if MIXED:
+        DEVICE = common.DEVICE
+    REFERENCE_DEVICE = torch.device("cpu") if MIXED else DEVICE
     MESHES = mesh_shapes(args.meshes)
-    reference = args.reference or ("nccl" if DEVICE.type == "cuda" else "gloo")
+    reference = args.reference or ("nccl" if REFERENCE_DEVICE.type == "cuda" else "gloo")
     default = "hoccl" if args.default_backend == "hoccl" else reference
     dist.init_process_group(default, rank=RANK, world_size=WORLD, timeout=timedelta(seconds=60))
     world = dist.distributed_c10d._get_default_group()
@@ -335,15 +365,16 @@ def main():
         HOCCL, REFERENCE = world, dist.new_group(backend=reference)
     else:
         HOCCL, REFERENCE = dist.new_group(backend="hoccl"), world
-    PULLED = dist.new_group(backend="hoccl", pg_options=hoccl.torch.Options(
-        settings={"pull_bytes": 1 << 30}))
-    DIRECT = dist.new_group(backend="hoccl", pg_options=hoccl.torch.Options(
-        settings={"kernel_bytes": 1 << 20}))
-    CHUNKED = dist.new_group(backend="hoccl", pg_options=hoccl.torch.Options(
-        settings={"chunk_bytes": 256, "fuse_sums": True}))
+    if not MIXED:
+        PULLED = dist.new_group(backend="hoccl", pg_options=hoccl.torch.Options(
+            settings={"pull_bytes": 1 << 30}))
+        DIRECT = dist.new_group(backend="hoccl", pg_options=hoccl.torch.Options(
+            settings={"kernel_bytes": 1 << 20}))
+        CHUNKED = dist.new_group(backend="hoccl", pg_options=hoccl.torch.Options(
+            settings={"chunk_bytes": 256, "fuse_sums": True}))
     passed = failed = 0
     for name, run, reference_run, tolerance in configurations():
-        if args.only not in name:
+        if args.only not in name or (MIXED and name not in MIXED_RUNS):
             continue
         try:
             compare(name, run(), reference_run(), tolerance)
@@ -351,10 +382,11 @@ def main():
         except Exception:
             failed += 1
             print(f"rank {RANK} FAILED {name}\n{traceback.format_exc()}", flush=True)
-    totals = torch.tensor([passed, failed], device=DEVICE)
+    totals = torch.tensor([passed, failed], device=REFERENCE_DEVICE)
     dist.all_reduce(totals, group=REFERENCE)
     if RANK == 0:
-        print(f"torch training ranks={WORLD} default={default}: {totals[0]} passed, "
+        print(f"torch training ranks={WORLD} default={default}{' mixed' if MIXED else ''}: "
+              f"{totals[0]} passed, "
               f"{totals[1]} failed", flush=True)
     dist.destroy_process_group()
     sys.exit(1 if totals[1] else 0)
