@@ -54,7 +54,7 @@ autosummary_generate = False
 # packages are not resolved (no intersphinx: the build must work offline), nor are
 # hoccl's private classes that public signatures name.
 nitpick_ignore_regex = [
-    (r"py:.*", r"(torch|numpy|np|cupy|mpi4py|cuda|datetime|collections|typing|c10d)\b.*"),
+    (r"py:.*", r"(abc|torch|numpy|np|cupy|mpi4py|cuda|datetime|collections|typing|c10d)\b.*"),
     (r"py:.*", r"hoccl\.(\w+\.)*_\w+.*"),
     (r"py:.*", r"hoccl\.bootstrap\.Group"),
 ]

@@ -93,8 +93,9 @@ class Config:
       Every rank of a host must give the same; hosts may differ (``HOCCL_INTRA_HOST`` is
       set per host).
     - ``phases``: "pipelined" (the phases of all_reduce, broadcast and reduce overlap chunk
-      by chunk, each level on a worker of its own), "sequential", or "auto" (pipelined
-      when the call holds at least two chunks of ``phase_bytes``).
+      by chunk, those of all_gather and reduce_scatter host by host, each level on a
+      worker of its own), "sequential", or "auto" (pipelined when the call holds at
+      least two chunks of ``phase_bytes``).
     - ``phase_bytes``: the chunk of pipelined phases.
     - ``stage_bytes``: the chunk of the staged engine between hosts: the device-to-host
       copy of chunk k+1 overlaps the transfer of chunk k.

@@ -28,6 +28,17 @@ defaults.  A candidate that computes a wrong result is reported and never chosen
 the program then exits with status 2 after writing the table; one whose call raises (a
 path that cannot run that call here) is reported and passed over.
 
+With ``--beside-compute`` the reductions (reduce_scatter, all_reduce) are timed a second
+time beside a GEMM that runs on the same devices (``hoccl._beside``: a bf16 torch matmul
+on a stream of its own on the cuda backend, a numpy matmul in a thread on the host
+backend), over their candidates and a larger SM cap (``max_sms``).  Each candidate's
+cost is the time the calls and the GEMMs took together beyond the GEMMs' own time
+alone, per call: the communication the GEMMs did not hide plus the GEMMs' slowdown.  The
+cheapest per size (with the same margin) makes rows marked ``"beside_compute": true``,
+written before the plain rows: ``init`` then takes them for every reduction whose call
+does not say it runs apart from compute (``select.choose(beside_compute=False)`` passes
+them over).  Half the budget goes to the plain sweep, the rest to this one.
+
 On the host backend the timings say little about a GPU; the table is still valid and
 exact, which is what the tests check.
 """
@@ -35,7 +46,6 @@ exact, which is what the tests check.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 from dataclasses import dataclass
@@ -45,10 +55,12 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from . import _beside
 from ._dtypes import numpy_dtype
 from .bench._harness import Ranks, human, parse_size
+from .sched._path_model import excluded_paths
 from .sched.algorithms import Shape
-from .sched.select import Row, Table, candidates, path_options, size_of
+from .sched.select import ANY_SIZE, Row, Table, candidates, path_options, rows_from, size_of
 
 __all__ = ["main", "Candidate", "Measurement", "candidates_at", "sizes_between", "rows_of",
            "COLLECTIVES"]
@@ -58,13 +70,14 @@ COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broa
 _BLOCKS = {"all_gather": (1, "n"), "reduce_scatter": ("n", 1), "all_reduce": (1, 1),
            "all_to_all": ("n", "n"), "broadcast": (1, 1)}
 _REDUCTIONS = ("reduce_scatter", "all_reduce")
-#: the size a last row reaches when the sweep measured up to --max-bytes
-_ANY_SIZE = 1 << 62
 #: the smallest chunk the tuner tries
 _MIN_CHUNK = 4 << 10
 #: the settings a forced candidate fixes, so that no table decides them while timing
 _FORCED = ("kernel_bytes", "pull_bytes", "one_shot_bytes", "chunk_bytes", "copy_lanes",
-           "kernel_sms", "self_route")
+           "kernel_sms", "self_route", "max_sms")
+#: the SM caps reductions are also tried with beside compute (the best 2 x H200 training
+#: figure took 32: docs/results/h200x2-2026-11-30.md)
+_SMS_BESIDE = (32,)
 _PROGRAM = "python -m hoccl.tune"
 
 
@@ -96,7 +109,8 @@ def arguments(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         help="where to write the table (default: the cache directory's "
                              "file for this machine, which init loads)")
     parser.add_argument("--beside-compute", action="store_true",
-                        help="time the reductions beside a bf16 GEMM (not available yet)")
+                        help="also time the reductions beside a GEMM and write rows for "
+                             "calls that overlap compute (half the budget)")
     args = parser.parse_args(argv)
     if args.samples < 1:
         parser.error(f"--samples must be at least 1; got {args.samples}")
@@ -114,18 +128,21 @@ def arguments(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 # -- what is measured ----------------------------------------------------------------------
 @dataclass(frozen=True)
 class Candidate:
-    """One way to run a call: a path, and for push and pull reductions a chunk size
-    (None: the communicator's)."""
+    """One way to run a call: a path, and for push and pull reductions a chunk size and
+    an SM cap (None: the communicator's)."""
     path: str
     chunk_bytes: Optional[int] = None
+    max_sms: Optional[int] = None
 
     @property
     def label(self) -> str:
-        return self.path + (f" chunk {human(self.chunk_bytes)}" if self.chunk_bytes else "")
+        return self.path + (f" chunk {human(self.chunk_bytes)}" if self.chunk_bytes else "") \
+            + (f" max_sms {self.max_sms}" if self.max_sms else "")
 
     def settings(self) -> Tuple[Tuple[str, Any], ...]:
         """What a table row names besides the path."""
-        return (("chunk_bytes", self.chunk_bytes),) if self.chunk_bytes else ()
+        return tuple((name, value) for name, value in (("chunk_bytes", self.chunk_bytes),
+                                                       ("max_sms", self.max_sms)) if value)
 
 
 @dataclass
@@ -156,18 +173,22 @@ def shape_at(collective: str, size: int, world_size: int, dtype: str, itemsize: 
     return Shape(collective, world_size, max(1, size // itemsize // blocks), dtype, itemsize)
 
 
-def candidates_at(collective: str, world_size: int, size: int,
-                  chunk_bytes: int) -> List[Candidate]:
-    """Every path ``select.candidates`` allows; push and pull reductions also in chunks of
+def candidates_at(collective: str, world_size: int, size: int, chunk_bytes: int,
+                  sms: Sequence[int] = (), excluded: Sequence[str] = ()) -> List[Candidate]:
+    """Every path ``select.candidates`` allows but ``excluded``; push and pull reductions also in chunks of
     about a quarter and a sixteenth of ``size`` (powers of two, at least 4 KiB) besides
-    ``chunk_bytes``."""
+    the communicator's ``chunk_bytes`` (a candidate of no chunk of its own), and with each
+    SM cap of ``sms`` besides the communicator's."""
     found = []
     for path in candidates(collective, world_size):
+        if path in excluded:
+            continue
         if path in ("push", "pull") and collective in _REDUCTIONS:
             parts = (1 << (size // divisor).bit_length() - 1 for divisor in (4, 16)
                      if size // divisor >= _MIN_CHUNK)
-            chunks = [chunk_bytes] + [part for part in parts if part != chunk_bytes]
-            found += [Candidate(path, chunk) for chunk in chunks]
+            chunks = [None] + sorted({part for part in parts if part != chunk_bytes},
+                                     reverse=True)
+            found += [Candidate(path, chunk, cap) for cap in (None, *sms) for chunk in chunks]
         else:
             found.append(Candidate(path))
     return found
@@ -201,6 +222,8 @@ def force(ranks: Ranks, base: Dict[str, Any], candidate: Candidate, shape: Shape
                    one_shot_bytes=options.one_shot_bytes)
     if candidate.chunk_bytes:
         changes["chunk_bytes"] = candidate.chunk_bytes
+    if candidate.max_sms:
+        changes["max_sms"] = candidate.max_sms
     for comm in ranks.comms:
         comm.set_options(**changes)
 
@@ -266,8 +289,10 @@ def check(ranks: Ranks, shape: Shape, seed: int, tolerance: float,
 
 
 def measure(ranks: Ranks, args: argparse.Namespace, shape: Shape, candidate: Candidate,
-            seed: int, arrays: Any = None) -> Measurement:
-    """Check ``candidate`` at ``shape``, then time it (the slowest rank's median)."""
+            seed: int, arrays: Any = None, compute: Optional[_beside.Compute] = None
+            ) -> Measurement:
+    """Check ``candidate`` at ``shape``, then time it (the slowest rank's median): alone,
+    or beside ``compute`` (``_beside.overlapped_seconds``)."""
     from .testing import array_module_for
     found = Measurement(shape.collective, size_of(shape), candidate)
     found.verdict, found.error = check(ranks, shape, seed, args.tolerance, arrays)
@@ -278,9 +303,14 @@ def measure(ranks: Ranks, args: argparse.Namespace, shape: Shape, candidate: Can
         seconds_per_call(ranks, shape.collective, buffers, 1)
     probe = ranks.max(seconds_per_call(ranks, shape.collective, buffers, 1))
     calls = int(agreed(ranks, min(100, max(1, int(args.sample_seconds / max(probe, 1e-9))))))
-    samples = [seconds_per_call(ranks, shape.collective, buffers, calls)
-               for _ in range(args.samples)]
-    found.seconds = ranks.max(float(np.median(samples)))
+
+    def sample() -> float:
+        if compute is None:
+            return seconds_per_call(ranks, shape.collective, buffers, calls)
+        return _beside.overlapped_seconds(
+            compute, lambda: seconds_per_call(ranks, shape.collective, buffers, calls),
+            calls, probe, ranks.barrier)
+    found.seconds = ranks.max(float(np.median([sample() for _ in range(args.samples)])))
     return found
 
 
@@ -313,38 +343,49 @@ class Progress:
             sys.stderr.flush()
 
 
-def sweep(ranks: Ranks, args: argparse.Namespace, arrays: Any = None
+def sweep(ranks: Ranks, args: argparse.Namespace, budget: float, arrays: Any = None,
+          compute: Optional[_beside.Compute] = None
           ) -> Tuple[Dict[str, List[Measurement]], Dict[str, int]]:
-    """Every (collective, size, candidate) the budget allows, small sizes first.
+    """Every (collective, size, candidate) ``budget`` seconds allow, small sizes first;
+    beside ``compute``: the reductions only, with the SM caps of ``_SMS_BESIDE`` too.
 
     Returns each collective's measurements and, for a collective whose sizes the budget
     cut, the first size it skipped."""
     n, dtype = ranks.world_size, args.dtype
     itemsize = np.dtype(numpy_dtype(dtype)).itemsize
     chunk_bytes = ranks.comms[0].options.chunk_bytes
-    base = {name: getattr(ranks.comms[0].options, name) for name in _FORCED}
+    base = {name: getattr(ranks.comms[0].config, name) for name in _FORCED}
     sizes = sizes_between(args.min_bytes, args.max_bytes, args.factor)
+    collectives = [collective for collective in args.collectives
+                   if compute is None or collective in _REDUCTIONS]
+    excluded = excluded_paths(machine_of(ranks))
     plan = {(collective, size): candidates_at(collective, n, size_of(shape_at(
-        collective, size, n, dtype, itemsize)), chunk_bytes)
-        for size in sizes for collective in args.collectives}
-    progress = Progress(ranks.leader, sum(map(len, plan.values())), args.budget)
+        collective, size, n, dtype, itemsize)), chunk_bytes,
+        _SMS_BESIDE if compute is not None else (), excluded)
+        for size in sizes for collective in collectives}
+    progress = Progress(ranks.leader, sum(map(len, plan.values())), budget)
+    if excluded:
+        progress.say(f"{_PROGRAM}: not timed here: {', '.join(excluded)} "
+                     f"({ranks.comms[0]._engine.machine['ranks_per_gpu']} ranks per GPU)")
+    if compute is not None:
+        progress.say(f"{_PROGRAM}: the reductions beside {compute.name}")
     seed = int(agreed(ranks, int(np.random.default_rng().integers(1 << 30))))
-    results: Dict[str, List[Measurement]] = {collective: [] for collective in args.collectives}
-    cost: Dict[str, List[float]] = {collective: [] for collective in args.collectives}
+    results: Dict[str, List[Measurement]] = {collective: [] for collective in collectives}
+    cost: Dict[str, List[float]] = {collective: [] for collective in collectives}
     skipped: Dict[str, int] = {}
     for size in sizes:
-        for collective in args.collectives:
+        for collective in collectives:
             if collective in skipped:
                 progress.step(f"{collective} {human(size)} skipped", len(plan[collective, size]))
                 continue
             spent = cost[collective]
             growth = min(args.factor, max(1.0, spent[-1] / spent[-2])) if len(spent) > 1 else 1.0
             predicted = spent[-1] * growth if spent else 0.0
-            over = agreed(ranks, progress.elapsed() + predicted > args.budget and bool(spent))
+            over = agreed(ranks, progress.elapsed() + predicted > budget and bool(spent))
             if over:
                 skipped[collective] = size
                 progress.say(f"{_PROGRAM}: {collective} from {human(size)} up skipped: about "
-                             f"{predicted:.1f} s more would pass the budget of {args.budget:g} s "
+                             f"{predicted:.1f} s more would pass the budget of {budget:g} s "
                              f"({progress.elapsed():.1f} s used); those sizes keep the defaults")
                 progress.step(f"{collective} {human(size)} skipped", len(plan[collective, size]))
                 continue
@@ -353,7 +394,7 @@ def sweep(ranks: Ranks, args: argparse.Namespace, arrays: Any = None
             for candidate in plan[collective, size]:
                 force(ranks, base, candidate, shape)
                 seed += 1
-                found = measure(ranks, args, shape, candidate, seed, arrays)
+                found = measure(ranks, args, shape, candidate, seed, arrays, compute)
                 results[collective].append(found)
                 if found.verdict:
                     progress.say(f"{_PROGRAM}: {collective} {human(found.size)} "
@@ -391,53 +432,44 @@ def winners(measured: Sequence[Measurement]) -> List[Tuple[int, Measurement]]:
 
 
 def rows_of(collective: str, chosen: Sequence[Tuple[int, Measurement]], complete: bool,
-            run: str) -> List[Row]:
-    """Rows for one collective's winners: neighbouring sizes with the same winner make one
-    row; each row reaches the geometric middle to the next row's first size, the first
-    starts at 0, and the last runs on to any size when ``complete`` (and it is not a
-    direct kernel), else it ends at its largest size."""
-    groups: List[Tuple[Candidate, List[int]]] = []
-    for size, found in chosen:
-        if groups and groups[-1][0].path == found.candidate.path \
-                and groups[-1][0].settings() == found.candidate.settings():
-            groups[-1][1].append(size)
-        else:
-            groups.append((found.candidate, [size]))
-    rows: List[Row] = []
-    for index, (candidate, sizes) in enumerate(groups):
-        low = rows[-1].max_bytes + 1 if rows else 0
-        if index + 1 < len(groups):
-            high = math.isqrt(sizes[-1] * groups[index + 1][1][0])
-        elif complete and candidate.path != "direct":
-            high = _ANY_SIZE
-        else:
-            high = sizes[-1]
-        rows.append(Row(collective, low, high, candidate.path, candidate.settings(),
-                        f"{run}: measured at {', '.join(map(human, sizes))}"))
-    return rows
+            run: str, traits: Tuple[Tuple[str, bool], ...] = ()) -> List[Row]:
+    """Rows for one collective's winners (``select.rows_from``), each naming the run and
+    the sizes it was measured at."""
+    return rows_from(collective, [(size, found.candidate.path, found.candidate.settings())
+                                  for size, found in chosen], complete,
+                     lambda sizes: f"{run}: measured at {', '.join(map(human, sizes))}", traits)
 
 
-def table_of(machine: Dict[str, Any], results: Dict[str, List[Measurement]],
-             skipped: Dict[str, int], run: str) -> Table:
+#: the rows of a sweep beside compute
+BESIDE = (("beside_compute", True),)
+#: a sweep's rows' traits, its measurements and its skipped sizes
+Sweep = Tuple[Tuple[Tuple[str, bool], ...], Dict[str, List[Measurement]], Dict[str, int]]
+
+
+def table_of(machine: Dict[str, Any], sweeps: Sequence[Sweep], run: str) -> Table:
+    """The table of ``sweeps``, each (traits its rows are narrowed to, measurements,
+    skipped sizes), their rows in that order."""
     rows: List[Row] = []
-    for collective, measured in results.items():
-        chosen = winners(measured)
-        # the last row runs on past the largest size only where that size was measured
-        # and had a right candidate
-        complete = collective not in skipped and bool(chosen) \
-            and chosen[-1][0] == max(one.size for one in measured)
-        rows += rows_of(collective, chosen, complete, run)
     note = f"measured by {run}"
-    if skipped:
-        note += "; skipped by the budget, left to the defaults: " + ", ".join(
-            f"{collective} from {human(size)}" for collective, size in skipped.items())
+    for traits, results, skipped in sweeps:
+        for collective, measured in results.items():
+            chosen = winners(measured)
+            # the last row runs on past the largest size only where that size was
+            # measured and had a right candidate
+            complete = collective not in skipped and bool(chosen) \
+                and chosen[-1][0] == max(one.size for one in measured)
+            rows += rows_of(collective, chosen, complete, run, traits)
+        if skipped:
+            note += ("; beside compute" if traits else "") + \
+                "; skipped by the budget, left to the defaults: " + ", ".join(
+                    f"{collective} from {human(size)}" for collective, size in skipped.items())
     return Table(tuple((key, machine[key]) for key in machine), tuple(rows), note=note)
 
 
-def summary(results: Dict[str, List[Measurement]], table: Table, where: str) -> str:
+def summary(results: Dict[str, List[Measurement]], heading: str) -> List[str]:
     lines = []
     for collective, measured in results.items():
-        lines.append(f"## {collective}: µs per call (the slowest rank's median)")
+        lines.append(f"## {collective}{heading}: µs per call (the slowest rank's median)")
         chosen = dict(winners(measured))
         for size in sorted({one.size for one in measured}):
             cells = [f"{one.candidate.label} " + (f"{one.seconds * 1e6:.1f}" if one.seconds
@@ -445,25 +477,26 @@ def summary(results: Dict[str, List[Measurement]], table: Table, where: str) -> 
                      for one in measured if one.size == size]
             pick = chosen[size].candidate.label if size in chosen else "none right"
             lines.append(f"  {human(size):>6s}  " + " | ".join(cells) + f"  -> {pick}")
-    lines.append(f"## rows written to {where}")
+    return lines
+
+
+def rows_summary(table: Table, where: str) -> List[str]:
+    lines = [f"## rows written to {where}"]
     for row in table.rows:
-        high = "any" if row.max_bytes == _ANY_SIZE else str(row.max_bytes)
+        high = "any" if row.max_bytes == ANY_SIZE else str(row.max_bytes)
         settings = "".join(f" {name}={value}" for name, value in row.settings)
+        marks = "".join(f" [{name}]" for name, value in row.traits if value)
         lines.append(f"  {row.collective:14s} {row.min_bytes:>10d} .. {high:>10s}  "
-                     f"{row.path}{settings}")
+                     f"{row.path}{settings}{marks}")
     if table.note:
         lines.append(f"note: {table.note}")
-    return "\n".join(lines)
+    return lines
 
 
 def main(argv: Optional[Sequence[str]] = None, arrays: Any = None) -> int:
     """Tune, write the table on rank 0; 0, or 2 when a candidate computed a wrong result.
     ``arrays``: the ``hoccl.testing.ArrayModule`` the checks use (tests plant faults)."""
     args = arguments(argv)
-    if args.beside_compute:
-        sys.exit(f"{_PROGRAM}: --beside-compute (timing reductions beside a bf16 GEMM) needs "
-                 f"the cuda backend and torch, and is not built yet; compare settings beside "
-                 f"compute with python -m hoccl.bench.overlap")
     import hoccl
     from . import tuning
     ranks = open_ranks(args)
@@ -473,15 +506,24 @@ def main(argv: Optional[Sequence[str]] = None, arrays: Any = None) -> int:
         command = " ".join([_PROGRAM] + list(sys.argv[1:] if argv is None else argv))
         run = (f"{datetime.now(timezone.utc).strftime('%Y-%m-%dT%H:%M:%SZ')} `{command}` "
                f"({launch}, hoccl {hoccl.__version__})")
-        results, skipped = sweep(ranks, args, arrays)
-        wrong = any(one.verdict == "wrong" for measured in results.values() for one in measured)
+        started = time.monotonic()
+        share = 0.5 if args.beside_compute else 1.0
+        sweeps: List[Sweep] = [((), *sweep(ranks, args, args.budget * share, arrays))]
+        if args.beside_compute:
+            compute = _beside.open_compute(args.backend, [comm.device for comm in ranks.comms])
+            left = args.budget - (time.monotonic() - started)
+            sweeps.insert(0, (BESIDE, *sweep(ranks, args, left, arrays, compute)))
+        wrong = any(one.verdict == "wrong" for _, results, _ in sweeps
+                    for measured in results.values() for one in measured)
         if ranks.leader:
-            table = table_of(machine, results, skipped, run)
+            table = table_of(machine, sweeps, run)
             output = Path(args.output) if args.output else \
                 tuning.cache_dir() / tuning.table_name(machine)
             output.parent.mkdir(parents=True, exist_ok=True)
             output.write_text(table.to_json())
-            print(summary(results, table, str(output)), flush=True)
+            lines = [line for traits, results, _ in reversed(sweeps)
+                     for line in summary(results, " beside compute" if traits else "")]
+            print("\n".join(lines + rows_summary(table, str(output))), flush=True)
         ranks.barrier()
     finally:
         for comm in ranks.comms:

@@ -6,11 +6,14 @@ At init rank 0 looks for a table of its machine (``machine_of``), in this order:
    an error; a table of another machine is logged and not used);
 2. the cache directory (``$XDG_CACHE_HOME/hoccl/tuning``, else ``~/.cache/hoccl/tuning``),
    where ``python -m hoccl.tune`` writes: the file named for the machine (``table_name``);
-3. a table shipped with hoccl (``hoccl/tuning/*.json``) whose machine is this one;
+3. a table shipped with hoccl (``hoccl/tuning_tables/*.json``) whose machine is this one;
 
-else the defaults stand (copy engines, no small-message path), and hoccl says so once at
-INFO.  Rank 0's table (or its error) goes to every rank, so all plan alike
-(``hoccl.sched.select``).
+else, on the cuda backend, the cost model's table (``hoccl.sched._path_model``:
+conservative constants from the recorded 2 × H200 runs), and on the host backend the
+defaults (copy engines, no small-message path); hoccl says which once at INFO.  Rank 0's
+table (or its error) goes to every rank, so all plan alike (``hoccl.sched.select``).
+Each call's settings then come from the user, else the table's row (a measured table's
+or the model's), else the defaults.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 
 from ._errors import InvalidArgumentError
 from .config import environ
+from .sched._path_model import model_table
 from .sched.select import MACHINE_KEYS, Table, TableError
 
 __all__ = ["machine_of", "cache_dir", "table_name", "load_table", "shared_table",
@@ -65,9 +69,10 @@ def table_name(machine: Dict[str, Any]) -> str:
 
 
 def load_table(machine: Dict[str, Any], call: str = "init") -> Tuple[Optional[Table], str]:
-    """``machine``'s table and where it came from (``"defaults"`` when none).  A named
-    file (``HOCCL_TUNING_FILE``) that cannot be used raises; a table in the cache or
-    shipped that cannot be used is logged and passed over."""
+    """``machine``'s table and where it came from: a file's path, ``"model"`` (the cost
+    model's table) or ``"defaults"`` (none).  A named file (``HOCCL_TUNING_FILE``) that
+    cannot be used raises; a table in the cache or shipped that cannot be used is logged
+    and passed over."""
     named = environ("HOCCL_TUNING_FILE")
     if named:
         path = Path(named)
@@ -78,9 +83,9 @@ def load_table(machine: Dict[str, Any], call: str = "init") -> Tuple[Optional[Ta
         mismatch = table.mismatch(machine)
         if mismatch is None:
             return table, str(path)
-        log.warning("%s: HOCCL_TUNING_FILE=%s is a table of another machine (%s): not used; "
-                    "the defaults stand", call, named, mismatch)
-        return None, "defaults"
+        log.warning("%s: HOCCL_TUNING_FILE=%s is a table of another machine (%s): not used",
+                    call, named, mismatch)
+        return _unmeasured(machine, call)
     for path in [cache_dir() / table_name(machine)] + sorted(SHIPPED.glob("*.json")):
         if not path.is_file():
             continue
@@ -92,10 +97,22 @@ def load_table(machine: Dict[str, Any], call: str = "init") -> Tuple[Optional[Ta
             continue
         if table.mismatch(machine) is None:
             return table, str(path)
-    log.info("%s: no tuning table for this machine (%s): the defaults stand (copy engines, "
-             "no small-message path); python -m hoccl.tune measures one", call,
-             ", ".join(f"{key}={value}" for key, value in machine.items()))
-    return None, "defaults"
+    return _unmeasured(machine, call)
+
+
+def _unmeasured(machine: Dict[str, Any], call: str) -> Tuple[Optional[Table], str]:
+    """The cost model's table for a machine with no measured one (None: the defaults),
+    said once at INFO."""
+    table = model_table(machine)
+    facts = ", ".join(f"{key}={value}" for key, value in machine.items())
+    if table is None:
+        log.info("%s: no tuning table for this machine (%s): the defaults stand (copy "
+                 "engines, no small-message path); python -m hoccl.tune measures one", call,
+                 facts)
+        return None, "defaults"
+    log.info("%s: no tuning table for this machine (%s): the cost model's table (%s); "
+             "python -m hoccl.tune measures one", call, facts, table.note)
+    return table, "model"
 
 
 def shared_table(call: str, rank: int, machine: Dict[str, Any],

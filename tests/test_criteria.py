@@ -145,3 +145,24 @@ def test_the_markdown_ends_with_a_count_per_issue(tmp_path):
     text = criteria.markdown(criteria.judge([str(tmp_path)]))
     assert "issue 12: 0 met, 2 not met, 0 without data" in text
     assert "issue 14: 0 met, 0 not met, 17 without data" in text
+
+
+def test_hoccl_auto_is_judged_against_the_fastest_hand_set_variant_per_point(tmp_path):
+    records = [bench_record("all_reduce", "in", 4 * KiB, "hoccl-auto", 104.0),
+               bench_record("all_reduce", "in", 4 * KiB, "hoccl", 130.0),
+               bench_record("all_reduce", "in", 4 * KiB, "hoccl+pull_bytes=16M", 100.0),
+               bench_record("all_reduce", "in", MiB, "hoccl-auto", 120.0),
+               bench_record("all_reduce", "in", MiB, "hoccl", 100.0),
+               bench_record("all_reduce", "in", MiB, "nccl", 50.0),   # not a hoccl variant
+               bench_record("all_gather", "in", MiB, "hoccl-auto", 90.0),
+               bench_record("all_gather", "in", MiB, "hoccl", 80.0, wrong=1),  # wrong: left out
+               bench_record("broadcast", "in", MiB, "hoccl-auto+graph", 30.0),
+               bench_record("broadcast", "in", MiB, "hoccl+graph", 31.0)]
+    write(tmp_path / "run", "bench", {"records": records})
+    rows = rows_named(criteria.judge([str(tmp_path)]), "hoccl-auto ≤ 1.05")
+    verdicts = {row["criterion"].split(":")[0]: row["verdict"] for row in rows}
+    assert verdicts == {"all_reduce in 4K": "met", "all_reduce in 1M": "NOT met",
+                        "broadcast in 1M in a graph": "met"}
+    assert "hoccl+pull_bytes=16M 100.0" in rows_named(rows, "all_reduce in 4K")[0]["measured"]
+    assert rows_named(criteria.judge([str(tmp_path / "none")]), "hoccl-auto")[0]["verdict"] \
+        == "no data"

@@ -282,8 +282,8 @@ def test_fuse_sums_is_a_switch_of_init_set_options_and_split():
 
 
 def test_a_repeated_call_follows_a_changed_fuse_sums():
-    """Repeats (``Engine.repeat``) keep bound programs: toggling ``fuse_sums`` must end them,
-    or a repeat would go on in the old form."""
+    """Repeats keep their prepared calls' bound programs: toggling ``fuse_sums`` must end
+    them, or a repeat would go on in the old form."""
     comms = hoccl.init_local(2, backend="host", chunk_bytes=64)
     launches = _count_launches(comms)
     try:

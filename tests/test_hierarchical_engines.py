@@ -112,3 +112,22 @@ def test_a_call_a_hosts_library_cannot_run_is_refused_naming_the_host_and_engine
     assert verdict(Shape("all_gather", 4, 9, "bfloat16", 2)) is None
     assert verdict(Shape("broadcast", 4, 9, "int8", 1, root=3)) is None
     assert "cannot run all_to_all (its all_to_all step)" in verdict(Shape("all_to_all", 4, 3))
+
+
+def test_init_refuses_hosts_whose_ranks_differ_and_ranks_that_would_cut_calls_apart():
+    from hoccl._hierarchy.hosts import HostReport, agree
+    from hoccl.sched.hierarchical import Topology
+    shared = (("phases", "auto"), ("phase_bytes", 1 << 26), ("stage_bytes", 1 << 22))
+    cpu = HostReport("a", "cpu", "host", "host", "hoccl (host)", shared)
+    gloo = HostReport("b", "cpu", "torch", "host", "torch (gloo)", shared)
+    assert agree("init", [cpu, cpu, gloo, gloo], Topology(2, 2)) == [cpu, gloo]
+    with pytest.raises(hoccl.InvalidArgumentError,
+                       match=r"^init: the ranks of host 1 \(b\) must use one engine inside it; "
+                             r"rank 2 has torch \(gloo\) on cpu, rank 3 hoccl \(host\) on cpu"):
+        agree("init", [cpu, cpu, gloo, cpu], Topology(2, 2))
+    other = HostReport("b", "cpu", "torch", "host", "torch (gloo)",
+                       (("phases", "auto"), ("phase_bytes", 1 << 20), ("stage_bytes", 1 << 22)))
+    with pytest.raises(hoccl.InvalidArgumentError,
+                       match=r"^init: every rank must have the same \['phases', 'phase_bytes', "
+                             r"'stage_bytes'\]; .* rank 3 .*\(differ: \['phase_bytes'\]\)"):
+        agree("init", [cpu, cpu, gloo, other], Topology(2, 2))

@@ -21,7 +21,7 @@ import pytest
 from hoccl import PlanError
 from hoccl._dtypes import ITEMSIZE, numpy_dtype
 from hoccl.sched import SCRATCH_FILL, Shape
-from hoccl.sched.hierarchical import (PIPELINED, Call, HierarchicalPlan, Phase, PipelinedPlan,
+from hoccl.sched.hierarchical import (BY_HOST, PIPELINED, Call, HierarchicalPlan, Phase, PipelinedPlan,
                                       Region, Topology, build_hierarchical,
                                       pipeline_hierarchical, simulate_hierarchical,
                                       verify_hierarchical, verify_pipelined)
@@ -299,12 +299,13 @@ def test_the_result_check_fails_on_a_plan_with_a_wrong_source():
 
 # -- pipelined plans ------------------------------------------------------------------
 @pytest.mark.parametrize("hosts,local_size", [(2, 2), (3, 2), (2, 3), (4, 1)])
-@pytest.mark.parametrize("collective", PIPELINED)
+@pytest.mark.parametrize("collective", PIPELINED + BY_HOST)
 def test_pipelined_plans_are_proved_and_give_the_bits_of_the_whole_call(collective, hosts,
                                                                          local_size):
-    """Chunked into 1, 2 and many chunks (the last short), both forms, every root: the
-    flattened steps verify and simulate to the reference's bits (which the unchunked
-    plan gives too: the same folds per element)."""
+    """Chunked into 1, 2 and many chunks (the last short) or, for all_gather and
+    reduce_scatter, one chunk per host; both forms, every root: the flattened steps
+    verify and simulate to the reference's bits (which the unchunked plan gives too:
+    the same folds per element)."""
     topology = Topology(hosts, local_size)
     n = topology.world_size
     seed = 0
@@ -312,14 +313,16 @@ def test_pipelined_plans_are_proved_and_give_the_bits_of_the_whole_call(collecti
         for in_place in (False, True):
             for root in (_roots(n, local_size) if collective in ROOTED else [0]):
                 for dtype, op in (("bfloat16", "avg"), ("float16", "sum"), ("int8", "prod")):
-                    if collective == "broadcast" and op != "sum":
+                    if collective in ("broadcast", "all_gather") and op != "sum":
                         continue
                     seed += 1
                     shape = Shape(collective, n, count, dtype, ITEMSIZE[dtype], op, root,
                                   -1, in_place)
                     pipelined = pipeline_hierarchical(shape, topology, chunk)
                     verify_pipelined(pipelined)
-                    assert len(pipelined.plans) == -(-count // chunk)
+                    chunks = (-(-count // chunk) if collective in PIPELINED else
+                              hosts if hosts > 1 and local_size > 1 else 1)
+                    assert len(pipelined.plans) == chunks
                     run(topology, collective, count, dtype, op, root, in_place=in_place,
                         seed=seed, plan=pipelined.flatten())
 

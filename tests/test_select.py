@@ -29,7 +29,7 @@ def _machine(world_size=3):
 
 
 def _table(rows, machine=None):
-    return {"format": "hoccl-tuning", "version": 1, "machine": machine or _machine(),
+    return {"format": "hoccl-tuning", "version": 2, "machine": machine or _machine(),
             "rows": rows}
 
 
@@ -89,6 +89,57 @@ def test_rows_narrowed_to_a_form_or_dtype_apply_to_those_calls_only():
         Table.from_dict(_table([{**rows[0], "dtypes": "bfloat16"}]))
 
 
+def test_rows_keyed_by_registered_and_captured_and_beside_compute():
+    """A row narrowed to a trait applies to calls that have it, and to calls whose
+    caller does not know it (None); the first row that covers a call wins."""
+    rows = [{"collective": "all_reduce", "min_bytes": 0, "max_bytes": 1 << 20,
+             "path": "push", "settings": {"max_sms": 32, "chunk_bytes": 4096},
+             "beside_compute": True},
+            {"collective": "all_reduce", "min_bytes": 0, "max_bytes": 1 << 20, "path": "pull",
+             "registered": True, "captured": False},
+            {"collective": "all_reduce", "min_bytes": 0, "max_bytes": 1 << 20, "path": "direct",
+             "captured": True},
+            {"collective": "all_reduce", "min_bytes": 0, "max_bytes": 1 << 20,
+             "path": "one_shot"}]
+    table = Table.from_dict(_table(rows))
+    assert Table.from_json(table.to_json()) == table
+    assert table.rows[0].to_dict()["beside_compute"] is True
+    shape = Shape("all_reduce", 3, 64, "float32", 4)
+
+    def path(**traits):
+        return choose(table, shape, Options(), **traits).path
+    assert path() == "push"                         # not known: the first row
+    assert path(beside_compute=True) == "push"
+    assert path(beside_compute=False) == "pull"
+    assert path(beside_compute=False, registered=True, captured=False) == "pull"
+    assert path(beside_compute=False, registered=False, captured=False) == "one_shot"
+    assert path(beside_compute=False, registered=False, captured=True) == "direct"
+    assert path(beside_compute=False, registered=True, captured=True) == "direct"
+
+
+def test_a_row_sets_max_sms_and_the_user_wins():
+    rows = [{"collective": "reduce_scatter", "min_bytes": 0, "max_bytes": 1 << 30,
+             "path": "push", "settings": {"max_sms": 32}, "source": "s"}]
+    table = Table.from_dict(_table(rows))
+    shape = Shape("reduce_scatter", 3, 64, "float32", 4)
+    choice = choose(table, shape, Options())
+    assert choice.max_sms == 32 and dict(choice.sources)["max_sms"] == "table row 0 (s)"
+    assert choice.describe()["settings"]["max_sms"] == 32
+    user = choose(table, shape, Options(), {"max_sms"})
+    assert user.max_sms is None and dict(user.sources)["max_sms"] == "user"
+    assert choose(None, shape, Options()).max_sms is None
+
+
+def test_a_version_1_table_reads_as_version_2_with_rows_for_every_call():
+    old = {**_table(ROWS), "version": 1}
+    table = Table.from_dict(old, "old.json")
+    assert table == Table.from_dict(_table(ROWS), "old.json")
+    assert all(row.traits == () for row in table.rows)
+    assert json.loads(table.to_json())["version"] == 2
+    shape = Shape("reduce_scatter", 3, 8, "float32", 4)
+    assert choose(table, shape, Options(), registered=False, captured=True).path == "pull"
+
+
 @pytest.mark.parametrize("collective", COLLECTIVES + ("reduce",))
 def test_path_options_make_build_plan_take_the_path(collective):
     from hoccl.sched import build_plan
@@ -113,7 +164,11 @@ def test_path_options_make_build_plan_take_the_path(collective):
     ({"rows": [{"collective": "all_gather", "min_bytes": 0, "max_bytes": 1, "path": "fly"}]},
      "a path of"),
     ({"rows": [{"collective": "all_gather", "min_bytes": 0, "max_bytes": 1, "path": "push",
-                "settings": {"max_sms": 3}}]}, "settings may name only"),
+                "settings": {"lanes": 3}}]}, "settings may name only"),
+    ({"rows": [{"collective": "all_gather", "min_bytes": 0, "max_bytes": 1, "path": "push",
+                "settings": {"max_sms": 0}}]}, "max_sms must be a positive int"),
+    ({"rows": [{"collective": "all_gather", "min_bytes": 0, "max_bytes": 1, "path": "push",
+                "registered": "yes"}]}, "registered must be true or false"),
     ({"rows": [{"collective": "all_gather", "min_bytes": 0, "max_bytes": 1, "path": "push",
                 "settings": {"chunk_bytes": 0}}]}, "chunk_bytes must be"),
     ({"rows": [{"collective": "all_gather", "min_bytes": 0, "max_bytes": 9, "path": "push"},

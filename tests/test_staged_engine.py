@@ -289,3 +289,24 @@ def test_a_copy_the_engine_did_not_wait_for_is_missing_on_the_lazy_device():
     event = device.create_event()
     device.record(lane, event)
     assert device.done(event) and np.array_equal(target, source)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64", "int8", "uint8",
+                                   "int32", "int64"])
+def test_the_device_fold_in_torch_computes_the_rules_bits(dtype):
+    """The torch operations a device runs for ``fold`` (float32 accumulator for 16-bit
+    floats, member order, one rounding), run here on CPU tensors, give numpy's
+    ``reduce_arrays`` bit for bit."""
+    torch = pytest.importorskip("torch")
+    from hoccl._hierarchy.folding import _fold_on_device, _to_numpy
+    rng = np.random.default_rng()
+    parts = [random_array(rng, 257, dtype) for _ in range(5)]
+
+    def tensor(array):
+        if dtype == "bfloat16":
+            return torch.from_numpy(array.view(np.int16).copy()).view(torch.bfloat16)
+        return torch.from_numpy(array.copy())
+    for op in ("sum", "prod", "max", "min"):
+        out = tensor(poison(257, dtype))
+        _fold_on_device("torch", [tensor(part) for part in parts], out, op)
+        _same(f"fold {op}", reduce_arrays(parts, op, parts[0].dtype), _to_numpy(out))

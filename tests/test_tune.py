@@ -14,7 +14,7 @@ import pytest
 import hoccl
 from hoccl import InvalidArgumentError, tune, tuning
 from hoccl.bench._harness import Ranks
-from hoccl.sched.select import MACHINE_KEYS, Table, TableError, size_of
+from hoccl.sched.select import MACHINE_KEYS, Table, TableError, choose, size_of
 from hoccl.testing import FAULTS, ArrayModule, PlantedFault, check_collective
 
 from test_mpi import MPI_ENV, _mpiexec
@@ -46,15 +46,18 @@ def tuned(tmp_path_factory):
     return path, output
 
 
-def _assert_covers(table, max_bytes, ranks=RANKS):
-    for collective in COLLECTIVES:
-        rows = sorted((row for row in table.rows if row.collective == collective),
+def _assert_covers(table, max_bytes, ranks=RANKS, traits=(), collectives=COLLECTIVES):
+    """Rows of ``traits`` cover every measured size of ``collectives``, contiguously."""
+    for collective in collectives:
+        rows = sorted((row for row in table.rows
+                       if row.collective == collective and row.traits == traits),
                       key=lambda row: row.min_bytes)
         assert rows and rows[0].min_bytes == 0, (collective, rows)
         for first, second in zip(rows, rows[1:]):
             assert second.min_bytes == first.max_bytes + 1, (collective, first, second)
         for size in _measured_sizes(collective, max_bytes, ranks):
-            assert table.row_for(collective, size) is not None, (collective, size)
+            assert table.row_for(collective, size, traits=dict(traits)) is not None, (
+                collective, size)
         for row in rows:
             assert "python -m hoccl.tune" in row.source and hoccl.__version__ in row.source
 
@@ -239,17 +242,83 @@ def test_a_chunk_of_its_own_must_win_by_the_margin():
     assert tune.winners(paths)[0][1].candidate.path == "pull"  # equal settings: the fastest
 
 
+@pytest.mark.parametrize("faster, chosen", [(0.97, None), (0.94, 1 << 18)])
+def test_the_margin_holds_for_the_candidates_the_tuner_makes(faster, chosen):
+    """The tuner's own candidates: the communicator's chunk is the candidate of no
+    setting, so a chunk of its own (and an SM cap) must win by MARGIN over it."""
+    made = tune.candidates_at("reduce_scatter", 2, 1 << 20, 32 << 20, sms=(32,))
+    assert [c for c in made if c.path == "pull"][0] == tune.Candidate("pull")
+    measured = [tune.Measurement("reduce_scatter", 1 << 20, c,
+                                 1.0 if c.chunk_bytes is None else faster)
+                for c in made if c.path == "pull"]
+    assert tune.winners(measured)[0][1].candidate == tune.Candidate("pull", chosen)
+    assert 1 - faster > tune.MARGIN if chosen else 1 - faster < tune.MARGIN
+
+
 def test_candidates_are_the_selectors_paths_and_a_few_chunks():
     at_64k = tune.candidates_at("all_reduce", 2, 64 << 10, 32 << 20)
     assert [(c.path, c.chunk_bytes) for c in at_64k] == [
-        ("push", 32 << 20), ("push", 16 << 10), ("push", 4 << 10), ("pull", 32 << 20),
+        ("push", None), ("push", 16 << 10), ("push", 4 << 10), ("pull", None),
         ("pull", 16 << 10), ("pull", 4 << 10), ("one_shot", None), ("direct", None)]
     assert [c.path for c in tune.candidates_at("all_gather", 9, 1 << 20, 32 << 20)] == ["push"]
+    capped = tune.candidates_at("reduce_scatter", 2, 4 << 10, 32 << 20, sms=(32,))
+    assert [(c.path, c.max_sms) for c in capped] == [
+        ("push", None), ("push", 32), ("pull", None), ("pull", 32), ("direct", None)]
 
 
-def test_beside_compute_says_what_it_needs():
-    returncode, output = _tune("--local", "2", "--beside-compute")
-    assert returncode != 0 and "needs the cuda backend and torch" in output
+def test_ranks_sharing_a_gpu_time_no_direct_kernel():
+    """A direct kernel spins through its context's time slice while a peer on the same GPU
+    waits: the tuner leaves it out there, as the model does."""
+    from hoccl.sched._path_model import excluded_paths
+    shared, alone = {"ranks_per_gpu": 2}, {"ranks_per_gpu": 1}
+    assert excluded_paths(shared) == ("direct",) and excluded_paths(alone) == ()
+    for collective in ("all_gather", "all_reduce", "broadcast"):
+        every = [c.path for c in tune.candidates_at(collective, 2, 16 << 10, 32 << 20)]
+        kept = [c.path for c in tune.candidates_at(collective, 2, 16 << 10, 32 << 20,
+                                                   excluded=excluded_paths(shared))]
+        assert "direct" in every and "direct" not in kept
+        assert kept == [path for path in every if path != "direct"]
+
+
+def test_beside_compute_writes_rows_for_overlapped_calls_that_init_takes(tmp_path,
+                                                                          monkeypatch):
+    """--beside-compute on the host backend (a numpy matmul beside the calls): the table
+    has the plain rows and, first, rows marked beside_compute for the reductions; init
+    takes them; a call that says it runs apart from compute passes them over; every
+    collective stays exact."""
+    path = tmp_path / "table.json"
+    returncode, output = _tune("--local", "2", "--beside-compute", "--max-bytes", "16K",
+                               "--budget", "20", "--samples", "2", "--output", str(path))
+    assert returncode == 0, output[-4000:]
+    assert "the reductions beside a float32 numpy matmul" in output
+    table = Table.from_json(path.read_text(), str(path))
+    beside = [row for row in table.rows if dict(row.traits).get("beside_compute")]
+    assert {row.collective for row in beside} == {"reduce_scatter", "all_reduce"}
+    assert table.rows[:len(beside)] == tuple(beside)  # first: they win where they apply
+    _assert_covers(table, 16 << 10, ranks=2)
+    _assert_covers(table, 16 << 10, ranks=2, traits=tune.BESIDE,
+                   collectives=("reduce_scatter", "all_reduce"))
+    monkeypatch.setenv("HOCCL_TUNING_FILE", str(path))
+    comms = hoccl.init_local(2, backend="host")
+    try:
+        assert comms[0].tuning.origin == str(path)
+        for seed, collective in enumerate(COLLECTIVES):
+            for count in (1, 700, 2048):
+                shape = tune.shape_at(collective, count * 4 * 2, 2, "float32", 4)
+                plain = choose(comms[0].tuning, shape, comms[0].options, beside_compute=False)
+                taken = choose(comms[0].tuning, shape, comms[0].options)
+                assert taken == choose(comms[0].tuning, shape, comms[0].options,
+                                       beside_compute=True)
+                row = comms[0].tuning.rows[taken.row]
+                if collective in ("reduce_scatter", "all_reduce"):
+                    assert row in beside and comms[0].tuning.rows[plain.row] not in beside
+                else:
+                    assert row not in beside and plain == taken
+                check_collective(comms, collective, count=shape.count, dtype="float32",
+                                 seed=seed * 10 + count)
+    finally:
+        for comm in comms:
+            comm.close()
 
 
 @pytest.mark.mpi

@@ -6,7 +6,10 @@ which the benchmarks wrote ``bench.json``, ``overlap.json``, ``tp.json`` or
 ``train.json``).  Prints one row per criterion: what was measured, beside what, and
 whether it is met; a criterion with no data says so instead of passing.
 
-Every comparison is within one benchmark run (one JSON), as the issues ask.  Where a
+Every comparison is within one benchmark run (one JSON), as the issues ask.  Issue 29's
+rows (``hoccl-auto`` within 5 % of the fastest hand-set hoccl variant) come from any
+``python -m hoccl.bench --libraries hoccl-auto,...`` run (``bash tools/gpu_checks.sh
+tune2``): ``python tools/criteria.py FOLDER`` (its rows of issue 29).  Where a
 criterion names "hoccl", the row reports hoccl's defaults and the best hoccl variant
 the run measured, each with its name, so a pass through a non-default setting is seen
 as one.
@@ -277,6 +280,34 @@ def training(runs: List[Tuple[str, Dict[str, Any]]]) -> List[Row]:
     return rows
 
 
+# -- issue 29 --------------------------------------------------------------------------------
+AUTO = "hoccl-auto"
+
+
+def auto_within(runs: List[Tuple[str, Dict[str, Any]]], limit: float = 1.05) -> List[Row]:
+    """``hoccl-auto`` (each call from the machine's table) against the fastest hand-set
+    hoccl variant of the same collective, form and size, eager or in a graph, within one
+    run: a row per point where both ran."""
+    criterion = f"{AUTO} ≤ {limit} × the fastest hand-set hoccl variant"
+    rows: List[Row] = []
+    for path, result in runs:
+        points: Dict[Tuple[str, str, int, bool], Dict[str, float]] = {}
+        for _, record in _records([(path, result)]):
+            graph = record["library"].endswith("+graph")
+            points.setdefault((record["collective"], record["form"], record["bytes"], graph),
+                              {})[record["library"]] = record["time_us"]
+        for (collective, form, nbytes, graph), times in sorted(points.items()):
+            auto = AUTO + ("+graph" if graph else "")
+            hand = [(name, micros) for name, micros in times.items()
+                    if name.startswith("hoccl") and not name.startswith(AUTO)]
+            if auto in times and hand:
+                best, best_us = min(hand, key=lambda x: x[1])
+                rows.append(_ratio_row(29, f"{collective} {form} {human(nbytes)}"
+                                       f"{' in a graph' if graph else ''}: {criterion}",
+                                       (auto, times[auto], best, best_us, path), limit))
+    return rows or [_row(29, criterion, None, "")]
+
+
 def _default_note(mine: List[Dict[str, Any]], base: Dict[str, Any]) -> str:
     plain = next((r for r in mine if r["library"] == "hoccl"), None)
     if plain is None:
@@ -288,7 +319,8 @@ def judge(folders: Sequence[str]) -> List[Row]:
     found = load(folders)
     return (small_messages(found["bench"]) + beside_compute(found["overlap"])
             + reduce_scatter_alone(found["overlap"], found["bench"])
-            + tensor_parallel(found["tp"]) + training(found["train"]))
+            + tensor_parallel(found["tp"]) + training(found["train"])
+            + auto_within(found["bench"]))
 
 
 def markdown(rows: Sequence[Row]) -> str:

@@ -104,6 +104,7 @@ def main() -> None:
     engine = comm._engine
     device, streams = engine.device, engine.streams
     device.activate()
+    streams.ensure_lanes(1)  # a call of one lane ran on the caller's stream: none made yet
     lane = streams.lanes[0]
     parts = {"as_buffer (torch tensor)": lambda: as_buffer("x", "y", recv),
              "export (cached allocation)": lambda: device.export(recv.data_ptr())}

@@ -312,27 +312,24 @@ class Engine:
                 call.issued = True
                 self._unissued.pop(call.value, None)
         executor = self.executor
-        programs = []
-        for call, (program, addresses) in zip(calls, bindings):
+        items = []  # (plan, program, base, entry) of each call
+        for index, (call, (program, addresses)) in enumerate(zip(calls, bindings)):
             if program is None:
                 assert addresses is not None
                 prepared = call.prepared
                 program = executor.bind(call.plan, addresses, captured=call.captured,
                                         signature=prepared.digest, program=prepared.compiled)
                 prepared.program, prepared.bound_to = program, call.peers
-            programs.append(program)
+            items.append((call.plan, program, bases[index] if bases else 0, call.entry))
         if first.on_caller:
-            executor.issue_on_caller(programs[0], first.caller, value, after, base)
+            executor.issue_on_caller(items[0][1], first.caller, value, after, base)
         elif first.captured:
-            executor.issue([(call.plan, program, 0, call.entry)
-                            for call, program in zip(calls, programs)], 0, callers=callers)
+            executor.issue(items, 0, callers=callers)
             for call in calls:
                 self.streams.release(call.entry)
                 call.entry = None
         else:
-            executor.issue([(call.plan, program, base, call.entry)
-                            for call, program, base in zip(calls, programs, bases)],
-                           value, after=after, fence=callers, reserve=reserve or ())
+            executor.issue(items, value, after=after, fence=callers, reserve=reserve or ())
 
     def _base(self, call: Call) -> int:
         """``call``'s signal base: its sequence's values so far (the collectives', or its

@@ -37,6 +37,20 @@ engines whose library reduces in an order of its own (torch groups, MPI, gloo) m
 data with the library and fold it themselves.  NCCL between all-NVIDIA hosts keeps its
 own reductions (every rank gets the same bits, not those of the rule).
 
+Pipelined phases (the ``phases`` and ``phase_bytes`` settings): an all_reduce,
+broadcast or reduce is cut into chunks of elements, an all_gather or reduce_scatter into
+one chunk per host (``hoccl.sched.hierarchical``'s ``pipeline_hierarchical``); each
+level runs on a worker thread of its own (``phases.py``), taking its steps in the plan's
+order, each after its chunk's previous phase, so the host's reduce_scatter of chunk k+1
+overlaps chunk k crossing hosts and chunk k-1's all_gather.  Pipelined and sequential
+give the same bits.  Levels that enqueue on the caller's stream (NCCL) stay sequential;
+all_to_all, gather and scatter run their phases one after another.
+
+A call that a host's engine cannot run (what the torch engine's probe at init found its
+library lacks on the host's device) is refused on every rank before any data moves,
+naming the host and engine (``hosts.refusal``); init refuses ranks of one host on
+different engines and ranks whose ``phases``, ``phase_bytes`` or ``stage_bytes`` differ.
+
 Ordering.  On the cuda backend with NCCL every phase is enqueued on the caller's stream,
 in order: a call returns without waiting for the GPU, like a single-host call.  The
 staged engine waits on the host for what its step reads (events on its copy lanes) and
@@ -52,6 +66,7 @@ Modules::
     folding.py       the reduction rule; FoldingEngine: reductions by moving and folding
     hoccl_engine.py  HocclEngine: a hoccl Communicator (the host's; simulated hosts' rails)
     torch_group.py   TorchGroupEngine: a torch.distributed group (inside a host)
+    phases.py        PhaseRunner: a call's phases in sequence, or pipelined (a worker per level)
     staged.py        StagedEngine (MPI, gloo): pinned staging on copy engines, chunked
     nccl.py          NcclEngine: nccl4py or torch.distributed's NCCL groups
     arrays.py        flat views, scratch and host staging for numpy, torch and cupy

@@ -14,15 +14,15 @@ from .._api import CommunicatorApi
 from .._group_calls import held_calls
 from ..comm import Communicator
 from ..sched import Shape
-from ..sched.hierarchical import (PIPELINED, Call, Divide, HierarchicalPlan, PipelinedPlan,
-                                  Region, Step, Topology, build_hierarchical, divide_in_place,
-                                  pipeline_hierarchical, verify_hierarchical, verify_pipelined)
+from ..sched.hierarchical import (Call, Divide, HierarchicalPlan, PipelinedPlan, Region, Step,
+                                  Topology, divide_in_place, verify_hierarchical,
+                                  verify_pipelined)
 from ..config import ACROSS_HOSTS, Config
 from .arrays import Arrays, framework_array
 from .engine import InterHostEngine, Setup
 from .hoccl_engine import HocclEngine
-from .phases import Entry, PhaseRunner
-from .hosts import HostReport, agree, intra_host_engine, local_report, refusal
+from .phases import Entry, PhaseRunner, plan_of
+from .hosts import SHARED_SETTINGS, HostReport, agree, intra_host_engine, local_report, refusal
 from .nccl import NcclEngine
 from .staged import GlooStagedEngine, MpiStagedEngine
 from .topology import SubBootstrap
@@ -113,7 +113,8 @@ class HierarchicalCommunicator(CommunicatorApi):
         rank = bootstrap.rank
         one_machine = len(set(hostnames)) == 1
         mine = local_report(hostnames[rank], intra_host_engine(config.intra_host, backend),
-                            backend)
+                            backend, tuple((name, getattr(config, name))
+                                           for name in SHARED_SETTINGS))
         reports: List[HostReport] = bootstrap.allgather(mine)
         hosts = agree(call, reports, topology)
         engine = inter_host if inter_host is not None else _default_engine(reports, one_machine)
@@ -165,8 +166,13 @@ class HierarchicalCommunicator(CommunicatorApi):
                 "inter_host": self._levels["rail"].label,
                 "host_engines": [report.describe(index, ranks) for index, (report, ranks)
                                  in enumerate(zip(self._hosts, self.topology.groups("host")))],
-                "ordering": ("each call's phases run one after another on the host"
-                             if self._blocking else "every phase enqueued on the caller's stream")}
+                "phases": self._config.phases,
+                "ordering": ("each call's phases run on the host" if self._blocking else
+                             "every phase enqueued on the caller's stream"
+                             if self._levels["rail"].enqueues else
+                             "hoccl's phases enqueued on the caller's stream; the engine "
+                             "between hosts waits for what it reads and orders the stream "
+                             "after what it writes")}
 
     @property
     def config(self) -> Config:
@@ -322,21 +328,9 @@ class HierarchicalCommunicator(CommunicatorApi):
             raise AbortedError(f"{name}: the communicator was aborted: {self.abort_reason}")
 
     def _plan(self, shape: Shape) -> Union[HierarchicalPlan, PipelinedPlan]:
-        """The call's plan: pipelined (``phases``, ``phase_bytes``) for all_reduce,
-        broadcast and reduce of at least two chunks (or with ``phases="pipelined"``)
-        where no level's engine enqueues on the caller's stream (NCCL: its phases
-        are ordered there already), else the sequential one."""
         config = self._config
-        chunk = max(1, config.phase_bytes // shape.itemsize)
-        chunk = max(self.topology.local_size, chunk - chunk % self.topology.local_size)
-        pipelined = (shape.collective in PIPELINED and config.phases != "sequential"
-                     and (config.phases == "pipelined" or shape.count >= 2 * chunk)
-                     and not any(engine.enqueues for engine in self._levels.values()))
-        plan: Union[HierarchicalPlan, PipelinedPlan]
-        if pipelined:
-            plan = pipeline_hierarchical(shape, self.topology, chunk)
-        else:
-            plan = build_hierarchical(shape, self.topology)
+        plan = plan_of(shape, self.topology, config.phases, config.phase_bytes,
+                       any(engine.enqueues for engine in self._levels.values()))
         if config.verify_plans and self._verified.get(id(plan)) is not plan:
             if isinstance(plan, PipelinedPlan):
                 verify_pipelined(plan)

@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from .._errors import InvalidArgumentError
 from ..sched.hierarchical import Topology
 
-__all__ = ["HostReport", "intra_host_engine", "backend_for", "local_report", "agree",
+__all__ = ["HostReport", "SHARED_SETTINGS", "intra_host_engine", "backend_for", "local_report", "agree",
            "refusal"]
 
 
@@ -32,6 +32,8 @@ class HostReport:
     engine: str      #: the engine inside its host: "cuda", "host" or "torch"
     backend: str     #: hoccl's backend on the rank: "cuda" or "host"
     label: str       #: the engine as ``describe()`` names it
+    #: the settings every rank must share (their plans and chunks follow from them)
+    shared: Tuple[Tuple[str, Any], ...] = ()
     #: the primitives the engine's library cannot run, with why (found after the report)
     lacks: Tuple[Tuple[str, str], ...] = ()
 
@@ -76,7 +78,12 @@ def intra_host_engine(intra_host: Optional[str], backend: str) -> str:
     return backend
 
 
-def local_report(hostname: str, engine: str, backend: str) -> HostReport:
+#: the settings that shape the steps of a call across hosts: every rank must share them
+SHARED_SETTINGS = ("phases", "phase_bytes", "stage_bytes")
+
+
+def local_report(hostname: str, engine: str, backend: str,
+                 shared: Tuple[Tuple[str, Any], ...] = ()) -> HostReport:
     """This rank's report (the torch engine's label names its default group's backend)."""
     if engine == "torch":
         accelerator = _torch_accelerator()
@@ -86,14 +93,23 @@ def local_report(hostname: str, engine: str, backend: str) -> HostReport:
         import torch.distributed as dist
         label = (f"torch ({dist.get_backend()})" if dist.is_available() and dist.is_initialized()
                  else "torch (not initialised)")
-        return HostReport(hostname, device, engine, backend, label)
+        return HostReport(hostname, device, engine, backend, label, shared)
     return HostReport(hostname, "cuda" if backend == "cuda" else "cpu", engine, backend,
-                      f"hoccl ({backend})")
+                      f"hoccl ({backend})", shared)
 
 
 def agree(call: str, reports: List[HostReport], topology: Topology) -> List[HostReport]:
     """Every host's report (the ranks of a host must report the same engine and device
-    kind), in host order."""
+    kind, and every rank the same ``shared`` settings: a call's chunks follow from them,
+    and ranks that cut it differently would wait for each other), in host order."""
+    for rank, report in enumerate(reports):
+        if report.shared != reports[0].shared:
+            differ = sorted(name for (name, mine), (_, theirs)
+                            in zip(reports[0].shared, report.shared) if mine != theirs)
+            raise InvalidArgumentError(
+                f"{call}: every rank must have the same {list(SHARED_SETTINGS)}; rank 0 has "
+                f"{dict(reports[0].shared)}, rank {rank} {dict(report.shared)} (differ: "
+                f"{differ})")
     hosts = []
     for host, ranks in enumerate(topology.groups("host")):
         first = reports[ranks[0]]

@@ -19,15 +19,39 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from .._errors import HocclTimeoutError
+from ..sched import Shape
+from ..sched.hierarchical import (BY_HOST, PIPELINED, HierarchicalPlan, PipelinedPlan, Topology,
+                                  build_hierarchical, pipeline_hierarchical)
 
-__all__ = ["Entry", "PhaseRunner"]
+__all__ = ["Entry", "PhaseRunner", "plan_of"]
 
 #: one phase of one chunk on this rank: (level, what runs it, the index of the entry it
 #: waits for: its chunk's previous phase, or None)
 Entry = Tuple[str, Callable[[], None], Optional[int]]
+
+
+def plan_of(shape: Shape, topology: Topology, phases: str, phase_bytes: int,
+            stream_ordered: bool) -> Union[HierarchicalPlan, PipelinedPlan]:
+    """A call's plan: pipelined (the ``phases`` and ``phase_bytes`` settings) for an
+    all_reduce, broadcast or reduce of at least two chunks, and for an all_gather or
+    reduce_scatter across hosts of several ranks (a chunk per host) whose whole buffer
+    holds two chunks' bytes, or any of them with ``phases="pipelined"``, unless a level
+    enqueues on the caller's stream (``stream_ordered``: NCCL, whose phases are ordered
+    there already); else the sequential plan."""
+    chunk = max(1, phase_bytes // shape.itemsize)
+    chunk = max(topology.local_size, chunk - chunk % topology.local_size)
+    by_host = shape.collective in BY_HOST and topology.hosts > 1 and topology.local_size > 1
+    if by_host:
+        large = shape.count * shape.itemsize * topology.world_size >= 2 * phase_bytes
+    else:
+        large = shape.count >= 2 * chunk
+    if ((shape.collective in PIPELINED or by_host) and phases != "sequential"
+            and (phases == "pipelined" or large) and not stream_ordered):
+        return pipeline_hierarchical(shape, topology, chunk)
+    return build_hierarchical(shape, topology)
 
 
 class _Call:

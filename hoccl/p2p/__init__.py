@@ -8,9 +8,8 @@ three stages, the first two kept by the caller's prepared call (``hoccl._engine`
                                      to addresses through the rank's SignalPad's tables
                                      (own slots for waits, the peers' pads for signals)
     executor.issue(items, value)     the call's signal base added to every value, the
-                                     device commands listed (``_commands``: pure), then
-                                     enqueued in one pass (``_enqueue``: the stream
-                                     manager's events and values, the device's calls)
+                                     steps enqueued in one pass (``_enqueue``: from there
+                                     only the stream manager and the device are called)
 
 Stream memory operations are buffered per lane and flushed as one batched call before
 the lane's next copy, kernel or event (``cuStreamBatchMemOp`` keeps their order);
@@ -63,8 +62,6 @@ _COPY, _LOCAL_COPY, _SIGNAL, _WAIT = (StepKind.COPY, StepKind.LOCAL_COPY, StepKi
 _REDUCE, _MARK, _AFTER, _RESET = StepKind.REDUCE, StepKind.MARK, StepKind.AFTER, StepKind.RESET
 _DIRECT, _CHUNKS = StepKind.DIRECT, StepKind.CHUNKS
 
-# what ``_commands`` lists beyond the steps' own kinds (``(lane, kind, argument)``)
-_MEMOP, _COPY_BATCH, _ENTRY = 10, 11, 12  # (MemOp, address, value); copies; an entry event
 
 
 def _overlap(a, a_bytes, b, b_bytes) -> bool:
@@ -375,8 +372,7 @@ class Executor:
                 self.device.wait_value(caller, self.streams.completion, after)
             self.device.direct(caller, direct, value)
             return
-        commands = self._commands([(None, program, base, None)], {None: 0}, batch=True)
-        self._enqueue(commands, [caller], value, after)
+        self._enqueue([(None, program, base, None)], {None: 0}, [caller], value, after)
 
     def issue(self, items: Sequence[Tuple[Plan, Tuple[tuple, ...], int, Any]],
               value: int, callers: Optional[Sequence[Any]] = None, after: int = 0,
@@ -409,11 +405,9 @@ class Executor:
         replay is not a call the host counts), and the exit is an event every caller's
         stream waits for: the lanes join the capture back, as a graph needs.
         """
-        captured = callers is not None
         firsts, total = _families(plan for plan, _, _, _ in items)
         needs = _needs(reserve) if fence else None
-        commands = self._commands(items, firsts, batch=not captured)
-        self._enqueue(commands, total, value, after, callers, fence, needs)
+        self._enqueue(items, firsts, total, value, after, callers, fence, needs)
 
     def load(self, plan: Plan) -> None:
         """Have ``plan``'s direct kernel loaded (before any caller waits for its call)."""
@@ -435,109 +429,93 @@ class Executor:
             self.streams.ensure_lanes(total)
         self.streams.reserve_events(events)
 
-    def _commands(self, items: Sequence[Tuple[Any, Tuple[tuple, ...], int, Any]],
-                  firsts: Dict[Any, int], batch: bool) -> List[tuple]:
-        """The device commands ``(lane, kind, argument)`` of ``items``' bound programs, in
-        order: each family's lanes wait for the item's entry event, steps move to the
-        family's first lane, signal values get their base, ``batch``: independent copies
-        as one batched call.  Pure: nothing is enqueued."""
-        commands: List[tuple] = []
-        append = commands.append
-        for item, (plan, program, base, entry) in enumerate(items):
-            first = firsts[plan.pair if plan is not None else None]
-            if entry is not None:
-                for lane_index in range(first, first + plan.lanes):
-                    append((lane_index, _ENTRY, entry))
-            for kind, lane_index, arg in program:
-                lane_index += first
-                if kind == _SIGNAL:
-                    append((lane_index, _MEMOP, (MemOp.WRITE, arg[0], base + arg[1])))
-                elif kind == _WAIT:
-                    append((lane_index, _MEMOP, (MemOp.WAIT, arg[0], base + arg[1])))
-                elif kind == _RESET:
-                    append((lane_index, _MEMOP, (MemOp.WRITE, arg, 0)))
-                elif kind == _COPY:
-                    if len(arg) == 1 or not batch:
-                        for copy in arg:
-                            append((lane_index, _COPY, copy))
-                    else:
-                        append((lane_index, _COPY_BATCH, arg))
-                elif kind == _LOCAL_COPY:
-                    for copy in arg:
-                        append((lane_index, _LOCAL_COPY, copy))
-                elif kind == _CHUNKS:
-                    self.fused_launches += 1
-                    flags, value, *rest = arg
-                    append((lane_index, _CHUNKS, (flags, base + value, *rest)))
-                elif kind == _MARK or kind == _AFTER:
-                    append((lane_index, kind, (item, arg)))
-                else:  # _REDUCE, _DIRECT
-                    append((lane_index, kind, arg))
-        return commands
-
-    def _enqueue(self, commands: List[tuple], lanes: Any, value: int, after: int,
+    def _enqueue(self, items: Sequence[Tuple[Any, Tuple[tuple, ...], int, Any]],
+                 firsts: Dict[Any, int], lanes: Any, value: int, after: int,
                  callers: Optional[Sequence[Any]] = None, fence: Sequence[Any] = (),
                  needs: Optional[Tuple[int, int]] = None) -> None:
-        """Enqueue ``commands`` on ``lanes`` (the caller's stream, or a number of this
-        rank's lanes: the capture lanes with ``callers``), then join the lanes into lane
-        0 and write ``value``; ``issue`` says the rest.  The one pass down: only the
-        stream manager's and the device's methods are called from here.  A lane's memory
-        operations are kept until its next other command and go as one batched call
-        (``cuStreamBatchMemOp`` keeps their order)."""
+        """Enqueue ``items``' bound programs on ``lanes`` (the caller's stream, or a number
+        of this rank's lanes: the capture lanes with ``callers``), each family from its
+        first lane (``firsts``), each item's lanes after its entry event, signal values
+        offset by its base; then join the lanes into lane 0 and write ``value``
+        (``issue`` says the rest).  The one pass down: from here only the stream
+        manager's and the device's methods are called.  A lane's memory operations are
+        kept until its next other step and go as one batched call (``cuStreamBatchMemOp``
+        keeps their order); independent copies go as one batched call, except in a
+        capture (``cuMemcpyBatchAsync`` cannot be captured)."""
         device, streams = self.device, self.streams
+        total = lanes if isinstance(lanes, int) else len(lanes)
+        pending: List[list] = [[] for _ in range(total)]
+        marks: Dict[Any, Any] = {}
+        sms = self.sms
+        batch = callers is None
+        write, wait = MemOp.WRITE, MemOp.WAIT
         if needs is not None:  # see ``reserve``
             streams.ensure_lanes(needs[0])
             streams.reserve_events(needs[1])
         for caller in fence:
             streams.fence_out(caller, value)
         if isinstance(lanes, int):
-            total = lanes
             if callers is not None:
                 streams.ensure_capture_lanes(total)
                 lanes = streams.capture_lanes
             else:
                 streams.ensure_lanes(total)  # made by ``reserve`` already, unless skipped
                 lanes = streams.lanes
-        else:
-            total = len(lanes)
         start = streams.reach(0 if callers is not None else after)
-        pending: List[list] = [list(start) for _ in range(total)]
-        marks: Dict[Any, Any] = {}
-        sms = self.sms
+        if start:
+            for waiting in pending:
+                waiting.extend(start)
         try:
-            for lane_index, kind, arg in commands:
-                if kind == _MEMOP:
-                    pending[lane_index].append(arg)
-                    continue
-                lane = lanes[lane_index]
-                if pending[lane_index]:
-                    device.memops(lane, pending[lane_index])
-                    pending[lane_index] = []
-                if kind == _COPY:
-                    device.copy(lane, *arg)
-                elif kind == _COPY_BATCH:
-                    device.copy_batch(lane, arg)
-                elif kind == _ENTRY:
-                    device.wait_event(lane, arg)
-                elif kind == _LOCAL_COPY:
-                    device.local_copy(lane, *arg, sms.copy_sms)
-                elif kind == _REDUCE:
-                    inputs, output, count, dtype, op, scale = arg
-                    device.reduce(lane, output, inputs, count, dtype, op, sms=sms.max_sms,
-                                  scale=scale)
-                elif kind == _CHUNKS:
-                    flags, base_value, inputs, output, count, last_count, chunks, stride, \
-                        dtype, op, scale = arg
-                    device.reduce_chunks(lane, flags, base_value, output, inputs, count,
-                                         last_count, chunks, stride, dtype, op,
-                                         sms=sms.max_sms, scale=scale)
-                elif kind == _MARK:
-                    event = marks[arg] = streams.event()
-                    device.record(lane, event)
-                elif kind == _AFTER:
-                    device.wait_event(lane, marks[arg])
-                else:  # _DIRECT
-                    device.direct(lane, arg)
+            for item, (plan, program, base, entry) in enumerate(items):
+                first = firsts[plan.pair if plan is not None else None]
+                if entry is not None:
+                    for lane_index in range(first, first + plan.lanes):
+                        if pending[lane_index]:
+                            device.memops(lanes[lane_index], pending[lane_index])
+                            pending[lane_index] = []
+                        device.wait_event(lanes[lane_index], entry)
+                for kind, lane_index, arg in program:
+                    lane_index += first
+                    if kind == _SIGNAL:
+                        pending[lane_index].append((write, arg[0], base + arg[1]))
+                        continue
+                    if kind == _WAIT:
+                        pending[lane_index].append((wait, arg[0], base + arg[1]))
+                        continue
+                    if kind == _RESET:
+                        pending[lane_index].append((write, arg, 0))
+                        continue
+                    lane = lanes[lane_index]
+                    if pending[lane_index]:
+                        device.memops(lane, pending[lane_index])
+                        pending[lane_index] = []
+                    if kind == _COPY:
+                        if len(arg) == 1 or not batch:
+                            for copy in arg:
+                                device.copy(lane, *copy)
+                        else:
+                            device.copy_batch(lane, arg)
+                    elif kind == _LOCAL_COPY:
+                        for dst, src, nbytes in arg:
+                            device.local_copy(lane, dst, src, nbytes, sms.copy_sms)
+                    elif kind == _REDUCE:
+                        inputs, output, count, dtype, op, scale = arg
+                        device.reduce(lane, output, inputs, count, dtype, op, sms=sms.max_sms,
+                                      scale=scale)
+                    elif kind == _CHUNKS:
+                        self.fused_launches += 1
+                        flags, chunk_value, inputs, output, count, last_count, chunks, stride, \
+                            dtype, op, scale = arg
+                        device.reduce_chunks(lane, flags, base + chunk_value, output, inputs,
+                                             count, last_count, chunks, stride, dtype, op,
+                                             sms=sms.max_sms, scale=scale)
+                    elif kind == _MARK:
+                        event = marks[(item, arg)] = streams.event()
+                        device.record(lane, event)
+                    elif kind == _AFTER:
+                        device.wait_event(lane, marks[(item, arg)])
+                    else:  # _DIRECT
+                        device.direct(lane, arg)
             # join: lane 0 continues only after every other lane's last step
             for lane_index in range(1, total):
                 for index in (lane_index, 0):

@@ -9,7 +9,7 @@ from ._hierarchical_plan import (BufferLayout, Call, Divide, HierarchicalPlan, P
                                  Topology, _both, _caller_buffers, _caller_regions)
 from .algorithms import Shape
 
-__all__ = ["build_hierarchical"]
+__all__ = ["build_hierarchical", "build_host_share"]
 
 
 class _Builder:
@@ -160,6 +160,61 @@ def _all_to_all(b: _Builder) -> None:
     b.phase("rail")
     for rank, h, l in b.ranks():
         b.call(rank, "all_to_all", L * c, Region("scratch", 0, n * c), Region("recv", 0, n * c))
+
+
+def _all_gather_from(b: _Builder, source: int) -> None:
+    """all_gather's blocks of host ``source`` alone: a rail broadcast from it into
+    scratch, then a host all_gather of the block into place (a pipelined all_gather is
+    one such share per host, ``build_host_share``)."""
+    s, L, c = b.shape, b.L, b.shape.count
+    b.phase("rail")
+    for rank, h, l in b.ranks():
+        send, _ = _both(s, rank)
+        if h == source:
+            b.call(rank, "broadcast", c, send, send, root=source, in_place=True)
+        else:
+            b.call(rank, "broadcast", c, None, b.need_scratch(rank, c), root=source)
+    b.phase("host")
+    for rank, h, l in b.ranks():
+        send, recv = _both(s, rank)
+        block = recv.block(source, L * c)
+        if h == source:
+            b.call(rank, "all_gather", c, send, block, in_place=s.in_place)
+        else:
+            b.call(rank, "all_gather", c, Region("scratch", 0, c), block)
+
+
+def _reduce_scatter_to(b: _Builder, destination: int) -> None:
+    """reduce_scatter's blocks of host ``destination`` alone: a host reduce_scatter into
+    scratch, then a rail reduce of the hosts' sums to it (and avg's division there)."""
+    s, L, c = b.shape, b.L, b.shape.count
+    b.phase("host")
+    for rank, h, l in b.ranks():
+        send, _ = _both(s, rank)
+        b.call(rank, "reduce_scatter", c, send.block(destination, L * c),
+               b.need_scratch(rank, c))
+    b.phase("rail")
+    for rank, h, l in b.ranks():
+        recv = _both(s, rank)[1] if h == destination else None
+        b.call(rank, "reduce", c, Region("scratch", 0, c), recv, root=destination)
+    if s.op == "avg":
+        b.phase("local")
+        for rank, h, l in b.ranks():
+            if h == destination:
+                b.divide(rank, _both(s, rank)[1])
+
+
+@lru_cache(maxsize=256)
+def build_host_share(shape: Shape, topology: Topology, host: int) -> HierarchicalPlan:
+    """The part of an all_gather (reduce_scatter) on ``topology`` that moves the blocks of
+    host ``host`` (to it): the plans a pipelined all_gather (reduce_scatter) overlaps."""
+    if shape.collective not in ("all_gather", "reduce_scatter"):
+        raise ValueError(f"build_host_share: collective must be all_gather or reduce_scatter; "
+                         f"got {shape.collective!r}")
+    builder = _Builder(shape, topology)
+    share = _all_gather_from if shape.collective == "all_gather" else _reduce_scatter_to
+    share(builder, host)
+    return builder.plan()
 
 
 def _broadcast(b: _Builder) -> None:

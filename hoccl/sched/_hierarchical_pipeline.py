@@ -3,8 +3,11 @@
 ``pipeline_hierarchical(shape, topology, chunk)`` cuts an all_reduce, broadcast or
 reduce (one block of ``count`` elements on every rank) into chunks of ``chunk``
 elements, each a hierarchical plan of its own on its slice of the caller's buffers
-(and a scratch of its own), and orders every chunk's phases along the diagonals of the
-pipeline::
+(and a scratch of its own); an all_gather or reduce_scatter across hosts of several
+ranks into one chunk per host (``build_host_share``: the blocks of that host, a rail
+broadcast then a host all_gather, or a host reduce_scatter then a rail reduce), whose
+regions lie where the whole call's do.  It orders every chunk's phases along the
+diagonals of the pipeline::
 
     time        0      1      2      3      4
     host      RS c0  RS c1  RS c2  AG c0  AG c1 ...    (all_reduce: reduce_scatter in
@@ -26,20 +29,24 @@ level, as the workers will make them.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Dict, List, Optional, Tuple
 
 from .._errors import PlanError
-from ._hierarchical_build import build_hierarchical
+from ._hierarchical_build import build_hierarchical, build_host_share
 from ._hierarchical_check import verify_hierarchical
 from ._hierarchical_plan import (BufferLayout, Call, Divide, HierarchicalPlan, Phase, Region,
                                  Step, Topology)
 from .algorithms import Shape
 
-__all__ = ["PIPELINED", "PipelinedStep", "PipelinedPlan", "pipeline_hierarchical",
+__all__ = ["PIPELINED", "BY_HOST", "PipelinedStep", "PipelinedPlan", "pipeline_hierarchical",
            "verify_pipelined"]
 
-#: the collectives that can be cut into chunks: one block of ``count`` on every rank
+#: the collectives that can be cut into chunks of elements: one block of ``count`` on
+#: every rank
 PIPELINED = ("all_reduce", "broadcast", "reduce")
+#: the collectives cut into one chunk per host
+BY_HOST = ("all_gather", "reduce_scatter")
 
 
 @dataclass(frozen=True)
@@ -54,7 +61,9 @@ class PipelinedStep:
 
 @dataclass(frozen=True)
 class PipelinedPlan:
-    """A call cut into ``chunks`` (element ranges), one hierarchical plan each."""
+    """A call cut into ``chunks``, one hierarchical plan each: a chunk's (start, stop) is
+    the element range of the caller's buffers its plan covers, its regions shifted by
+    ``start`` (a host's share of an all_gather or reduce_scatter: (0, count), unshifted)."""
     shape: Shape
     topology: Topology
     chunks: Tuple[Tuple[int, int], ...]
@@ -118,14 +127,23 @@ class PipelinedPlan:
         return HierarchicalPlan(self.shape, self.topology, tuple(buffers), tuple(phases))
 
 
+@lru_cache(maxsize=256)
 def pipeline_hierarchical(shape: Shape, topology: Topology, chunk: int) -> PipelinedPlan:
     """``shape`` (one of ``PIPELINED``) cut into chunks of ``chunk`` elements (the last
-    takes the rest)."""
-    if shape.collective not in PIPELINED:
-        raise ValueError(f"pipeline_hierarchical: collective must be one of {PIPELINED}; "
-                         f"got {shape.collective!r}")
+    takes the rest); one of ``BY_HOST`` into one chunk per host (``chunk`` unused; on one
+    host, or one rank per host, the whole plan is the one chunk).  Cached."""
+    if shape.collective not in PIPELINED + BY_HOST:
+        raise ValueError(f"pipeline_hierarchical: collective must be one of "
+                         f"{PIPELINED + BY_HOST}; got {shape.collective!r}")
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
         raise ValueError(f"pipeline_hierarchical: chunk must be a positive int; got {chunk!r}")
+    if shape.collective in BY_HOST:
+        if topology.hosts == 1 or topology.local_size == 1:
+            return PipelinedPlan(shape, topology, ((0, shape.count),),
+                                 (build_hierarchical(shape, topology),))
+        return PipelinedPlan(shape, topology, ((0, shape.count),) * topology.hosts,
+                             tuple(build_host_share(shape, topology, host)
+                                   for host in range(topology.hosts)))
     ranges = tuple((start, min(shape.count, start + chunk))
                    for start in range(0, shape.count, chunk)) or ((0, 0),)
     plans = tuple(build_hierarchical(shape._replace(count=stop - start), topology)

@@ -55,7 +55,8 @@ The algorithms (n = hosts · local_size ranks, c = count; r = (h, l)):
 elements (a rank's shard before all_reduce's all_gather, a piece before reduce's gather).
 
 Pipelined: ``pipeline_hierarchical(shape, topology, chunk)`` cuts an all_reduce,
-broadcast or reduce into chunks whose phases overlap (``PipelinedPlan.program`` orders
+broadcast or reduce into chunks of elements, an all_gather or reduce_scatter into one
+chunk per host (``build_host_share``), whose phases overlap (``PipelinedPlan.program`` orders
 them along the pipeline's diagonals; ``verify_pipelined`` proves the order matches on
 every member of every group).  Elementwise, a chunked call computes what the whole call
 does, in the same order: the bits are the same.
@@ -67,7 +68,8 @@ builders), ``_hierarchical_check`` (verifying and simulating) and
 
 from ._hierarchical_build import build_hierarchical
 from ._hierarchical_check import divide_in_place, simulate_hierarchical, verify_hierarchical
-from ._hierarchical_pipeline import (PIPELINED, PipelinedPlan, PipelinedStep, pipeline_hierarchical,
+from ._hierarchical_build import build_host_share
+from ._hierarchical_pipeline import (BY_HOST, PIPELINED, PipelinedPlan, PipelinedStep, pipeline_hierarchical,
                                      verify_pipelined)
 # Step and _caller_regions too: importers of this module use them
 from ._hierarchical_plan import (LEVELS, BufferLayout, Call, Divide, HierarchicalPlan, Phase,
@@ -75,5 +77,5 @@ from ._hierarchical_plan import (LEVELS, BufferLayout, Call, Divide, Hierarchica
 
 __all__ = ["Topology", "Region", "Call", "Divide", "Phase", "BufferLayout",
            "HierarchicalPlan", "LEVELS", "build_hierarchical", "verify_hierarchical",
-           "simulate_hierarchical", "divide_in_place", "PIPELINED", "PipelinedPlan",
-           "PipelinedStep", "pipeline_hierarchical", "verify_pipelined"]
+           "simulate_hierarchical", "divide_in_place", "PIPELINED", "BY_HOST", "PipelinedPlan",
+           "PipelinedStep", "pipeline_hierarchical", "verify_pipelined", "build_host_share"]

@@ -26,18 +26,20 @@ def main():
             return _original(*args, **kwargs)
         setattr(device, name, wrapper)
     original_wait = device.wait_value
-    issuing = []  # a call's steps on its caller's stream wait there: not a fence
+    # a call's steps on its caller's stream wait there: not a fence; the lanes' issue
+    # fences the callers of calls enqueued unfenced (a process group's) as it starts
+    issuing = []
 
     def wait_value(stream, address, value):
-        if not issuing and not any(stream is lane for lane in lanes):
+        if issuing[-1:] != ["issue_on_caller"] and not any(stream is lane for lane in lanes):
             log.append("fence")
         return original_wait(stream, address, value)
     device.wait_value = wait_value
     for name in ("issue", "issue_on_caller"):
         original = getattr(engine.executor, name)
 
-        def issue(*args, _original=original, **kwargs):
-            issuing.append(True)
+        def issue(*args, _original=original, _name=name, **kwargs):
+            issuing.append(_name)
             try:
                 _original(*args, **kwargs)
             finally:

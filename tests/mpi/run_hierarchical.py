@@ -78,24 +78,33 @@ def check_pairs(comm, seed):
 
 
 def check_phases_agree(comm, seed):
-    """all_reduce, broadcast and reduce of 1000 elements, sequential and pipelined in
-    chunks of 64 bytes: the same bits on every rank."""
+    """all_reduce, broadcast, reduce (1000 elements, in chunks of 64 bytes), all_gather
+    and reduce_scatter (a chunk per host), sequential and pipelined: the same bits on
+    every rank."""
     if not isinstance(comm, hoccl.HierarchicalCommunicator):
         return
     before = comm.config
     n = comm.world_size
     for collective, dtype, op in (("all_reduce", "bfloat16", "avg"), ("all_reduce", "float32",
-                                  "sum"), ("reduce", "float16", "sum"), ("broadcast", "int8", "")):
+                                  "sum"), ("reduce", "float16", "sum"), ("broadcast", "int8", ""),
+                                  ("all_gather", "int32", ""), ("reduce_scatter", "bfloat16",
+                                                                "avg")):
         arrays = array_module_for(comm.backend, dtype)
         rng = np.random.default_rng([seed, comm.rank])
-        data = random_array(rng, 1000, dtype)
+        data = random_array(rng, 1000 * n, dtype)
         results = []
         for phases in ("sequential", "pipelined"):
             comm.set_options(phases=phases, phase_bytes=64)
-            out = arrays.asarray(poison(1000, dtype), comm.device)
-            send = arrays.asarray(data, comm.device)
+            out = arrays.asarray(poison(1000 * (n if collective == "all_gather" else 1),
+                                        dtype), comm.device)
+            send = arrays.asarray(data[:1000 * (n if collective == "reduce_scatter" else 1)],
+                                  comm.device)
             if collective == "all_reduce":
                 comm.all_reduce(send, out, op)
+            elif collective == "all_gather":
+                comm.all_gather(send, out)
+            elif collective == "reduce_scatter":
+                comm.reduce_scatter(send, out, op)
             elif collective == "reduce":
                 comm.reduce(send, out, n - 1, op)
             else:

@@ -1,6 +1,7 @@
 """Under mpirun: repeated copy-engine calls on registered buffers go the shortest path
-(``Engine.repeat``) and stay exact, on the caller's stream (one-lane plans) and on the
-lanes; a repeat is never made with a scratch buffer that has been replaced since.
+(their prepared calls, found in the engine's cache, issued without asking the peers) and
+stay exact, on the caller's stream (one-lane plans) and on the lanes; a prepared call is
+never reused with a scratch buffer that has been replaced since.
 ``python run_repeats.py [--backend B] [--rounds N]``.
 
 Every rank registers its buffers once (``hoccl.empty``) and makes, round after round,
@@ -8,7 +9,7 @@ the same calls on them (all_gather and all_to_all, reduce_scatter and all_reduce
 place and out of place, broadcast), with fresh values written into the inputs and the
 outputs poisoned before each round; every output is checked against numpy.  The repeats
 are counted.  Then a reduce_scatter of a larger count makes hoccl replace its reduction
-scratch; the next call of the smaller one must be planned afresh (not a repeat of a
+scratch; the next call of the smaller one must be prepared afresh (not a reuse of a
 program bound to the old scratch, which is freed at the next synchronize) and exact, and
 the ones after it repeats again.  Prints ``repeats ranks=N: P passed, F failed``.
 """
@@ -34,18 +35,8 @@ def main() -> None:
     engine = comm._engine
     n, r = comm.world_size, comm.rank
     arrays = array_module_for(comm.backend, "float32")
-    repeats, prepared = [0], [0]
-    original_repeat, original_prepare = engine.repeat, engine.prepare
-
-    def counting_repeat(*call_args):
-        call = original_repeat(*call_args)
-        repeats[0] += call is not None
-        return call
-
-    def counting_prepare(*call_args, **kwargs):
-        prepared[0] += 1
-        return original_prepare(*call_args, **kwargs)
-    engine.repeat, engine.prepare = counting_repeat, counting_prepare
+    preparer = engine.preparer
+    reused, fast = preparer.reused, engine.issued_fast  # calls that found their prepared call
 
     def registered(count):
         array = hoccl.empty(count, "float32", comm)
@@ -108,25 +99,29 @@ def main() -> None:
     for index in range(args.rounds):
         round_(index)
     calls = 5 * args.rounds
-    # the first round's reductions grow the scratch (which ends the first calls' memos);
-    # broadcast, rooted, is never issued without asking: every later symmetric call repeats
-    if repeats[0] < 4 * (args.rounds - 2):
-        failures.append(f"{repeats[0]} repeats in {calls} calls on the same buffers; expected "
+    # the first round's reductions grow the scratch (which ends the first calls' prepared
+    # calls); broadcast, rooted, is never issued without asking: every later symmetric
+    # call repeats
+    repeats = min(preparer.reused - reused, engine.issued_fast - fast)
+    if repeats < 4 * (args.rounds - 2):
+        failures.append(f"{repeats} repeats (prepared calls found and issued without asking) "
+                        f"in {calls} calls on the same buffers; expected "
                         f"{4 * (args.rounds - 2)} or more")
     # a larger reduce_scatter replaces the scratch; the smaller one is then planned afresh
     big_send, big_out = registered(8 * COUNT * n), registered(8 * COUNT)
     inputs = [numbers(8 * COUNT * n, 7000 + peer) for peer in range(n)]
     arrays.fill(big_send, inputs[r])
     reduce_scatter("larger reduce_scatter", big_send, big_out, inputs, 8 * COUNT)
-    before = prepared[0]
+    before = preparer.reused
     for index in range(3):
         inputs = [numbers(COUNT * n, 9000 + 10 * index + peer) for peer in range(n)]
         arrays.fill(send, inputs[r])
         reduce_scatter(f"reduce_scatter after the scratch grew, call {index}", send, out,
                        inputs, COUNT)
-    if prepared[0] - before != 1:
-        failures.append(f"after the scratch was replaced, {prepared[0] - before} of 3 calls were "
-                        f"planned afresh; expected 1 (then repeats)")
+    afresh = 3 - (preparer.reused - before)
+    if afresh != 1:
+        failures.append(f"after the scratch was replaced, {afresh} of 3 calls were prepared "
+                        f"afresh; expected 1 (then repeats)")
     comm.close()
     for failure in failures:
         print(f"rank {r}: FAILED {failure}", flush=True)
