@@ -43,7 +43,8 @@ import math
 from dataclasses import dataclass, replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
-__all__ = ["Machine", "Phase", "phases", "pipeline_us", "best_chunks", "nccl_ring",
+__all__ = ["Machine", "Phase", "phases", "host_shares", "pipeline_us", "best_chunks",
+           "nccl_ring",
            "nccl_tree", "hoccl_hierarchical", "bus_bandwidth", "table", "main"]
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
@@ -214,13 +215,35 @@ def best_chunks(steps: Sequence[Phase], nbytes: float, smallest: int = 1 << 20) 
     return min(counts, key=lambda chunks: pipeline_us(steps, chunks))
 
 
+def host_shares(collective: str, nbytes: float, m: Machine, staged: bool = False
+                ) -> List[Phase]:
+    """all_gather's and reduce_scatter's phases as the runtime pipelines them, one chunk
+    per host (its "share": a rail broadcast of one host's blocks then a host all_gather
+    of them, or a host reduce_scatter of the blocks bound for one host then a rail
+    reduce to it): per chunk one hoccl call and a broadcast's (reduce's) latency, H − 1
+    network steps; on the network each share's bytes cross every rail once."""
+    H, G = m.hosts, m.gpus_per_host
+    shares = []
+    for phase in phases(collective, nbytes, m, staged):
+        if phase.level == "host":
+            phase = replace(phase, host_us=m.hoccl_call_us)
+        elif phase.level == "rail":
+            sums = (nbytes / G * (H - 1) / H / _bytes_per_us(m.host_reduce_gbps)
+                    if staged and collective == "reduce_scatter" else 0.0)
+            phase = replace(phase, latency_us=m.nccl_base_us + (H - 1) * m.net_latency_us,
+                            transfer_us=nbytes / G / _bytes_per_us(m.nic_gbps) + sums)
+        shares.append(phase)
+    return shares
+
+
 def hoccl_hierarchical(collective: str, nbytes: float, m: Machine,
                        pipelined: bool = False, staged: bool = False,
                        chunk_bytes: Optional[int] = None) -> float:
     """µs of hoccl's hierarchical plan: host phases (hoccl) and rail phases (NCCL, or
     ``staged`` through pinned host memory), one after another, or (``pipelined``) chunk
-    by chunk (``pipeline_us``), in chunks of ``chunk_bytes`` (None: the best power-of-two
-    count, ``best_chunks``)."""
+    by chunk (``pipeline_us``): all_gather and reduce_scatter one chunk per host
+    (``host_shares``), the others in chunks of ``chunk_bytes`` (None: the best
+    power-of-two count, ``best_chunks``)."""
     H, G = m.hosts, m.gpus_per_host
     if collective not in COLLECTIVES:
         raise ValueError(f"hoccl_hierarchical: collective must be one of {COLLECTIVES}; "
@@ -232,6 +255,8 @@ def hoccl_hierarchical(collective: str, nbytes: float, m: Machine,
     found = phases(collective, nbytes, m, staged)
     if not pipelined:
         return pipeline_us(found, 1)
+    if collective in ("all_gather", "reduce_scatter"):
+        return pipeline_us(host_shares(collective, nbytes, m, staged), H)
     chunks = (best_chunks(found, nbytes) if chunk_bytes is None
               else max(1, math.ceil(nbytes / chunk_bytes)))
     return pipeline_us(found, chunks)
@@ -246,12 +271,15 @@ def bus_bandwidth(collective: str, nbytes: float, microseconds: float, ranks: in
 def table(collective: str, nbytes: float, hosts: Sequence[int], base: Machine,
           chunk_bytes: int = PHASE_BYTES) -> List[Dict[str, float]]:
     """One row per host count: µs and bus bandwidth of each algorithm, and the chunk
-    count the best pipeline takes."""
+    count of the pipeline ("hoccl pipelined": one per host for all_gather and
+    reduce_scatter, else the best)."""
     rows = []
     for count in hosts:
         m = replace(base, hosts=count)
+        shared = collective in ("all_gather", "reduce_scatter")
         row: Dict[str, float] = {"hosts": count, "gpus": m.world_size,
-                                 "chunks": best_chunks(phases(collective, nbytes, m), nbytes)}
+                                 "chunks": count if shared else
+                                 best_chunks(phases(collective, nbytes, m), nbytes)}
         times = {"nccl ring": nccl_ring(collective, nbytes, m),
                  "hoccl hier": hoccl_hierarchical(collective, nbytes, m),
                  "hoccl pipelined": hoccl_hierarchical(collective, nbytes, m, True),
@@ -318,8 +346,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                      _size(args.chunk))
         names = [key for key in rows[-1] if key not in ("hosts", "gpus", "chunks")
                  and not key.endswith("busbw")]
-        print(f"\n{collective}, {args.size}: time ms (busbw GB/s); chunks: the best "
-              f"pipeline's chunk count")
+        print(f"\n{collective}, {args.size}: time ms (busbw GB/s); chunks: the pipeline's "
+              f"(one per host for all_gather and reduce_scatter, as built; else the best)")
         print("| hosts x gpus | " + " | ".join(names) + " | chunks |")
         print("|---" * (len(names) + 2) + "|")
         for row in rows:
