@@ -146,7 +146,7 @@ class HierarchicalCommunicator(CommunicatorApi):
         rail, world = kind.connect(Setup(call=call, backend=backend, bootstrap=bootstrap,
                                          topology=topology, device=device, mpi_comm=mpi_comm,
                                          host=host, connect_host=connect_host, config=config,
-                                         backends=tuple(r.backend for r in reports)))
+                                         devices=tuple(r.device for r in reports)))
         bootstrap.barrier()
         comm = cls(topology=topology, rank=rank, host=host, intra=intra, rail=rail,
                    world=world, inter_host=engine, grouping=grouping, bootstrap=bootstrap,

@@ -14,7 +14,7 @@ pinned slots per direction, each reused only after the copy that read it (an eve
 the lane) and the transfer that filled it are done.  The copies are ``cuMemcpyAsync``
 on two streams of hoccl's device (copy engines, no SM); the transport's steps are its
 nonblocking forms, tested until done, so each ends within ``timeout`` or at ``abort()``.
-Where every member of a level is on hoccl's host backend the stage is a no-op: the
+Where every member of a level keeps its arrays in host memory the stage is a no-op: the
 transport moves the caller's memory itself, in one step.  A member in host memory
 beside staged members copies its chunks through plain memory, so that every member
 cuts a step into the same chunks.
@@ -266,8 +266,8 @@ class StagedEngine(FoldingEngine):
     def __init__(self, transport: Transport, device: Any, timeout: float, stage_bytes: int,
                  direct: bool = False):
         self.transport, self.device = transport, device
-        #: every member on hoccl's host backend: the transport moves the caller's arrays
-        #: themselves, in one step (no member stages, so none needs the chunks)
+        #: every member's arrays in host memory: the transport moves them themselves, in
+        #: one step (no member stages, so none needs the chunks)
         self.direct = direct
         self.size, self.member = transport.size, transport.member
         self.timeout, self.stage_bytes = timeout, stage_bytes
@@ -284,7 +284,7 @@ class StagedEngine(FoldingEngine):
         topology = setup.topology
 
         def on_host(group: Sequence[int]) -> bool:
-            return bool(setup.backends) and all(setup.backends[m] == "host" for m in group)
+            return bool(setup.devices) and all(setup.devices[m] == "cpu" for m in group)
         rail = topology.groups("rail")[topology.local_of(setup.bootstrap.rank)]
         return (cls(rails, device, timeout, stage, on_host(rail)),
                 cls(world, device, timeout, stage, on_host(range(topology.world_size))))
