@@ -194,10 +194,13 @@ class StagedOnHost(StagedOnLazyDevice):
         return True
 
 
-def _engines(stage_bytes, mixed):
+def _engines(stage_bytes, members):
+    """``members``: "device" (both staged), "mixed" (member 0 in host memory) or
+    "direct" (both on the host backend: the transport moves the arrays themselves)."""
     wire = Wire()
-    kinds = [StagedOnHost if mixed and m == 0 else StagedOnLazyDevice for m in range(SIZE)]
-    return [kind(WireTransport(wire, m), LazyDevice(), 10.0, stage_bytes)
+    kinds = [StagedOnHost if members == "direct" or (members == "mixed" and m == 0)
+             else StagedOnLazyDevice for m in range(SIZE)]
+    return [kind(WireTransport(wire, m), LazyDevice(), 10.0, stage_bytes, members == "direct")
             for m, kind in enumerate(kinds)]
 
 
@@ -215,12 +218,13 @@ def _same(what, want, got):
 
 
 @pytest.mark.parametrize("stage_bytes", [6, 64, 1 << 20])
-@pytest.mark.parametrize("dtype,mixed", [("bfloat16", False), ("float16", True),
-                                         ("int32", False), ("int32", True)])
-def test_every_step_of_the_staged_pipeline_matches_numpy(stage_bytes, dtype, mixed):
-    """``mixed``: member 0's arrays are in host memory, member 1's on the (lazy) device."""
+@pytest.mark.parametrize("dtype,members", [("bfloat16", "device"), ("float16", "mixed"),
+                                           ("int32", "device"), ("int32", "mixed"),
+                                           ("bfloat16", "direct")])
+def test_every_step_of_the_staged_pipeline_matches_numpy(stage_bytes, dtype, members):
+    """``members`` (``_engines``): both staged, one in host memory, or both direct."""
     rng = np.random.default_rng()
-    engines = _engines(stage_bytes, mixed)
+    engines = _engines(stage_bytes, members)
     count = 13
     data = [random_array(rng, SIZE * count, dtype) for _ in range(SIZE)]
 

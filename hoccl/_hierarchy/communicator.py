@@ -145,7 +145,8 @@ class HierarchicalCommunicator(CommunicatorApi):
                      for index, report in enumerate(hosts)]
         rail, world = kind.connect(Setup(call=call, backend=backend, bootstrap=bootstrap,
                                          topology=topology, device=device, mpi_comm=mpi_comm,
-                                         host=host, connect_host=connect_host, config=config))
+                                         host=host, connect_host=connect_host, config=config,
+                                         devices=tuple(r.device for r in reports)))
         bootstrap.barrier()
         comm = cls(topology=topology, rank=rank, host=host, intra=intra, rail=rail,
                    world=world, inter_host=engine, grouping=grouping, bootstrap=bootstrap,

@@ -35,6 +35,7 @@ class Setup:
     #: builds a hoccl communicator over a sub-bootstrap, as the host's was built
     connect_host: Callable[[Bootstrap, Optional[int]], Communicator]
     config: Config = Config()  #: the settings (the staged engine's ``stage_bytes``)
+    devices: Tuple[str, ...] = ()  #: where every rank's arrays live ("cuda", "rocm", "cpu")
 
 
 class InterHostEngine(abc.ABC):

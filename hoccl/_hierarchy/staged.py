@@ -14,8 +14,10 @@ pinned slots per direction, each reused only after the copy that read it (an eve
 the lane) and the transfer that filled it are done.  The copies are ``cuMemcpyAsync``
 on two streams of hoccl's device (copy engines, no SM); the transport's steps are its
 nonblocking forms, tested until done, so each ends within ``timeout`` or at ``abort()``.
-On host arrays (hoccl's host backend, torch CPU tensors) the stage is a no-op: the
-transport moves the caller's memory itself, in one step.
+Where every member of a level keeps its arrays in host memory the stage is a no-op: the
+transport moves the caller's memory itself, in one step.  A member in host memory
+beside staged members copies its chunks through plain memory, so that every member
+cuts a step into the same chunks.
 
 Reductions follow hoccl's rule (``FoldingEngine``): the library moves the inputs, hoccl
 folds them in member order.
@@ -261,8 +263,12 @@ class StagedEngine(FoldingEngine):
 
     name = "staged"
 
-    def __init__(self, transport: Transport, device: Any, timeout: float, stage_bytes: int):
+    def __init__(self, transport: Transport, device: Any, timeout: float, stage_bytes: int,
+                 direct: bool = False):
         self.transport, self.device = transport, device
+        #: every member's arrays in host memory: the transport moves them themselves, in
+        #: one step (no member stages, so none needs the chunks)
+        self.direct = direct
         self.size, self.member = transport.size, transport.member
         self.timeout, self.stage_bytes = timeout, stage_bytes
         self.label = f"{transport.label} (staged)"
@@ -275,7 +281,13 @@ class StagedEngine(FoldingEngine):
         rails, world = cls.transports(setup)
         device = setup.host.device_handle if setup.backend == "cuda" else None
         timeout, stage = setup.host.timeout, setup.config.stage_bytes
-        return cls(rails, device, timeout, stage), cls(world, device, timeout, stage)
+        topology = setup.topology
+
+        def on_host(group: Sequence[int]) -> bool:
+            return bool(setup.devices) and all(setup.devices[m] == "cpu" for m in group)
+        rail = topology.groups("rail")[topology.local_of(setup.bootstrap.rank)]
+        return (cls(rails, device, timeout, stage, on_host(rail)),
+                cls(world, device, timeout, stage, on_host(range(topology.world_size))))
 
     @classmethod
     @abc.abstractmethod
@@ -334,6 +346,13 @@ class StagedEngine(FoldingEngine):
         if self._broken:
             raise AbortedError(f"{what} across hosts ({self.label}): the engine takes no more "
                                f"calls: {self._broken}")
+        if self.direct:
+            host_send = None if send is None else _to_numpy(send).view(np.uint8)
+            host_recv = None if recv is None else _to_numpy(recv).view(np.uint8)
+            if host_send is not None and host_recv is not None and _overlap(host_send, host_recv):
+                host_send = host_send.copy()  # in place: the transport reads a copy
+            self._transfer(what, lambda: start(host_send, host_recv))
+            return
         arrays = [array for array in (send, recv) if array is not None]
         on_host = self._on_host(arrays)
         device = HOST_COPIES if on_host else self.device
@@ -477,6 +496,11 @@ class StagedEngine(FoldingEngine):
             stager.close(self.timeout)
         self._stagers.clear()
         self.transport.close()
+
+
+def _overlap(a: np.ndarray, b: np.ndarray) -> bool:
+    a_at, b_at = a.ctypes.data, b.ctypes.data
+    return a_at < b_at + b.nbytes and b_at < a_at + a.nbytes
 
 
 def _itemsize(array: Any) -> int:
