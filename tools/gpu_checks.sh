@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # One device call's checks on the cuda backend, ranks sharing the machine's GPUs under
 # mpirun; logs under $OUT, a table last.  Usage: bash tools/gpu_checks.sh PART
+#   mixed        a mixed job (2 ranks on the GPU, 2 on the CPU, two hosts, the staged
+#                engine between): every collective, staging in small chunks, torch's
+#                collectives and DDP on it, and python -m hoccl.bench.mixed beside gloo
 #   reliability  the failure scenarios (a peer dead, killed, closed, aborting), the
 #                direct-kernel divergence scenarios, the lost-peer exit under Open MPI,
 #                the torch backend's checks and training checks
@@ -33,6 +36,22 @@ oks() {  # NAME: how many "rank R: OK" lines its log has
   grep -c 'rank [0-9]*: OK' "$OUT/$1.log"
 }
 case "${1:-}" in
+mixed)
+  # a mixed job on one machine: ranks 0-1 on the GPU (hoccl's cuda backend inside their
+  # simulated host), ranks 2-3 on the CPU (host backend), the staged engine between
+  MPI4="${MPIRUN/-np 2/-np 4}"
+  P="--devices cuda,cuda,cpu,cpu --intra-host cuda,cuda,host,host --local-size 2"
+  run mixed-job 150 $MPI4 python3 tests/mpi/run_mixed_job.py
+  rows[-1]="${rows[-1]}  [OK lines: $(oks mixed-job)]"
+  run staged-gpu-ranks 60 $MPIRUN -x HOCCL_STAGE_BYTES=4096 python3 tests/mpi/run_hierarchical.py \
+    --backend cuda --inter-host mpi --local-size 1 --counts 0,1,17,100003
+  run torch-mixed 100 $MPI4 -x PYTHONPATH=$PWD/tests/torch_programs:$PWD \
+    python3 tests/torch_programs/run_backend.py $P
+  run ddp-mixed 100 $MPI4 -x PYTHONPATH=$PWD/tests/torch_programs:$PWD \
+    python3 tests/torch_programs/run_training.py $P --only DDP
+  run bench-mixed 170 $MPI4 -x OMP_NUM_THREADS=4 python3 -m hoccl.bench.mixed $P \
+    --sizes 1M,16M,64M,256M --phase-bytes 256M --iters 3 --out "$OUT/bench-mixed"
+  ;;
 reliability)
   for scenario in mismatch dead absent killed early closed abort; do
     run "fail-$scenario" 60 $MPIRUN $KEEP python3 tests/mpi/run_failures.py $scenario --backend cuda
@@ -78,7 +97,7 @@ tune|tune2)
   rows+=("  $(grep '^issue 29' "$OUT/auto-vs-best.md")")
   ;;
 *)
-  echo "usage: bash tools/gpu_checks.sh reliability|tune|tune2" >&2; exit 2 ;;
+  echo "usage: bash tools/gpu_checks.sh mixed|reliability|tune|tune2" >&2; exit 2 ;;
 esac
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>&1 | head -1
 printf '%s\n' "${rows[@]}" | tee "$OUT/summary.txt"
