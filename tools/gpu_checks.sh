@@ -45,9 +45,9 @@ mixed)
   rows[-1]="${rows[-1]}  [OK lines: $(oks mixed-job)]"
   run staged-gpu-ranks 60 $MPIRUN -x HOCCL_STAGE_BYTES=4096 python3 tests/mpi/run_hierarchical.py \
     --backend cuda --inter-host mpi --local-size 1 --counts 0,1,17,100003
-  run torch-mixed 100 $MPI4 -x PYTHONPATH=$PWD/tests/torch_programs:$PWD \
+  run torch-mixed 100 env PYTHONPATH=$PWD/tests/torch_programs:$PWD $MPI4 \
     python3 tests/torch_programs/run_backend.py $P
-  run ddp-mixed 100 $MPI4 -x PYTHONPATH=$PWD/tests/torch_programs:$PWD \
+  run ddp-mixed 100 env PYTHONPATH=$PWD/tests/torch_programs:$PWD $MPI4 \
     python3 tests/torch_programs/run_training.py $P --only DDP
   run bench-mixed 170 $MPI4 -x OMP_NUM_THREADS=4 python3 -m hoccl.bench.mixed $P \
     --sizes 1M,16M,64M,256M --phase-bytes 256M --iters 3 --out "$OUT/bench-mixed"
