@@ -129,6 +129,24 @@ def init_torch_gloo(world):
                             world_size=world.size)
 
 
+def check_every_call(comm, local_size, dtypes, counts, ops, label=""):
+    """Every collective case, send/recv between every pair, a barrier and the phases'
+    agreement, each checked on this rank: (how many passed, a text per failure)."""
+    passed, failures = 0, []
+    checks = [(f"{label}{case}", lambda case=case: check_collective(
+        [comm], arrays=array_module_for(comm.backend, case["dtype"]), local_size=local_size,
+        **case)) for case in cases(comm.world_size, local_size, dtypes, counts, ops)]
+    checks += [("send/recv", lambda: check_pairs(comm, 7)), ("barrier", lambda: check_barrier(comm)),
+               ("phases", lambda: check_phases_agree(comm, 11))]
+    for name, action in checks:
+        try:
+            action()
+            passed += 1
+        except Exception:
+            failures.append(f"{name}\n{traceback.format_exc()}")
+    return passed, failures
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -167,25 +185,13 @@ def main():
         failed += 1
         print(f"rank {world.rank} FAILED: local size {local_size} of {world.size} gave {comm!r}",
               flush=True)
-    dtypes = args.dtypes.split(",")
     counts = [int(c) for c in args.counts.split(",")]
-    for case in cases(comm.world_size, local_size, dtypes, counts, args.ops.split(",")):
-        try:
-            check_collective([comm], arrays=array_module_for(comm.backend, case["dtype"]),
-                             local_size=local_size, **case)
-            passed += 1
-        except Exception:
-            failed += 1
-            print(f"rank {comm.rank} FAILED {case}\n{traceback.format_exc()}", flush=True)
-    for name, action in (("send/recv", lambda: check_pairs(comm, 7)),
-                         ("barrier", lambda: check_barrier(comm)),
-                         ("phases", lambda: check_phases_agree(comm, 11))):
-        try:
-            action()
-            passed += 1
-        except Exception:
-            failed += 1
-            print(f"rank {comm.rank} FAILED {name}\n{traceback.format_exc()}", flush=True)
+    checked, failures = check_every_call(comm, local_size, args.dtypes.split(","), counts,
+                                         args.ops.split(","))
+    passed += checked
+    failed += len(failures)
+    for failure in failures:
+        print(f"rank {comm.rank} FAILED {failure}", flush=True)
     comm.close()
     if torch_hosts or args.inter_host == "gloo":
         import torch.distributed as dist

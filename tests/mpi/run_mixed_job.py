@@ -16,17 +16,15 @@ backend too.
 
 import argparse
 import sys
-import traceback
 from pathlib import Path
 
 import numpy as np
 from mpi4py import MPI
 
 import hoccl
-from hoccl.testing import array_module_for, check_collective
 
 sys.path.insert(0, str(Path(__file__).parent))
-from run_hierarchical import cases, check_barrier, check_pairs, check_phases_agree  # noqa: E402
+from run_hierarchical import check_every_call  # noqa: E402
 
 DTYPES = ("float16", "bfloat16", "float32", "float64", "int8", "uint8", "int32", "int64")
 OPS = ("sum", "prod", "max", "min", "avg")
@@ -52,21 +50,10 @@ def main():
     passed, failures = 0, []
     for phases, phase_bytes in (("sequential", 4 << 20), ("pipelined", 4096)):
         comm.set_options(phases=phases, phase_bytes=phase_bytes)
-        for case in cases(4, 2, args.dtypes.split(","), counts, args.ops.split(",")):
-            try:
-                check_collective([comm], arrays=array_module_for(comm.backend, case["dtype"]),
-                                 local_size=2, **case)
-                passed += 1
-            except Exception:
-                failures.append(f"{phases} {case}\n{traceback.format_exc()}")
-    for name, action in (("send/recv", lambda: check_pairs(comm, 7)),
-                         ("barrier", lambda: check_barrier(comm)),
-                         ("phases", lambda: check_phases_agree(comm, 11))):
-        try:
-            action()
-            passed += 1
-        except Exception:
-            failures.append(f"{name}\n{traceback.format_exc()}")
+        checked, failed = check_every_call(comm, 2, args.dtypes.split(","), counts,
+                                           args.ops.split(","), label=f"{phases} ")
+        passed += checked
+        failures += failed
     comm.close()
     total = passed + len(failures)
     if failures:
