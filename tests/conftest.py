@@ -1,4 +1,5 @@
 import os
+import tempfile
 
 import pytest
 
@@ -6,6 +7,12 @@ import hoccl
 from hoccl.backends import cuda_device_count
 
 GPUS = cuda_device_count()
+
+# Tuning tables: init loads one from the user's cache (hoccl.tuning.cache_dir) when it
+# names this machine, and a table changes the paths calls take.  The suite and the MPI
+# programs it launches look in a cache of their own, so a table tuned on this machine
+# never changes what the tests see; a test that wants a table names it.
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="hoccl-tests-cache-")
 
 
 def pytest_collection_modifyitems(config, items):
