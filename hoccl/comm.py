@@ -417,7 +417,7 @@ class Communicator(CommunicatorApi):
         # itself (a captured direct kernel: one node of the graph); in one process the
         # call is held until every rank made it, so its caller is fenced now
         if held is None and self._group.exported and (
-                call.plan.kernel_blocks or (call.plan.lanes == 1 and not call.captured)):
+                call.prepared.direct or (call.plan.lanes == 1 and not call.captured)):
             call.on_caller = True
         engine.enqueue(call, fence=held is None and not self._group.exported)
         self._health.start_watchdog()

@@ -281,7 +281,7 @@ class Engine:
             ordered, streams = self._ordered
             after = value - 1 if value > 1 and not (ordered == value - 1 and key in streams) \
                 else 0
-            direct = first.plan.kernel_blocks
+            direct = first.prepared.direct
             base = 0 if direct or first.captured else self._base(first)
             if not first.captured:
                 self._ordered = (value, {key})

@@ -97,6 +97,7 @@ class PreparedCall:
     """One call shape on one set of this rank's buffers, ready to be issued."""
     part: ShapePlan
     plan: Plan
+    direct: int                # the plan's direct-kernel blocks (``Plan.kernel_blocks``), or 0
     signature: tuple
     captured: bool
     local: Dict[str, Any]      # buffer name -> address on this rank
@@ -298,9 +299,11 @@ class Preparer:
         used = None if fast is None else {
             peer: tuple((name, buffer.where) for name, buffer in theirs.items())
             for peer, theirs in fast.items()}
-        return PreparedCall(part, plan, signature, captured, local, sizes, shared, exports,
-                            fast, used, compiled, marks_of(compiled) if captured else part.marks,
-                            digest(signature) if plan.kernel_blocks else 0, engine.layout_epoch)
+        direct = plan.kernel_blocks
+        return PreparedCall(part, plan, direct, signature, captured, local, sizes, shared,
+                            exports, fast, used, compiled,
+                            marks_of(compiled) if captured else part.marks,
+                            digest(signature) if direct else 0, engine.layout_epoch)
 
     def capturable(self, name: str, shape: Shape, exported: bool) -> None:
         """Refuse a call captured into a CUDA graph that could not replay."""
