@@ -270,7 +270,8 @@ class Engine:
                 self.release(call)
             raise
         now = time.monotonic()  # the device methods make their context current themselves
-        value = 0 if first.captured else max(call.value for call in calls)
+        value = (0 if first.captured else first.value if len(calls) == 1
+                 else max(call.value for call in calls))
         after = base = 0
         bases: List[int] = []
         reserve: Optional[List[Tuple[Plan, int]]] = None

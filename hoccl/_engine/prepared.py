@@ -124,6 +124,12 @@ class PreparedCall:
     received: Dict[int, Tuple[bytes, Any]] = dataclasses.field(default_factory=dict)
     loaded: bool = False       # its direct kernel is loaded (``Executor.load``)
 
+    @property
+    def bound_without_asking(self) -> bool:
+        """Whether it is bound already for the peers' buffers told without asking: issuing
+        it again maps nothing, so its caller may be fenced before it is issued."""
+        return self.fast is not None and self.bound_to is self.fast and self.program is not None
+
 
 def _changed_options(options: Options) -> tuple:
     """The planning options that differ from the defaults, as (name, value) pairs."""
@@ -191,7 +197,7 @@ class Preparer:
                 shared = self.shared_of(prepared)
         else:
             prepared = self.prepare(shape, buffers, False, exported)
-            shared = self.shared_of(prepared)
+            shared = self.shared_of(prepared) if prepared.exports else prepared.shared
         plan = prepared.plan
         if plan.pair:
             key: tuple = ("pair",) + plan.pair + (engine._pair_calls.get(plan.pair, 0),)
@@ -207,9 +213,10 @@ class Preparer:
                 exported: bool) -> PreparedCall:
         """The prepared call of ``shape`` on ``buffers``: from the cache, or made now."""
         engine = self.engine
-        key = (shape, captured) + tuple(None if buffer is None else
-                                        (buffer.address, buffer.nbytes)
-                                        for buffer in buffers.values())
+        key: Any = [shape, captured]  # the buffers by address and size (its dtype is the shape's)
+        for buffer in buffers.values():
+            key.append(None if buffer is None else (buffer.address, buffer.count))
+        key = tuple(key)
         prepared = self.cache.get(key)
         if prepared is not None and prepared.epoch == engine.layout_epoch:
             self.reused += 1
