@@ -401,9 +401,8 @@ class Communicator(CommunicatorApi):
 
     def _run(self, name: str, shape: Shape, buffers: Dict[str, Optional[Buffer]],
                stream: Any) -> None:
-        """Prepare (may fail: nothing enqueued; a repeated call finds its prepared call),
-        enqueue (the caller's stream is fenced), then hand to the group — now, or at the
-        end of the enclosing ``hoccl.group()``."""
+        """Prepare (may fail: nothing enqueued; a repeat finds its prepared call), enqueue,
+        then hand to the group — now, or at the end of the enclosing ``hoccl.group()``."""
         engine = self._engine
         call = engine.prepare(name, shape, buffers, stream, exported=self._group.exported)
         self._usable(name)  # the watchdog may have aborted meanwhile
@@ -411,15 +410,17 @@ class Communicator(CommunicatorApi):
         if call.captured and held is not None:
             raise InvalidArgumentError(f"{name}: a call captured into a CUDA graph cannot be "
                                        f"inside hoccl.group() yet")
-        # across processes the call returns only once issued: its caller is fenced then,
-        # after the peers' buffers are mapped (``Engine.issue``), or, a direct kernel's
-        # call or an eager one-lane plan's, its steps are enqueued on the caller's stream
-        # itself (a captured direct kernel: one node of the graph); in one process the
-        # call is held until every rank made it, so its caller is fenced now
-        if held is None and self._group.exported and (
-                call.plan.kernel_blocks or (call.plan.lanes == 1 and not call.captured)):
+        # across processes a call returns once issued: its caller is fenced then, after the
+        # peers' buffers are mapped (``Engine.issue``), or a direct kernel's or one-lane
+        # plan's steps go on the caller's stream itself (captured: one graph node); a call
+        # held until every rank made it (one process), or a repeat bound for peers told
+        # without asking (it maps nothing), has its caller fenced now
+        exported = self._group.exported
+        if held is None and exported and (
+                call.prepared.direct or (call.plan.lanes == 1 and not call.captured)):
             call.on_caller = True
-        engine.enqueue(call, fence=held is None and not self._group.exported)
+        engine.enqueue(call, fence=held is None and (
+            not exported or call.prepared.bound_without_asking))
         self._health.start_watchdog()
         if log.isEnabledFor(logging.DEBUG):
             log.debug("rank %d %s %s key=%s", self.rank, name, shape, call.key)

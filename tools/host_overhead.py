@@ -1,7 +1,7 @@
 """Host time per call of small collectives on the host backend, under mpiexec.
 
 Run: ``mpiexec -n 2 python tools/host_overhead.py [--size 4K] [--iters 1000] [--profile]
-[--no-stream-work] [--registered]``
+[--no-stream-work] [--registered] [--count-calls] [--cpu-time]``
 
 Each rank makes ``--iters`` calls of one collective (in place, float32, ``--size`` bytes
 in the large buffer) with no synchronisation between them, then synchronises; the time
@@ -20,6 +20,13 @@ work and varies from run to run.  ``--no-stream-work`` gives every rank a host d
 whose stream operations do nothing but write the completion words at once (no worker
 threads, no copies, no waits): the figure is then the shared call path alone, mailbox
 exchange included, which is what a GPU call adds to its driver calls.
+
+``--cpu-time`` takes each rank's process CPU time instead of the wall clock: on a
+machine loaded by other work the wall clock holds the time a rank waited to be run.
+``--count-calls`` adds, for rank 0, the Python function calls inside hoccl per call of
+one more round, the polls for the peer's messages left out (their number is the
+waiting, not the path): a figure that moves much less than the times with the machine's
+load.
 """
 
 import argparse
@@ -106,14 +113,24 @@ def in_place_call(comm, collective, nbytes, registered=False):
     return lambda: comm.reduce_scatter(full, own, "sum")
 
 
-def timed(comm, call, iters):
-    """Seconds per call of ``iters`` calls, with one synchronize at the end."""
+def _polling(path, name):
+    """Whether a function is the waiting for a peer's message: the mailbox's polls, and
+    the process group's checks of whether a peer's next message has come (``_ready`` and
+    what ``wait_until`` calls) in its module, ``_groups/process.py`` (``bootstrap.py``
+    before 2026-12-02)."""
+    return path.endswith("_mailbox.py") or (
+        path.endswith(("process.py", "bootstrap.py"))
+        and name in ("_ready", "_check_peer", "<lambda>", "<genexpr>"))
+
+
+def timed(comm, call, iters, clock=time.perf_counter):
+    """Seconds per call of ``iters`` calls, with one synchronize at the end, by ``clock``."""
     MPI.COMM_WORLD.Barrier()
-    start = time.perf_counter()
+    start = clock()
     for _ in range(iters):
         call()
     comm.synchronize()
-    return (time.perf_counter() - start) / iters
+    return (clock() - start) / iters
 
 
 def main() -> None:
@@ -123,6 +140,10 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=1000, help="calls per round")
     parser.add_argument("--repeats", type=int, default=10, help="rounds per collective")
     parser.add_argument("--collectives", default=",".join(COLLECTIVES))
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="time each rank's process CPU time, not the wall clock")
+    parser.add_argument("--count-calls", action="store_true",
+                        help="print rank 0's Python calls inside hoccl per call of one more round")
     parser.add_argument("--profile", action="store_true",
                         help="print a cProfile of rank 0's calls of one more round")
     parser.add_argument("--no-stream-work", action="store_true",
@@ -154,11 +175,13 @@ def main() -> None:
         comm.synchronize()
         rounds = []
         for _ in range(args.repeats):
-            rounds.append(max(world.allgather(timed(comm, call, args.iters))) * 1e6)
+            rounds.append(max(world.allgather(timed(
+                comm, call, args.iters,
+                time.process_time if args.cpu_time else time.perf_counter))) * 1e6)
         if comm.rank == 0:
             print(f"{collective:16s} {statistics.median(rounds):8.1f} {min(rounds):8.1f}   "
                   + " ".join(f"{value:.1f}" for value in rounds), flush=True)
-        if args.profile:
+        if args.profile or args.count_calls:
             profile = cProfile.Profile()
             world.Barrier()
             profile.enable()
@@ -166,7 +189,13 @@ def main() -> None:
                 call()
             comm.synchronize()
             profile.disable()
-            if comm.rank == 0:
+            if comm.rank == 0 and args.count_calls:
+                calls = sum(count for (path, _, name), (_, count, _, _, _)
+                            in pstats.Stats(profile).stats.items()  # type: ignore[attr-defined]
+                            if "/hoccl/" in path and not _polling(path, name))
+                print(f"{collective:16s} {calls / args.iters:8.1f} Python calls inside hoccl "
+                      f"per call (polls for the peer left out)", flush=True)
+            if comm.rank == 0 and args.profile:
                 text = io.StringIO()
                 pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(25)
                 # the mailbox polls (ready, take) count the waits for the peer, not the path

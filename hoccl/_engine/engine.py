@@ -270,7 +270,8 @@ class Engine:
                 self.release(call)
             raise
         now = time.monotonic()  # the device methods make their context current themselves
-        value = 0 if first.captured else max(call.value for call in calls)
+        value = (0 if first.captured else first.value if len(calls) == 1
+                 else max(call.value for call in calls))
         after = base = 0
         bases: List[int] = []
         reserve: Optional[List[Tuple[Plan, int]]] = None
@@ -281,7 +282,7 @@ class Engine:
             ordered, streams = self._ordered
             after = value - 1 if value > 1 and not (ordered == value - 1 and key in streams) \
                 else 0
-            direct = first.plan.kernel_blocks
+            direct = first.prepared.direct
             base = 0 if direct or first.captured else self._base(first)
             if not first.captured:
                 self._ordered = (value, {key})

@@ -97,6 +97,7 @@ class PreparedCall:
     """One call shape on one set of this rank's buffers, ready to be issued."""
     part: ShapePlan
     plan: Plan
+    direct: int                # the plan's direct-kernel blocks (``Plan.kernel_blocks``), or 0
     signature: tuple
     captured: bool
     local: Dict[str, Any]      # buffer name -> address on this rank
@@ -122,6 +123,12 @@ class PreparedCall:
     #: each peer's last description of its matching call, and what it decoded to
     received: Dict[int, Tuple[bytes, Any]] = dataclasses.field(default_factory=dict)
     loaded: bool = False       # its direct kernel is loaded (``Executor.load``)
+
+    @property
+    def bound_without_asking(self) -> bool:
+        """Whether it is bound already for the peers' buffers told without asking: issuing
+        it again maps nothing, so its caller may be fenced before it is issued."""
+        return self.fast is not None and self.bound_to is self.fast and self.program is not None
 
 
 def _changed_options(options: Options) -> tuple:
@@ -190,7 +197,7 @@ class Preparer:
                 shared = self.shared_of(prepared)
         else:
             prepared = self.prepare(shape, buffers, False, exported)
-            shared = self.shared_of(prepared)
+            shared = self.shared_of(prepared) if prepared.exports else prepared.shared
         plan = prepared.plan
         if plan.pair:
             key: tuple = ("pair",) + plan.pair + (engine._pair_calls.get(plan.pair, 0),)
@@ -206,9 +213,10 @@ class Preparer:
                 exported: bool) -> PreparedCall:
         """The prepared call of ``shape`` on ``buffers``: from the cache, or made now."""
         engine = self.engine
-        key = (shape, captured) + tuple(None if buffer is None else
-                                        (buffer.address, buffer.nbytes)
-                                        for buffer in buffers.values())
+        key: Any = [shape, captured]  # the buffers by address and size (its dtype is the shape's)
+        for buffer in buffers.values():
+            key.append(None if buffer is None else (buffer.address, buffer.count))
+        key = tuple(key)
         prepared = self.cache.get(key)
         if prepared is not None and prepared.epoch == engine.layout_epoch:
             self.reused += 1
@@ -298,9 +306,11 @@ class Preparer:
         used = None if fast is None else {
             peer: tuple((name, buffer.where) for name, buffer in theirs.items())
             for peer, theirs in fast.items()}
-        return PreparedCall(part, plan, signature, captured, local, sizes, shared, exports,
-                            fast, used, compiled, marks_of(compiled) if captured else part.marks,
-                            digest(signature) if plan.kernel_blocks else 0, engine.layout_epoch)
+        direct = plan.kernel_blocks
+        return PreparedCall(part, plan, direct, signature, captured, local, sizes, shared,
+                            exports, fast, used, compiled,
+                            marks_of(compiled) if captured else part.marks,
+                            digest(signature) if direct else 0, engine.layout_epoch)
 
     def capturable(self, name: str, shape: Shape, exported: bool) -> None:
         """Refuse a call captured into a CUDA graph that could not replay."""

@@ -98,7 +98,7 @@ def _silent(call: "Call") -> bool:
     (``Communicator._diverged``).  Both sides of a call always agree on this: it depends
     on the call and on what each learned of the other's ring in the calls before, the
     same on every rank while their sequences of calls agree."""
-    return (call.on_caller and bool(call.plan.kernel_blocks) and call.fast is not None
+    return (call.on_caller and bool(call.prepared.direct) and call.fast is not None
             and not call.captured)
 
 
