@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # One device call's checks on the cuda backend, ranks sharing the machine's GPUs under
 # mpirun; logs under $OUT, a table last.  Usage: bash tools/gpu_checks.sh PART
+#   prepared     the GPU tier on prepared calls (1, 2 and 3 ranks; registered, direct,
+#                chunked, repeated, captured), divergence and failure scenarios, and
+#                tools/profile_call.py before (.baseline) and after
 #   mixed        a mixed job (2 ranks on the GPU, 2 on the CPU, two hosts, the staged
 #                engine between): every collective, staging in small chunks, torch's
 #                collectives and DDP on it, and python -m hoccl.bench.mixed beside gloo
@@ -36,6 +39,37 @@ oks() {  # NAME: how many "rank R: OK" lines its log has
   grep -c 'rank [0-9]*: OK' "$OUT/$1.log"
 }
 case "${1:-}" in
+prepared)
+  # the cuda paths of prepared calls: the GPU tier, repeated, registered, captured and
+  # direct-kernel calls, failures, and host time per call beside .baseline (a checkout
+  # of an earlier commit: git archive COMMIT | tar -x -C .baseline) when there is one
+  MPI3="${MPIRUN/-np 2/-np 3}"
+  run gpu-local 120 python3 -m pytest -q -x -p no:cacheprovider --timeout=60 tests/gpu
+  run smoke 40 python3 tests/gpu/cuda_device_smoke.py
+  for ranks in 2 3; do
+    launch=$MPIRUN; [ $ranks = 3 ] && launch=$MPI3
+    for flags in "" "--registered" "--kernel-bytes 65536" "--chunk-bytes 64"; do
+      run "checks-np$ranks${flags:+-${flags//[ -]/}}" 60 $launch python3 tests/mpi/run_checks.py \
+        --backend cuda --counts 0,1,17,1003 $flags
+    done
+  done
+  run repeats 40 $MPIRUN python3 tests/mpi/run_repeats.py --backend cuda
+  run capture 70 $MPIRUN python3 tests/mpi/run_capture.py --backend cuda
+  for scenario in repeat replay silent; do
+    run "diverge-$scenario" 40 $MPIRUN $KEEP python3 tests/mpi/run_direct_divergence.py \
+      $scenario --backend cuda
+  done
+  for scenario in mismatch dead abort; do
+    run "fail-$scenario" 40 $MPIRUN $KEEP python3 tests/mpi/run_failures.py $scenario --backend cuda
+  done
+  for round in 1 2; do
+    if [ -d .baseline ]; then
+      run "profile-before-$round" 40 env PYTHONPATH=$PWD/.baseline $MPIRUN \
+        python3 .baseline/tools/profile_call.py --size 1M --iters 300
+    fi
+    run "profile-after-$round" 40 $MPIRUN python3 tools/profile_call.py --size 1M --iters 300
+  done
+  ;;
 mixed)
   # a mixed job on one machine: ranks 0-1 on the GPU (hoccl's cuda backend inside their
   # simulated host), ranks 2-3 on the CPU (host backend), the staged engine between
@@ -97,7 +131,7 @@ tune|tune2)
   rows+=("  $(grep '^issue 29' "$OUT/auto-vs-best.md")")
   ;;
 *)
-  echo "usage: bash tools/gpu_checks.sh mixed|reliability|tune|tune2" >&2; exit 2 ;;
+  echo "usage: bash tools/gpu_checks.sh prepared|mixed|reliability|tune|tune2" >&2; exit 2 ;;
 esac
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>&1 | head -1
 printf '%s\n' "${rows[@]}" | tee "$OUT/summary.txt"
