@@ -320,3 +320,32 @@ def test_ranks_naming_different_tables_all_use_rank_0s(tmp_path):
     output = result.stdout + result.stderr
     for rank in range(3):
         assert f"rank {rank}: path direct table rank0.json exact True" in output, output[-3000:]
+
+
+def test_an_eager_call_takes_no_row_narrowed_to_captured_calls(tmp_path, monkeypatch):
+    """The prepared call asks the selector with its capture known: a row for captured
+    calls (a direct kernel here) is passed over by eager calls, which take the next row."""
+    rows = [{"collective": "all_reduce", "min_bytes": 0, "max_bytes": 1 << 20, "path": "direct",
+             "captured": True},
+            {"collective": "all_reduce", "min_bytes": 0, "max_bytes": 1 << 20,
+             "path": "one_shot"}]
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps(_table(rows)))
+    monkeypatch.setenv("HOCCL_TUNING_FILE", str(path))
+    comms = hoccl.init_local(3, backend="host")
+    try:
+        engine = comms[0]._engine
+        shape = Shape("all_reduce", 3, 100, "float32", 4)
+        assert engine.preparer.choice(shape, captured=True).path == "direct"
+        assert engine.preparer.choice(shape, captured=False).path == "one_shot"
+        check_collective(comms, "all_reduce", count=100, dtype="float32",
+                         seed=np.random.SeedSequence().entropy % (1 << 32))
+        eager = engine.preparer.cache.get((shape, False))
+        assert eager is not None and eager.plan.kernel_blocks == 0
+        one_shot = engine.preparer.choice(shape, captured=False).options
+        assert eager.plan == engine.preparer.plan(shape, one_shot)
+        assert eager.plan != engine.preparer.plan(
+            shape, engine.preparer.choice(shape, captured=True).options)
+    finally:
+        for comm in comms:
+            comm.close()

@@ -165,11 +165,14 @@ class Preparer:
             engine.given = config.given
             self.cache.clear()  # every shape is planned afresh
 
-    def choice(self, shape: Shape) -> Choice:
-        """The path and options ``shape``'s calls take: the tuning table's row for it,
-        under the settings the user gave."""
+    def choice(self, shape: Shape, registered: Optional[bool] = None,
+               captured: Optional[bool] = None) -> Choice:
+        """The path and options ``shape``'s calls take: the tuning table's row for it and
+        for the call's traits (its buffers all in registered windows, its stream being
+        captured; None: not known, any row), under the settings the user gave."""
         engine = self.engine
-        return choose(engine.tuning, shape, engine.options, engine.given)
+        return choose(engine.tuning, shape, engine.options, engine.given,
+                      registered=registered, captured=captured)
 
     def plan(self, shape: Shape, options: Optional[Options] = None) -> Plan:
         engine = self.engine
@@ -221,19 +224,24 @@ class Preparer:
         if prepared is not None and prepared.epoch == engine.layout_epoch:
             self.reused += 1
             return prepared
-        part = self.cache.get(shape)
+        # a table's rows may differ by capture, which every rank's call shares (it is part
+        # of the signature); not by registration, which one rank's call may have and a
+        # peer's not, so that ranks would choose different paths (rows of either apply)
+        traits = (shape, captured)
+        part = self.cache.get(traits)
         if part is None:
-            part = self._shape_plan(shape)
-            self.cache.put(shape, part)
+            part = self._shape_plan(shape, captured)
+            self.cache.put(traits, part)
         prepared = self._prepared(part, buffers, captured, exported)
         self.cache.put(key, prepared)
         return prepared
 
-    def _shape_plan(self, shape: Shape) -> ShapePlan:
-        """What every call of ``shape`` shares, the choice of its path included."""
+    def _shape_plan(self, shape: Shape, captured: bool) -> ShapePlan:
+        """What every call of ``shape``, captured or not, shares, the choice of its path
+        included."""
         engine = self.engine
         rank = engine.rank
-        choice = self.choice(shape)
+        choice = self.choice(shape, captured=captured)
         plan = self.plan(shape, choice.options)
         if engine.tuning is not None and log.isEnabledFor(logging.INFO) \
                 and (shape.collective, choice.row) not in self._logged_rows:
@@ -318,7 +326,7 @@ class Preparer:
             raise InvalidArgumentError(
                 f"{name}: the caller's stream is being captured into a CUDA graph; capture "
                 f"is supported with one rank per process (hoccl.init), not init_local")
-        problem = replay_problem(self.plan(shape, self.choice(shape).options))
+        problem = replay_problem(self.plan(shape, self.choice(shape, captured=True).options))
         if problem is not None:
             raise InvalidArgumentError(
                 f"{name}: the caller's stream is being captured into a CUDA graph, but this "
