@@ -45,7 +45,6 @@ prepared)
   # of an earlier commit: git archive COMMIT | tar -x -C .baseline) when there is one
   MPI3="${MPIRUN/-np 2/-np 3}"
   run gpu-local 120 python3 -m pytest -q -x -p no:cacheprovider --timeout=60 tests/gpu
-  run smoke 40 python3 tests/gpu/cuda_device_smoke.py
   for ranks in 2 3; do
     launch=$MPIRUN; [ $ranks = 3 ] && launch=$MPI3
     for flags in "" "--registered" "--kernel-bytes 65536" "--chunk-bytes 64"; do

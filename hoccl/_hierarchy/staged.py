@@ -386,6 +386,10 @@ class StagedEngine(FoldingEngine):
             self._stagers[id(device)] = stager
         device.activate()
         caller = device.resolve_stream(stream, [])
+        # the caller's work so far (the phase before, a fold) is done before any chunk
+        # moves: with the lanes ordered by events alone, device arrays came out wrong on
+        # an H200 (results/h200/session14/final)
+        device.synchronize_stream(caller, self.timeout)
         # lane out starts after the caller's work so far
         device.record(caller, stager.started)
         device.wait_event(stager.lanes[0], stager.started)
@@ -434,6 +438,7 @@ class StagedEngine(FoldingEngine):
                 copy_in(in_flight[0])
         if recv is not None and chunks:
             device.wait_event(caller, stager.in_done[pending % 2])
+            device.synchronize_stream(stager.lanes[1], self.timeout)  # (see above)
 
     # -- the copies -------------------------------------------------------------------
     def all_gather(self, send: Any, recv: Any, *, stream: Any = None) -> None:
