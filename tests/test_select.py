@@ -340,7 +340,7 @@ def test_an_eager_call_takes_no_row_narrowed_to_captured_calls(tmp_path, monkeyp
         assert engine.preparer.choice(shape, captured=False).path == "one_shot"
         check_collective(comms, "all_reduce", count=100, dtype="float32",
                          seed=np.random.SeedSequence().entropy % (1 << 32))
-        eager = engine.preparer.cache.get((shape, False))
+        eager = engine.preparer.cache.get(("shape", shape, False))
         assert eager is not None and eager.plan.kernel_blocks == 0
         one_shot = engine.preparer.choice(shape, captured=False).options
         assert eager.plan == engine.preparer.plan(shape, one_shot)

@@ -227,7 +227,7 @@ class Preparer:
         # a table's rows may differ by capture, which every rank's call shares (it is part
         # of the signature); not by registration, which one rank's call may have and a
         # peer's not, so that ranks would choose different paths (rows of either apply)
-        traits = (shape, captured)
+        traits = ("shape", shape, captured)  # never a prepared call's key (shape, captured, ...)
         part = self.cache.get(traits)
         if part is None:
             part = self._shape_plan(shape, captured)
