@@ -110,17 +110,32 @@ class Health:
             return
         closed = self._group.closed_peer(engine.unfinished())
         if closed is not None:
+            self._raise_if_peer_aborted(call)
             reason = f"{call}: rank {self.rank} waited for {closed}"
             self._abort_for_lost_peer(reason, PeerClosedError)
             raise PeerClosedError(reason)
         gone = self._group.dead_peer()
         if gone is None:
             return
+        self._raise_if_peer_aborted(call)
         reason = f"{call}: rank {self.rank} waited for {gone}"
         target = engine.calls
         if self._outlasts_grace(lambda: engine.completed < target, grace):
             self._abort_for_lost_peer(reason, PeerDeadError)
             raise PeerDeadError(reason)
+
+    def _raise_if_peer_aborted(self, call: str) -> None:
+        """A peer that aborted, then closed or exited, told its peers why before it went:
+        its abort (a divergence: DivergedError, as it raised itself) is what this rank
+        reports, not the close or the exit that followed it."""
+        aborted = self.engine.pad.aborted_by()
+        if aborted is None:
+            aborted = next((peer for peer in range(self._group.world_size)
+                            if peer != self.rank and self._group.peer_abort(peer) is not None),
+                           None)
+        if aborted is not None:
+            self._abort_for_peer(aborted, "")
+            raise self.aborted_error(call)
 
     def _outlasts_grace(self, waiting: Callable[[], bool], grace: float) -> bool:
         """Whether this rank is still ``waiting()`` for its calls ``grace`` seconds from now,

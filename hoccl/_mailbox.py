@@ -299,7 +299,11 @@ class Mailboxes:
         closed the communicator"; None while none has."""
         for peer in peers:
             if self.notice(peer, "close") is not None:
-                return f"rank {peer}, which closed the communicator"
+                aborted = self.notice(peer, "abort")
+                if aborted is None:
+                    return f"rank {peer}, which closed the communicator"
+                why = f" ({aborted.reason})" if aborted.reason else ""
+                return f"rank {peer}, which aborted the communicator{why} and closed it"
         return None
 
     def send(self, peer: int, message: Any, deadline: float, call: str) -> None:

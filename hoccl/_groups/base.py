@@ -31,6 +31,8 @@ class Group(Protocol):
 
     #: peers live in other processes: buffers travel as export descriptors
     exported: bool
+    #: the ranks of the communicator
+    world_size: int
 
     def post(self, calls: Sequence["Call"]) -> None:
         """Offer ``calls`` (one rank's enqueued calls, in call order; several inside
