@@ -10,7 +10,7 @@ import numpy as np
 
 from ..backends._caller_stream import array_framework
 
-__all__ = ["Arrays", "framework_array", "address"]
+__all__ = ["Arrays", "framework_array", "address", "torch_stream"]
 
 
 class Arrays:
@@ -34,7 +34,7 @@ class Arrays:
             return contextlib.nullcontext()
         if self.kind == "torch":
             import torch
-            return torch.cuda.stream(torch.cuda.ExternalStream(handle, device=like.device))
+            return torch.cuda.stream(torch_stream(torch, handle, like.device))
         import cupy
         return cupy.cuda.ExternalStream(handle)
 
@@ -50,6 +50,27 @@ class Arrays:
         import cupy
         with cupy.cuda.Device(like.device.id), self.on_stream(stream, like):
             return cupy.empty(count, like.dtype)
+
+
+#: the raw handles of the null stream and of ``CU_STREAM_LEGACY``: torch's default stream
+_NULL_STREAMS = (0, 1)
+
+
+def torch_stream(torch: Any, handle: int, device: Any = None) -> Any:
+    """torch's stream object for the raw stream ``handle`` on ``device``, for work that
+    must be ordered with what hoccl enqueues on that handle.
+
+    ``torch.cuda.ExternalStream(0)`` is not the null stream: torch reads a ``stream_ptr``
+    of 0 as "none given" and hands out a stream from its pool, unordered with the null
+    stream (torch's pool streams are non-blocking).  The null stream and
+    ``CU_STREAM_LEGACY`` are torch's default stream (torch runs on the legacy default
+    stream); the current stream is itself; any other handle is wrapped."""
+    current = torch.cuda.current_stream(device)
+    if current.cuda_stream == handle:
+        return current
+    if handle in _NULL_STREAMS:
+        return torch.cuda.default_stream(device)
+    return torch.cuda.ExternalStream(handle, device=device)
 
 
 def framework_array(array: Any) -> Any:

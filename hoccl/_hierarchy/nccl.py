@@ -7,6 +7,7 @@ from typing import Any, Callable, List, Sequence, Tuple
 
 from ..config import environ
 from .._errors import InvalidArgumentError
+from .arrays import torch_stream
 from .engine import InterHostEngine, Setup
 
 __all__ = ["NcclEngine", "Nccl4pyEngine", "TorchNcclEngine"]
@@ -144,7 +145,7 @@ class TorchNcclEngine(NcclEngine):
 
     def _run(self, stream: Any, body: Callable, *arrays: Any) -> None:
         tensors = [self._tensor(array) for array in arrays]
-        with self.torch.cuda.stream(self.torch.cuda.ExternalStream(stream)):
+        with self.torch.cuda.stream(torch_stream(self.torch, int(stream))):
             body(*tensors)
 
     def all_gather(self, send: Any, recv: Any, *, stream: Any = None) -> None:

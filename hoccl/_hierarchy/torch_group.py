@@ -11,6 +11,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 import numpy as np
 
 from .._errors import AbortedError, HocclTimeoutError, InvalidArgumentError
+from .arrays import torch_stream
 from .engine import Setup
 from .folding import FoldingEngine
 
@@ -81,7 +82,7 @@ class TorchGroupEngine(FoldingEngine):
                                f"{self._broken}")
         tensors = [self._bytes(array) for array in arrays]
         if stream is not None:
-            with self.torch.cuda.stream(self.torch.cuda.ExternalStream(stream)):
+            with self.torch.cuda.stream(torch_stream(self.torch, stream)):
                 work = body(*tensors)
         else:
             work = body(*tensors)
