@@ -26,14 +26,14 @@ def _expanded(program):
         if kind != _CHUNKS:
             ops.append((kind, lane, arg))
             continue
-        slots, value, inputs, output, count, last_count, chunks, stride, dtype, op, scale = arg
+        slots, value, inputs, output, count, last_count, chunks, stride, dtype, op, scale, sms = arg
         shift = stride * ITEMSIZE[dtype]
         for k in range(chunks):
             ops.extend((_WAIT, lane, (slot, value + k)) for slot in slots)
             ops.append((_REDUCE, lane, (
                 tuple((ref[0], ref[1], ref[2] + k * shift) for ref in inputs),
                 (output[0], output[1], output[2] + k * shift),
-                last_count if k == chunks - 1 else count, dtype, op, scale)))
+                last_count if k == chunks - 1 else count, dtype, op, scale, sms)))
     return ops
 
 

@@ -349,3 +349,41 @@ def test_an_eager_call_takes_no_row_narrowed_to_captured_calls(tmp_path, monkeyp
     finally:
         for comm in comms:
             comm.close()
+
+
+@pytest.mark.parametrize("given", [None, 5])
+def test_a_rows_max_sms_caps_the_calls_reductions_unless_the_user_set_it(tmp_path, monkeypatch,
+                                                                          given):
+    """A row's ``max_sms`` reaches every reduction of the calls it covers (the host
+    device records each launch's cap); calls of other rows, and every call once the user
+    gives ``max_sms``, take the communicator's.  Results stay exact."""
+    rows = [{"collective": "all_reduce", "min_bytes": 0, "max_bytes": 1 << 12, "path": "push",
+             "settings": {"max_sms": 3, "chunk_bytes": 256}},
+            {"collective": "reduce_scatter", "min_bytes": 0, "max_bytes": 1 << 12,
+             "path": "push", "settings": {"chunk_bytes": 256}}]
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps(_table(rows)))
+    monkeypatch.setenv("HOCCL_TUNING_FILE", str(path))
+    settings = {} if given is None else {"max_sms": given}
+    comms = hoccl.init_local(3, backend="host", **settings)
+    caps = []
+    try:
+        for comm in comms:
+            device = comm._engine.device
+            for name in ("reduce", "reduce_chunks"):
+                def spy(*args, _run=getattr(device, name), sms=None, **kwargs):
+                    caps.append(sms)
+                    return _run(*args, sms=sms, **kwargs)
+                monkeypatch.setattr(device, name, spy)
+        own = comms[0].max_sms
+        for collective, count, want in (("all_reduce", 300, 3 if given is None else given),
+                                        ("reduce_scatter", 100, own)):
+            caps.clear()
+            check_collective(comms, collective, count=count, dtype="float32",
+                             seed=np.random.SeedSequence().entropy % (1 << 32))
+            assert caps and set(caps) == {want}, (collective, sorted(set(caps)))
+        assert comms[0].explain("all_reduce", 1200)["settings"]["max_sms"] == (
+            3 if given is None else None)
+    finally:
+        for comm in comms:
+            comm.close()

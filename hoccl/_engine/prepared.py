@@ -90,6 +90,8 @@ class ShapePlan:
     reach: Dict[Tuple[int, str], int]
     marks: int                 # events its program records (``Executor.reserve``)
     compiled: Tuple[tuple, ...]  # this rank's eager program (``Executor.compile``)
+    #: its reductions' SM cap from the tuning table's row (None: the communicator's)
+    max_sms: Optional[int] = None
 
 
 @dataclass(eq=False, slots=True)
@@ -269,9 +271,9 @@ class Preparer:
             signature += (("options", changed),)
         reach = {(peer, spec.name): spec.nbytes for peer in plan.participants
                  for spec in plan.buffers[peer]}
-        compiled = engine.executor.compile(plan)
+        compiled = engine.executor.compile(plan, sms=choice.max_sms)
         return ShapePlan(shape, plan, signature, used, shared, reach, marks_of(compiled),
-                         compiled)
+                         compiled, choice.max_sms)
 
     def _prepared(self, part: ShapePlan, buffers: Dict[str, Optional[Buffer]],
                   captured: bool, exported: bool) -> PreparedCall:
@@ -308,7 +310,7 @@ class Preparer:
         if captured:
             if "scratch" in local:  # a graph may use it for ever: never freed before close
                 memory.pinned.add(local["scratch"])
-            compiled = engine.executor.compile(plan, captured=True)
+            compiled = engine.executor.compile(plan, captured=True, sms=part.max_sms)
         else:
             compiled = part.compiled
         used = None if fast is None else {

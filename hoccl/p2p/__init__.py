@@ -48,7 +48,8 @@ class StepKind(IntEnum):
     LOCAL_COPY = 1  #: same-GPU copies on at most ``copy_sms`` SMs: ((dst, src, nbytes), ...)
     SIGNAL = 2      #: a value into a peer's pad slot: (peer, slot, value) / (address, value)
     WAIT = 3        #: until an own pad slot holds a value: (slot, value) / (address, value)
-    REDUCE = 4      #: (inputs, output, count, dtype, op, scale) on at most ``max_sms`` SMs
+    REDUCE = 4      #: (inputs, output, count, dtype, op, scale, sms) on at most ``sms`` SMs
+    #: (None: the communicator's ``max_sms``)
     MARK = 5        #: record an event (the mark's number) that AFTER steps wait for
     AFTER = 6       #: wait for a MARK's event
     RESET = 7       #: a graph slot back to 0, after its last wait in a captured call
@@ -156,7 +157,7 @@ def _chunk_run(lane_ops: List[list], start: int, rank: int) -> Optional[Tuple[li
     first = _chunk(lane_ops, start)
     if first is None:
         return None
-    slots, value, (inputs, output, count, dtype, op, scale), taken = first
+    slots, value, (inputs, output, count, dtype, op, scale, sms), taken = first
     itemsize = ITEMSIZE.get(dtype, 0)
     refs = inputs + (output,)
     if (not itemsize or len(inputs) > MAX_INPUTS or count <= 0
@@ -171,7 +172,7 @@ def _chunk_run(lane_ops: List[list], start: int, rank: int) -> Optional[Tuple[li
         next_slots, next_value, (next_inputs, next_output, next_count, *rest), size = following
         next_refs = next_inputs + (next_output,)
         if (next_slots != slots or next_value != value + chunks
-                or tuple(rest) != (dtype, op, scale) or len(next_refs) != len(refs)
+                or tuple(rest) != (dtype, op, scale, sms) or len(next_refs) != len(refs)
                 or not 0 < next_count <= count
                 or any(a[:2] != b[:2] for a, b in zip(previous, next_refs))):
             break
@@ -186,14 +187,18 @@ def _chunk_run(lane_ops: List[list], start: int, rank: int) -> Optional[Tuple[li
     if chunks < 2:
         return None
     fused = [_CHUNKS, lane_ops[start][1],
-             (slots, value, inputs, output, count, last_count, chunks, stride, dtype, op, scale)]
+             (slots, value, inputs, output, count, last_count, chunks, stride, dtype, op, scale,
+              sms)]
     return fused, taken
 
 
-def compile_program(plan: Plan, rank: int, fuse: bool = False) -> Tuple[tuple, ...]:
+def compile_program(plan: Plan, rank: int, fuse: bool = False,
+                    sms: Optional[int] = None) -> Tuple[tuple, ...]:
     """``rank``'s steps as tuples the executor runs without isinstance checks, with runs
     of independent copies on one lane merged, and with ``fuse`` each lane's run of chunk
-    waits and sums as one ``_CHUNKS`` op (``_chunk_runs``).  Made once per prepared call
+    waits and sums as one ``_CHUNKS`` op (``_chunk_runs``).  ``sms``: the SM cap of the
+    call's reductions (a tuning table row's ``max_sms``; None: the communicator's
+    ``max_sms`` when the call is issued).  Made once per prepared call
     (``hoccl._engine.prepared``), which keeps it."""
     ops: List[list] = []
     for step in plan.programs[rank]:
@@ -215,7 +220,7 @@ def compile_program(plan: Plan, rank: int, fuse: bool = False) -> Tuple[tuple, .
             ops.append([_REDUCE, step.lane, (
                 tuple((ref.rank, ref.buffer, ref.offset) for ref in step.inputs),
                 (step.output.rank, step.output.buffer, step.output.offset),
-                step.count, step.dtype, step.op, step.scale)])
+                step.count, step.dtype, step.op, step.scale, sms)])
         elif isinstance(step, Mark):
             ops.append([_MARK, step.lane, step.mark])
         elif isinstance(step, After):
@@ -257,11 +262,14 @@ class Executor:
         #: chunk sums issued as one launch that waits on the device (``_CHUNKS``), in all
         self.fused_launches = 0
 
-    def compile(self, plan: Plan, captured: bool = False) -> Tuple[tuple, ...]:
+    def compile(self, plan: Plan, captured: bool = False,
+                sms: Optional[int] = None) -> Tuple[tuple, ...]:
         """This rank's compiled steps of ``plan`` as ``bind`` takes them (chunk sums fused
-        as the caps say, never in a captured call)."""
+        as the caps say, never in a captured call; ``sms``: the call's own SM cap for its
+        reductions, ``compile_program``)."""
         return compile_program(plan, self.rank,
-                               fuse=not captured and self.sms is not None and self.sms.fuse_sums)
+                               fuse=not captured and self.sms is not None and self.sms.fuse_sums,
+                               sms=sms)
 
     def bind(self, plan: Plan, addresses: Dict[Tuple[int, str], Any],
              captured: bool = False, signature: int = 0,
@@ -307,8 +315,9 @@ class Executor:
             elif kind == _COPY or kind == _LOCAL_COPY:
                 arg = tuple((at(dst), at(src), nbytes) for dst, src, nbytes in arg)
             elif kind == _REDUCE:
-                inputs, output, count, dtype, op, scale = arg
-                arg = (tuple(at(ref) for ref in inputs), at(output), count, dtype, op, scale)
+                inputs, output, count, dtype, op, scale, cap = arg
+                arg = (tuple(at(ref) for ref in inputs), at(output), count, dtype, op, scale,
+                       cap)
             elif kind == _CHUNKS:
                 slots, value, inputs, output, *rest = arg
                 arg = (tuple(waits[slot] for slot in slots), value,
@@ -345,7 +354,7 @@ class Executor:
                     ops.append((DIRECT_COPY, dst_address, src_address, nbytes, dst_shift,
                                 src_shift))
             elif kind == _REDUCE:
-                inputs, output, count, dtype, op, scale = arg
+                inputs, output, count, dtype, op, scale, _ = arg
                 out_address, out_shift = at(output)
                 ops.append((DIRECT_REDUCE, out_address, tuple(at(ref) for ref in inputs), count,
                             out_shift))
@@ -499,16 +508,16 @@ class Executor:
                         for dst, src, nbytes in arg:
                             device.local_copy(lane, dst, src, nbytes, sms.copy_sms)
                     elif kind == _REDUCE:
-                        inputs, output, count, dtype, op, scale = arg
-                        device.reduce(lane, output, inputs, count, dtype, op, sms=sms.max_sms,
-                                      scale=scale)
+                        inputs, output, count, dtype, op, scale, cap = arg
+                        device.reduce(lane, output, inputs, count, dtype, op,
+                                      sms=cap or sms.max_sms, scale=scale)
                     elif kind == _CHUNKS:
                         self.fused_launches += 1
                         flags, chunk_value, inputs, output, count, last_count, chunks, stride, \
-                            dtype, op, scale = arg
+                            dtype, op, scale, cap = arg
                         device.reduce_chunks(lane, flags, base + chunk_value, output, inputs,
                                              count, last_count, chunks, stride, dtype, op,
-                                             sms=sms.max_sms, scale=scale)
+                                             sms=cap or sms.max_sms, scale=scale)
                     elif kind == _MARK:
                         event = marks[(item, arg)] = streams.event()
                         device.record(lane, event)
