@@ -141,7 +141,14 @@ def test_the_program_prints_a_table_per_collective(capsys):
     main(["--collective", "all_reduce,all_gather", "--size", "1G", "--hosts", "1,2,64"])
     out = capsys.readouterr().out
     assert "a model, not a measurement" in out
-    assert ("| hosts x gpus | nccl ring | hoccl hier | hoccl pipelined | pipelined 4M chunks | "
+    assert ("| hosts x gpus | nccl ring | hoccl hier | hoccl pipelined | pipelined 64M chunks | "
             "staged pipelined | nccl tree | chunks |") in out
     assert "| 64 x 8 |" in out and "all_gather, 1G" in out
     assert out.count("pipelined at or below the ring at hosts") == 2
+
+
+def test_the_models_runtime_chunk_is_the_configs_default():
+    """The "pipelined ... chunks" column is the runtime's default ``phase_bytes``."""
+    from hoccl.config import Config
+    from hoccl.sched.cost import PHASE_BYTES
+    assert PHASE_BYTES == Config().phase_bytes

@@ -49,7 +49,7 @@ __all__ = ["Machine", "Phase", "phases", "host_shares", "pipeline_us", "best_chu
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 #: ``hoccl.Config.phase_bytes``'s default: the chunk the runtime pipelines its phases in
-PHASE_BYTES = 4 << 20
+PHASE_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
