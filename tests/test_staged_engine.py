@@ -9,6 +9,7 @@ The fold of a reduction is enqueued on the caller's stream, as on a GPU."""
 from __future__ import annotations
 
 import ctypes
+import itertools
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -24,8 +25,14 @@ SIZE = 2
 
 
 class LazyStream:
+    handles = itertools.count(100)  # raw handles of the streams a LazyDevice makes
+
     def __init__(self):
         self.work, self.ran = [], 0
+        self.handle = next(self.handles)
+
+    def __int__(self):
+        return self.handle
 
     def run_until(self, upto):
         while self.ran < upto:
@@ -38,16 +45,19 @@ class LazyDevice:
 
     def __init__(self):
         self.caller = LazyStream()
+        self.streams = {7: self.caller}  # the caller's stream is 7
 
     def activate(self):
         pass
 
     def resolve_stream(self, stream, arrays):
-        assert stream == 7, "the engine passes the caller's stream handle"
-        return self.caller
+        assert stream in self.streams, "the engine passes a raw handle of a known stream"
+        return self.streams[stream]
 
     def create_stream(self):
-        return LazyStream()
+        stream = LazyStream()
+        self.streams[stream.handle] = stream
+        return stream
 
     def destroy_stream(self, stream):
         pass
@@ -314,3 +324,67 @@ def test_the_device_fold_in_torch_computes_the_rules_bits(dtype):
         out = tensor(poison(257, dtype))
         _fold_on_device("torch", [tensor(part) for part in parts], out, op)
         _same(f"fold {op}", reduce_arrays(parts, op, parts[0].dtype), _to_numpy(out))
+
+
+@pytest.mark.parametrize("ready_given, done_given", [(False, False), (True, False),
+                                                    (False, True), (True, True)])
+def test_a_phase_on_the_engines_own_stream_between_two_on_the_callers(ready_given,
+                                                                       done_given):
+    """As a pipelined call runs it: the phase before writes the input on the caller's
+    stream (lazily), the staged engine's phase runs on a stream of its own after the
+    event ``ready`` (else after the caller's work so far), and the phase after reads
+    the output on the caller's stream after the event ``done`` (else the engine orders
+    the caller's stream after its work).  On the lazy device a wait left out leaves
+    work undone: the result is only right when every hand-off is there."""
+    from hoccl._hierarchy.engine import caller_begin, caller_end
+    rng = np.random.default_rng()
+    engines = _engines(5, "device")
+    count = 11
+    data = [random_array(rng, count, "float32") for _ in range(SIZE)]
+    inputs = [poison(count, "float32") for _ in range(SIZE)]
+    outputs = [poison(count, "float32") for _ in range(SIZE)]
+    final = [poison(count, "float32") for _ in range(SIZE)]
+
+    def phases(m, engine):
+        device = engine.device
+        ready = device.create_event() if ready_given else None
+        done = device.create_event() if done_given else None
+        # the phase before: its output lands when the caller's stream runs
+        device.caller.work.append(lambda: inputs[m].__setitem__(Ellipsis, data[m]))
+        caller_end(device, 7, 7, ready)
+        work = engine.begin(device, 7, ready)
+        assert work != 7
+        engine.all_reduce(inputs[m], outputs[m], "sum", stream=work)
+        engine.end(device, 7, work, done)
+        # the phase after, on the caller's stream
+        caller_begin(device, 7, done)
+        device.caller.work.append(lambda: final[m].__setitem__(Ellipsis, outputs[m]))
+    _both(engines, phases)
+    want = reduce_arrays(data, "sum", data[0].dtype)
+    for m in range(SIZE):
+        _same("all_reduce between phases", want, final[m])
+
+
+def test_a_copy_in_never_overtakes_the_work_before_it():
+    """No chunk is copied in before the work already on the step's stream has run: that
+    work may still read what the copies overwrite (a fold's inputs, scratch that the
+    caching allocator hands out again on that stream).  Lane out waits for it, and the
+    host copies a chunk in only after seeing its copy out done.  Here the caller's stream
+    still has to read the old contents of the buffer the all_gather writes."""
+    rng = np.random.default_rng()
+    engines = _engines(4, "device")
+    count = 6
+    data = [random_array(rng, count, "int32") for _ in range(SIZE)]
+    old = [random_array(rng, SIZE * count, "int32") for _ in range(SIZE)]
+    recv = [o.copy() for o in old]
+    seen = [None] * SIZE
+
+    def step(m, engine):
+        def read(m=m):
+            seen[m] = recv[m].copy()
+        engine.device.caller.work.append(read)  # enqueued before the all_gather
+        engine.all_gather(data[m], recv[m], stream=engine.handle)
+    _both(engines, step)
+    for m in range(SIZE):
+        _same("what the caller read", old[m], seen[m])
+        _same("all_gather", np.concatenate(data), recv[m])

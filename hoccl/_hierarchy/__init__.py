@@ -53,10 +53,12 @@ different engines and ranks whose ``phases``, ``phase_bytes`` or ``stage_bytes``
 
 Ordering.  On the cuda backend with NCCL every phase is enqueued on the caller's stream,
 in order: a call returns without waiting for the GPU, like a single-host call.  The
-staged engine waits on the host for what its step reads (events on its copy lanes) and
-makes the caller's stream wait for what it writes.  On the host backend a call runs its
-phases one after the other and returns when they are done, so ``stream`` must be None
-there.
+staged engine runs each phase on a stream of its own (``StagedEngine.begin``): it waits
+on the device for an event recorded after the phase before it, and the phase after
+waits for one recorded after its work (``PhaseRunner``), so the caller's stream, where
+the host phases of the next chunks are enqueued meanwhile, is made to wait only for
+each chunk's last phase.  On the host backend a call runs its phases one after the
+other and returns when they are done, so ``stream`` must be None there.
 
 Modules::
 
@@ -68,6 +70,7 @@ Modules::
     torch_group.py   TorchGroupEngine: a torch.distributed group (inside a host)
     phases.py        PhaseRunner: a call's phases in sequence, or pipelined (a worker per level)
     staged.py        StagedEngine (MPI, gloo): pinned staging on copy engines, chunked
+    transports.py    the staged engine's transports: MPI's and gloo's nonblocking steps
     nccl.py          NcclEngine: nccl4py or torch.distributed's NCCL groups
     arrays.py        flat views, scratch and host staging for numpy, torch and cupy
     communicator.py  HierarchicalCommunicator, and ENGINES: the engines by name

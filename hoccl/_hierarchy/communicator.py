@@ -19,7 +19,7 @@ from ..sched.hierarchical import (Call, Divide, HierarchicalPlan, PipelinedPlan,
                                   verify_pipelined)
 from ..config import ACROSS_HOSTS, Config
 from .arrays import Arrays, framework_array
-from .engine import InterHostEngine, Setup
+from .engine import InterHostEngine, Setup, caller_begin, caller_end
 from .hoccl_engine import HocclEngine
 from .phases import Entry, PhaseRunner, plan_of
 from .hosts import SHARED_SETTINGS, HostReport, agree, intra_host_engine, local_report, refusal
@@ -100,7 +100,9 @@ class HierarchicalCommunicator(CommunicatorApi):
         self._closed = False
         # the host backend runs a call's phases one after another on the host
         self._blocking = host.backend == "host"
-        self._runner = PhaseRunner(host.timeout)
+        device = host.device_handle
+        self._runner = (PhaseRunner(host.timeout) if self._blocking else
+                        PhaseRunner(host.timeout, device.create_event, device.destroy_event))
 
     @classmethod
     def connect(cls, *, call: str, backend: str, bootstrap: Bootstrap, topology: Topology,
@@ -172,8 +174,8 @@ class HierarchicalCommunicator(CommunicatorApi):
                              "every phase enqueued on the caller's stream"
                              if self._levels["rail"].enqueues else
                              "hoccl's phases enqueued on the caller's stream; the engine "
-                             "between hosts waits for what it reads and orders the stream "
-                             "after what it writes")}
+                             "between hosts on a stream of its own, ordered by events with "
+                             "the phases before and after it")}
 
     @property
     def config(self) -> Config:
@@ -368,8 +370,9 @@ class HierarchicalCommunicator(CommunicatorApi):
         def region(part: Optional[Region]) -> Any:
             return None if part is None else views[part.buffer][part.start:part.stop]
 
-        def runner(level: str, steps: Tuple[Step, ...]) -> Callable[[], None]:
-            return lambda: self._steps(name, level, steps, region, handle)
+        def runner(level: str, steps: Tuple[Step, ...]) -> Callable[[Any, Any], None]:
+            return lambda ready, done: self._steps(name, level, steps, region, handle, ready,
+                                                   done)
         if isinstance(plan, PipelinedPlan):
             program = plan.program(self.rank)
             last: Dict[int, int] = {}
@@ -404,23 +407,28 @@ class HierarchicalCommunicator(CommunicatorApi):
             raise InvalidArgumentError(verdict)
 
     def _steps(self, name: str, level: str, steps: Tuple[Step, ...],
-               region: Callable[[Optional[Region]], Any], handle: Optional[int]) -> None:
-        """One phase's steps of this rank on its level's engine."""
+               region: Callable[[Optional[Region]], Any], handle: Optional[int],
+               ready: Any = None, done: Any = None) -> None:
+        """One phase's steps of this rank on its level's engine, after the event ``ready``
+        and before the event ``done`` on the device (``PhaseRunner``)."""
         self._usable(name)
-        if level == "local":
-            for step in steps:
-                assert isinstance(step, Divide)
-                self._divide(name, region(step.region), step.divisor, handle)
-            return
-        engine = self._levels[level]
+        device = self._host.device_handle
+        engine = None if level == "local" else self._levels[level]
+        begin, end = (caller_begin, caller_end) if engine is None else (engine.begin, engine.end)
+        work = handle if handle is None else begin(device, handle, ready)
         for step in steps:
-            assert isinstance(step, Call)
+            if isinstance(step, Divide):
+                self._divide(name, region(step.region), step.divisor, work)
+                continue
+            assert engine is not None
             try:
-                engine.issue(step, region(step.send), region(step.recv), handle)
+                engine.issue(step, region(step.send), region(step.recv), work)
             except HocclTimeoutError as error:  # a step left to its engine: no more calls
                 self.abort(f"rank {self.rank}: {name}: {error}")
                 raise
-        if self._blocking:
+        if handle is not None and work is not None:
+            end(device, handle, work, done)
+        if engine is not None and self._blocking:
             engine.synchronize()
 
     def _divide(self, name: str, view: Any, divisor: int,

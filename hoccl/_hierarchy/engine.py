@@ -17,7 +17,22 @@ from ..comm import Communicator
 from ..config import Config
 from ..sched.hierarchical import Call, Topology
 
-__all__ = ["Setup", "InterHostEngine"]
+__all__ = ["Setup", "InterHostEngine", "caller_begin", "caller_end"]
+
+
+def caller_begin(device: Any, stream: int, ready: Any) -> int:
+    """Order a phase's work on the caller's ``stream`` after the event ``ready`` (None: no
+    step before it, or one already on this stream); the phase runs on ``stream``."""
+    if ready is not None:
+        device.wait_event(device.resolve_stream(stream, []), ready)
+    return stream
+
+
+def caller_end(device: Any, stream: int, work: int, done: Any) -> None:
+    """Record ``done`` (None: no later step waits for this one) after the phase's work on
+    the caller's ``stream``."""
+    if done is not None:
+        device.record(device.resolve_stream(stream, []), done)
 
 
 @dataclass(frozen=True)
@@ -121,6 +136,18 @@ class InterHostEngine(abc.ABC):
 
     def set_options(self, **changes: Any) -> None:
         """hoccl's planning options: only hoccl's own communicators take them."""
+
+    def begin(self, device: Any, stream: int, ready: Any) -> int:
+        """The stream (a raw handle) a phase's steps on this engine take, ordered on the
+        device after the event ``ready`` (None: after the work on the caller's ``stream``
+        so far).  An engine that enqueues its steps, or returns when they are done, takes
+        the caller's stream (``caller_begin``); the staged engine a stream of its own."""
+        return caller_begin(device, stream, ready)
+
+    def end(self, device: Any, stream: int, work: int, done: Any) -> None:
+        """After a phase's steps on ``work`` (``begin``'s): record the event ``done`` when a
+        later step waits for it, else order the caller's ``stream`` after them."""
+        caller_end(device, stream, work, done)
 
     def issue(self, call: Call, send: Any, recv: Any, stream: Optional[int]) -> None:
         """One call of a plan's phase on this engine."""

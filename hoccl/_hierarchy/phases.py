@@ -12,10 +12,19 @@ waits for the last step::
 
 A failed step fails the steps that depend on it, and the call raises its error once
 every step queued has returned.  The workers live as long as the communicator.
+
+On a GPU a step returns once its work is enqueued, so the order between a step and the
+one it waits for is the device's too: each step is handed ``ready``, an event recorded
+after the work of the step before it (None: there is none, or the steps run on the
+host), and ``done``, an event to record after its own work when a later step waits for
+it (None: nothing does; the step orders the caller's stream after its work).  The events
+come from a pool (``make_event``): every wait on them has been enqueued when the call
+returns, so the next call records them again.
 """
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -28,9 +37,12 @@ from ..sched.hierarchical import (BY_HOST, PIPELINED, HierarchicalPlan, Pipeline
 
 __all__ = ["Entry", "PhaseRunner", "plan_of"]
 
-#: one phase of one chunk on this rank: (level, what runs it, the index of the entry it
-#: waits for: its chunk's previous phase, or None)
-Entry = Tuple[str, Callable[[], None], Optional[int]]
+log = logging.getLogger("hoccl")
+
+#: one phase of one chunk on this rank: (level, what runs it given its ``ready`` and
+#: ``done`` events, the index of the entry it waits for: its chunk's previous phase, or
+#: None)
+Entry = Tuple[str, Callable[[Any, Any], None], Optional[int]]
 
 
 def plan_of(shape: Shape, topology: Topology, phases: str, phase_bytes: int,
@@ -68,21 +80,36 @@ class _Call:
 
 class PhaseRunner:
     """Runs entries in sequence or on one worker per level (the module docstring);
-    ``timeout`` bounds each wait of a worker and of the caller."""
+    ``timeout`` bounds each wait of a worker and of the caller.  ``make_event``: a new
+    device event (None: the steps run on the host, and take none)."""
 
-    def __init__(self, timeout: float):
+    def __init__(self, timeout: float, make_event: Optional[Callable[[], Any]] = None,
+                 drop_event: Callable[[Any], None] = lambda event: None):
         self.timeout = timeout
+        self._make_event, self._drop_event = make_event, drop_event
+        self._events: List[Any] = []  # the pool
         self._queues: Dict[str, "queue.Queue[Any]"] = {}
         self._threads: List[threading.Thread] = []
 
     def sequential(self, entries: Sequence[Entry]) -> None:
         for _, run, _ in entries:
-            run()
+            run(None, None)
+
+    def _handoffs(self, entries: Sequence[Entry]) -> Dict[int, Any]:
+        """An event for every entry that another waits for (``make_event``'s pool)."""
+        waited = sorted({after for _, _, after in entries if after is not None})
+        if self._make_event is None:
+            return {}
+        while len(self._events) < len(waited):
+            self._events.append(self._make_event())
+        return dict(zip(waited, self._events))
 
     def pipelined(self, what: str, entries: Sequence[Entry]) -> None:
         state = _Call(len(entries))
+        events = self._handoffs(entries)
         for index, (level, run, after) in enumerate(entries):
-            self._queue(level).put((state, index, run, after))
+            ready = events.get(after) if after is not None else None
+            self._queue(level).put((state, index, run, after, ready, events.get(index)))
         deadline = time.monotonic() + self.timeout * max(1, len(entries))
         for index, event in enumerate(state.done):
             if not event.wait(max(0.0, deadline - time.monotonic())):
@@ -106,23 +133,29 @@ class PhaseRunner:
             item = items.get()
             if item is None:
                 return
-            state, index, run, after = item
+            state, index, run, after, ready, done = item
             try:
                 if after is not None and not state.done[after].wait(self.timeout):
                     raise HocclTimeoutError(f"a pipelined step waited {self.timeout:g} s for "
                                             f"step {after} before it")
                 if state.error is None:
-                    run()
+                    run(ready, done)
             except BaseException as error:  # the caller raises it
                 state.fail(error)
             finally:
                 state.done[index].set()
 
     def close(self) -> None:
-        """Stop the workers (after the steps already queued)."""
+        """Stop the workers (after the steps already queued), then drop the events."""
         for items in self._queues.values():
             items.put(None)
         for thread in self._threads:
             thread.join(self.timeout)
         self._queues.clear()
         self._threads.clear()
+        for event in self._events:
+            try:
+                self._drop_event(event)
+            except Exception as error:  # a close goes on: the device frees what it made
+                log.debug("dropping a pipeline's event: %r", error)
+        self._events.clear()

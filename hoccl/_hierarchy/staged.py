@@ -7,7 +7,7 @@ A step of ``StagedEngine`` on device arrays runs as a pipeline over chunks of
     lane out (D2H, copy engine)  | c0 | c1 | c2 |
     transport (MPI / gloo)            | c0 | c1 | c2 |
     lane in  (H2D, copy engine)            | c0 | c1 | c2 |
-    caller's stream  ...waits for the last H2D (an event), then goes on
+    phase's stream   ...waits for the last H2D (an event), then goes on (a fold)
 
 Chunk k+1 is copied out while chunk k is on the wire and chunk k−1 is copied in: two
 pinned slots per direction, each reused only after the copy that read it (an event on
@@ -21,6 +21,13 @@ cuts a step into the same chunks.
 
 Reductions follow hoccl's rule (``FoldingEngine``): the library moves the inputs, hoccl
 folds them in member order.
+
+A phase of a hierarchical call runs on a stream of the engine's own (``begin``), not on
+the caller's: lane out starts after it reaches the event of the phase before (or the
+caller's work so far), its folds and scratch are ordered on it, and ``end`` hands the
+phase after an event recorded on it (or orders the caller's stream after it).  The
+caller's stream, where the other levels enqueue the next chunks' phases meanwhile, so
+waits for exactly what it reads.
 """
 
 from __future__ import annotations
@@ -38,153 +45,9 @@ from ..bootstrap import Bootstrap, MPIBootstrap
 from .arrays import Arrays, address
 from .engine import Setup
 from .folding import FoldingEngine, _to_numpy
+from .transports import GlooTransport, MpiTransport, Start, Transport
 
 __all__ = ["StagedEngine", "MpiStagedEngine", "GlooStagedEngine", "Transport"]
-
-#: starts a transport's step on (host send bytes, host receive bytes), either may be None
-Start = Callable[[Any, Any], Any]
-
-
-class Transport(abc.ABC):
-    """A library's nonblocking steps on host byte arrays (flat uint8 numpy arrays): each
-    starts a step and returns a request that ``test`` polls."""
-
-    size: int
-    member: int
-    label: str
-
-    @abc.abstractmethod
-    def all_gather(self, send: np.ndarray, recv: np.ndarray) -> Any: ...
-
-    @abc.abstractmethod
-    def all_to_all(self, send: np.ndarray, recv: np.ndarray) -> Any: ...
-
-    @abc.abstractmethod
-    def broadcast(self, buf: np.ndarray, root: int) -> Any: ...
-
-    @abc.abstractmethod
-    def gather(self, send: np.ndarray, recv: Optional[np.ndarray], root: int) -> Any: ...
-
-    @abc.abstractmethod
-    def scatter(self, send: Optional[np.ndarray], recv: np.ndarray, root: int) -> Any: ...
-
-    @abc.abstractmethod
-    def send(self, buf: np.ndarray, peer: int) -> Any: ...
-
-    @abc.abstractmethod
-    def recv(self, buf: np.ndarray, peer: int) -> Any: ...
-
-    @abc.abstractmethod
-    def barrier(self) -> Any: ...
-
-    @abc.abstractmethod
-    def test(self, request: Any) -> bool: ...
-
-    def close(self) -> None:
-        """Free what the transport made."""
-
-
-class MpiTransport(Transport):
-    """mpi4py's nonblocking collectives on bytes."""
-
-    def __init__(self, comm: Any):
-        from mpi4py import MPI
-        self.MPI, self.comm = MPI, comm
-        self.size, self.member, self.label = comm.Get_size(), comm.Get_rank(), "mpi"
-
-    def all_gather(self, send: np.ndarray, recv: np.ndarray) -> Any:
-        return self.comm.Iallgather(send, recv)
-
-    def all_to_all(self, send: np.ndarray, recv: np.ndarray) -> Any:
-        return self.comm.Ialltoall(send, recv)
-
-    def broadcast(self, buf: np.ndarray, root: int) -> Any:
-        return self.comm.Ibcast(buf, root=root)
-
-    def gather(self, send: np.ndarray, recv: Optional[np.ndarray], root: int) -> Any:
-        return self.comm.Igather(send, recv, root=root)
-
-    def scatter(self, send: Optional[np.ndarray], recv: np.ndarray, root: int) -> Any:
-        return self.comm.Iscatter(send, recv, root=root)
-
-    def send(self, buf: np.ndarray, peer: int) -> Any:
-        return self.comm.Isend(buf, dest=peer)
-
-    def recv(self, buf: np.ndarray, peer: int) -> Any:
-        return self.comm.Irecv(buf, source=peer)
-
-    def barrier(self) -> Any:
-        return self.comm.Ibarrier()
-
-    def test(self, request: Any) -> bool:
-        return bool(request.Test())
-
-    def close(self) -> None:
-        if not self.MPI.Is_finalized():
-            self.comm.Free()
-
-
-class GlooTransport(Transport):
-    """torch.distributed's asynchronous collectives of a (gloo) group on bytes.  gloo's
-    send and receive report completion only to ``wait``: they are waited for at once, at
-    most ``timeout`` seconds (gloo's own limit)."""
-
-    def __init__(self, group: Any, members: Sequence[int], timeout: float):
-        self.timeout = timeout
-        import torch
-        import torch.distributed as dist
-        self.torch, self.dist, self.group, self.members = torch, dist, group, list(members)
-        self.size, self.member = len(self.members), self.members.index(dist.get_rank())
-        self.label = dist.get_backend(group)
-
-    def _t(self, array: Optional[np.ndarray]) -> Any:
-        return None if array is None else self.torch.from_numpy(array)
-
-    def all_gather(self, send: np.ndarray, recv: np.ndarray) -> Any:
-        gather = getattr(self.dist, "all_gather_single", None) or self.dist.all_gather_into_tensor
-        return gather(self._t(recv), self._t(send), group=self.group, async_op=True)
-
-    def all_to_all(self, send: np.ndarray, recv: np.ndarray) -> Any:
-        return self.dist.all_to_all_single(self._t(recv), self._t(send), group=self.group,
-                                           async_op=True)
-
-    def broadcast(self, buf: np.ndarray, root: int) -> Any:
-        return self.dist.broadcast(self._t(buf), src=self.members[root], group=self.group,
-                                   async_op=True)
-
-    def gather(self, send: np.ndarray, recv: Optional[np.ndarray], root: int) -> Any:
-        parts = list(self._t(recv).chunk(self.size)) if recv is not None else None
-        return self.dist.gather(self._t(send), gather_list=parts, dst=self.members[root],
-                                group=self.group, async_op=True)
-
-    def scatter(self, send: Optional[np.ndarray], recv: np.ndarray, root: int) -> Any:
-        parts = list(self._t(send).chunk(self.size)) if send is not None else None
-        return self.dist.scatter(self._t(recv), scatter_list=parts, src=self.members[root],
-                                 group=self.group, async_op=True)
-
-    def send(self, buf: np.ndarray, peer: int) -> Any:
-        return self._waited("send", self.dist.isend(self._t(buf), dst=self.members[peer],
-                                                    group=self.group))
-
-    def recv(self, buf: np.ndarray, peer: int) -> Any:
-        return self._waited("recv", self.dist.irecv(self._t(buf), src=self.members[peer],
-                                                    group=self.group))
-
-    def _waited(self, what: str, work: Any) -> Any:
-        import datetime
-        try:
-            work.wait(timeout=datetime.timedelta(seconds=self.timeout))
-        except RuntimeError as error:
-            raise HocclTimeoutError(f"{what} across hosts ({self.label}, member {self.member} "
-                                    f"of {self.size}): not finished within {self.timeout:g} s, "
-                                    f"or failed: {error}") from None
-        return None
-
-    def barrier(self) -> Any:
-        return self.all_gather(np.zeros(1, np.uint8), np.zeros(self.size, np.uint8))
-
-    def test(self, request: Any) -> bool:
-        return request is None or bool(request.is_completed())
 
 
 class _Stager:
@@ -273,6 +136,8 @@ class StagedEngine(FoldingEngine):
         self.timeout, self.stage_bytes = timeout, stage_bytes
         self.label = f"{transport.label} (staged)"
         self._stagers: Dict[int, _Stager] = {}  # by the id of the device that copies
+        #: a phase's own stream and its two events, started and finished (``begin``)
+        self._phase: Optional[Tuple[Any, Any, Any]] = None
         self._broken = ""
         self._aborted = ""
 
@@ -336,6 +201,38 @@ class StagedEngine(FoldingEngine):
     def _copied(self, device: Any, event: Any, what: str) -> None:
         self._wait(lambda: bool(device.done(event)), what)
 
+    # -- a phase on a stream of its own ------------------------------------------------
+    def begin(self, device: Any, stream: int, ready: Any) -> int:
+        """A stream of the engine's own for a phase's steps (their lanes' starts and ends,
+        folds and scratch), after the event ``ready``, else after the caller's work so
+        far.  The caller's stream, where the other levels enqueue the next chunks'
+        phases, then waits for this phase only where ``end`` makes it."""
+        if self.device is None:
+            return super().begin(device, stream, ready)
+        work, started, _ = self._phase_stream()
+        if ready is None:
+            device.record(device.resolve_stream(stream, []), started)
+            ready = started
+        device.wait_event(work, ready)
+        return int(work)
+
+    def end(self, device: Any, stream: int, work: int, done: Any) -> None:
+        if self.device is None:
+            super().end(device, stream, work, done)
+            return
+        own, _, finished = self._phase_stream()
+        if done is not None:
+            device.record(own, done)
+            return
+        device.record(own, finished)
+        device.wait_event(device.resolve_stream(stream, []), finished)
+
+    def _phase_stream(self) -> Tuple[Any, Any, Any]:
+        if self._phase is None:
+            device = self.device
+            self._phase = (device.create_stream(), device.create_event(), device.create_event())
+        return self._phase
+
     # -- one step ---------------------------------------------------------------------
     def _step(self, what: str, stream: Optional[int], count: int,
               send: Any, send_blocks: int, recv: Any, recv_blocks: int,
@@ -386,11 +283,9 @@ class StagedEngine(FoldingEngine):
             self._stagers[id(device)] = stager
         device.activate()
         caller = device.resolve_stream(stream, [])
-        # the caller's work so far (the phase before, a fold) is done before any chunk
-        # moves: with the lanes ordered by events alone, device arrays came out wrong on
-        # an H200 (results/h200/session14/final)
-        device.synchronize_stream(caller, self.timeout)
-        # lane out starts after the caller's work so far
+        # lane out starts after the work on the step's stream so far (the phase before, a
+        # fold: what it reads); lane in after that too, as the host copies a chunk in
+        # only once its copy out was seen done
         device.record(caller, stager.started)
         device.wait_event(stager.lanes[0], stager.started)
         chunks = [(a, min(count, a + per_chunk)) for a in range(0, count, per_chunk)]
@@ -438,7 +333,6 @@ class StagedEngine(FoldingEngine):
                 copy_in(in_flight[0])
         if recv is not None and chunks:
             device.wait_event(caller, stager.in_done[pending % 2])
-            device.synchronize_stream(stager.lanes[1], self.timeout)  # (see above)
 
     # -- the copies -------------------------------------------------------------------
     def all_gather(self, send: Any, recv: Any, *, stream: Any = None) -> None:
@@ -500,6 +394,13 @@ class StagedEngine(FoldingEngine):
         for stager in self._stagers.values():
             stager.close(self.timeout)
         self._stagers.clear()
+        if self._phase is not None:
+            stream, *events = self._phase
+            self.device.synchronize_stream(stream, self.timeout)
+            for event in events:
+                self.device.destroy_event(event)
+            self.device.destroy_stream(stream)
+            self._phase = None
         self.transport.close()
 
 

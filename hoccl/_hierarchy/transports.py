@@ -1,0 +1,159 @@
+"""The transports of the staged engine: a library's nonblocking steps on host bytes
+(MPI through mpi4py, or a torch.distributed gloo group), each started and then polled
+until done, so that every step of the engine ends within its timeout or at an abort."""
+
+from __future__ import annotations
+
+import abc
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+
+from .._errors import HocclTimeoutError
+
+__all__ = ["Start", "Transport", "MpiTransport", "GlooTransport"]
+
+#: starts a transport's step on (host send bytes, host receive bytes), either may be None
+Start = Callable[[Any, Any], Any]
+
+
+class Transport(abc.ABC):
+    """A library's nonblocking steps on host byte arrays (flat uint8 numpy arrays): each
+    starts a step and returns a request that ``test`` polls."""
+
+    size: int
+    member: int
+    label: str
+
+    @abc.abstractmethod
+    def all_gather(self, send: np.ndarray, recv: np.ndarray) -> Any: ...
+
+    @abc.abstractmethod
+    def all_to_all(self, send: np.ndarray, recv: np.ndarray) -> Any: ...
+
+    @abc.abstractmethod
+    def broadcast(self, buf: np.ndarray, root: int) -> Any: ...
+
+    @abc.abstractmethod
+    def gather(self, send: np.ndarray, recv: Optional[np.ndarray], root: int) -> Any: ...
+
+    @abc.abstractmethod
+    def scatter(self, send: Optional[np.ndarray], recv: np.ndarray, root: int) -> Any: ...
+
+    @abc.abstractmethod
+    def send(self, buf: np.ndarray, peer: int) -> Any: ...
+
+    @abc.abstractmethod
+    def recv(self, buf: np.ndarray, peer: int) -> Any: ...
+
+    @abc.abstractmethod
+    def barrier(self) -> Any: ...
+
+    @abc.abstractmethod
+    def test(self, request: Any) -> bool: ...
+
+    def close(self) -> None:
+        """Free what the transport made."""
+
+
+class MpiTransport(Transport):
+    """mpi4py's nonblocking collectives on bytes."""
+
+    def __init__(self, comm: Any):
+        from mpi4py import MPI
+        self.MPI, self.comm = MPI, comm
+        self.size, self.member, self.label = comm.Get_size(), comm.Get_rank(), "mpi"
+
+    def all_gather(self, send: np.ndarray, recv: np.ndarray) -> Any:
+        return self.comm.Iallgather(send, recv)
+
+    def all_to_all(self, send: np.ndarray, recv: np.ndarray) -> Any:
+        return self.comm.Ialltoall(send, recv)
+
+    def broadcast(self, buf: np.ndarray, root: int) -> Any:
+        return self.comm.Ibcast(buf, root=root)
+
+    def gather(self, send: np.ndarray, recv: Optional[np.ndarray], root: int) -> Any:
+        return self.comm.Igather(send, recv, root=root)
+
+    def scatter(self, send: Optional[np.ndarray], recv: np.ndarray, root: int) -> Any:
+        return self.comm.Iscatter(send, recv, root=root)
+
+    def send(self, buf: np.ndarray, peer: int) -> Any:
+        return self.comm.Isend(buf, dest=peer)
+
+    def recv(self, buf: np.ndarray, peer: int) -> Any:
+        return self.comm.Irecv(buf, source=peer)
+
+    def barrier(self) -> Any:
+        return self.comm.Ibarrier()
+
+    def test(self, request: Any) -> bool:
+        return bool(request.Test())
+
+    def close(self) -> None:
+        if not self.MPI.Is_finalized():
+            self.comm.Free()
+
+
+class GlooTransport(Transport):
+    """torch.distributed's asynchronous collectives of a (gloo) group on bytes.  gloo's
+    send and receive report completion only to ``wait``: they are waited for at once, at
+    most ``timeout`` seconds (gloo's own limit)."""
+
+    def __init__(self, group: Any, members: Sequence[int], timeout: float):
+        self.timeout = timeout
+        import torch
+        import torch.distributed as dist
+        self.torch, self.dist, self.group, self.members = torch, dist, group, list(members)
+        self.size, self.member = len(self.members), self.members.index(dist.get_rank())
+        self.label = dist.get_backend(group)
+
+    def _t(self, array: Optional[np.ndarray]) -> Any:
+        return None if array is None else self.torch.from_numpy(array)
+
+    def all_gather(self, send: np.ndarray, recv: np.ndarray) -> Any:
+        gather = getattr(self.dist, "all_gather_single", None) or self.dist.all_gather_into_tensor
+        return gather(self._t(recv), self._t(send), group=self.group, async_op=True)
+
+    def all_to_all(self, send: np.ndarray, recv: np.ndarray) -> Any:
+        return self.dist.all_to_all_single(self._t(recv), self._t(send), group=self.group,
+                                           async_op=True)
+
+    def broadcast(self, buf: np.ndarray, root: int) -> Any:
+        return self.dist.broadcast(self._t(buf), src=self.members[root], group=self.group,
+                                   async_op=True)
+
+    def gather(self, send: np.ndarray, recv: Optional[np.ndarray], root: int) -> Any:
+        parts = list(self._t(recv).chunk(self.size)) if recv is not None else None
+        return self.dist.gather(self._t(send), gather_list=parts, dst=self.members[root],
+                                group=self.group, async_op=True)
+
+    def scatter(self, send: Optional[np.ndarray], recv: np.ndarray, root: int) -> Any:
+        parts = list(self._t(send).chunk(self.size)) if send is not None else None
+        return self.dist.scatter(self._t(recv), scatter_list=parts, src=self.members[root],
+                                 group=self.group, async_op=True)
+
+    def send(self, buf: np.ndarray, peer: int) -> Any:
+        return self._waited("send", self.dist.isend(self._t(buf), dst=self.members[peer],
+                                                    group=self.group))
+
+    def recv(self, buf: np.ndarray, peer: int) -> Any:
+        return self._waited("recv", self.dist.irecv(self._t(buf), src=self.members[peer],
+                                                    group=self.group))
+
+    def _waited(self, what: str, work: Any) -> Any:
+        import datetime
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=self.timeout))
+        except RuntimeError as error:
+            raise HocclTimeoutError(f"{what} across hosts ({self.label}, member {self.member} "
+                                    f"of {self.size}): not finished within {self.timeout:g} s, "
+                                    f"or failed: {error}") from None
+        return None
+
+    def barrier(self) -> Any:
+        return self.all_gather(np.zeros(1, np.uint8), np.zeros(self.size, np.uint8))
+
+    def test(self, request: Any) -> bool:
+        return request is None or bool(request.is_completed())
