@@ -16,6 +16,7 @@ form (the tests compare runs bit for bit).
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 
 import torch
@@ -56,6 +57,11 @@ def main() -> None:
         optimizer.step()
         if rank == 0:
             print(f"step {step} loss {loss.item():.6f} {loss.item().hex()}", flush=True)
+    # drop what holds the process group (DDP's reducer) before tearing it down, as
+    # train_fsdp2.py does: a gloo group left to die while the interpreter exits can end
+    # the process
+    del ddp, optimizer
+    gc.collect()
     dist.barrier()
     dist.destroy_process_group()
 
