@@ -250,24 +250,31 @@ def replays(comm, args):
 def capture_on_one_rank(comm, args):
     """Rank 0 captures an all_gather while the others call it eagerly: every rank raises
     (the calls' signatures differ by the capture), within the timeout."""
-    arrays = Arrays(comm)
-    scene = Scene(comm, arrays, 64, True, ("all_gather",))
-    scene.load(scene.inputs(0))
-    synchronize(comm)
     text = None
-    try:
-        if comm.rank == 0:
-            Capture(comm, scene)
-            comm.synchronize()
-        else:
-            scene.issue()
-            synchronize(comm)
-    except (hoccl.MismatchError, hoccl.AbortedError) as error:
-        text = str(error)
-    except Exception as error:  # reported below, after every rank has reached the gather
-        text = f"unexpected {type(error).__name__}: {error}"
+    try:  # the setup too: a rank that failed here and left out the gather below would
+        # hang the others in it
+        arrays = Arrays(comm)
+        scene = Scene(comm, arrays, 64, True, ("all_gather",))
+        scene.load(scene.inputs(0))
+        synchronize(comm)
+    except Exception as error:
+        text = f"unexpected in the setup: {type(error).__name__}: {error}"
+    if text is None:
+        try:
+            if comm.rank == 0:
+                Capture(comm, scene)
+                comm.synchronize()
+            else:
+                scene.issue()
+                synchronize(comm)
+        except (hoccl.MismatchError, hoccl.AbortedError) as error:
+            text = str(error)
+        except Exception as error:  # reported below, after every rank has reached the gather
+            text = f"unexpected {type(error).__name__}: {error}"
     # every rank reaches this gather (an MPI collective one rank left out would hang)
     kinds = WORLD.allgather(text)
+    assert not [kind for kind in kinds if kind and kind.startswith("unexpected in the setup")], \
+        kinds
     assert text is not None, f"rank {comm.rank}: a capture on rank 0 only raised nothing"
     assert not text.startswith("unexpected"), text
     assert any("captured=True" in kind for kind in kinds if kind), kinds
