@@ -259,6 +259,9 @@ def capture_on_one_rank(comm, args):
         synchronize(comm)
     except Exception as error:
         text = f"unexpected in the setup: {type(error).__name__}: {error}"
+    # no rank makes the diverging calls before every rank's setup is done: rank 0's abort
+    # would otherwise reach a slow rank in its setup
+    WORLD.Barrier()
     if text is None:
         try:
             if comm.rank == 0:
