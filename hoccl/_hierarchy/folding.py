@@ -16,10 +16,10 @@ same bits whichever devices and libraries took part):
 
 hoccl's own backends reduce by this rule already (``hoccl.testing`` says how: the
 plans fold inputs in rank order, the CUDA kernel in a float32 accumulator, the host
-backend with ``reduce_arrays``).  A library whose reductions run in an order of its own
+backend with ``reduce_into``: ``reduce_arrays``' bits, a block at a time).  A library whose reductions run in an order of its own
 (NCCL's rings and trees, gloo's, MPI's ``Op`` applied pairwise) cannot be made to agree,
 so the engines over them (``TorchGroupEngine``, ``StagedEngine``) move the inputs with
-the library and ``fold`` them here: numpy's ``reduce_arrays`` on host arrays, the same
+the library and ``fold`` them here: numpy's ``reduce_into`` on host arrays, the same
 operations in torch (or cupy) on device arrays.  NCCL between all-NVIDIA hosts keeps
 NCCL's own reductions (``NcclEngine``): every rank still gets the same bits, but not
 those of this rule.
@@ -31,7 +31,7 @@ from typing import Any, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .._dtypes import numpy_dtype, reduce_arrays
+from .._dtypes import numpy_dtype, reduce_into
 from .arrays import Arrays
 from .engine import InterHostEngine
 
@@ -55,7 +55,7 @@ def fold(parts: Sequence[Any], out: Any, op: str, stream: Optional[int] = None) 
     kit = Arrays.of(out)
     if kit.kind == "numpy" or (kit.kind == "torch" and out.device.type == "cpu"):
         host = _to_numpy(out)
-        host[...] = reduce_arrays([_to_numpy(part) for part in parts], op, host.dtype)
+        reduce_into(host, [_to_numpy(part) for part in parts], op)
         return
     with kit.on_stream(stream, out):
         _fold_on_device(kit.kind, parts, out, op)

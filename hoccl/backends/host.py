@@ -26,7 +26,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from ..config import environ
-from .._dtypes import numpy_dtype, reduce_arrays
+from .._dtypes import numpy_dtype, reduce_arrays, reduce_into
 from .._errors import HocclError, HocclTimeoutError, InvalidArgumentError
 from ._base import (DIRECT_COPY, DIRECT_REDUCE, DIRECT_SIGNAL, DIRECT_VALUE_BITS, DIRECT_WAIT,
                     Device, DirectProgram, HostWord, check_reduce_extras)
@@ -88,21 +88,29 @@ def _move(dst: Any, src: Any, nbytes: int) -> None:
 
 def _reduce_now(output: Any, inputs: Sequence[Any], count: int, dtype: str, op: str,
                 divisor: Optional[int], scale: Optional[float]) -> None:
-    """``output = op(*inputs)`` now, on this thread (a host stream's reduction)."""
+    """``output = op(*inputs)`` now, on this thread (a host stream's reduction), a block
+    at a time (``reduce_into``): a peer's input is read where it lies into a block-sized
+    buffer of its own."""
     np_dtype = numpy_dtype(dtype)
-    nbytes = count * np_dtype.itemsize
+    itemsize = np_dtype.itemsize
 
-    def local(address: Any) -> np.ndarray:
-        if isinstance(address, RemotePtr):  # a peer's input, read where it lies
-            copied = np.empty(nbytes, dtype=np.uint8)
-            _move(copied.ctypes.data, address, nbytes)
-            return copied
+    def local(address: int, nbytes: int) -> np.ndarray:
         return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(address))
 
-    views = [local(address).view(np_dtype) for address in inputs]
-    result = reduce_arrays(views, op, np_dtype, divisor, scale)
-    out = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(output))
-    out[...] = result.view(np.uint8)
+    def source(address: Any) -> Any:
+        if not isinstance(address, RemotePtr):
+            return local(address, count * itemsize).view(np_dtype)
+        bounce = [np.empty(0, np_dtype)]
+
+        def read(start: int, stop: int) -> np.ndarray:
+            if bounce[0].shape[0] < stop - start:
+                bounce[0] = np.empty(stop - start, np_dtype)
+            _move(bounce[0].ctypes.data, address + start * itemsize, (stop - start) * itemsize)
+            return bounce[0][:stop - start]
+        return read
+
+    reduce_into(local(output, count * itemsize).view(np_dtype), [source(a) for a in inputs],
+                op, divisor, scale)
 
 
 def _read_u64(address: int) -> int:
