@@ -399,15 +399,15 @@ class Mailboxes:
 
 
 def wait_until(ready: Callable[[], bool], deadline: float, describe: Callable[[], str],
-               check: Optional[Callable[[], None]] = None) -> None:
+               check: Optional[Callable[[], None]] = None, longest_sleep: float = 1e-3) -> None:
     """Poll ``ready()``: without sleeping for 2 ms (a peer usually answers within
-    microseconds), then with sleeps backing off to 1 ms; HocclTimeoutError(``describe()``)
-    after ``deadline``.  Every 50 ms of waiting, ``check()`` (which raises to end the wait:
-    a dead peer, or one that closed); a wait that ``check`` ends looks at ``ready()`` once
+    microseconds), then with sleeps backing off to ``longest_sleep``;
+    HocclTimeoutError(``describe()``) after ``deadline``.  Every 50 ms of waiting,
+    ``check()`` (which raises to end the wait: a dead peer, or one that closed); a wait that ``check`` ends looks at ``ready()`` once
     more, as what it waited for (a closed peer's last message) may have come meanwhile."""
     start = time.monotonic()
     spin_until, check_at = start + 2e-3, start + _CHECK_PERIOD
-    delay = 50e-6
+    delay = min(50e-6, longest_sleep)
     while not ready():
         now = time.monotonic()
         if check is not None and now >= check_at:
@@ -422,7 +422,7 @@ def wait_until(ready: Callable[[], bool], deadline: float, describe: Callable[[]
             raise HocclTimeoutError(describe())
         if now > spin_until:
             time.sleep(delay)
-            delay = min(delay * 2, 1e-3)
+            delay = min(delay * 2, longest_sleep)
 
 
 def _notice_bytes(world_size: int) -> int:

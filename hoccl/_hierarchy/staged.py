@@ -49,6 +49,12 @@ from .transports import GlooTransport, MpiTransport, Start, Transport
 
 __all__ = ["StagedEngine", "MpiStagedEngine", "GlooStagedEngine", "Transport"]
 
+#: the longest sleep between two polls of a copy or a transfer (after 2 ms of spinning):
+#: a transport's nonblocking step moves only while it is tested (MPI's collectives
+#: progress inside ``Test``), and a chunk of ``stage_bytes`` crosses shared memory in
+#: about 0.4 ms, so the mailbox's 1 ms would leave the wire idle most of the time
+POLL_SLEEP = 50e-6
+
 
 class _Stager:
     """Pinned slots, two lanes and their events on one GPU (hoccl's device handle)."""
@@ -187,7 +193,8 @@ class StagedEngine(FoldingEngine):
                                f"{self.size} in its group): not finished within "
                                f"{self.timeout:g} s: a rank did not make the matching call, or "
                                f"is gone; the step cannot be taken back, so this communicator "
-                               f"takes no more calls", check=aborted)
+                               f"takes no more calls", check=aborted,
+                       longest_sleep=POLL_SLEEP)
         except HocclTimeoutError:
             self._broken = f"{what} did not finish within {self.timeout:g} s"
             raise

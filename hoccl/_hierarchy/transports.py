@@ -16,6 +16,10 @@ __all__ = ["Start", "Transport", "MpiTransport", "GlooTransport"]
 #: starts a transport's step on (host send bytes, host receive bytes), either may be None
 Start = Callable[[Any, Any], Any]
 
+#: the tag of the staged engine's exchanges (``MpiTransport._exchange``) on its own
+#: communicators
+_EXCHANGE = 7
+
 
 class Transport(abc.ABC):
     """A library's nonblocking steps on host byte arrays (flat uint8 numpy arrays): each
@@ -65,10 +69,28 @@ class MpiTransport(Transport):
         self.size, self.member, self.label = comm.Get_size(), comm.Get_rank(), "mpi"
 
     def all_gather(self, send: np.ndarray, recv: np.ndarray) -> Any:
-        return self.comm.Iallgather(send, recv)
+        width = send.nbytes
+        recv[self.member * width:(self.member + 1) * width] = send
+        return self._exchange([send] * self.size,
+                              [recv[i * width:(i + 1) * width] for i in range(self.size)])
 
     def all_to_all(self, send: np.ndarray, recv: np.ndarray) -> Any:
-        return self.comm.Ialltoall(send, recv)
+        width = send.nbytes // self.size
+        mine = slice(self.member * width, (self.member + 1) * width)
+        recv[mine] = send[mine]
+        return self._exchange([send[i * width:(i + 1) * width] for i in range(self.size)],
+                              [recv[i * width:(i + 1) * width] for i in range(self.size)])
+
+    def _exchange(self, sends: Sequence[np.ndarray], recvs: Sequence[np.ndarray]) -> Any:
+        """Every peer's block sent and received at once, as point-to-point messages: they
+        move as the BTL moves them (a single copy between processes of a host), where a
+        nonblocking collective's rounds move only while it is tested."""
+        requests = []
+        for step in range(1, self.size):
+            source, dest = (self.member - step) % self.size, (self.member + step) % self.size
+            requests.append(self.comm.Irecv(recvs[source], source=source, tag=_EXCHANGE))
+            requests.append(self.comm.Isend(sends[dest], dest=dest, tag=_EXCHANGE))
+        return requests
 
     def broadcast(self, buf: np.ndarray, root: int) -> Any:
         return self.comm.Ibcast(buf, root=root)
@@ -89,6 +111,8 @@ class MpiTransport(Transport):
         return self.comm.Ibarrier()
 
     def test(self, request: Any) -> bool:
+        if isinstance(request, list):
+            return bool(self.MPI.Request.Testall(request))
         return bool(request.Test())
 
     def close(self) -> None:
