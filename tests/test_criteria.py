@@ -166,3 +166,22 @@ def test_hoccl_auto_is_judged_against_the_fastest_hand_set_variant_per_point(tmp
     assert "hoccl+pull_bytes=16M 100.0" in rows_named(rows, "all_reduce in 4K")[0]["measured"]
     assert rows_named(criteria.judge([str(tmp_path / "none")]), "hoccl-auto")[0]["verdict"] \
         == "no data"
+
+
+def test_a_bench_log_of_rounds_gives_the_median_and_the_rounds(tmp_path):
+    """A run stopped before its JSON: its printed lines, one round or several, are its
+    records; a row of issue 29 gives both libraries' range of rounds."""
+    (tmp_path / "bench-auto.log").write_text(
+        "# hoccl.bench: 2 ranks, bfloat16, libraries hoccl-auto, hoccl, median of 3 rounds\n"
+        "  broadcast      in    16K hoccl-auto        92.8 us     0.2 GB/s  wrong 0"
+        "  rounds 80.4,92.8,99.0 us\n"
+        "  broadcast      in    16K hoccl             89.0 us     0.2 GB/s  wrong 0"
+        "  rounds 85.7,89.0,95.1 us\n"
+        "  broadcast      in    64K hoccl             81.0 us     0.8 GB/s  wrong 0\n")
+    records = criteria.bench_log_records(str(tmp_path / "bench-auto.log"))
+    assert [(r["bytes"], r["library"], r["time_us"], r.get("rounds_us")) for r in records] == [
+        (16 * KiB, "hoccl-auto", 92.8, [80.4, 92.8, 99.0]),
+        (16 * KiB, "hoccl", 89.0, [85.7, 89.0, 95.1]), (64 * KiB, "hoccl", 81.0, None)]
+    [row] = rows_named(criteria.judge([str(tmp_path)]), "hoccl-auto ≤ 1.05")
+    assert row["verdict"] == "met"
+    assert row["measured"].endswith("; rounds hoccl-auto 80.4–99.0, hoccl 85.7–95.1 µs")

@@ -34,7 +34,7 @@ Row = Dict[str, Any]
 
 
 _LINE = re.compile(r"^\s+(\w+)\s+(in|out)\s+(\d+[KMG]?)\s+(\S+)\s+([\d.]+) us\s+([\d.]+) GB/s"
-                   r"\s+wrong (\d+)\s*$")
+                   r"\s+wrong (\d+)(?:\s+rounds ([\d.,]+) us)?\s*$")
 
 
 def bench_log_records(path: str) -> List[Dict[str, Any]]:
@@ -46,10 +46,13 @@ def bench_log_records(path: str) -> List[Dict[str, Any]]:
             found = _LINE.match(line)
             if found is None:
                 continue
-            collective, form, size, library, micros, busbw, wrong = found.groups()
-            records.append(dict(collective=collective, form=form, bytes=parse_size(size),
-                                library=library,
-                                time_us=float(micros), busbw=float(busbw), wrong=int(wrong)))
+            collective, form, size, library, micros, busbw, wrong, rounds = found.groups()
+            record = dict(collective=collective, form=form, bytes=parse_size(size),
+                          library=library, time_us=float(micros), busbw=float(busbw),
+                          wrong=int(wrong))
+            if rounds:
+                record["rounds_us"] = [float(value) for value in rounds.split(",")]
+            records.append(record)
     return records
 
 
@@ -287,25 +290,36 @@ AUTO = "hoccl-auto"
 def auto_within(runs: List[Tuple[str, Dict[str, Any]]], limit: float = 1.05) -> List[Row]:
     """``hoccl-auto`` (each call from the machine's table) against the fastest hand-set
     hoccl variant of the same collective, form and size, eager or in a graph, within one
-    run: a row per point where both ran."""
+    run: a row per point where both ran.  Times are the records' (the median round of a
+    ``--rounds`` run); a row of such a run also gives both libraries' range of rounds."""
     criterion = f"{AUTO} ≤ {limit} × the fastest hand-set hoccl variant"
     rows: List[Row] = []
     for path, result in runs:
-        points: Dict[Tuple[str, str, int, bool], Dict[str, float]] = {}
+        points: Dict[Tuple[str, str, int, bool], Dict[str, Dict[str, Any]]] = {}
         for _, record in _records([(path, result)]):
             graph = record["library"].endswith("+graph")
             points.setdefault((record["collective"], record["form"], record["bytes"], graph),
-                              {})[record["library"]] = record["time_us"]
-        for (collective, form, nbytes, graph), times in sorted(points.items()):
+                              {})[record["library"]] = record
+        for (collective, form, nbytes, graph), found in sorted(points.items()):
             auto = AUTO + ("+graph" if graph else "")
-            hand = [(name, micros) for name, micros in times.items()
+            hand = [(name, record["time_us"]) for name, record in found.items()
                     if name.startswith("hoccl") and not name.startswith(AUTO)]
-            if auto in times and hand:
+            if auto in found and hand:
                 best, best_us = min(hand, key=lambda x: x[1])
-                rows.append(_ratio_row(29, f"{collective} {form} {human(nbytes)}"
-                                       f"{' in a graph' if graph else ''}: {criterion}",
-                                       (auto, times[auto], best, best_us, path), limit))
+                row = _ratio_row(29, f"{collective} {form} {human(nbytes)}"
+                                 f"{' in a graph' if graph else ''}: {criterion}",
+                                 (auto, found[auto]["time_us"], best, best_us, path), limit)
+                spreads = [_spread(name, found[name]) for name in (auto, best)]
+                if all(spreads):
+                    row["measured"] += f"; rounds {', '.join(spreads)} µs"
+                rows.append(row)
     return rows or [_row(29, criterion, None, "")]
+
+
+def _spread(name: str, record: Dict[str, Any]) -> str:
+    """``NAME low–high`` of a record's rounds, or "" for a record of one round."""
+    rounds = record.get("rounds_us") or []
+    return f"{name} {min(rounds):.1f}–{max(rounds):.1f}" if len(rounds) > 1 else ""
 
 
 def _default_note(mine: List[Dict[str, Any]], base: Dict[str, Any]) -> str:

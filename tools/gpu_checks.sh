@@ -12,7 +12,8 @@
 #                the torch backend's checks and training checks
 #   tune         python -m hoccl.tune under mpirun -np 2 within its budget, run_checks
 #                with the table it wrote, then python -m hoccl.bench with hoccl-auto
-#                beside the hand-set variants on that table
+#                beside the hand-set variants on that table (each library's median of 3
+#                rounds, timed in turn: one loop's time drifts by ±10 % on a shared GPU)
 #   tune2        the same in under 6 minutes (the tuner's budget 110 s, bench sizes 4K to
 #                16M by 4x), the tuner's --beside-compute on the reductions (a bf16 torch
 #                GEMM beside them), and tools/criteria.py's rows of issue 29: hoccl-auto
@@ -122,7 +123,7 @@ tune|tune2)
   run checks-tuned 45 env HOCCL_DEBUG=INFO $MPIRUN -x HOCCL_DEBUG python3 tests/mpi/run_checks.py \
     --backend cuda --counts 0,1,17,1003
   rows+=("  table rows used by the checks: $(grep -c 'from table row' "$OUT/checks-tuned.log") log lines")
-  run bench-auto 90 $MPIRUN python3 -m hoccl.bench --sizes "$sizes" --forms in \
+  run bench-auto 200 $MPIRUN python3 -m hoccl.bench --sizes "$sizes" --forms in --rounds 3 \
     --libraries hoccl-auto,hoccl,hoccl+kernel_bytes=16M,hoccl+pull_bytes=16M,hoccl+one_shot_bytes=16M \
     --out "$OUT/bench"
   python3 tools/criteria.py "$OUT/bench" > "$OUT/auto-vs-best.md" 2>&1

@@ -3,18 +3,27 @@
   mpirun -np 2 python -m hoccl.bench                     # hoccl, NCCL (torch.distributed,
                                                           # nccl4py) and NCCL's zero-SM mode
   python -m hoccl.bench --local 2                         # one process, hoccl only
+  mpirun -np 2 python -m hoccl.bench --rounds 3          # each library's median of 3 rounds
 
 Prints one table per collective (time in µs, algbw and busbw in GB/s = 1e9 B/s,
 #wrong elements after a checked run), the ratio of hoccl's busbw to the best NCCL
 figure of the same size and form, and writes JSON and PNG plots to --out.
+
+Each (collective, form, size) times every library's loop of calls in turn.  With
+--rounds R it does so R times (libraries A, B, C, then A, B, C again, ...) and records
+each library's median round as its time, and every round's time as ``rounds_us``: on a
+GPU that other processes share, one loop's time drifts by ±10 %, and libraries that
+run the same path would otherwise differ by as much.  Results are checked in the first
+round; a library that fails there is recorded once and left out of the later rounds.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
 from ._harness import (COLLECTIVES, FORMS, bus_factor, count_wrong, human, libraries,
                        make_buffers, metadata, parse_size, report, require, setup_ranks,
@@ -55,17 +64,30 @@ def arguments(argv=None) -> argparse.Namespace:
     parser.add_argument("--max-sms", type=int, default=8, help="hoccl's SM cap for sums and "
                         "local copies")
     parser.add_argument("--chunk-bytes", default="32M", help="hoccl's pipeline chunk for sums")
+    parser.add_argument("--rounds", type=int, default=1, metavar="R",
+                        help="time every library's loop R times in turn at each size and "
+                             "record its median round (default %(default)s)")
     parser.add_argument("--graph", action="store_true",
                         help="also time each library's calls captured into a CUDA graph (20 "
-                             "calls per graph, replayed back to back): rows LIBRARY+graph")
+                             "calls per graph, replayed back to back): rows LIBRARY+graph, "
+                             "taken in the last round only")
+    parser.add_argument("--backend", choices=("cuda", "host"), default="cuda",
+                        help="host: CPU tensors on hoccl's host backend, hoccl only, timed "
+                             "by the host's clock (a check of this program without GPUs; "
+                             "its times say nothing about a GPU)")
     parser.add_argument("--out", default="results/bench", help="folder for JSON and PNG")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1; got {args.rounds}")
+    if args.graph and args.backend != "cuda":
+        parser.error("--graph needs the cuda backend")
+    return args
 
 
 def sweep(args: argparse.Namespace):
     """Returns (result, whether this process reports)."""
     import torch
-    ranks = setup_ranks(args.local, max_sms=args.max_sms,
+    ranks = setup_ranks(args.local, backend=args.backend, max_sms=args.max_sms,
                         chunk_bytes=parse_size(args.chunk_bytes))
     dtype = getattr(torch, args.dtype)
     libs = libraries(ranks, args.libraries.split(","))
@@ -77,55 +99,80 @@ def sweep(args: argparse.Namespace):
         sizes = [parse_size(text) for text in args.sizes.split(",")]
     forms = args.forms.split(",")
     # a dedicated stream per rank for every library (NCCL's copy-engine mode refuses the
-    # legacy default stream)
-    streams = [torch.cuda.Stream(device=device) for device in ranks.devices]
+    # legacy default stream); the host backend takes none
+    streams = ([torch.cuda.Stream(device=device) for device in ranks.devices]
+               if ranks.backend == "cuda" else [None] * len(ranks.comms))
     records: List[Dict[str, Any]] = []
-    n = ranks.world_size
-    ranks.say(f"# hoccl.bench: {n} ranks, {args.dtype}, libraries "
-              f"{', '.join(lib.name for lib in libs)}")
+    ranks.say(f"# hoccl.bench: {ranks.world_size} ranks, {args.dtype}, libraries "
+              f"{', '.join(lib.name for lib in libs)}"
+              + (f", median of {args.rounds} rounds" if args.rounds > 1 else ""))
     for collective in args.collectives.split(","):
         for form in FORMS[collective]:
             if form not in forms:
                 continue
             for nbytes in sizes:
-                for lib in libs:
-                    if not lib.supports(collective, form):
-                        continue
-                    lib.prepare()
-                    buffers = make_buffers(lib, ranks, collective, form, nbytes, dtype)
-                    try:
-                        wrong = count_wrong(lib, ranks, collective, form, buffers, dtype,
-                                            lambda i: streams[i])
-                    except Exception as error:  # a baseline that cannot run this size
-                        ranks.say(f"  {collective:14s} {form:3s} {human(nbytes):>5s} "
-                                  f"{lib.name:11s} failed: {error}")
-                        records.append(dict(collective=collective, form=form, bytes=nbytes,
-                                            library=lib.name, error=str(error)))
-                        continue
-                    probe = time_loop(lib, ranks, collective, buffers, 3, 1, lambda i: streams[i])
-                    iters = int(min(200, max(5, args.time_budget / max(probe * 1e-6, 1e-9))))
-                    iters = int(ranks.max(iters))
-                    # warm up for ~0.1 s first: the GPUs' clocks ramp up from idle, and the
-                    # first library at a size would otherwise be timed while they do
-                    warmup = int(ranks.max(max(args.warmup, 0.1 / max(probe * 1e-6, 1e-9))))
-                    micros = time_loop(lib, ranks, collective, buffers, iters,
-                                       min(warmup, 400), lambda i: streams[i])
-                    algbw = nbytes / (micros * 1e-6) / 1e9
-                    record = dict(collective=collective, form=form, bytes=nbytes,
-                                  library=lib.name, time_us=micros, algbw=algbw,
-                                  busbw=algbw * bus_factor(collective, n), wrong=wrong,
-                                  iters=iters, sms=lib.sms_for(collective, nbytes))
-                    records.append(record)
-                    ranks.say(f"  {collective:14s} {form:3s} {human(nbytes):>5s} {lib.name:11s} "
-                              f"{micros:10.1f} us {record['busbw']:7.1f} GB/s  wrong {wrong}")
-                    if args.graph:
-                        records.append(graph_record(lib, ranks, collective, form, nbytes,
-                                                    buffers, dtype, streams, record))
-                    lib.release()
-                    del buffers
-                    torch.cuda.empty_cache()
-    return ({"meta": metadata(sys.argv), "world_size": n, "dtype": args.dtype,
-             "records": records}, ranks.leader)
+                records += measure(args, ranks, libs, collective, form, nbytes, dtype, streams)
+    return ({"meta": metadata(sys.argv), "world_size": ranks.world_size, "dtype": args.dtype,
+             "backend": args.backend, "rounds": args.rounds, "records": records}, ranks.leader)
+
+
+def measure(args, ranks, libs, collective, form, nbytes, dtype, streams) -> List[Dict[str, Any]]:
+    """The records of one collective, form and size: each library's loop of calls timed
+    in turn, ``args.rounds`` times over, its median round as its time.  The first round
+    checks every library's result and sets its number of calls per loop; a library that
+    fails there gives one error record and no more rounds."""
+    import torch
+    n = ranks.world_size
+
+    def stream_of(index):
+        return streams[index]
+    running = [lib for lib in libs if lib.supports(collective, form)]
+    # per library: (wrong elements, calls per loop, warm-up calls, each round's µs)
+    measured: Dict[Any, Tuple[int, int, int, List[float]]] = {}
+    records: List[Dict[str, Any]] = []
+    for round_index in range(args.rounds):
+        for lib in list(running):
+            lib.prepare()
+            buffers = make_buffers(lib, ranks, collective, form, nbytes, dtype)
+            if round_index == 0:
+                try:
+                    wrong = count_wrong(lib, ranks, collective, form, buffers, dtype, stream_of)
+                except Exception as error:  # a baseline that cannot run this size
+                    ranks.say(f"  {collective:14s} {form:3s} {human(nbytes):>5s} "
+                              f"{lib.name:11s} failed: {error}")
+                    records.append(dict(collective=collective, form=form, bytes=nbytes,
+                                        library=lib.name, error=str(error)))
+                    running.remove(lib)
+                    continue
+                probe = time_loop(lib, ranks, collective, buffers, 3, 1, stream_of)
+                iters = int(min(200, max(5, args.time_budget / max(probe * 1e-6, 1e-9))))
+                iters = int(ranks.max(iters))
+                # warm up for ~0.1 s first: the GPUs' clocks ramp up from idle, and the
+                # first library at a size would otherwise be timed while they do
+                warmup = int(ranks.max(max(args.warmup, 0.1 / max(probe * 1e-6, 1e-9))))
+                measured[lib] = (wrong, iters, min(warmup, 400), [])
+            wrong, iters, warmup, rounds = measured[lib]
+            rounds.append(time_loop(lib, ranks, collective, buffers, iters, warmup, stream_of))
+            if round_index == args.rounds - 1:
+                micros = statistics.median(rounds)
+                algbw = nbytes / (micros * 1e-6) / 1e9
+                record = dict(collective=collective, form=form, bytes=nbytes,
+                              library=lib.name, time_us=micros, rounds_us=rounds, algbw=algbw,
+                              busbw=algbw * bus_factor(collective, n), wrong=wrong,
+                              iters=iters, sms=lib.sms_for(collective, nbytes))
+                records.append(record)
+                spread = ("  rounds " + ",".join(f"{value:.1f}" for value in rounds) + " us"
+                          if len(rounds) > 1 else "")
+                ranks.say(f"  {collective:14s} {form:3s} {human(nbytes):>5s} {lib.name:11s} "
+                          f"{micros:10.1f} us {record['busbw']:7.1f} GB/s  wrong {wrong}"
+                          + spread)
+                if args.graph:
+                    records.append(graph_record(lib, ranks, collective, form, nbytes,
+                                                buffers, dtype, streams, record))
+            lib.release()
+            del buffers
+            torch.cuda.empty_cache()
+    return records
 
 
 def graph_record(lib, ranks, collective, form, nbytes, buffers, dtype, streams, eager):
@@ -214,7 +261,7 @@ def plots(result: Dict[str, Any], folder: str) -> List[str]:
 
 def main(argv=None) -> None:
     args = arguments(argv)
-    require("python -m hoccl.bench", args.local)
+    require("python -m hoccl.bench", args.local, args.backend)
     result, leader = sweep(args)
     if leader:
         report(result, args.out, "bench", table(result))

@@ -6,6 +6,7 @@ import json
 import os
 import platform
 import sys
+import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Dict, List, Optional, Tuple
@@ -53,11 +54,28 @@ def human(nbytes: int) -> str:
 
 @dataclass
 class Ranks:
-    """The ranks this process drives: one under mpirun, several with --local."""
+    """The ranks this process drives: one under mpirun, several with --local.  On the
+    host backend (a check of the programs without GPUs) their buffers are CPU tensors and
+    their work is timed by the host's clock."""
     comms: List[Any]
     world_size: int
     mpi: Any = None  # mpi4py communicator, or None
     devices: List[int] = field(default_factory=list)
+    backend: str = "cuda"
+
+    def device(self, index: int) -> str:
+        """The torch device of local rank ``index``'s buffers."""
+        return f"cuda:{self.devices[index]}" if self.backend == "cuda" else "cpu"
+
+    def synchronize(self) -> None:
+        """Wait until the work every local rank enqueued has finished."""
+        if self.backend == "cuda":
+            import torch
+            for device in self.devices:
+                torch.cuda.synchronize(device)
+        else:
+            for comm in self.comms:
+                comm.synchronize()
 
     @property
     def leader(self) -> bool:
@@ -84,16 +102,18 @@ class Ranks:
             print(*args, flush=True)
 
 
-def require(program: str, local: int) -> None:
+def require(program: str, local: int, backend: str = "cuda") -> None:
     """Exit with one line naming what this benchmark needs and how to get it, if it is
     missing: torch (NCCL through torch.distributed, the arrays), visible CUDA GPUs
-    (hoccl's cuda backend), and mpi4py unless ``--local``."""
+    (hoccl's cuda backend, unless ``backend`` is "host"), and mpi4py unless ``--local``."""
     import importlib.util
     missing = [name for name in ("torch", "matplotlib") + (() if local else ("mpi4py",))
                if importlib.util.find_spec(name) is None]
     if missing:
         sys.exit(f"{program}: needs {', '.join(missing)}; install them with "
                  f"pip install 'hoccl[bench]'")
+    if backend == "host":
+        return
     from ..backends import cuda_device_count
     if cuda_device_count() == 0:
         sys.exit(f"{program}: needs NVIDIA GPUs, and none is visible (or cuda-python is "
@@ -101,14 +121,16 @@ def require(program: str, local: int) -> None:
                  f"examples/run_all.py, which uses the host backend")
 
 
-def setup_ranks(local: int, **options) -> Ranks:
+def setup_ranks(local: int, backend: str = "cuda", **options) -> Ranks:
     import torch
     import hoccl
     if local:
-        comms = hoccl.init_local(list(range(local)), backend="cuda", **options)
-        return Ranks(comms, local, None, list(range(local)))
+        comms = hoccl.init_local(list(range(local)), backend=backend, **options)
+        return Ranks(comms, local, None, list(range(local)), backend)
     from mpi4py import MPI
-    comm = hoccl.init(backend="cuda", **options)
+    comm = hoccl.init(backend=backend, **options)
+    if backend == "host":
+        return Ranks([comm], comm.world_size, MPI.COMM_WORLD, [], backend)
     assert comm.device is not None
     torch.cuda.set_device(comm.device)
     return Ranks([comm], comm.world_size, MPI.COMM_WORLD, [comm.device])
@@ -176,7 +198,7 @@ class Library:
 
     def empty(self, rank_index: int, count: int, dtype: Any) -> Any:
         import torch
-        return torch.empty(count, dtype=dtype, device=f"cuda:{self.ranks.devices[rank_index]}")
+        return torch.empty(count, dtype=dtype, device=self.ranks.device(rank_index))
 
     def run(self, rank_index: int, collective: str, send: Any, recv: Any, stream: Any) -> None:
         raise NotImplementedError
@@ -279,11 +301,11 @@ class HocclAuto(Hoccl):
         import hoccl
         comms: List[Any]
         if ranks.mpi is None:
-            comms = hoccl.init_local(list(ranks.devices), backend="cuda", **settings)
+            comms = hoccl.init_local(list(ranks.devices), backend=ranks.backend, **settings)
         else:
-            comms = [hoccl.init(backend="cuda", **settings)]
-        super().__init__(Ranks(comms, ranks.world_size, ranks.mpi, ranks.devices), None, name,
-                         settings)
+            comms = [hoccl.init(backend=ranks.backend, **settings)]
+        super().__init__(Ranks(comms, ranks.world_size, ranks.mpi, ranks.devices,
+                               ranks.backend), None, name, settings)
 
     def prepare(self) -> None:
         """Nothing: the table (and the settings given at init) decide."""
@@ -404,8 +426,9 @@ def libraries(ranks: Ranks, wanted: List[str]) -> List[Library]:
             elif base in ("hoccl", "hoccl-local", "hoccl-peer", "hoccl-reg"):
                 route = base.split("-")[1] if base in ("hoccl-local", "hoccl-peer") else None
                 found.append(Hoccl(ranks, route, name, settings, registered=base == "hoccl-reg"))
-            elif ranks.mpi is None:
-                ranks.say(f"# {name}: skipped (NCCL baselines need mpirun, one rank per process)")
+            elif ranks.mpi is None or ranks.backend != "cuda":
+                ranks.say(f"# {name}: skipped (NCCL baselines need mpirun, one rank per "
+                          f"process, and the cuda backend)")
             elif name == "nccl":
                 found.append(TorchNccl(ranks))
             elif name in ("nccl4py", "nccl-zero"):
@@ -428,14 +451,14 @@ def counts_for(collective: str, nbytes: int, itemsize: int, n: int):
     return total, total
 
 
-def pattern(rank: int, count: int, dtype: Any, device: int) -> Any:
+def pattern(rank: int, count: int, dtype: Any, device: str) -> Any:
     """Rank-specific small integers: exact in every dtype, and in sums of a few ranks."""
     import torch
-    values = (torch.arange(count, device=f"cuda:{device}", dtype=torch.int64) * 7 + 13 * rank) % 5
+    values = (torch.arange(count, device=device, dtype=torch.int64) * 7 + 13 * rank) % 5
     return values.to(dtype)
 
 
-def expected(collective: str, rank: int, n: int, send_count: int, dtype: Any, device: int):
+def expected(collective: str, rank: int, n: int, send_count: int, dtype: Any, device: str):
     import torch
     inputs = [pattern(r, send_count, dtype, device) for r in range(n)]
     if collective == "broadcast":
@@ -479,34 +502,30 @@ def count_wrong(library: Library, ranks: Ranks, collective: str, form: str, buff
                 stream_of, run=None) -> int:
     """Fill the inputs with the pattern, poison the outputs, run once (``run()``, e.g. a
     graph's replay, instead of one call per rank when given), count wrong elements."""
-    import torch
     n = ranks.world_size
     for index, (comm, (send, recv, send_count)) in enumerate(zip(ranks.comms, buffers)):
-        device = ranks.devices[index]
-        with torch.cuda.device(device):
-            recv.fill_(float("nan") if dtype.is_floating_point else 99)
-            send.copy_(pattern(comm.rank, send_count, dtype, device))
-            torch.cuda.synchronize(device)
+        recv.fill_(float("nan") if dtype.is_floating_point else 99)
+        send.copy_(pattern(comm.rank, send_count, dtype, ranks.device(index)))
+    ranks.synchronize()
     ranks.barrier()
     if run is not None:
         run()
     else:
         for index, (send, recv, _) in enumerate(buffers):
             library.run(index, collective, send, recv, stream_of(index))
+    library.ranks.synchronize()
     wrong = 0
     for index, (comm, (send, recv, send_count)) in enumerate(zip(ranks.comms, buffers)):
-        device = ranks.devices[index]
-        with torch.cuda.device(device):
-            torch.cuda.synchronize(device)
-            want = expected(collective, comm.rank, n, send_count, dtype, device)
-            wrong += int((recv.float() != want.float()).sum().item())
+        want = expected(collective, comm.rank, n, send_count, dtype, ranks.device(index))
+        wrong += int((recv.float() != want.float()).sum().item())
     return int(ranks.sum(wrong))
 
 
 def time_loop(library: Library, ranks: Ranks, collective: str, buffers, iters: int, warmup: int,
               stream_of) -> float:
     """Median-free nccl-tests style: average µs per call over ``iters`` back-to-back calls,
-    the slowest rank's."""
+    the slowest rank's (on the host backend: by the host's clock, until every local rank
+    has finished)."""
     import torch
 
     def once():
@@ -514,9 +533,14 @@ def time_loop(library: Library, ranks: Ranks, collective: str, buffers, iters: i
             library.run(index, collective, send, recv, stream_of(index))
     for _ in range(warmup):
         once()
-    for device in ranks.devices:
-        torch.cuda.synchronize(device)
+    library.ranks.synchronize()
     ranks.barrier()
+    if ranks.backend != "cuda":
+        began = time.perf_counter()
+        for _ in range(iters):
+            once()
+        library.ranks.synchronize()
+        return ranks.max((time.perf_counter() - began) * 1e6 / iters)
     starts, ends = [], []
     for index, device in enumerate(ranks.devices):
         start = torch.cuda.Event(enable_timing=True)
