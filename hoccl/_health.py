@@ -333,59 +333,71 @@ class Health:
 
     def _watch(self) -> None:
         """Abort when the oldest issued call outlives the timeout, a peer aborted or a peer's
-        process is gone, without anyone calling synchronize."""
-        engine = self.engine
+        process is gone, without anyone calling synchronize.  Each look is a call of its
+        own, so that between looks this thread holds no call: it never keeps a finished
+        call's buffers (a framework's tensors among them) alive."""
         period = max(0.05, min(0.25, self.timeout / 10))
         while not self._stop.wait(period):
-            with engine.lock:
-                if engine.closed or engine.aborted:
-                    return
-            pending = engine.unfinished()
-            if not pending:
-                continue
-            try:
-                engine.device.activate()
-                oldest = pending[0]
-                closed = self._group.closed_peer(pending)
-                if closed is not None:
-                    self._abort_for_lost_peer(f"watchdog: rank {self.rank}'s {oldest.name} "
-                                              f"(call {oldest.value}) waits for {closed}",
-                                              PeerClosedError)
-                    return
-                gone = self._group.dead_peer()
-                if gone is not None:
-                    if self._outlasts_grace(lambda: bool(engine.unfinished()), _DEAD_PEER_GRACE):
-                        self._abort_for_lost_peer(f"watchdog: rank {self.rank}'s {oldest.name} "
-                                                  f"(call {oldest.value}) waits for {gone}",
-                                                  PeerDeadError)
-                        return
-                    continue
-                failure = engine.device.failure()
-                if failure:
-                    self.abort(f"watchdog: rank {self.rank}: device work failed: {failure}")
-                    return
-                # a peer's abort first: its poison would read as signals that arrived
-                peer = engine.pad.aborted_by()
-                if peer is not None:
-                    self._abort_for_peer(peer, f"watchdog: rank {self.rank}'s {oldest.name} "
-                                               f"(call {oldest.value}): ")
-                    return
-                # measured from issue, not from the call: with init_local a call may wait
-                # for the other ranks' calls for as long as the user likes
-                if time.monotonic() - oldest.issued_at > self.timeout:
-                    self.abort(self.diagnose("watchdog"))
-                    return
-            except Exception as error:  # the watchdog must never die silently
-                log.error("rank %d watchdog: %r", self.rank, error)
+            if not self._look():
                 return
 
+    def _look(self) -> bool:
+        """One look at the calls in flight; False once the watchdog is done."""
+        engine = self.engine
+        with engine.lock:
+            if engine.closed or engine.aborted:
+                return False
+        pending = engine.unfinished()
+        if not pending:
+            return True
+        try:
+            engine.device.activate()
+            oldest = pending[0]
+            closed = self._group.closed_peer(pending)
+            if closed is not None:
+                self._abort_for_lost_peer(f"watchdog: rank {self.rank}'s {oldest.name} "
+                                          f"(call {oldest.value}) waits for {closed}",
+                                          PeerClosedError)
+                return False
+            gone = self._group.dead_peer()
+            if gone is not None:
+                if self._outlasts_grace(lambda: bool(engine.unfinished()), _DEAD_PEER_GRACE):
+                    self._abort_for_lost_peer(f"watchdog: rank {self.rank}'s {oldest.name} "
+                                              f"(call {oldest.value}) waits for {gone}",
+                                              PeerDeadError)
+                    return False
+                return True
+            failure = engine.device.failure()
+            if failure:
+                self.abort(f"watchdog: rank {self.rank}: device work failed: {failure}")
+                return False
+            # a peer's abort first: its poison would read as signals that arrived
+            peer = engine.pad.aborted_by()
+            if peer is not None:
+                self._abort_for_peer(peer, f"watchdog: rank {self.rank}'s {oldest.name} "
+                                           f"(call {oldest.value}): ")
+                return False
+            # measured from issue, not from the call: with init_local a call may wait
+            # for the other ranks' calls for as long as the user likes
+            if time.monotonic() - oldest.issued_at > self.timeout:
+                self.abort(self.diagnose("watchdog"))
+                return False
+        except Exception as error:  # the watchdog must never die silently
+            log.error("rank %d watchdog: %r", self.rank, error)
+            return False
+        return True
+
     def stop(self) -> None:
-        """Stop the watchdog and the abort pump (close); a split communicator leaves its
-        parent's children."""
+        """Stop the watchdog and the abort pump and wait for them (close); a split
+        communicator leaves its parent's children.  Once close returns no thread of this
+        rank runs on: a daemon thread that frees a call's torch tensor while the
+        interpreter exits ends the process ("terminate called without an active
+        exception")."""
         self._stop.set()
         parent, self._parent = self._parent, None
         if parent is not None:
             parent.children = [child for child in parent.children if child is not self]
-        if self._pump is not None:
-            self._pump.join(timeout=5)
+        for thread in (self._watchdog, self._pump):
+            if thread is not None and thread is not threading.current_thread():
+                thread.join(timeout=5)
 

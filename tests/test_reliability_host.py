@@ -9,6 +9,7 @@ import textwrap
 import threading
 import time
 import tracemalloc
+import weakref
 
 import numpy as np
 import pytest
@@ -221,6 +222,53 @@ def test_watchdog_does_not_count_the_wait_for_other_ranks_calls(init_local):
         comm.synchronize()
     assert not comms[0].aborted
     assert_exact("all_reduce: rank 0", np.full(4, 3.0), out[0])
+
+
+def test_the_watchdog_keeps_no_buffer_of_a_call_it_looked_at_once_the_call_is_done(
+        init_local):
+    """The watchdogs look at a call while it waits (rank 1's caller stream held); once it
+    is done they keep none of its buffers (a framework's tensors would otherwise live on
+    in a daemon thread, to be freed there, perhaps as the interpreter exits)."""
+    comms = init_local(2, backend="host", timeout=5)  # a look every 0.25 s
+    gate = _block_default_stream(comms[1])
+    rng = np.random.default_rng()
+    data = [random_array(rng, 8, "float32") for _ in range(2)]
+    out = [poison(8, "float32") for _ in range(2)]
+    for comm in comms:
+        comm.all_reduce(data[comm.rank], out[comm.rank])
+    time.sleep(0.6)
+    assert all(comm._engine.unfinished() for comm in comms)  # looked at while it waited
+    gate.set()
+    for comm in comms:
+        comm.synchronize()
+    for rank in range(2):
+        assert_exact(f"all_reduce: rank {rank}", data[0] + data[1], out[rank])
+    buffers = [weakref.ref(array) for array in data + out]
+    del data, out
+    assert [ref() is None for ref in buffers] == [True] * 4
+
+
+def test_close_waits_for_a_look_of_the_watchdog_still_in_progress(init_local, monkeypatch):
+    """A look that goes on when close begins ends before close returns: no thread of a
+    closed rank runs on (a daemon thread that frees a call's torch tensor as the
+    interpreter exits ends the process: "terminate called without an active
+    exception")."""
+    from hoccl._health import Health
+    look, looking = Health._look, threading.Semaphore(0)
+
+    def look_on_past_the_stop(health):
+        looking.release()
+        health._stop.wait(10)
+        time.sleep(0.3)
+        return look(health)
+    monkeypatch.setattr(Health, "_look", look_on_past_the_stop)
+    comms = init_local(2, backend="host", timeout=5)
+    check_collective(comms, "all_reduce", count=9, dtype="float32", seed=2)
+    assert looking.acquire(timeout=5) and looking.acquire(timeout=5)  # both in a look
+    watchdogs = [comm._health._watchdog for comm in comms]
+    for comm in comms:
+        comm.close()
+    assert [thread.is_alive() for thread in watchdogs] == [False, False]
 
 
 @pytest.mark.parametrize("gate_opens", [False, True])
