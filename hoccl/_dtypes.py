@@ -184,7 +184,7 @@ def reduce_into(out: np.ndarray, inputs: Sequence[Union[np.ndarray, Reader]], op
         stop = min(count, start + per_block)
         views = [x[start:stop] if isinstance(x, np.ndarray) else x(start, stop) for x in inputs]
         target = out[start:stop]
-        if wide:
+        if scratch is not None:
             _fold_wide(target, views, op, divisor, scale, scratch)
         elif exact and not any(np.may_share_memory(target, x) for x in views[1:]):
             _fold_in(target, views, op, divisor, scale)
