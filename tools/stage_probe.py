@@ -1,0 +1,86 @@
+"""What a chunk of the staged engine costs on this machine, part by part.
+
+  mpirun -np 2 python tools/stage_probe.py --devices cuda,cpu --sizes 1M,4M,16M,64M
+
+Two ranks, each on its own device (``--devices``): for each size, the MPI exchange of
+that many bytes between them (Irecv/Isend both ways, the transport's step) from
+pageable numpy memory and from page-locked memory (torch's ``pin_memory``), and on a
+rank on the GPU, the copy of that many bytes device-to-host and host-to-device into
+the page-locked memory (torch ``copy_``, copy engines).  Prints GB/s per part (the
+slower rank's time, best of ``--iters``); the staged engine's chunk costs roughly the
+sum of the parts that do not overlap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--devices", default="cpu,cpu", help="each rank's device, cuda or cpu")
+    parser.add_argument("--sizes", default="1M,4M,16M,64M")
+    parser.add_argument("--iters", type=int, default=5)
+    args = parser.parse_args()
+    from mpi4py import MPI
+    import torch
+    world = MPI.COMM_WORLD
+    rank, peer = world.rank, 1 - world.rank
+    kind = args.devices.split(",")[rank]
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+    def slowest(seconds: float) -> float:
+        return world.allreduce(seconds, op=MPI.MAX)
+
+    def best(run) -> float:
+        times = []
+        for _ in range(args.iters):
+            world.Barrier()
+            start = time.perf_counter()
+            run()
+            times.append(slowest(time.perf_counter() - start))
+        return min(times)
+
+    rows = []
+    for text in args.sizes.split(","):
+        nbytes = int(text[:-1]) * scale[text[-1]]
+        pageable = (np.ones(nbytes, np.uint8), np.empty(nbytes, np.uint8))
+        pinned = tuple(torch.empty(nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+                       for _ in range(2))
+
+        def exchange(send, recv):
+            def run():
+                MPI.Request.Waitall([world.Irecv(recv, source=peer), world.Isend(send, dest=peer)])
+            return run
+        row = {"bytes": text,
+               "mpi pageable": best(exchange(*pageable)),
+               "mpi pinned": best(exchange(pinned[0].numpy(), pinned[1].numpy()))}
+        if kind == "cuda":
+            device = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+
+            def d2h():
+                pinned[1].copy_(device, non_blocking=True)
+                torch.cuda.synchronize()
+
+            def h2d():
+                device.copy_(pinned[0], non_blocking=True)
+                torch.cuda.synchronize()
+            row["d2h"], row["h2d"] = best(d2h), best(h2d)
+        else:
+            row["d2h"] = row["h2d"] = None
+            best(lambda: None), best(lambda: None)  # the peer's collective calls
+        rows.append((nbytes, row))
+    if rank == 0:
+        print(f"{'bytes':>6s} " + " ".join(f"{name:>14s}" for name in rows[0][1] if name != "bytes"))
+        for nbytes, row in rows:
+            cells = [f"{nbytes / seconds / 1e9:10.2f} GB/s" if seconds else f"{'-':>14s}"
+                     for name, seconds in row.items() if name != "bytes"]
+            print(f"{row['bytes']:>6s} " + " ".join(cells), flush=True)
+
+
+if __name__ == "__main__":
+    main()
