@@ -15,8 +15,7 @@ what the backends compute, in the same order and precision:
 - every plan reduces each element's inputs in rank order (``hoccl.sched.algorithms``,
   ``_reducing``: input q is rank q's block, whichever rank owns the result), and
   ``expected`` folds them in rank order with ``reduce_arrays``;
-- the host backend's reduce is ``reduce_into``: ``reduce_arrays``' operations, a block
-  at a time;
+- the host backend's reduce is ``reduce_into``: ``reduce_arrays``, block by block;
 - the CUDA kernel (``hoccl.backends._kernels``) folds its inputs left to right,
   ``acc = op(acc, x[i])``, with float16/bfloat16 loaded into a float32 accumulator
   and every other type in its own; ``+``, ``*`` and ``/`` are single IEEE operations

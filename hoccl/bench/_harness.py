@@ -541,22 +541,18 @@ def time_loop(library: Library, ranks: Ranks, collective: str, buffers, iters: i
             once()
         library.ranks.synchronize()
         return ranks.max((time.perf_counter() - began) * 1e6 / iters)
-    starts, ends = [], []
-    for index, device in enumerate(ranks.devices):
-        start = torch.cuda.Event(enable_timing=True)
+    starts = [torch.cuda.Event(enable_timing=True) for _ in ranks.devices]
+    for index, start in enumerate(starts):
         start.record(stream_of(index))
-        starts.append(start)
     for _ in range(iters):
         once()
-    for index, device in enumerate(ranks.devices):
-        end = torch.cuda.Event(enable_timing=True)
+    ends = [torch.cuda.Event(enable_timing=True) for _ in ranks.devices]
+    for index, end in enumerate(ends):
         end.record(stream_of(index))
-        ends.append(end)
-    worst = 0.0
-    for start, end in zip(starts, ends):
+    for end in ends:
         end.synchronize()
-        worst = max(worst, start.elapsed_time(end) * 1000 / iters)
-    return ranks.max(worst)
+    return ranks.max(max(start.elapsed_time(end) * 1000 / iters
+                         for start, end in zip(starts, ends)))
 
 
 def time_graph(library: Library, ranks: Ranks, collective: str, buffers, calls: int,
