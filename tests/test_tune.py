@@ -231,6 +231,55 @@ def test_winners_are_the_fastest_correct_candidates():
         (4096, "pull")]
 
 
+def test_close_candidates_are_timed_again_in_turn_and_their_median_counts():
+    """push 1.00 and pull 1.04 at one size are within CLOSE: both are timed twice more,
+    alternately, and pull's later timings (0.90, 0.91) make it the winner; broadcast's
+    one candidate and a far one (3.0) are not timed again."""
+    push, pull, far = (_found("push", 1 << 20, 1.00), _found("pull", 1 << 20, 1.04),
+                       _found("push", 1 << 20, 3.0, chunk=65536))
+    alone = tune.Measurement("broadcast", 1 << 20, tune.Candidate("push"), 1.0)
+    for one in (push, pull, far, alone):
+        one.rounds, one.spent = (one.seconds,), 0.5
+    later = {"push": [1.02, 1.01], "pull": [0.90, 0.91]}
+    order = []
+
+    def again(one):
+        order.append(one.candidate.path)
+        return tune.Measurement(one.collective, one.size, one.candidate,
+                                later[one.candidate.path].pop(0))
+    results = {"all_reduce": [push, pull, far], "broadcast": [alone]}
+    assert tune.winners(results["all_reduce"])[0][1] is push
+    assert tune.refine(results, again, lambda predicted: True) == 4
+    assert order == ["push", "pull", "push", "pull"]
+    assert (push.rounds, pull.rounds, far.rounds) == ((1.0, 1.02, 1.01), (1.04, 0.90, 0.91),
+                                                      (3.0,))
+    assert (push.seconds, pull.seconds) == (1.01, 0.91)
+    assert tune.winners(results["all_reduce"])[0][1] is pull
+
+
+def test_refining_stops_at_the_budget_and_drops_a_candidate_found_wrong():
+    push, pull = _found("push", 4096, 1.00), _found("pull", 4096, 1.01)
+    for one in (push, pull):
+        one.rounds, one.spent = (one.seconds,), 1.0
+    left = [True, True, False]
+
+    def wrong_pull(one):
+        if one.candidate.path == "pull":
+            return tune.Measurement(one.collective, one.size, one.candidate, None, "wrong",
+                                    "planted")
+        return tune.Measurement(one.collective, one.size, one.candidate, 1.5)
+    assert tune.refine({"all_reduce": [push, pull]}, wrong_pull,
+                       lambda predicted: left.pop(0)) == 2
+    assert (pull.seconds, pull.verdict) == (None, "wrong")
+    assert push.rounds == (1.0, 1.5)  # the second round found one candidate: no more
+    assert [found.candidate.path for _, found in tune.winners([push, pull])] == ["push"]
+    late = [_found("push", 4096, 1.00), _found("pull", 4096, 1.01)]
+    for one in late:
+        one.rounds = (one.seconds,)
+    assert tune.refine({"all_reduce": late}, wrong_pull, lambda predicted: False) == 0
+    assert [one.rounds for one in late] == [(1.0,), (1.01,)]
+
+
 def test_a_chunk_of_its_own_must_win_by_the_margin():
     """A candidate that sets a chunk size of its own is chosen over the same path with the
     communicator's chunk only when it is more than MARGIN faster: on noise, the simpler."""
