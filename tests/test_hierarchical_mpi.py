@@ -149,3 +149,18 @@ def test_the_mixed_job_program_runs_on_cpus_alone():
     assert result.returncode == 0, output[-4000:]
     for rank in range(4):
         assert re.search(rf"rank {rank}: OK (\d+)/\1(?!\d)", output), output[-4000:]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_mpi_exchanges_between_members_handing_arrays_and_lists(ranks):
+    """The staged engine's MPI transport: a member in host memory hands its own arrays'
+    blocks as a list, a staged member a block-major slot; both get numpy's bytes."""
+    command = [_mpiexec(), "-n", str(ranks), sys.executable,
+               str(SCRIPT.parent / "run_transport_pieces.py")]
+    env = {**os.environ, **MPI_ENV, "PYTHONPATH": str(SCRIPT.parents[2])}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:]
+    for rank in range(ranks):
+        assert re.search(rf"rank {rank}: OK (\d+)/\1(?!\d)", output), output[-4000:]

@@ -105,14 +105,13 @@ class Wire:
         kind = steps[0][0]
         args = [steps[m][1] for m in range(SIZE)]
         if kind == "all_gather":
-            whole = np.concatenate([a[0] for a in args])
             for _, recv in args:
-                recv[...] = whole
+                for piece, (send, _) in zip(_pieces(recv), args):
+                    piece[...] = send
         elif kind == "all_to_all":
-            width = args[0][0].size // SIZE
             for i in range(SIZE):
                 for j in range(SIZE):
-                    args[j][1][i * width:(i + 1) * width] = args[i][0][j * width:(j + 1) * width]
+                    _pieces(args[j][1])[i][...] = _pieces(args[i][0])[j]
         elif kind == "broadcast":
             root = args[0][1]
             for buf, _ in args:
@@ -131,9 +130,19 @@ class Wire:
             args[1 - sender][0][...] = args[sender][0]
 
 
+def _pieces(array):
+    """A member's pieces of a step: a list of one byte array per member (a transport
+    that takes ``blocks``), or a block-major array's equal parts."""
+    if isinstance(array, list):
+        return array
+    width = array.size // SIZE
+    return [array[i * width:(i + 1) * width] for i in range(SIZE)]
+
+
 class WireTransport(Transport):
-    def __init__(self, wire, member):
+    def __init__(self, wire, member, blocks=()):
         self.wire, self.member, self.size, self.label, self.seq = wire, member, SIZE, "wire", 0
+        self.blocks = blocks
 
     def _post(self, kind, *args):
         self.seq += 1
@@ -205,13 +214,16 @@ class StagedOnHost(StagedOnLazyDevice):
 
 
 def _engines(stage_bytes, members):
-    """``members``: "device" (both staged), "mixed" (member 0 in host memory) or
-    "direct" (both on the host backend: the transport moves the arrays themselves)."""
+    """``members``: "device" (both staged), "mixed" (member 0 in host memory, copied
+    through slots), "mixed, lists" (the same over a transport that takes a member's
+    blocks as a list, as MPI's does: member 0 moves its own arrays) or "direct" (both on
+    the host backend: the transport moves the arrays themselves)."""
     wire = Wire()
-    kinds = [StagedOnHost if members == "direct" or (members == "mixed" and m == 0)
+    kinds = [StagedOnHost if members == "direct" or (members.startswith("mixed") and m == 0)
              else StagedOnLazyDevice for m in range(SIZE)]
-    return [kind(WireTransport(wire, m), LazyDevice(), 10.0, stage_bytes, members == "direct")
-            for m, kind in enumerate(kinds)]
+    blocks = ("all_gather", "all_to_all") if members.endswith("lists") else ()
+    return [kind(WireTransport(wire, m, blocks), LazyDevice(), 10.0, stage_bytes,
+                 members == "direct") for m, kind in enumerate(kinds)]
 
 
 def _both(engines, step):
@@ -230,7 +242,8 @@ def _same(what, want, got):
 @pytest.mark.parametrize("stage_bytes", [6, 64, 1 << 20])
 @pytest.mark.parametrize("dtype,members", [("bfloat16", "device"), ("float16", "mixed"),
                                            ("int32", "device"), ("int32", "mixed"),
-                                           ("bfloat16", "direct")])
+                                           ("bfloat16", "mixed, lists"),
+                                           ("int32", "mixed, lists"), ("bfloat16", "direct")])
 def test_every_step_of_the_staged_pipeline_matches_numpy(stage_bytes, dtype, members):
     """``members`` (``_engines``): both staged, one in host memory, or both direct."""
     rng = np.random.default_rng()

@@ -5,7 +5,7 @@ until done, so that every step of the engine ends within its timeout or at an ab
 from __future__ import annotations
 
 import abc
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -28,6 +28,9 @@ class Transport(abc.ABC):
     size: int
     member: int
     label: str
+    #: the steps that take, in place of a block-major byte array, a list of one byte
+    #: array per member (``MpiTransport``)
+    blocks: Tuple[str, ...] = ()
 
     @abc.abstractmethod
     def all_gather(self, send: np.ndarray, recv: np.ndarray) -> Any: ...
@@ -68,18 +71,19 @@ class MpiTransport(Transport):
         self.MPI, self.comm = MPI, comm
         self.size, self.member, self.label = comm.Get_size(), comm.Get_rank(), "mpi"
 
-    def all_gather(self, send: np.ndarray, recv: np.ndarray) -> Any:
-        width = send.nbytes
-        recv[self.member * width:(self.member + 1) * width] = send
-        return self._exchange([send] * self.size,
-                              [recv[i * width:(i + 1) * width] for i in range(self.size)])
+    #: its all_gather's receive and its all_to_all's two sides may be lists of one byte
+    #: array a member (``StagedEngine``: a member's own arrays, with no copy)
+    blocks = ("all_gather", "all_to_all")
 
-    def all_to_all(self, send: np.ndarray, recv: np.ndarray) -> Any:
-        width = send.nbytes // self.size
-        mine = slice(self.member * width, (self.member + 1) * width)
-        recv[mine] = send[mine]
-        return self._exchange([send[i * width:(i + 1) * width] for i in range(self.size)],
-                              [recv[i * width:(i + 1) * width] for i in range(self.size)])
+    def all_gather(self, send: np.ndarray, recv: Any) -> Any:
+        recvs = _pieces(recv, self.size)
+        recvs[self.member][...] = send
+        return self._exchange([send] * self.size, recvs)
+
+    def all_to_all(self, send: Any, recv: Any) -> Any:
+        sends, recvs = _pieces(send, self.size), _pieces(recv, self.size)
+        recvs[self.member][...] = sends[self.member]
+        return self._exchange(sends, recvs)
 
     def _exchange(self, sends: Sequence[np.ndarray], recvs: Sequence[np.ndarray]) -> Any:
         """Every peer's block sent and received at once, as point-to-point messages: they
@@ -118,6 +122,14 @@ class MpiTransport(Transport):
     def close(self) -> None:
         if not self.MPI.Is_finalized():
             self.comm.Free()
+
+
+def _pieces(array: Any, size: int) -> List[np.ndarray]:
+    """A member's pieces of a step: the list given, or a byte array's equal parts."""
+    if isinstance(array, list):
+        return array
+    width = array.nbytes // size
+    return [array[i * width:(i + 1) * width] for i in range(size)]
 
 
 class GlooTransport(Transport):
