@@ -14,7 +14,7 @@
 #                with the table it wrote, then python -m hoccl.bench with hoccl-auto
 #                beside the hand-set variants on that table (each library's median of 3
 #                rounds, timed in turn: one loop's time drifts by ±10 % on a shared GPU)
-#   tune2        the same in under 6 minutes (the tuner's budget 110 s, bench sizes 4K to
+#   tune2        the same, shorter (at most 8 minutes; the tuner's budget 110 s, sizes 4K to
 #                16M by 4x), the tuner's --beside-compute on the reductions (a bf16 torch
 #                GEMM beside them), and tools/criteria.py's rows of issue 29: hoccl-auto
 #                within 5 % of the fastest hand-set variant at each size
