@@ -103,11 +103,11 @@ class Ranks:
 
 
 def require(program: str, local: int, backend: str = "cuda") -> None:
-    """Exit with one line naming what this benchmark needs and how to get it, if it is
-    missing: torch (NCCL through torch.distributed, the arrays), visible CUDA GPUs
-    (hoccl's cuda backend, unless ``backend`` is "host"), and mpi4py unless ``--local``."""
+    """Exit with one line naming what is missing and how to get it: torch (NCCL through
+    torch.distributed, the arrays), visible CUDA GPUs (unless ``backend`` is "host"),
+    mpi4py unless ``local``; not matplotlib (without it the plots are skipped)."""
     import importlib.util
-    missing = [name for name in ("torch", "matplotlib") + (() if local else ("mpi4py",))
+    missing = [name for name in ("torch",) + (() if local else ("mpi4py",))
                if importlib.util.find_spec(name) is None]
     if missing:
         sys.exit(f"{program}: needs {', '.join(missing)}; install them with "
