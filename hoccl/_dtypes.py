@@ -209,11 +209,7 @@ def _fold_in(target: np.ndarray, views: Sequence[np.ndarray], op: str,
             ufunc(views[0], views[1], out=target)
         for x in views[2:]:
             ufunc(target, x, out=target)
-        if op == "avg":
-            k = len(views) if divisor is None else divisor
-            np.divide(target, np.asarray(k, dtype=target.dtype), out=target)
-        if scale is not None and op == "sum":
-            np.multiply(target, np.asarray(scale, dtype=target.dtype), out=target)
+        _finish(target, op, len(views) if divisor is None else divisor, scale)
 
 
 def _fold_wide(target: np.ndarray, views: Sequence[np.ndarray], op: str,
@@ -228,9 +224,14 @@ def _fold_wide(target: np.ndarray, views: Sequence[np.ndarray], op: str,
         for x in views[1:]:
             widened[...] = x
             ufunc(acc, widened, out=acc)
-        if op == "avg":
-            k = len(views) if divisor is None else divisor
-            np.divide(acc, np.asarray(k, dtype=np.float32), out=acc)
-        if scale is not None and op == "sum":
-            np.multiply(acc, np.asarray(scale, dtype=np.float32), out=acc)
+        _finish(acc, op, len(views) if divisor is None else divisor, scale)
         target[...] = acc
+
+
+def _finish(acc: np.ndarray, op: str, divisor: int, scale: Optional[float]) -> None:
+    """avg's one division and a sum's ``scale``, in the accumulator's precision, in place
+    (``reduce_arrays``' last steps, for floating accumulators)."""
+    if op == "avg":
+        np.divide(acc, np.asarray(divisor, dtype=acc.dtype), out=acc)
+    if scale is not None and op == "sum":
+        np.multiply(acc, np.asarray(scale, dtype=acc.dtype), out=acc)
