@@ -294,11 +294,12 @@ def test_the_ddp_script_on_hoccl_under_srun_matches_gloo(gloos_losses):
     step = {"SLURM_JOB_ID": str(job), "SLURM_STEP_ID": "0", "SLURM_NTASKS": "2",
             "SLURM_STEP_NUM_TASKS": "2", "SLURM_NODEID": "0", "SLURM_STEP_TASKS_PER_NODE": "2",
             "SLURM_STEP_NODELIST": f"{_this_host()},absent[1-3]"}
-    # the two tasks as one command, as srun starts them
-    tasks = " & ".join(f"SLURM_PROCID={rank} SLURM_LOCALID={rank} "
-                       f"{shlex.quote(sys.executable)} {shlex.quote(str(SCRIPT))}"
-                       for rank in range(2))
-    code, output = _run(["bash", "-c", f"{tasks} & wait -n && wait -n"], _clean_env(**step))
+    # the two tasks as one command, as srun starts them; each waited for by its pid (a
+    # bare "wait -n" returns 127 when both tasks ended before it)
+    tasks = "".join(f"SLURM_PROCID={rank} SLURM_LOCALID={rank} "
+                    f"{shlex.quote(sys.executable)} {shlex.quote(str(SCRIPT))} & p{rank}=$!; "
+                    for rank in range(2))
+    code, output = _run(["bash", "-c", f"{tasks}wait $p0 && wait $p1"], _clean_env(**step))
     assert code == 0, output[-4000:]
     assert "world_size=2 launcher variables RANK=0 LOCAL_RANK=0" in output, output[-4000:]
     assert _losses(output) == gloos_losses
