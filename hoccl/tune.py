@@ -340,13 +340,8 @@ def refine(results: Dict[str, List[Measurement]],
     for _ in range(ROUNDS - 1):
         close: List[Measurement] = []
         for measured in results.values():
-            by_size: Dict[int, List[Measurement]] = {}
-            for one in measured:
-                if one.seconds is not None:
-                    by_size.setdefault(one.size, []).append(one)
-            for found in by_size.values():
-                fastest = min(one.seconds for one in found)  # type: ignore[type-var]
-                near = [one for one in found if one.seconds <= fastest * (1 + CLOSE)]  # type: ignore[operator]
+            for found in _timed_by_size(measured).values():
+                near = _within(found, CLOSE)
                 close += near if len(near) > 1 else []
         for one in close:
             if not time_for(one.spent):
@@ -478,16 +473,26 @@ def winners(measured: Sequence[Measurement]) -> List[Tuple[int, Measurement]]:
     """(size, the chosen correct measurement) per measured size, smallest first: of the
     candidates within ``MARGIN`` of the fastest, the one with the fewest settings, then
     the fastest; a size where no candidate was right has none."""
+    chosen: Dict[int, Measurement] = {}
+    for size, found in _timed_by_size(measured).items():
+        chosen[size] = min(_within(found, MARGIN),
+                           key=lambda one: (len(one.candidate.settings()), one.seconds))
+    return sorted(chosen.items())
+
+
+def _timed_by_size(measured: Sequence[Measurement]) -> Dict[int, List[Measurement]]:
+    """The timed (correct) measurements by size."""
     by_size: Dict[int, List[Measurement]] = {}
     for one in measured:
         if one.seconds is not None:
             by_size.setdefault(one.size, []).append(one)
-    chosen: Dict[int, Measurement] = {}
-    for size, found in by_size.items():
-        fastest = min(one.seconds for one in found)  # type: ignore[type-var]
-        close = [one for one in found if one.seconds <= fastest * (1 + MARGIN)]  # type: ignore[operator]
-        chosen[size] = min(close, key=lambda one: (len(one.candidate.settings()), one.seconds))
-    return sorted(chosen.items())
+    return by_size
+
+
+def _within(found: Sequence[Measurement], fraction: float) -> List[Measurement]:
+    """Those of ``found`` (all timed) within ``fraction`` of the fastest."""
+    fastest = min(one.seconds for one in found)  # type: ignore[type-var]
+    return [one for one in found if one.seconds <= fastest * (1 + fraction)]  # type: ignore[operator]
 
 
 def rows_of(collective: str, chosen: Sequence[Tuple[int, Measurement]], complete: bool,

@@ -350,12 +350,12 @@ class StagedEngine(FoldingEngine):
         its own arrays, where the transport takes a side's blocks as a list (or the side
         has one block) and the sides do not overlap; else False (copied through slots).
         On the H200 mixed job those copies were 45 % of a CPU rank's rail all_reduce."""
-        host_send = None if send is None else _to_numpy(send).view(np.uint8)
-        host_recv = None if recv is None else _to_numpy(recv).view(np.uint8)
         if any(blocks > 1 and what not in self.transport.blocks
                for array, blocks in ((send, send_blocks), (recv, recv_blocks))
                if array is not None):
             return False
+        host_send = None if send is None else _to_numpy(send).view(np.uint8)
+        host_recv = None if recv is None else _to_numpy(recv).view(np.uint8)
         if host_send is not None and host_recv is not None and _overlap(host_send, host_recv):
             return False
         item = _itemsize(send if send is not None else recv)
