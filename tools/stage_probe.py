@@ -25,6 +25,9 @@ def main() -> None:
     parser.add_argument("--devices", default="cpu,cpu", help="each rank's device, cuda or cpu")
     parser.add_argument("--sizes", default="1M,4M,16M,64M")
     parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--shared", action="store_true",
+                        help="also time MPI shared-memory windows: the peer's segment copied "
+                             "out, and (on a GPU rank) device-to-host into the registered segment")
     args = parser.parse_args()
     from mpi4py import MPI
     import torch
@@ -59,8 +62,25 @@ def main() -> None:
         row = {"bytes": text,
                "mpi pageable": best(exchange(*pageable)),
                "mpi pinned": best(exchange(pinned[0].numpy(), pinned[1].numpy()))}
+        if args.shared:
+            node = world.Split_type(MPI.COMM_TYPE_SHARED)
+            window = MPI.Win.Allocate_shared(nbytes, 1, comm=node)
+            segment = np.frombuffer(window.tomemory(), np.uint8)
+            theirs = np.frombuffer(window.Shared_query(node.rank ^ 1)[0], np.uint8)
+            segment[:] = 1
+            row["shm copy-out"] = best(lambda: np.copyto(pageable[1], theirs))
         if kind == "cuda":
             device = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+            if args.shared:
+                shared = torch.from_numpy(segment)
+                status = torch.cuda.cudart().cudaHostRegister(shared.data_ptr(), nbytes, 0)
+                if int(status) != 0:
+                    print(f"rank {rank}: cudaHostRegister of the window: {status}", flush=True)
+
+                def d2h_shared():
+                    shared.copy_(device, non_blocking=True)
+                    torch.cuda.synchronize()
+                row["d2h shm"] = best(d2h_shared)
 
             def d2h():
                 pinned[1].copy_(device, non_blocking=True)
@@ -73,6 +93,14 @@ def main() -> None:
         else:
             row["d2h"] = row["h2d"] = None
             best(lambda: None), best(lambda: None)  # the peer's collective calls
+            if args.shared:
+                row["d2h shm"] = None
+                best(lambda: None)
+        if args.shared:
+            if kind == "cuda":
+                torch.cuda.cudart().cudaHostUnregister(shared.data_ptr())
+            window.Free()
+            node.Free()
         rows.append((nbytes, row))
     if rank == 0:
         print(f"{'bytes':>6s} " + " ".join(f"{name:>14s}" for name in rows[0][1] if name != "bytes"))
