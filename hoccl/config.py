@@ -17,6 +17,7 @@ settings or not, and ``environ`` is the one function that reads them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Dict, FrozenSet, Mapping, Optional, Tuple
@@ -25,7 +26,7 @@ from ._errors import InvalidArgumentError
 from .sched import Options
 
 __all__ = ["Config", "DEFAULT_TIMEOUT", "ENVIRONMENT", "SETTINGS", "ACROSS_HOSTS",
-           "INTRA_HOST_ENGINES", "PHASES", "environ", "default_copy_sms"]
+           "INTRA_HOST_ENGINES", "PHASES", "environ", "host_threads", "default_copy_sms"]
 
 #: seconds a host wait may take before it raises
 DEFAULT_TIMEOUT = 300.0
@@ -203,7 +204,12 @@ ENVIRONMENT: Dict[str, str] = {
                          "before each item of a host stream",
     "HOCCL_HOST_CHECK_SIGNALS": "host backend, for tests: 1 checks that no signal lowers "
                                 "its word",
+    "HOCCL_HOST_THREADS": "the most threads a host fold or copy of many MiB is split over "
+                          "(host backend, host folds across hosts); default: 4, or fewer "
+                          "where the process may run on fewer cores (1 when bound to one)",
     "HOCCL_TUNING_FILE": "a tuning table to load at init",
+    "HOCCL_CROSS_MEMORY": "0: the staged engine between members on one machine moves "
+                          "bytes through MPI, not by cross-memory reads",
 }
 
 
@@ -211,6 +217,26 @@ def environ(variable: str) -> Optional[str]:
     """The value of one of hoccl's environment variables (``ENVIRONMENT``), or None."""
     assert variable in ENVIRONMENT, f"{variable} is not in hoccl.config.ENVIRONMENT"
     return os.environ.get(variable)
+
+
+@functools.lru_cache(maxsize=None)
+def host_threads() -> int:
+    """``HOCCL_HOST_THREADS``, read once: the most threads a fold or a copy of many MiB of
+    host memory is split over (``hoccl._dtypes.reduce_into``, the host backend's moves).
+    Default: 4, or the number of cores this process may run on where that is fewer: a
+    rank that mpirun binds to one core gets no helper threads."""
+    text = environ("HOCCL_HOST_THREADS")
+    if text is None or not text.strip():
+        return min(4, len(os.sched_getaffinity(0)))
+    try:
+        threads = int(text)
+    except ValueError:
+        threads = 0
+    if threads < 1:
+        raise InvalidArgumentError(f"host_threads: HOCCL_HOST_THREADS must be a positive int "
+                                   f"(the threads a large host fold or copy is split over); "
+                                   f"got {text!r}")
+    return threads
 
 
 def _parse(call: str, variable: str, name: str, text: str) -> Any:

@@ -40,6 +40,9 @@ RUNS = {  # (ranks, local size, inter-host engine, torch hosts): (dtypes, counts
 }
 #: runs whose phases are pipelined in chunks of this many bytes
 PIPELINED_RUNS = {(4, 2, "mpi", "1"): 16, (6, 2, "hoccl", "1"): 8}
+#: MPI runs whose steps move through MPI's own path (``HOCCL_CROSS_MEMORY=0``); the others'
+#: ranks share this machine, so their receivers read the senders' memory
+POINT_TO_POINT_RUNS = {(4, 2, "mpi", "")}
 
 
 @pytest.mark.mpi
@@ -54,11 +57,17 @@ def test_collectives_across_simulated_hosts_match_numpy(ranks, local_size, inter
         command += ["--phases", "pipelined", "--phase-bytes",
                     str(PIPELINED_RUNS[ranks, local_size, inter_host, torch_hosts])]
     env = {**os.environ, **MPI_ENV, "HOCCL_VERIFY": "1", "HOCCL_LOCAL_SIZE": str(local_size)}
+    point_to_point = (ranks, local_size, inter_host, torch_hosts) in POINT_TO_POINT_RUNS
+    if point_to_point:
+        env["HOCCL_CROSS_MEMORY"] = "0"
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-4000:]
     hosts = ranks // local_size
     assert f"ranks={ranks} hosts={hosts}x{local_size} backend=host" in output, output[-4000:]
+    if inter_host == "mpi":
+        label = "mpi (staged)" if point_to_point else "mpi, cross-memory (staged)"
+        assert f"'inter_host': '{label}'" in output, output[-4000:]
     assert " 0 failed" in output and " 0 passed" not in output, output[-4000:]
     for host in (int(h) for h in torch_hosts.split(",") if h):
         assert f"'host': {host}, 'hostname'" in output, output[-4000:]
@@ -152,12 +161,14 @@ def test_the_mixed_job_program_runs_on_cpus_alone():
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("transport", ["mpi", "cma"])
 @pytest.mark.parametrize("ranks", [2, 3])
-def test_mpi_exchanges_between_members_handing_arrays_and_lists(ranks):
-    """The staged engine's MPI transport: a member in host memory hands its own arrays'
+def test_mpi_transport_steps_between_members_handing_arrays_and_lists(ranks, transport):
+    """The staged engine's MPI transports (MPI's own path; receivers reading the senders'
+    memory) on every step, every root: a member in host memory hands its own arrays'
     blocks as a list, a staged member a block-major slot; both get numpy's bytes."""
     command = [_mpiexec(), "-n", str(ranks), sys.executable,
-               str(SCRIPT.parent / "run_transport_pieces.py")]
+               str(SCRIPT.parent / "run_transport_pieces.py"), "--transport", transport]
     env = {**os.environ, **MPI_ENV, "PYTHONPATH": str(SCRIPT.parents[2])}
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
     output = result.stdout + result.stderr

@@ -43,9 +43,10 @@ from .._errors import AbortedError, HocclTimeoutError, InvalidArgumentError
 from .._mailbox import wait_until
 from ..bootstrap import Bootstrap, MPIBootstrap
 from .arrays import Arrays, address
+from .cma import CmaTransport
 from .engine import Setup
 from .folding import FoldingEngine, _to_numpy
-from .transports import GlooTransport, MpiTransport, Start, Transport
+from .transports import GlooTransport, Start, Transport
 
 __all__ = ["StagedEngine", "MpiStagedEngine", "GlooStagedEngine", "Transport"]
 
@@ -462,7 +463,8 @@ class MpiStagedEngine(StagedEngine):
         mpi = _mpi_communicator(setup.call, setup.bootstrap, setup.mpi_comm)
         rank = setup.bootstrap.rank
         host, local = setup.topology.host_of(rank), setup.topology.local_of(rank)
-        return MpiTransport(mpi.Split(color=local, key=host)), MpiTransport(mpi.Dup())
+        return (CmaTransport.connect(mpi.Split(color=local, key=host)),
+                CmaTransport.connect(mpi.Dup()))
 
 
 class GlooStagedEngine(StagedEngine):

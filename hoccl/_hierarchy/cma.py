@@ -1,0 +1,187 @@
+"""The staged engine's transport between members on one machine: each step's bytes are
+read by their receiver straight out of the sender's memory with Linux cross-memory
+attach (``process_vm_readv``, one copy, as MPI libraries move large messages inside a
+node), and MPI carries only the small messages that say where the bytes lie and when
+they have been read.
+
+Members of different hosts (engines) can share one machine: a CPU-only group beside a
+GPU group in one box, or a test rig.  Between them MPI's point-to-point path copies every
+byte twice through shared cells (the Open MPI of the H200 machine, cross-memory attach
+turned off in its environment: 3–5 GB/s), where one read by the receiver moves it once
+(the staged engine's pinned slot of a GPU member is read by its CPU peer directly).
+
+A step, for each piece a member sends to a peer: an *offer* (address and length, tag
+``_OFFER``) to that peer, then the peer's *read receipt* (tag ``_READ``) before the
+piece's memory may change; for each piece it receives: the peer's offer, the read, a
+receipt back.  Reads wait for nothing but offers, so no member waits on another's wait.
+``CmaTransport.connect`` chooses it only where every member sits on one machine and each
+can read every other's memory (a trial read at connect); ``HOCCL_CROSS_MEMORY=0`` keeps
+MPI's own path.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from typing import Any, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from .._errors import HocclError
+from ..config import environ
+from .transports import MpiTransport, _pieces
+
+__all__ = ["CmaTransport", "same_machine"]
+
+_OFFER, _READ = 11, 12
+
+
+def _machine() -> str:
+    """This process's machine: host name and kernel boot (containers of one host that
+    do not share process ids fail the trial read instead)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+def same_machine(comm: Any) -> bool:
+    """Whether every member of ``comm`` sits on this machine and can read the others'
+    memory, and none turned the path off (``HOCCL_CROSS_MEMORY=0``): every member gets
+    the same answer (a collective call on ``comm``)."""
+    from mpi4py import MPI
+    from ..backends.host import RemotePtr, _move
+    wanted = (environ("HOCCL_CROSS_MEMORY") or "1").strip().lower() not in ("0", "off", "false",
+                                                                          "no")
+    word = np.array([int.from_bytes(os.urandom(7), "little")], np.uint64)
+    machines = comm.allgather((_machine(), os.getpid(), word.ctypes.data, int(word[0])))
+    able = wanted and sys.platform.startswith("linux") and len({m[0] for m in machines}) == 1
+    if able:
+        probe = np.zeros(1, np.uint64)
+        for _, pid, address, value in machines:
+            try:
+                _move(probe.ctypes.data, RemotePtr(pid, address), 8)
+            except HocclError:
+                able = False
+                break
+            able = able and int(probe[0]) == value
+    verdict = comm.allreduce(int(able), op=MPI.MIN)
+    return bool(verdict)
+
+
+class _Step:
+    """One step in flight: the offers this member made (each awaiting its receipt) and
+    the pieces it reads (each awaiting its offer)."""
+
+    def __init__(self, transport: "CmaTransport", offers: Sequence[Tuple[int, np.ndarray]],
+                 reads: Sequence[Tuple[int, np.ndarray]]):
+        comm = transport.comm
+        self.transport = transport
+        self.requests: List[Any] = []  # sends of offers and receipts, receipts expected
+        self.keep: List[np.ndarray] = []  # the buffers of messages in flight
+        for peer, piece in offers:
+            offer = np.array([piece.ctypes.data, piece.nbytes], np.uint64)
+            self.keep += [offer, piece]  # the piece lives until its receipt has come
+            self.requests.append(comm.Isend(offer, dest=peer, tag=_OFFER))
+            receipt = np.zeros(1, np.uint64)
+            self.keep.append(receipt)
+            self.requests.append(comm.Irecv(receipt, source=peer, tag=_READ))
+        self.reads: List[Tuple[int, np.ndarray, np.ndarray, Any]] = []
+        for peer, piece in reads:
+            offer = np.zeros(2, np.uint64)
+            self.reads.append((peer, piece, offer, comm.Irecv(offer, source=peer, tag=_OFFER)))
+
+    def progress(self) -> None:
+        """Read every piece whose offer has come, and send its receipt."""
+        waiting = []
+        for peer, piece, offer, request in self.reads:
+            if not request.Test():
+                waiting.append((peer, piece, offer, request))
+                continue
+            self.transport.read(piece, peer, int(offer[0]), int(offer[1]))
+            receipt = np.ones(1, np.uint64)
+            self.keep.append(receipt)
+            self.requests.append(self.transport.comm.Isend(receipt, dest=peer, tag=_READ))
+        self.reads = waiting
+
+    def done(self) -> bool:
+        return not self.reads and bool(self.transport.MPI.Request.Testall(self.requests))
+
+
+class CmaTransport(MpiTransport):
+    """``MpiTransport``'s steps, each piece read by its receiver from the sender's memory
+    (the module docstring); barriers stay MPI's."""
+
+    def __init__(self, comm: Any):
+        super().__init__(comm)
+        self.label = "mpi, cross-memory"
+        self.pids = comm.allgather(os.getpid())
+        #: the steps not yet done: testing any one reads for all (a member's send, tested
+        #: until its receipt comes, must not hold back its own receive's reads)
+        self._steps: List[_Step] = []
+
+    @classmethod
+    def connect(cls, comm: Any) -> MpiTransport:
+        """A ``CmaTransport`` where every member of ``comm`` is on one machine and can
+        read the others (``same_machine``), else ``MpiTransport``."""
+        return cls(comm) if same_machine(comm) else MpiTransport(comm)
+
+    def read(self, piece: np.ndarray, peer: int, address: int, nbytes: int) -> None:
+        """A peer's offered bytes into ``piece``: the lengths agree, or the calls differ."""
+        from ..backends.host import RemotePtr, _move
+        if nbytes != piece.nbytes:
+            raise HocclError(f"a step across hosts ({self.label}, member {self.member} of "
+                             f"{self.size}): member {peer} offered {nbytes} bytes where "
+                             f"{piece.nbytes} were expected: the members' calls differ")
+        _move(piece.ctypes.data, RemotePtr(self.pids[peer], address), nbytes)
+
+    def _others(self) -> List[int]:
+        return [m for m in range(self.size) if m != self.member]
+
+    def _exchange(self, sends: Sequence[np.ndarray], recvs: Sequence[np.ndarray]) -> Any:
+        return self._step([(p, sends[p]) for p in self._others()],
+                     [(p, recvs[p]) for p in self._others()])
+
+    def broadcast(self, buf: np.ndarray, root: int) -> Any:
+        if self.member == root:
+            return self._step([(p, buf) for p in self._others()], [])
+        return self._step([], [(root, buf)])
+
+    def gather(self, send: np.ndarray, recv: Optional[np.ndarray], root: int) -> Any:
+        if self.member != root:
+            return self._step([(root, send)], [])
+        recvs = _pieces(recv, self.size)
+        recvs[root][...] = send
+        return self._step([], [(p, recvs[p]) for p in self._others()])
+
+    def scatter(self, send: Optional[np.ndarray], recv: np.ndarray, root: int) -> Any:
+        if self.member != root:
+            return self._step([], [(root, recv)])
+        sends = _pieces(send, self.size)
+        recv[...] = sends[root]
+        return self._step([(p, sends[p]) for p in self._others()], [])
+
+    def send(self, buf: np.ndarray, peer: int) -> Any:
+        return self._step([(peer, buf)], [])
+
+    def recv(self, buf: np.ndarray, peer: int) -> Any:
+        return self._step([], [(peer, buf)])
+
+    def _step(self, offers: Sequence[Tuple[int, np.ndarray]],
+              reads: Sequence[Tuple[int, np.ndarray]]) -> "_Step":
+        step = _Step(self, offers, reads)
+        self._steps.append(step)
+        return step
+
+    def test(self, request: Any) -> bool:
+        for step in self._steps:
+            step.progress()
+        if not isinstance(request, _Step):
+            return super().test(request)
+        if not request.done():
+            return False
+        self._steps.remove(request)
+        return True
