@@ -33,8 +33,9 @@ waits for exactly what it reads.
 from __future__ import annotations
 
 import abc
-import time
 import ctypes
+import mmap
+import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -60,8 +61,9 @@ POLL_SLEEP = 50e-6
 class _Stager:
     """Pinned slots, two lanes and their events on one GPU (hoccl's device handle)."""
 
-    def __init__(self, device: Any, slot_bytes: int, allocate: Callable[[int], np.ndarray]):
-        self.device, self.slot_bytes = device, slot_bytes
+    def __init__(self, device: Any, slot_bytes: int, allocate: Callable[[int], np.ndarray],
+                 release: Optional[Callable[[np.ndarray], None]] = None):
+        self.device, self.slot_bytes, self.release = device, slot_bytes, release
         self.lanes = (device.create_stream(), device.create_stream())   # out, in
         self.out_done = [device.create_event(), device.create_event()]
         self.in_done = [device.create_event(), device.create_event()]
@@ -74,6 +76,10 @@ class _Stager:
         """After the copies in flight (a copy in reads the pinned slots)."""
         for lane in self.lanes:
             self.device.synchronize_stream(lane, timeout)
+        if self.release is not None:
+            for pair in self.pinned:
+                for slot in pair:
+                    self.release(slot)
         for event in self.out_done + self.in_done + [self.started]:
             self.device.destroy_event(event)
         for lane in self.lanes:
@@ -166,10 +172,18 @@ class StagedEngine(FoldingEngine):
     def transports(cls, setup: Setup) -> Tuple[Transport, Transport]:
         """(this rank's rail transport, the world's)."""
 
-    @staticmethod
-    def pinned(nbytes: int) -> np.ndarray:
-        """``nbytes`` of page-locked host memory as a numpy array (torch's, else cupy's):
-        the copy engines move it without a bounce through pageable memory."""
+    def pinned(self, nbytes: int) -> np.ndarray:
+        """``nbytes`` of page-locked host memory as a numpy array: the copy engines move it
+        without a bounce through pageable memory.  On hoccl's cuda backend, ordinary pages
+        (an anonymous mapping) that the device page-locks (``pin_host``): a peer process
+        on this machine reads them where they lie (``CmaTransport``).  Else torch's (or
+        cupy's) pinned allocation."""
+        pin = getattr(self.device, "pin_host", None)
+        if pin is not None:
+            memory = np.frombuffer(mmap.mmap(-1, max(1, nbytes)), np.uint8)[:nbytes]
+            if nbytes:
+                pin(memory.ctypes.data, nbytes)
+            return memory
         try:
             import torch
             if torch.cuda.is_available():
@@ -178,6 +192,12 @@ class StagedEngine(FoldingEngine):
             pass
         import cupyx
         return cupyx.empty_pinned(nbytes, np.uint8)
+
+    def unpinned(self, memory: np.ndarray) -> None:
+        """Undo ``pinned``'s page-locking (after the copies that use the memory)."""
+        unpin = getattr(self.device, "unpin_host", None)
+        if unpin is not None and memory.nbytes:
+            unpin(memory.ctypes.data)
 
     # -- waiting ----------------------------------------------------------------------
     def _wait(self, ready: Callable[[], bool], what: str) -> None:
@@ -289,8 +309,10 @@ class StagedEngine(FoldingEngine):
             stager.close(self.timeout)  # a slot must hold one element of every block
             stager = None
         if stager is None:
-            allocate = _host_bytes if device is HOST_COPIES else self.pinned
-            stager = _Stager(device, max(self.stage_bytes, blocks * item), allocate)
+            on_host = device is HOST_COPIES
+            stager = _Stager(device, max(self.stage_bytes, blocks * item),
+                             _host_bytes if on_host else self.pinned,
+                             None if on_host else self.unpinned)
             self._stagers[id(device)] = stager
         device.activate()
         caller = device.resolve_stream(stream, [])

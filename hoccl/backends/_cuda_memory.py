@@ -99,6 +99,18 @@ class _Memory:
         _call(driver.cuStreamSynchronize, self._setup_stream)
         return address
 
+    def pin_host(self, address: int, nbytes: int) -> None:
+        """Page-lock ``nbytes`` of ordinary host memory at ``address`` for the copy
+        engines (``cuMemHostRegister``, every context): the pages stay the process's own,
+        so a process on this machine can still read them (``process_vm_readv``)."""
+        self._make_current()
+        _call(driver.cuMemHostRegister, address, nbytes, driver.CU_MEMHOSTREGISTER_PORTABLE)
+
+    def unpin_host(self, address: int) -> None:
+        """Undo ``pin_host`` (after every copy that reads or writes the memory)."""
+        self._make_current()
+        _call(driver.cuMemHostUnregister, address)
+
     def alloc_host_word(self) -> HostWord:
         self._make_current()
         flags = driver.CU_MEMHOSTALLOC_DEVICEMAP | driver.CU_MEMHOSTALLOC_PORTABLE
