@@ -6,7 +6,9 @@
 #                tools/profile_call.py before (.baseline) and after
 #   mixed        a mixed job (2 ranks on the GPU, 2 on the CPU, two hosts, the staged
 #                engine between): every collective, staging in small chunks, torch's
-#                collectives and DDP on it, and python -m hoccl.bench.mixed beside gloo
+#                collectives and DDP on it, and python -m hoccl.bench.mixed beside gloo;
+#                the staged steps and the benchmark again on MPI's own path
+#                (HOCCL_CROSS_MEMORY=0), and tools/stage_probe.py's cross-memory reads
 #   reliability  the failure scenarios (a peer dead, killed, closed, aborting), the
 #                direct-kernel divergence scenarios, the lost-peer exit under Open MPI,
 #                the torch backend's checks and training checks
@@ -85,6 +87,14 @@ mixed)
     python3 tests/torch_programs/run_training.py $P --only DDP
   run bench-mixed 170 $MPI4 -x OMP_NUM_THREADS=4 python3 -m hoccl.bench.mixed $P \
     --sizes 1M,16M,64M,256M --phase-bytes 256M --iters 3 --out "$OUT/bench-mixed"
+  # the same job with the staged engine on MPI's own path (no cross-memory reads)
+  run staged-gpu-ranks-p2p 60 $MPIRUN -x HOCCL_STAGE_BYTES=4096 -x HOCCL_CROSS_MEMORY=0 \
+    python3 tests/mpi/run_hierarchical.py --backend cuda --inter-host mpi --local-size 1 \
+    --counts 0,1,17,100003
+  run bench-mixed-p2p 120 $MPI4 -x OMP_NUM_THREADS=4 -x HOCCL_CROSS_MEMORY=0 \
+    python3 -m hoccl.bench.mixed $P --sizes 64M,256M --phase-bytes 256M --iters 3 \
+    --libraries hoccl --out "$OUT/bench-mixed-p2p"
+  run probe 60 $MPIRUN python3 tools/stage_probe.py --devices cuda,cpu --sizes 4M,64M --cma
   ;;
 reliability)
   for scenario in mismatch dead absent killed early closed abort; do

@@ -28,6 +28,11 @@ def main() -> None:
     parser.add_argument("--shared", action="store_true",
                         help="also time MPI shared-memory windows: the peer's segment copied "
                              "out, and (on a GPU rank) device-to-host into the registered segment")
+    parser.add_argument("--cma", action="store_true",
+                        help="also time a cross-memory read (process_vm_readv) of the peer's "
+                             "pageable memory, its torch-pinned memory and its page-locked "
+                             "ordinary pages (cuMemHostRegister), as the staged engine's "
+                             "CmaTransport reads a GPU member's slots")
     args = parser.parse_args()
     from mpi4py import MPI
     import torch
@@ -101,6 +106,8 @@ def main() -> None:
                 torch.cuda.cudart().cudaHostUnregister(shared.data_ptr())
             window.Free()
             node.Free()
+        if args.cma:
+            row.update(_cma_reads(world, rank, peer, kind, nbytes, best))
         rows.append((nbytes, row))
     if rank == 0:
         print(f"{'bytes':>6s} " + " ".join(f"{name:>14s}" for name in rows[0][1] if name != "bytes"))
@@ -108,6 +115,55 @@ def main() -> None:
             cells = [f"{nbytes / seconds / 1e9:10.2f} GB/s" if seconds else f"{'-':>14s}"
                      for name, seconds in row.items() if name != "bytes"]
             print(f"{row['bytes']:>6s} " + " ".join(cells), flush=True)
+
+
+def _cma_reads(world, rank, peer, kind, nbytes, best):
+    """The CPU rank reads each of the GPU rank's three kinds of host memory (on two CPU
+    ranks, rank 0's); a read that fails is reported, and timed as None."""
+    import mmap
+    import os
+    import numpy as np
+    import torch
+    from hoccl._errors import HocclError
+    from hoccl.backends.host import RemotePtr, _move
+    owner = 0 if kind == "cuda" or world.allgather(kind).count("cuda") == 0 else peer
+    forms = {"pageable": lambda: np.full(nbytes, 7, np.uint8)}
+    if torch.cuda.is_available():
+        forms["torch-pinned"] = lambda: torch.full((nbytes,), 7, dtype=torch.uint8,
+                                                   pin_memory=True).numpy()
+
+        def registered():
+            memory = np.frombuffer(mmap.mmap(-1, nbytes), np.uint8)
+            torch.cuda.cudart().cudaHostRegister(memory.ctypes.data, nbytes, 1)
+            memory[:] = 7
+            return memory
+        forms["registered"] = registered
+    names = world.bcast(list(forms), root=owner)
+    cells = {}
+    for name in names:
+        memory = forms[name]() if rank == owner else None
+        where = world.bcast((os.getpid(), memory.ctypes.data) if rank == owner else None,
+                            root=owner)
+        into = np.zeros(nbytes, np.uint8)
+        error = ""
+        if rank != owner:
+            try:
+                _move(into.ctypes.data, RemotePtr(*where), nbytes)
+                error = "" if int(into.min()) == 7 == int(into.max()) else "wrong bytes"
+            except HocclError as failed:
+                error = str(failed)[:120]
+        error = world.bcast(error, root=1 - owner)
+        if error:
+            if rank == 0:
+                print(f"cma read of {name} memory: {error}", flush=True)
+            cells[f"cma {name}"] = None
+            world.Barrier()
+        else:
+            cells[f"cma {name}"] = best(
+                (lambda: _move(into.ctypes.data, RemotePtr(*where), nbytes))
+                if rank != owner else (lambda: None))
+        world.Barrier()
+    return cells
 
 
 if __name__ == "__main__":
