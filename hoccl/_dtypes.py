@@ -159,14 +159,19 @@ _IN_PLACE = {"sum": np.add, "avg": np.add, "prod": np.multiply, "max": np.maximu
 
 
 def reduce_into(out: np.ndarray, inputs: Sequence[Union[np.ndarray, Reader]], op: str,
-                divisor: Optional[int] = None, scale: Optional[float] = None) -> None:
+                divisor: Optional[int] = None, scale: Optional[float] = None, *,
+                threads: int = 1) -> None:
     """``out[...] = reduce_arrays(inputs, op, out.dtype, divisor, scale)``, the same bits,
     a block of ``REDUCE_BLOCK_BYTES`` at a time: each element is folded in the same order
     and precision, with no temporary of the whole size (the host backend's and the
     hierarchy's reductions of hundreds of MiB ran at a quarter of the memory's speed
     through ``reduce_arrays``' copies).  ``out`` is flat; an input is a flat array of its
     dtype and length or a ``Reader``.  An input that overlaps ``out`` other than exactly
-    (an in-place call) is folded whole, as ``reduce_arrays`` does."""
+    (an in-place call) is folded whole, as ``reduce_arrays`` does.
+
+    Up to ``threads`` threads fold contiguous parts of the elements at once
+    (``hoccl._threads``), each part at least two blocks: readers are then called from
+    several threads at once, so each must hand every thread an array of its own."""
     if op not in _IN_PLACE:
         raise ValueError(f"reduce_into: unknown op {op!r}")
     count, dtype = out.shape[0], out.dtype
@@ -178,18 +183,31 @@ def reduce_into(out: np.ndarray, inputs: Sequence[Union[np.ndarray, Reader]], op
     wide = dtype.itemsize == 2 and dtype.kind in "fV"
     exact = dtype.kind in "fiu" and not wide and not (op == "avg" and dtype.kind in "iu")
     per_block = max(1, REDUCE_BLOCK_BYTES // dtype.itemsize)
-    scratch = (np.empty(min(count, per_block), np.float32), np.empty(min(count, per_block),
-                                                                     np.float32)) if wide else None
-    for start in range(0, count, per_block):
-        stop = min(count, start + per_block)
-        views = [x[start:stop] if isinstance(x, np.ndarray) else x(start, stop) for x in inputs]
-        target = out[start:stop]
-        if scratch is not None:
-            _fold_wide(target, views, op, divisor, scale, scratch)
-        elif exact and not any(np.may_share_memory(target, x) for x in views[1:]):
-            _fold_in(target, views, op, divisor, scale)
-        else:
-            target[...] = reduce_arrays(views, op, dtype, divisor, scale)
+
+    def fold(first: int, last: int) -> None:
+        """Elements [first, last), block by block, with scratch of this part's own."""
+        size = min(last - first, per_block)
+        scratch = (np.empty(size, np.float32), np.empty(size, np.float32)) if wide else None
+        for start in range(first, last, per_block):
+            stop = min(last, start + per_block)
+            views = [x[start:stop] if isinstance(x, np.ndarray) else x(start, stop)
+                     for x in inputs]
+            target = out[start:stop]
+            if scratch is not None:
+                _fold_wide(target, views, op, divisor, scale, scratch)
+            elif exact and not any(np.may_share_memory(target, x) for x in views[1:]):
+                _fold_in(target, views, op, divisor, scale)
+            else:
+                target[...] = reduce_arrays(views, op, dtype, divisor, scale)
+
+    parts = min(threads, count // (2 * per_block))
+    if parts < 2:
+        fold(0, count)
+        return
+    # imported here: the scheduler, which imports this module for its tables and its
+    # reference, imports nothing of threads
+    from ._threads import run_parts, split
+    run_parts(fold, split(count, parts, max(1, 64 // dtype.itemsize)))
 
 
 def _whole(x: Union[np.ndarray, Reader], count: int) -> np.ndarray:

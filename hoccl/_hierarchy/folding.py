@@ -31,6 +31,7 @@ from typing import Any, Optional, Sequence, Tuple
 
 import numpy as np
 
+from ..config import host_threads
 from .._dtypes import numpy_dtype, reduce_into
 from .arrays import Arrays
 from .engine import InterHostEngine
@@ -59,7 +60,7 @@ def fold(parts: Sequence[Any], out: Any, op: str, stream: Optional[int] = None) 
     kit = Arrays.of(out)
     if _in_host_memory(kit, out):
         host = _to_numpy(out)
-        reduce_into(host, [_to_numpy(part) for part in parts], op)
+        reduce_into(host, [_to_numpy(part) for part in parts], op, threads=host_threads())
         return
     with kit.on_stream(stream, out):
         _fold_on_device(kit.kind, parts, out, op)

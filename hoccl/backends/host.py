@@ -1,11 +1,12 @@
 """The host backend: the same semantics as the CUDA backend on host memory.
 
-Streams are FIFO queues run by one worker thread each; events, 64-bit signal
-slots with wait-value ``>=``, copies and reductions act on plain host memory.  In
-one process peers' addresses are used directly.  Across processes (mpirun) a
-peer's memory is reached with Linux cross-memory attach (``process_vm_readv`` /
-``process_vm_writev``, as MPI libraries use for large intra-node messages): a
-buffer is "exported" as (pid, address) and "imported" as a ``RemotePtr``.
+Streams are FIFO queues run by one worker thread each (which splits a copy or a reduction
+of many MiB over ``host_threads()`` threads); events, 64-bit signal slots with wait-value
+``>=``, copies and reductions act on plain host memory.  In one process peers' addresses
+are used directly.  Across processes (mpirun) a peer's memory is reached with Linux
+cross-memory attach (``process_vm_readv`` / ``process_vm_writev``, as MPI libraries use
+for large intra-node messages): a buffer is "exported" as (pid, address) and "imported"
+as a ``RemotePtr``.
 
 It is a real CPU backend (like Gloo for torch), and the reference the CUDA
 backend's semantics are checked against in CI.
@@ -25,9 +26,10 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..config import environ
+from ..config import environ, host_threads
 from .._dtypes import numpy_dtype, reduce_arrays, reduce_into
 from .._errors import HocclError, HocclTimeoutError, InvalidArgumentError
+from .._threads import run_parts, split
 from ._base import (DIRECT_COPY, DIRECT_REDUCE, DIRECT_SIGNAL, DIRECT_VALUE_BITS, DIRECT_WAIT,
                     Device, DirectProgram, HostWord, check_reduce_extras)
 from ._kernels import DIRECT_WORDS, block_range
@@ -70,8 +72,30 @@ def _cross_process(function_name: str, pid: int, local: int, remote: int, nbytes
         done += moved
 
 
+#: a move of at least twice this many bytes is split into pieces of at least this many,
+#: one per thread (``hoccl.config.host_threads``)
+MOVE_PIECE_BYTES = 4 << 20
+
+
 def _move(dst: Any, src: Any, nbytes: int) -> None:
-    """memmove between any two addresses, at least one of them in this process."""
+    """memmove between any two addresses, at least one of them in this process; a large
+    move in contiguous pieces on several threads (``hoccl._threads``), unless its ranges
+    overlap (a piece would read bytes another had already written)."""
+    pieces = min(host_threads(), nbytes // MOVE_PIECE_BYTES)
+    if pieces < 2 or _overlap(dst, src, nbytes):
+        _move_piece(dst, src, nbytes)
+    else:
+        run_parts(lambda start, stop: _move_piece(dst + start, src + start, stop - start),
+                  split(nbytes, pieces, 64))
+
+
+def _overlap(dst: Any, src: Any, nbytes: int) -> bool:
+    """Whether [dst, dst + nbytes) and [src, src + nbytes) share bytes other than exactly."""
+    dst, src = (x if isinstance(x, RemotePtr) else RemotePtr(os.getpid(), x) for x in (dst, src))
+    return dst.pid == src.pid and 0 < abs(dst.address - src.address) < nbytes
+
+
+def _move_piece(dst: Any, src: Any, nbytes: int) -> None:
     if nbytes == 0:
         return
     if isinstance(dst, RemotePtr) and isinstance(src, RemotePtr):
@@ -88,9 +112,9 @@ def _move(dst: Any, src: Any, nbytes: int) -> None:
 
 def _reduce_now(output: Any, inputs: Sequence[Any], count: int, dtype: str, op: str,
                 divisor: Optional[int], scale: Optional[float]) -> None:
-    """``output = op(*inputs)`` now, on this thread (a host stream's reduction), a block
-    at a time (``reduce_into``): a peer's input is read where it lies into a block-sized
-    buffer of its own."""
+    """``output = op(*inputs)`` now (a host stream's reduction), a block at a time
+    (``reduce_into``, on ``host_threads()`` threads): a peer's input is read where it lies
+    into a block-sized buffer of the reading thread's own."""
     np_dtype = numpy_dtype(dtype)
     itemsize = np_dtype.itemsize
 
@@ -100,17 +124,19 @@ def _reduce_now(output: Any, inputs: Sequence[Any], count: int, dtype: str, op: 
     def source(address: Any) -> Any:
         if not isinstance(address, RemotePtr):
             return local(address, count * itemsize).view(np_dtype)
-        bounce = [np.empty(0, np_dtype)]
+        bounces = threading.local()
 
         def read(start: int, stop: int) -> np.ndarray:
-            if bounce[0].shape[0] < stop - start:
-                bounce[0] = np.empty(stop - start, np_dtype)
-            _move(bounce[0].ctypes.data, address + start * itemsize, (stop - start) * itemsize)
-            return bounce[0][:stop - start]
+            bounce = getattr(bounces, "array", None)
+            if bounce is None or bounce.shape[0] < stop - start:
+                bounce = bounces.array = np.empty(stop - start, np_dtype)
+            _move_piece(bounce.ctypes.data, address + start * itemsize,
+                        (stop - start) * itemsize)
+            return bounce[:stop - start]
         return read
 
     reduce_into(local(output, count * itemsize).view(np_dtype), [source(a) for a in inputs],
-                op, divisor, scale)
+                op, divisor, scale, threads=host_threads())
 
 
 def _read_u64(address: int) -> int:
@@ -280,7 +306,7 @@ class HostDevice(Device):
 
     def __init__(self, *, max_sms: int, copy_sms: int):
         self.ordinal = None
-        self.max_sms = max_sms  # kept for interface parity; host reductions use one thread
+        self.max_sms = max_sms  # kept for interface parity (threads: host_threads())
         self.copy_sms = copy_sms
         self._memory: Dict[int, np.ndarray] = {}
         self._streams: List[HostStream] = []
@@ -293,6 +319,7 @@ class HostDevice(Device):
         #: word (``_check_order``)
         self._check_signals = environ("HOCCL_HOST_CHECK_SIGNALS") == "1"
         self._jitter = float(environ("HOCCL_HOST_JITTER") or 0)
+        host_threads()  # a bad HOCCL_HOST_THREADS raises here, not later on a stream's thread
 
     # -- streams and events ------------------------------------------------------------
     def create_stream(self) -> HostStream:
