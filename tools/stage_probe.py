@@ -126,7 +126,8 @@ def _cma_reads(world, rank, peer, kind, nbytes, best):
     import torch
     from hoccl._errors import HocclError
     from hoccl.backends.host import RemotePtr, _move
-    owner = 0 if kind == "cuda" or world.allgather(kind).count("cuda") == 0 else peer
+    kinds = world.allgather(kind)  # every rank calls it
+    owner = rank if kind == "cuda" else (peer if "cuda" in kinds else 0)
     forms = {"pageable": lambda: np.full(nbytes, 7, np.uint8)}
     if torch.cuda.is_available():
         forms["torch-pinned"] = lambda: torch.full((nbytes,), 7, dtype=torch.uint8,
