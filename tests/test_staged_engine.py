@@ -104,14 +104,17 @@ class Wire:
     def _run(steps):
         kind = steps[0][0]
         args = [steps[m][1] for m in range(SIZE)]
+        # (a member that says own=False fills its own block itself: the wire leaves it)
         if kind == "all_gather":
-            for _, recv in args:
-                for piece, (send, _) in zip(_pieces(recv), args):
-                    piece[...] = send
+            for m, (_, recv, own) in enumerate(args):
+                for i, (piece, (send, _, _)) in enumerate(zip(_pieces(recv), args)):
+                    if own or i != m:
+                        piece[...] = send
         elif kind == "all_to_all":
             for i in range(SIZE):
                 for j in range(SIZE):
-                    _pieces(args[j][1])[i][...] = _pieces(args[i][0])[j]
+                    if args[j][2] or i != j:
+                        _pieces(args[j][1])[i][...] = _pieces(args[i][0])[j]
         elif kind == "broadcast":
             root = args[0][1]
             for buf, _ in args:
@@ -149,11 +152,11 @@ class WireTransport(Transport):
         self.wire.post(self.seq, self.member, kind, args)
         return self.seq
 
-    def all_gather(self, send, recv):
-        return self._post("all_gather", send, recv)
+    def all_gather(self, send, recv, own=True):
+        return self._post("all_gather", send, recv, own)
 
-    def all_to_all(self, send, recv):
-        return self._post("all_to_all", send, recv)
+    def all_to_all(self, send, recv, own=True):
+        return self._post("all_to_all", send, recv, own)
 
     def broadcast(self, buf, root):
         return self._post("broadcast", buf, root)

@@ -324,6 +324,17 @@ class StagedEngine(FoldingEngine):
         chunks = [(a, min(count, a + per_chunk)) for a in range(0, count, per_chunk)]
         send_at = address(send)[0] if send is not None else 0
         recv_at = address(recv)[0] if recv is not None else 0
+        # all_gather's and all_to_all's own block never leaves the device: one copy on the
+        # step's stream (none in place), no slot bytes, and the transport told to leave
+        # the slots' own block alone
+        own = self.member if what in _OWN_BLOCK else None
+        if own is not None:
+            own_send = send_at + (own * count * item if send_blocks > 1 else 0)
+            own_recv = recv_at + own * count * item
+            if own_send != own_recv and count:
+                device.copy(caller, own_recv, own_send, count * item)
+            plain: Callable[..., Any] = start
+            start = lambda s, r: plain(s, r, own=False)  # noqa: E731
         in_flight: Optional[Tuple[int, Any]] = None  # (chunk index, request)
         pending = 0
 
@@ -333,8 +344,9 @@ class StagedEngine(FoldingEngine):
             host = stager.pinned[slot][1]
             width = (b - a) * item
             for block in range(recv_blocks):
-                device.copy(stager.lanes[1], recv_at + (block * count + a) * item,
-                            host.ctypes.data + block * width, width)
+                if block != own:
+                    device.copy(stager.lanes[1], recv_at + (block * count + a) * item,
+                                host.ctypes.data + block * width, width)
             device.record(stager.lanes[1], stager.in_done[slot])
             stager.in_used[slot] = True
 
@@ -344,8 +356,9 @@ class StagedEngine(FoldingEngine):
             width = (b - a) * item
             if send is not None:
                 for block in range(send_blocks):
-                    device.copy(stager.lanes[0], out_host.ctypes.data + block * width,
-                                send_at + (block * count + a) * item, width)
+                    if block != own or send_blocks == 1:
+                        device.copy(stager.lanes[0], out_host.ctypes.data + block * width,
+                                    send_at + (block * count + a) * item, width)
             device.record(stager.lanes[0], stager.out_done[slot])
             if in_flight is not None:
                 self._transferred(in_flight[1], what)
@@ -379,9 +392,11 @@ class StagedEngine(FoldingEngine):
             return False
         host_send = None if send is None else _to_numpy(send).view(np.uint8)
         host_recv = None if recv is None else _to_numpy(recv).view(np.uint8)
-        if host_send is not None and host_recv is not None and _overlap(host_send, host_recv):
-            return False
         item = _itemsize(send if send is not None else recv)
+        if host_send is not None and host_recv is not None and _overlap(host_send, host_recv) \
+                and not (what == "all_gather" and host_send.ctypes.data == host_recv.ctypes.data
+                         + self.member * count * item and host_send.nbytes == count * item):
+            return False  # (an in-place all_gather: peers read the block the member keeps)
 
         def part(array: Optional[np.ndarray], blocks: int, a: int, b: int) -> Any:
             if array is None:
@@ -463,6 +478,10 @@ class StagedEngine(FoldingEngine):
             self.device.destroy_stream(stream)
             self._phase = None
         self.transport.close()
+
+
+#: the steps whose own block a staged member copies on its device (``_staged``)
+_OWN_BLOCK = ("all_gather", "all_to_all")
 
 
 def _overlap(a: np.ndarray, b: np.ndarray) -> bool:

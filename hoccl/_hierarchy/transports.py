@@ -32,11 +32,13 @@ class Transport(abc.ABC):
     #: array per member (``MpiTransport``)
     blocks: Tuple[str, ...] = ()
 
+    #: ``own=False``: the caller moves its own block (a staged member copies it on its
+    #: device), and the step need not fill its own block of ``recv``
     @abc.abstractmethod
-    def all_gather(self, send: np.ndarray, recv: np.ndarray) -> Any: ...
+    def all_gather(self, send: np.ndarray, recv: np.ndarray, own: bool = True) -> Any: ...
 
     @abc.abstractmethod
-    def all_to_all(self, send: np.ndarray, recv: np.ndarray) -> Any: ...
+    def all_to_all(self, send: np.ndarray, recv: np.ndarray, own: bool = True) -> Any: ...
 
     @abc.abstractmethod
     def broadcast(self, buf: np.ndarray, root: int) -> Any: ...
@@ -75,14 +77,16 @@ class MpiTransport(Transport):
     #: array a member (``StagedEngine``: a member's own arrays, with no copy)
     blocks = ("all_gather", "all_to_all")
 
-    def all_gather(self, send: np.ndarray, recv: Any) -> Any:
+    def all_gather(self, send: np.ndarray, recv: Any, own: bool = True) -> Any:
         recvs = _pieces(recv, self.size)
-        recvs[self.member][...] = send
+        if own:
+            _copy(recvs[self.member], send)
         return self._exchange([send] * self.size, recvs)
 
-    def all_to_all(self, send: Any, recv: Any) -> Any:
+    def all_to_all(self, send: Any, recv: Any, own: bool = True) -> Any:
         sends, recvs = _pieces(send, self.size), _pieces(recv, self.size)
-        recvs[self.member][...] = sends[self.member]
+        if own:
+            _copy(recvs[self.member], sends[self.member])
         return self._exchange(sends, recvs)
 
     def _exchange(self, sends: Sequence[np.ndarray], recvs: Sequence[np.ndarray]) -> Any:
@@ -124,6 +128,12 @@ class MpiTransport(Transport):
             self.comm.Free()
 
 
+def _copy(dst: np.ndarray, src: np.ndarray) -> None:
+    """``dst[...] = src``, nothing where they are the same bytes (an in-place all_gather)."""
+    if dst.ctypes.data != src.ctypes.data:
+        dst[...] = src
+
+
 def _pieces(array: Any, size: int) -> List[np.ndarray]:
     """A member's pieces of a step: the list given, or a byte array's equal parts."""
     if isinstance(array, list):
@@ -148,11 +158,11 @@ class GlooTransport(Transport):
     def _t(self, array: Optional[np.ndarray]) -> Any:
         return None if array is None else self.torch.from_numpy(array)
 
-    def all_gather(self, send: np.ndarray, recv: np.ndarray) -> Any:
+    def all_gather(self, send: np.ndarray, recv: np.ndarray, own: bool = True) -> Any:
         gather = getattr(self.dist, "all_gather_single", None) or self.dist.all_gather_into_tensor
         return gather(self._t(recv), self._t(send), group=self.group, async_op=True)
 
-    def all_to_all(self, send: np.ndarray, recv: np.ndarray) -> Any:
+    def all_to_all(self, send: np.ndarray, recv: np.ndarray, own: bool = True) -> Any:
         return self.dist.all_to_all_single(self._t(recv), self._t(send), group=self.group,
                                            async_op=True)
 
