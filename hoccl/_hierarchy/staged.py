@@ -174,10 +174,10 @@ class StagedEngine(FoldingEngine):
 
     def pinned(self, nbytes: int) -> np.ndarray:
         """``nbytes`` of page-locked host memory as a numpy array: the copy engines move it
-        without a bounce through pageable memory.  On hoccl's cuda backend, ordinary pages
-        (an anonymous mapping) that the device page-locks (``pin_host``): a peer process
-        on this machine reads them where they lie (``CmaTransport``).  Else torch's (or
-        cupy's) pinned allocation."""
+        without a bounce through pageable memory.  On hoccl's cuda backend, an anonymous
+        mapping that hoccl's device page-locks (``pin_host``: no torch or cupy needed;
+        a peer process reads it as fast as torch's pinned memory, 4–9 GB/s on the H200
+        machine).  Else torch's (or cupy's) pinned allocation."""
         pin = getattr(self.device, "pin_host", None)
         if pin is not None:
             memory = np.frombuffer(mmap.mmap(-1, max(1, nbytes)), np.uint8)[:nbytes]
