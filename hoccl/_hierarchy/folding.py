@@ -134,9 +134,13 @@ class FoldingEngine(InterHostEngine):
         if not count:
             return
         received = self.scratch(send, self.size * count, stream)
+        self.folding(self.exchanged(send, received, count, stream), recv, op, stream)
+
+    def exchanged(self, send: Any, received: Any, count: int, stream: Optional[int]) -> list:
+        """reduce_scatter's inputs: ``all_to_all(send, received)``, cut into the members'
+        blocks of ``count`` (an engine may hand its own block from ``send`` instead)."""
         self.all_to_all(send, received, stream=stream)
-        self.folding([received[i * count:(i + 1) * count] for i in range(self.size)], recv,
-                     op, stream)
+        return [received[i * count:(i + 1) * count] for i in range(self.size)]
 
     def all_reduce(self, send: Any, recv: Any, op: str, *, stream: Any = None) -> None:
         count, size = recv.shape[0], self.size

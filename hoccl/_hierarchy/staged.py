@@ -419,6 +419,18 @@ class StagedEngine(FoldingEngine):
         self._step("all_to_all", stream, send.shape[0] // self.size, send, self.size, recv,
                    self.size, self.transport.all_to_all)
 
+    def exchanged(self, send: Any, received: Any, count: int, stream: Optional[int]) -> list:
+        """In host memory, the member's own block is folded from ``send`` where it lies: the
+        transport leaves it out of ``received`` (a copy of ``count`` elements saved)."""
+        if not (self.direct or self._on_host([send, received])):
+            return super().exchanged(send, received, count, stream)
+        def start(host_send: Any, host_recv: Any, own: bool = False) -> Any:
+            return self.transport.all_to_all(host_send, host_recv, own=False)
+        self._step("all_to_all", stream, count, send, self.size, received, self.size, start)
+        parts = [received[i * count:(i + 1) * count] for i in range(self.size)]
+        parts[self.member] = send[self.member * count:(self.member + 1) * count]
+        return parts
+
     def broadcast(self, send: Any, recv: Any, root: int, *, stream: Any = None) -> None:
         if self.member != root:
             self._step("broadcast", stream, recv.shape[0], None, 0, recv, 1,
