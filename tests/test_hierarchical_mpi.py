@@ -141,6 +141,44 @@ def test_a_sub_bootstrap_keeps_its_members_values():
     assert sub.allgather("x") == ["x1", "x4", "x5"]
 
 
+CROSS_MEMORY = r"""
+import os, sys
+from mpi4py import MPI
+world = MPI.COMM_WORLD
+os.environ["HOCCL_CROSS_MEMORY"] = sys.argv[1 + world.rank]
+from hoccl._errors import InvalidArgumentError
+from hoccl._hierarchy.cma import CmaTransport
+try:
+    told = CmaTransport.connect(world.Dup()).label
+except InvalidArgumentError as error:
+    told = f"refused: {error}"
+for rank, line in enumerate(world.gather(told, root=0) or []):
+    print(f"rank {rank}: {line}", flush=True)
+"""
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("values,told", [
+    (("1", "1"), "mpi, cross-memory"), (("1", "0"), "mpi"), (("on", "maybe"), "refused")])
+def test_the_cross_memory_switch_is_agreed_by_every_member(values, told):
+    """``HOCCL_CROSS_MEMORY`` per member: on where every member says 1, MPI's own path
+    where one says 0, and a value that is neither refused on every member (none hangs
+    in the connection's collectives)."""
+    command = [_mpiexec(), "-n", "2", sys.executable, "-c", CROSS_MEMORY, *values]
+    env = {**os.environ, **MPI_ENV, "PYTHONPATH": str(SCRIPT.parents[2])}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:]
+    for rank in range(2):
+        line = re.search(rf"^rank {rank}: (.*)$", output, re.M)
+        assert line is not None, output[-4000:]
+        if told == "refused":
+            assert line.group(1).startswith("refused: member 1: ") and "'maybe'" in line.group(
+                1) and "HOCCL_CROSS_MEMORY must be 1 or 0" in line.group(1), output[-4000:]
+        else:
+            assert line.group(1) == told, output[-4000:]
+
+
 def test_an_unknown_inter_host_engine_is_refused():
     with pytest.raises(hoccl.InvalidArgumentError, match="inter_host must be one of"):
         hoccl.init(backend="host", bootstrap=NamedRanks(["a"]), inter_host="ucx")

@@ -28,7 +28,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .._errors import HocclError
+from .._errors import HocclError, InvalidArgumentError
 from .._threads import run_parts, split
 from ..config import environ, host_threads
 from .transports import MpiTransport, _pieces
@@ -58,14 +58,20 @@ def same_machine(comm: Any) -> bool:
     the same answer (a collective call on ``comm``)."""
     from mpi4py import MPI
     from ..backends.host import RemotePtr, _move
-    wanted = (environ("HOCCL_CROSS_MEMORY") or "1").strip().lower() not in ("0", "off", "false",
-                                                                          "no")
+    try:
+        wanted, problem = _wanted(), ""
+    except InvalidArgumentError as error:  # raised on every member, after the collective
+        wanted, problem = False, str(error)
     word = np.array([int.from_bytes(os.urandom(7), "little")], np.uint64)
-    machines = comm.allgather((_machine(), os.getpid(), word.ctypes.data, int(word[0])))
+    machines = comm.allgather((_machine(), os.getpid(), word.ctypes.data, int(word[0]),
+                               problem))
+    problems = [f"member {m}: {told[4]}" for m, told in enumerate(machines) if told[4]]
+    if problems:
+        raise InvalidArgumentError("; ".join(problems))
     able = wanted and sys.platform.startswith("linux") and len({m[0] for m in machines}) == 1
     if able:
         probe = np.zeros(1, np.uint64)
-        for _, pid, address, value in machines:
+        for _, pid, address, value, _ in machines:
             try:
                 _move(probe.ctypes.data, RemotePtr(pid, address), 8)
             except HocclError:
@@ -74,6 +80,18 @@ def same_machine(comm: Any) -> bool:
             able = able and int(probe[0]) == value
     verdict = comm.allreduce(int(able), op=MPI.MIN)
     return bool(verdict)
+
+
+def _wanted() -> bool:
+    """``HOCCL_CROSS_MEMORY``: 1 (the default) or 0."""
+    text = (environ("HOCCL_CROSS_MEMORY") or "1").strip().lower()
+    if text in ("1", "on", "true", "yes"):
+        return True
+    if text in ("0", "off", "false", "no"):
+        return False
+    raise InvalidArgumentError(f"inter_host='mpi': HOCCL_CROSS_MEMORY must be 1 or 0 (read "
+                               f"each other's memory between members on one machine, or "
+                               f"not); got {text!r}")
 
 
 class _Step:
