@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from hoccl._dtypes import reduce_arrays
+from hoccl._errors import AbortedError, HocclError
 from hoccl._hierarchy.folding import fold
 from hoccl._hierarchy.staged import StagedEngine, Transport
 from hoccl.testing import poison, random_array
@@ -307,6 +308,28 @@ def test_every_step_of_the_staged_pipeline_matches_numpy(stage_bytes, dtype, mem
         _both(engines, lambda m, e: e.reduce(data[m][:count], recv[m] if m == 1 else None, 1,
                                              op, stream=e.handle))
         _same(f"reduce {op}", want, recv[1])
+
+
+class FailingTransport(WireTransport):
+    """A transport whose steps fail when tested, as a cross-memory read of a peer that
+    is gone does (``HocclError``)."""
+
+    def test(self, request):
+        raise HocclError("process_vm_readv: moving 8 bytes with process 1 failed: No such "
+                         "process (errno 3); the peer process is gone")
+
+
+@pytest.mark.parametrize("members", ["device", "direct"])
+def test_a_step_whose_transport_fails_refuses_the_calls_after_it(members):
+    """The failure reaches the caller, and the engine takes no more calls: its transport
+    was left in the middle of a step."""
+    engine = _engines(64, members)[0]
+    engine.transport = FailingTransport(Wire(), 0)
+    data, out = np.arange(8, dtype=np.int32), poison(8 * SIZE, "int32")
+    with pytest.raises(HocclError, match="peer process is gone"):
+        engine.all_gather(data, out, stream=engine.handle)
+    with pytest.raises(AbortedError, match="takes no more calls: all_gather failed"):
+        engine.all_gather(data, out, stream=engine.handle)
 
 
 def test_a_copy_the_engine_did_not_wait_for_is_missing_on_the_lazy_device():

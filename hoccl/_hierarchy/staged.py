@@ -40,7 +40,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .._errors import AbortedError, HocclTimeoutError, InvalidArgumentError
+from .._errors import AbortedError, HocclError, HocclTimeoutError, InvalidArgumentError
 from .._mailbox import wait_until
 from ..bootstrap import Bootstrap, MPIBootstrap
 from .arrays import Arrays, address
@@ -218,6 +218,9 @@ class StagedEngine(FoldingEngine):
                        longest_sleep=POLL_SLEEP)
         except HocclTimeoutError:
             self._broken = f"{what} did not finish within {self.timeout:g} s"
+            raise
+        except HocclError as error:  # the transport failed mid-step (a peer gone)
+            self._broken = self._broken or f"{what} failed: {error}"
             raise
 
     def _transfer(self, what: str, start: Callable[[], Any]) -> None:
