@@ -199,6 +199,10 @@ class StagedOnLazyDevice(StagedEngine):
     def pinned(nbytes):
         return np.empty(nbytes, np.uint8)
 
+    @staticmethod
+    def unpinned(memory):
+        pass
+
     def folding(self, parts, out, op, stream):
         if stream is None:  # a member on the host folds at once
             fold(parts, out, op)

@@ -29,14 +29,13 @@ from typing import Any, List, Optional, Sequence, Tuple
 import numpy as np
 
 from .._errors import HocclError, InvalidArgumentError
-from .._threads import run_parts, split
-from ..config import environ, host_threads
+from ..config import environ
 from .transports import MpiTransport, _pieces
 
 __all__ = ["CmaTransport", "same_machine"]
 
 _OFFER, _READ = 11, 12
-#: a read of a piece is split over ``host_threads()`` threads in parts of at least this
+#: a read of a piece is split over ``HOCCL_HOST_THREADS`` threads in parts of at least this
 #: many bytes (one thread reads about 5 GB/s out of another process on the H200 machine)
 READ_PART_BYTES = 512 << 10
 
@@ -153,18 +152,13 @@ class CmaTransport(MpiTransport):
 
     def read(self, piece: np.ndarray, peer: int, address: int, nbytes: int) -> None:
         """A peer's offered bytes into ``piece``: the lengths agree, or the calls differ."""
-        from ..backends.host import RemotePtr, _move_piece
+        from ..backends.host import RemotePtr, _move
         if nbytes != piece.nbytes:
             raise HocclError(f"a step across hosts ({self.label}, member {self.member} of "
                              f"{self.size}): member {peer} offered {nbytes} bytes where "
                              f"{piece.nbytes} were expected: the members' calls differ")
-        source, into = RemotePtr(self.pids[peer], address), piece.ctypes.data
-        parts = min(host_threads(), nbytes // READ_PART_BYTES)
-        if parts < 2:
-            _move_piece(into, source, nbytes)
-            return
-        run_parts(lambda start, stop: _move_piece(into + start, source + start, stop - start),
-                  split(nbytes, parts, 64))
+        _move(piece.ctypes.data, RemotePtr(self.pids[peer], address), nbytes,
+              piece_bytes=READ_PART_BYTES)
 
     def _others(self) -> List[int]:
         return [m for m in range(self.size) if m != self.member]

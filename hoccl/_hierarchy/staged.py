@@ -174,30 +174,19 @@ class StagedEngine(FoldingEngine):
 
     def pinned(self, nbytes: int) -> np.ndarray:
         """``nbytes`` of page-locked host memory as a numpy array: the copy engines move it
-        without a bounce through pageable memory.  On hoccl's cuda backend, an anonymous
-        mapping that hoccl's device page-locks (``pin_host``: no torch or cupy needed;
-        a peer process reads it as fast as torch's pinned memory, 4–9 GB/s on the H200
-        machine).  Else torch's (or cupy's) pinned allocation."""
-        pin = getattr(self.device, "pin_host", None)
-        if pin is not None:
-            memory = np.frombuffer(mmap.mmap(-1, max(1, nbytes)), np.uint8)[:nbytes]
-            if nbytes:
-                pin(memory.ctypes.data, nbytes)
-            return memory
-        try:
-            import torch
-            if torch.cuda.is_available():
-                return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy()
-        except ImportError:
-            pass
-        import cupyx
-        return cupyx.empty_pinned(nbytes, np.uint8)
+        without a bounce through pageable memory.  An anonymous mapping that hoccl's device
+        (the only device that stages) page-locks (``pin_host``: no torch or cupy needed; a
+        peer process reads it as fast as torch's pinned memory, 4–9 GB/s on the H200
+        machine)."""
+        memory = np.frombuffer(mmap.mmap(-1, max(1, nbytes)), np.uint8)[:nbytes]
+        if nbytes:
+            self.device.pin_host(memory.ctypes.data, nbytes)
+        return memory
 
     def unpinned(self, memory: np.ndarray) -> None:
         """Undo ``pinned``'s page-locking (after the copies that use the memory)."""
-        unpin = getattr(self.device, "unpin_host", None)
-        if unpin is not None and memory.nbytes:
-            unpin(memory.ctypes.data)
+        if memory.nbytes:
+            self.device.unpin_host(memory.ctypes.data)
 
     # -- waiting ----------------------------------------------------------------------
     def _wait(self, ready: Callable[[], bool], what: str) -> None:

@@ -77,11 +77,11 @@ def _cross_process(function_name: str, pid: int, local: int, remote: int, nbytes
 MOVE_PIECE_BYTES = 4 << 20
 
 
-def _move(dst: Any, src: Any, nbytes: int) -> None:
-    """memmove between any two addresses, at least one of them in this process; a large
-    move in contiguous pieces on several threads (``hoccl._threads``), unless its ranges
-    overlap (a piece would read bytes another had already written)."""
-    pieces = min(host_threads(), nbytes // MOVE_PIECE_BYTES)
+def _move(dst: Any, src: Any, nbytes: int, piece_bytes: Optional[int] = None) -> None:
+    """memmove between any two addresses, at least one in this process; a move of two
+    pieces (``MOVE_PIECE_BYTES`` unless given) or more split over threads (``_threads``),
+    unless its ranges overlap (a piece would read bytes another had already written)."""
+    pieces = min(host_threads(), nbytes // (piece_bytes or MOVE_PIECE_BYTES))
     if pieces < 2 or _overlap(dst, src, nbytes):
         _move_piece(dst, src, nbytes)
     else:
