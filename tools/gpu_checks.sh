@@ -9,6 +9,9 @@
 #                collectives and DDP on it, and python -m hoccl.bench.mixed beside gloo;
 #                the staged steps and the benchmark again on MPI's own path
 #                (HOCCL_CROSS_MEMORY=0), and tools/stage_probe.py's cross-memory reads
+#   phases       the mixed job's all_reduce phases at 256 MiB: the benchmark's pipelined /
+#                sequential / phase-alone study at phase chunks of 16M and the
+#                default, and tools/profile_phase.py on each phase (hoccl alone)
 #   reliability  the failure scenarios (a peer dead, killed, closed, aborting), the
 #                direct-kernel divergence scenarios, the lost-peer exit under Open MPI,
 #                the torch backend's checks and training checks
@@ -96,6 +99,19 @@ mixed)
     --libraries hoccl --out "$OUT/bench-mixed-p2p"
   run probe 60 $MPIRUN python3 tools/stage_probe.py --devices cuda,cpu --sizes 4M,64M --cma
   ;;
+phases)
+  MPI4="${MPIRUN/-np 2/-np 4}"
+  P="--devices cuda,cuda,cpu,cpu --intra-host cuda,cuda,host,host --local-size 2"
+  for chunk in 16M default; do
+    run "phases-$chunk" 90 $MPI4 -x OMP_NUM_THREADS=4 python3 -m hoccl.bench.mixed $P \
+      --sizes 64M --phase-bytes 256M --iters 3 --libraries hoccl \
+      $([ $chunk = default ] || echo --phase-chunk $chunk) --out "$OUT/phases-$chunk"
+  done
+  for phase in "host reduce_scatter" "rail all_reduce" "host all_gather"; do
+    run "profile-${phase// /-}" 60 $MPI4 python3 tools/profile_phase.py $P --size 256M \
+      --phase "$phase"
+  done
+  ;;
 reliability)
   for scenario in mismatch dead absent killed early closed abort; do
     run "fail-$scenario" 60 $MPIRUN $KEEP python3 tests/mpi/run_failures.py $scenario --backend cuda
@@ -141,7 +157,7 @@ tune|tune2)
   rows+=("  $(grep '^issue 29' "$OUT/auto-vs-best.md")")
   ;;
 *)
-  echo "usage: bash tools/gpu_checks.sh prepared|mixed|reliability|tune|tune2" >&2; exit 2 ;;
+  echo "usage: bash tools/gpu_checks.sh prepared|mixed|phases|reliability|tune|tune2" >&2; exit 2 ;;
 esac
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>&1 | head -1
 printf '%s\n' "${rows[@]}" | tee "$OUT/summary.txt"
