@@ -401,7 +401,9 @@ class Mailboxes:
 def wait_until(ready: Callable[[], bool], deadline: float, describe: Callable[[], str],
                check: Optional[Callable[[], None]] = None, longest_sleep: float = 1e-3) -> None:
     """Poll ``ready()``: without sleeping for 2 ms (a peer usually answers within
-    microseconds), then with sleeps backing off to ``longest_sleep``;
+    microseconds; each poll yields the GIL, so the process's other threads are not held
+    back by the interpreter's 5 ms switch interval), then with sleeps backing off to
+    ``longest_sleep``;
     HocclTimeoutError(``describe()``) after ``deadline``.  Every 50 ms of waiting,
     ``check()`` (which raises to end the wait: a dead peer, or one that closed); a wait that ``check`` ends looks at ``ready()`` once
     more, as what it waited for (a closed peer's last message) may have come meanwhile."""
@@ -423,6 +425,8 @@ def wait_until(ready: Callable[[], bool], deadline: float, describe: Callable[[]
         if now > spin_until:
             time.sleep(delay)
             delay = min(delay * 2, longest_sleep)
+        else:
+            os.sched_yield()  # lets the process's other threads take the GIL
 
 
 def _notice_bytes(world_size: int) -> int:

@@ -211,3 +211,20 @@ def test_a_send_to_a_killed_peer_with_a_full_ring_raises_within_seconds():
             and "stress: rank 0 waited for rank 1, whose process (pid " in output
             and ") has exited" in output), output[-4000:]
     assert "FAILED" not in output, output[-4000:]
+
+
+def test_a_spinning_wait_hands_the_gil_to_the_process_s_other_threads(monkeypatch):
+    """While it spins (before it sleeps) a wait yields at each poll: a pipelined call's
+    other worker, or the threads of a split copy, would else wait for the interpreter's
+    switch interval (5 ms) each time they come back from C."""
+    import hoccl._mailbox as mailbox
+    yields, sleeps, polls = [], [], []
+    monkeypatch.setattr(mailbox.os, "sched_yield", lambda: yields.append(1))
+    monkeypatch.setattr(mailbox.time, "sleep", sleeps.append)
+
+    def ready():
+        polls.append(1)
+        return len(polls) > 50
+    mailbox.wait_until(ready, time.monotonic() + 60, lambda: "never")
+    # each poll that found nothing yielded (spinning) or slept (past the 2 ms of spin)
+    assert len(yields) + len(sleeps) == 50 and yields, (len(yields), len(sleeps))

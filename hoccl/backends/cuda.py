@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import os
 import sys
 import threading
 import time
@@ -363,6 +364,8 @@ class CudaDevice(_SmWork, _Memory, Device):
             if now >= spin_until:
                 time.sleep(delay)
                 delay = min(delay * 2, 1e-3)
+            else:
+                os.sched_yield()  # lets the process's other threads take the GIL
 
     # -- out of band -------------------------------------------------------------------------
     def _out_of_band(self, copy: Any, *args: Any, timeout: float = 10.0) -> None:
