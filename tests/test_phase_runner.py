@@ -88,3 +88,22 @@ def test_a_failed_step_fails_the_steps_after_it_and_the_call():
         runner.pipelined("all_reduce", entries)
     assert ran == [0]
     runner.close()
+
+
+def test_a_trace_records_every_step_on_its_level_s_worker_after_the_step_it_waits_for():
+    runner = PhaseRunner(5.0)
+    try:
+        calls, order = {}, threading.Lock()
+        entries = _entries(calls, order)
+        runner.trace = []
+        runner.pipelined("all_reduce", entries)
+        trace = {index: rest for index, *rest in runner.trace}
+        assert sorted(trace) == list(range(len(STEPS)))
+        for index, (level, _, after) in enumerate(entries):
+            worker, taken, waited, returned = trace[index]
+            assert worker == f"hoccl-{level}-phases"
+            assert taken <= waited <= returned
+            if after is not None:
+                assert waited >= trace[after][3], (index, after)
+    finally:
+        runner.close()

@@ -11,7 +11,8 @@
 #                (HOCCL_CROSS_MEMORY=0), and tools/stage_probe.py's cross-memory reads
 #   phases       the mixed job's all_reduce phases at 256 MiB: the benchmark's pipelined /
 #                sequential / phase-alone study at phase chunks of 16M and the
-#                default, and tools/profile_phase.py on each phase (hoccl alone)
+#                default, tools/profile_phase.py's timeline of the whole call (pipelined,
+#                sequential) and its profile of the rail phase (hoccl alone)
 #   reliability  the failure scenarios (a peer dead, killed, closed, aborting), the
 #                direct-kernel divergence scenarios, the lost-peer exit under Open MPI,
 #                the torch backend's checks and training checks
@@ -107,7 +108,7 @@ phases)
       --sizes 64M --phase-bytes 256M --iters 3 --libraries hoccl \
       $([ $chunk = default ] || echo --phase-chunk $chunk) --out "$OUT/phases-$chunk"
   done
-  for phase in "host reduce_scatter" "rail all_reduce" "host all_gather"; do
+  for phase in pipelined sequential "rail all_reduce"; do
     run "profile-${phase// /-}" 60 $MPI4 python3 tools/profile_phase.py $P --size 256M \
       --phase "$phase"
   done

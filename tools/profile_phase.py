@@ -1,7 +1,14 @@
-"""Where one phase of a mixed job's all_reduce spends its time, rank by rank.
+"""Where one phase of a mixed job's all_reduce spends its time, rank by rank; or when
+each step of the whole call ran (``--phase pipelined`` or ``sequential``).
 
   mpirun -np 4 python tools/profile_phase.py --devices cuda,cuda,cpu,cpu \
       --intra-host cuda,cuda,host,host --local-size 2 --size 256M --phase "rail all_reduce"
+  mpirun -np 4 python tools/profile_phase.py ... --size 256M --phase pipelined
+
+With ``pipelined`` each rank prints, for its last call, every step of the plan: its
+worker (level), when the worker took it, when the step it waits for was done, when it
+returned (ms from the call's start).  On a GPU a step returns once its work is
+enqueued (a staged step waits for its copies), on the host once it is done.
 
 Runs the phase alone (as ``python -m hoccl.bench.mixed`` times it: the level's engine at
 the size it has inside an all_reduce of ``--size`` per rank) once to warm up, then
@@ -35,6 +42,9 @@ def main() -> None:
     job = Job(args)
     from hoccl.bench._harness import parse_size
     comm = job.hoccl()
+    if own["--phase"] in ("pipelined", "sequential"):
+        timeline(job, comm, parse_size(own["--size"]), own["--phase"])
+        return
     once = _phase_callers(job, comm, parse_size(own["--size"]), args.dtype)[own["--phase"]]
     once()
     job.mpi.Barrier()
@@ -51,6 +61,43 @@ def main() -> None:
     report += "\n".join(line for line in text.getvalue().splitlines()
                         if line.strip() and not line.startswith(("   Ordered", "   List")))
     reports = job.mpi.gather(report)
+    if job.rank == 0:
+        print("\n\n".join(reports), flush=True)
+    comm.close()
+
+
+def timeline(job, comm, nbytes: int, phases: str) -> None:
+    """The whole all_reduce, ``--iters`` calls; each rank's steps of the last one."""
+    import numpy as np
+    torch = job.torch
+    count = max(nbytes // np.dtype(job.args.dtype).itemsize, job.world_size)
+    send = torch.ones(count, dtype=getattr(torch, job.args.dtype), device=job.device)
+    recv = torch.empty_like(send)
+    if job.kind == "cpu":
+        send, recv = send.numpy(), recv.numpy()
+    comm.set_options(phases=phases)
+
+    def once():
+        comm.all_reduce(send, recv)
+        comm.synchronize()
+        job.synchronize()
+    once()
+    job.mpi.Barrier()
+    runner = comm._runner
+    times = []
+    for _ in range(job.args.iters):
+        runner.trace = []
+        start = time.monotonic()
+        once()
+        times.append((time.monotonic() - start) * 1e3)
+    trace, runner.trace = runner.trace, None
+    lines = [f"== rank {job.rank} ({job.kind}): all_reduce {phases}, ms per call "
+             + " ".join(f"{t:.1f}" for t in times)]
+    for index, worker, taken, waited, returned in sorted(trace):
+        lines.append(f"  step {index:3d} {worker:22s} taken {1e3 * (taken - start):7.1f}  "
+                     f"ready {1e3 * (waited - start):7.1f}  returned {1e3 * (returned - start):7.1f}"
+                     f"  ({1e3 * (returned - waited):6.1f} ms)")
+    reports = job.mpi.gather("\n".join(lines))
     if job.rank == 0:
         print("\n\n".join(reports), flush=True)
     comm.close()

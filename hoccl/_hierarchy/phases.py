@@ -90,6 +90,9 @@ class PhaseRunner:
         self._events: List[Any] = []  # the pool
         self._queues: Dict[str, "queue.Queue[Any]"] = {}
         self._threads: List[threading.Thread] = []
+        #: a list to append each pipelined step's times to (tools/profile_phase.py): (its
+        #: index, level, taken by its worker, its wait done, it returned), monotonic s
+        self.trace: Optional[List[Tuple[int, str, float, float, float]]] = None
 
     def sequential(self, entries: Sequence[Entry]) -> None:
         for _, run, _ in entries:
@@ -134,15 +137,21 @@ class PhaseRunner:
             if item is None:
                 return
             state, index, run, after, ready, done = item
+            taken = waited = time.monotonic()
             try:
                 if after is not None and not state.done[after].wait(self.timeout):
                     raise HocclTimeoutError(f"a pipelined step waited {self.timeout:g} s for "
                                             f"step {after} before it")
+                waited = time.monotonic()
                 if state.error is None:
                     run(ready, done)
             except BaseException as error:  # the caller raises it
                 state.fail(error)
             finally:
+                trace = self.trace
+                if trace is not None:
+                    trace.append((index, threading.current_thread().name, taken, waited,
+                                  time.monotonic()))
                 state.done[index].set()
 
     def close(self) -> None:
