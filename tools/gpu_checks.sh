@@ -10,8 +10,8 @@
 #                the staged steps and the benchmark again on MPI's own path
 #                (HOCCL_CROSS_MEMORY=0), and tools/stage_probe.py's cross-memory reads
 #   phases       the mixed job's all_reduce phases at 256 MiB: the benchmark's pipelined /
-#                sequential / phase-alone study at phase chunks of 16M and the
-#                default, tools/profile_phase.py's timeline of the whole call (pipelined,
+#                sequential / phase-alone study at phase chunks of 16M (gloo beside it)
+#                and the default, tools/profile_phase.py's timeline of the whole call (pipelined,
 #                sequential) and its profile of the rail phase (hoccl alone)
 #   reliability  the failure scenarios (a peer dead, killed, closed, aborting), the
 #                direct-kernel divergence scenarios, the lost-peer exit under Open MPI,
@@ -103,11 +103,11 @@ mixed)
 phases)
   MPI4="${MPIRUN/-np 2/-np 4}"
   P="--devices cuda,cuda,cpu,cpu --intra-host cuda,cuda,host,host --local-size 2"
-  for chunk in 16M default; do
-    run "phases-$chunk" 90 $MPI4 -x OMP_NUM_THREADS=4 python3 -m hoccl.bench.mixed $P \
-      --sizes 64M --phase-bytes 256M --iters 3 --libraries hoccl \
-      $([ $chunk = default ] || echo --phase-chunk $chunk) --out "$OUT/phases-$chunk"
-  done
+  # gloo beside the first (the same run), hoccl alone beside the second
+  run phases-16M 120 $MPI4 -x OMP_NUM_THREADS=4 python3 -m hoccl.bench.mixed $P \
+    --sizes 16M,64M,256M --phase-bytes 256M --iters 3 --phase-chunk 16M --out "$OUT/phases-16M"
+  run phases-default 90 $MPI4 -x OMP_NUM_THREADS=4 python3 -m hoccl.bench.mixed $P \
+    --sizes 64M --phase-bytes 256M --iters 3 --libraries hoccl --out "$OUT/phases-default"
   for phase in pipelined sequential "rail all_reduce"; do
     run "profile-${phase// /-}" 60 $MPI4 python3 tools/profile_phase.py $P --size 256M \
       --phase "$phase"
