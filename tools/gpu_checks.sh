@@ -13,6 +13,9 @@
 #                sequential / phase-alone study at phase chunks of 16M (gloo beside it)
 #                and the default, tools/profile_phase.py's timeline of the whole call (pipelined,
 #                sequential) and its profile of the rail phase (hoccl alone)
+#   roof         tools/memory_probe.py (4 ranks copying at once: the machine's memory roof),
+#                then the mixed job's phase study (hoccl alone) at stages of 16M, 8 host
+#                threads, and phase chunks of 128M
 #   reliability  the failure scenarios (a peer dead, killed, closed, aborting), the
 #                direct-kernel divergence scenarios, the lost-peer exit under Open MPI,
 #                the torch backend's checks and training checks
@@ -113,6 +116,17 @@ phases)
       --phase "$phase"
   done
   ;;
+roof)
+  MPI4="${MPIRUN/-np 2/-np 4}"
+  P="--devices cuda,cuda,cpu,cpu --intra-host cuda,cuda,host,host --local-size 2"
+  run memory 90 $MPI4 python3 tools/memory_probe.py --bytes 256M --threads 1,2,4
+  for setting in HOCCL_STAGE_BYTES=16777216 HOCCL_HOST_THREADS=8 chunk=128M; do
+    extra=(); [ "${setting%%=*}" = chunk ] && extra=(--phase-chunk "${setting#*=}")
+    run "roof-${setting}" 90 env "$setting" $MPI4 -x OMP_NUM_THREADS=4 -x "${setting%%=*}" \
+      python3 -m hoccl.bench.mixed $P --sizes 64M --phase-bytes 256M --iters 3 \
+      --libraries hoccl "${extra[@]}" --out "$OUT/roof-${setting}"
+  done
+  ;;
 reliability)
   for scenario in mismatch dead absent killed early closed abort; do
     run "fail-$scenario" 60 $MPIRUN $KEEP python3 tests/mpi/run_failures.py $scenario --backend cuda
@@ -158,7 +172,7 @@ tune|tune2)
   rows+=("  $(grep '^issue 29' "$OUT/auto-vs-best.md")")
   ;;
 *)
-  echo "usage: bash tools/gpu_checks.sh prepared|mixed|phases|reliability|tune|tune2" >&2; exit 2 ;;
+  echo "usage: bash tools/gpu_checks.sh prepared|mixed|phases|roof|reliability|tune|tune2" >&2; exit 2 ;;
 esac
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>&1 | head -1
 printf '%s\n' "${rows[@]}" | tee "$OUT/summary.txt"
