@@ -1,5 +1,5 @@
 """Helper threads for the host's large folds and copies: a range cut into contiguous parts
-that run at once, one on the calling thread and the others on a small shared pool.
+that run at once, one on the calling thread and the others on a shared pool.
 
 numpy's ufuncs and copies, ``ctypes.memmove`` and the cross-memory-attach calls
 (``process_vm_readv``/``_writev``) release the GIL, so a fold or a copy of hundreds of MiB
@@ -23,6 +23,10 @@ _LOCK = threading.Lock()
 _POOL: Optional[ThreadPoolExecutor] = None
 _POOL_WORKERS = 0
 _ON_POOL = threading.local()  # ``worker`` is set on the pool's own threads
+#: the pool's threads at most: it starts one only when none is idle, so it holds as many
+#: as the parts that run at once (two levels of a pipelined call fold and read beside
+#: each other: a part never waits behind another caller's)
+POOL_THREADS = 32
 
 
 def split(total: int, parts: int, align: int = 1) -> List[Tuple[int, int]]:
@@ -56,15 +60,16 @@ def run_parts(task: Callable[[int, int], None], bounds: Sequence[Tuple[int, int]
 
 
 def _pool(workers: int) -> ThreadPoolExecutor:
-    """The shared pool, with at least ``workers`` threads (made on first use); under
-    ``_LOCK``.  A smaller pool is replaced: what it was handed still runs."""
+    """The shared pool, for at least ``workers`` threads (made on first use; it grows
+    to ``POOL_THREADS`` as callers run at once); under ``_LOCK``.  A smaller pool is
+    replaced: what it was handed still runs."""
     global _POOL, _POOL_WORKERS
     if _POOL is None or _POOL_WORKERS < workers:
         if _POOL is not None:
             _POOL.shutdown(wait=False)
-        _POOL = ThreadPoolExecutor(workers, thread_name_prefix="hoccl-host-part",
+        _POOL_WORKERS = max(workers, POOL_THREADS)
+        _POOL = ThreadPoolExecutor(_POOL_WORKERS, thread_name_prefix="hoccl-host-part",
                                    initializer=_mark_worker)
-        _POOL_WORKERS = workers
     return _POOL
 
 

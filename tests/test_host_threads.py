@@ -306,3 +306,22 @@ def test_a_bad_host_threads_value_names_the_variable_and_what_it_got(text, monke
         host_threads()
     with pytest.raises(InvalidArgumentError, match="HOCCL_HOST_THREADS"):
         host.HostDevice(max_sms=1, copy_sms=1)
+
+
+def test_callers_at_once_each_get_their_parts_run_at_once():
+    """Two levels of a pipelined call split their folds and reads at the same time: every
+    part of both starts at once (none waits for the other caller's parts to finish)."""
+    everyone = threading.Barrier(2 * THREADS, timeout=5)
+    met = []
+
+    def part(start, stop):
+        everyone.wait()  # breaks (BrokenBarrierError) unless all 2 * THREADS parts run
+        met.append(start)
+    callers = [threading.Thread(target=_threads.run_parts,
+                                args=(part, _threads.split(THREADS, THREADS)), daemon=True)
+               for _ in range(2)]
+    for caller in callers:
+        caller.start()
+    for caller in callers:
+        caller.join(30)
+    assert sorted(met) == sorted(list(range(THREADS)) * 2)
