@@ -13,7 +13,9 @@ turned off in its environment: 3–5 GB/s), where one read by the receiver moves
 A step, for each piece a member sends to a peer: an *offer* (address and length, tag
 ``_OFFER``) to that peer, then the peer's *read receipt* (tag ``_READ``) before the
 piece's memory may change; for each piece it receives: the peer's offer, the read, a
-receipt back.  Reads wait for nothing but offers, so no member waits on another's wait.
+receipt back.  Reads wait for nothing but offers, so no member waits on another's wait;
+with several steps in flight a peer's pieces are read in the order of its offers (one
+tag each way: a receipt answers the oldest offer not yet answered).
 ``CmaTransport.connect`` chooses it only where every member sits on one machine and each
 can read every other's memory (a trial read at connect); ``HOCCL_CROSS_MEMORY=0`` keeps
 MPI's own path.
@@ -115,12 +117,15 @@ class _Step:
             offer = np.zeros(2, np.uint64)
             self.reads.append((peer, piece, offer, comm.Irecv(offer, source=peer, tag=_OFFER)))
 
-    def progress(self) -> None:
-        """Read every piece whose offer has come, and send its receipt."""
+    def progress(self, behind: set) -> None:
+        """Read every piece whose offer has come, and send its receipt, in the order the
+        steps were made: a peer in ``behind`` has an earlier step's piece still unread
+        (its receipts must come back in the order of its offers, which carry one tag)."""
         waiting = []
         for peer, piece, offer, request in self.reads:
-            if not request.Test():
+            if peer in behind or not request.Test():
                 waiting.append((peer, piece, offer, request))
+                behind.add(peer)
                 continue
             self.transport.read(piece, peer, int(offer[0]), int(offer[1]))
             receipt = np.ones(1, np.uint64)
@@ -199,8 +204,9 @@ class CmaTransport(MpiTransport):
         return step
 
     def test(self, request: Any) -> bool:
+        behind: set = set()
         for step in self._steps:
-            step.progress()
+            step.progress(behind)
         if not isinstance(request, _Step):
             return super().test(request)
         if not request.done():

@@ -11,7 +11,8 @@ A step of ``StagedEngine`` on device arrays runs as a pipeline over chunks of
 
 Chunk k+1 is copied out while chunk k is on the wire and chunk k−1 is copied in: two
 pinned slots per direction, each reused only after the copy that read it (an event on
-the lane) and the transfer that filled it are done.  The copies are ``cuMemcpyAsync``
+the lane) and the transfer that filled it are done; two transfers are in flight at a
+time (one per slot), so one chunk's handshake with the peers overlaps another's bytes.  The copies are ``cuMemcpyAsync``
 on two streams of hoccl's device (copy engines, no SM); the transport's steps are its
 nonblocking forms, tested until done, so each ends within ``timeout`` or at ``abort()``.
 Where every member of a level keeps its arrays in host memory the stage is a no-op: the
@@ -327,8 +328,9 @@ class StagedEngine(FoldingEngine):
                 device.copy(caller, own_recv, own_send, count * item)
             plain: Callable[..., Any] = start
             start = lambda s, r: plain(s, r, own=False)  # noqa: E731
-        in_flight: Optional[Tuple[int, Any]] = None  # (chunk index, request)
-        pending = 0
+        #: the transfers started, oldest first: two at a time (one per pinned slot), so
+        #: one chunk's handshake overlaps the other's bytes
+        in_flight: List[Tuple[int, Any]] = []  # (chunk index, request)
 
         def copy_in(k: int) -> None:
             a, b = chunks[k]
@@ -342,8 +344,17 @@ class StagedEngine(FoldingEngine):
             device.record(stager.lanes[1], stager.in_done[slot])
             stager.in_used[slot] = True
 
+        def finish() -> None:
+            """The oldest transfer done, and its chunk copied in."""
+            k, request = in_flight.pop(0)
+            self._transferred(request, what)
+            if recv is not None:
+                copy_in(k)
+
         for k, (a, b) in enumerate(chunks):
             slot = k % 2
+            if len(in_flight) == 2:  # chunk k - 2's transfer used this slot's pinned bytes
+                finish()
             out_host, in_host = stager.pinned[slot]
             width = (b - a) * item
             if send is not None:
@@ -352,25 +363,16 @@ class StagedEngine(FoldingEngine):
                         device.copy(stager.lanes[0], out_host.ctypes.data + block * width,
                                     send_at + (block * count + a) * item, width)
             device.record(stager.lanes[0], stager.out_done[slot])
-            if in_flight is not None:
-                self._transferred(in_flight[1], what)
-                if recv is not None:
-                    copy_in(in_flight[0])
-                in_flight = None
             if stager.in_used[slot]:  # the slot's last H2D has read its pinned bytes
                 self._copied(device, stager.in_done[slot], f"{what} (copy in)")
                 stager.in_used[slot] = False
             self._copied(device, stager.out_done[slot], f"{what} (copy out)")
-            request = start(out_host[:send_blocks * width] if send is not None else None,
-                            in_host[:recv_blocks * width] if recv is not None else None)
-            in_flight = (k, request)
-            pending = k
-        if in_flight is not None:
-            self._transferred(in_flight[1], what)
-            if recv is not None:
-                copy_in(in_flight[0])
+            in_flight.append((k, start(out_host[:send_blocks * width] if send is not None else None,
+                                       in_host[:recv_blocks * width] if recv is not None else None)))
+        while in_flight:
+            finish()
         if recv is not None and chunks:
-            device.wait_event(caller, stager.in_done[pending % 2])
+            device.wait_event(caller, stager.in_done[(len(chunks) - 1) % 2])
 
     def _unstaged(self, what: str, count: int, per_chunk: int, send: Any, send_blocks: int,
                   recv: Any, recv_blocks: int, start: Start) -> bool:
@@ -396,10 +398,15 @@ class StagedEngine(FoldingEngine):
             views = [array[(block * count + a) * item:(block * count + b) * item]
                      for block in range(blocks)]
             return views[0] if blocks == 1 else views
+        in_flight: List[Any] = []  # two at a time, as the staged members keep them
         for a in range(0, count, per_chunk):
             b = min(count, a + per_chunk)
-            self._transferred(start(part(host_send, send_blocks, a, b),
-                                    part(host_recv, recv_blocks, a, b)), what)
+            if len(in_flight) == 2:
+                self._transferred(in_flight.pop(0), what)
+            in_flight.append(start(part(host_send, send_blocks, a, b),
+                                   part(host_recv, recv_blocks, a, b)))
+        for request in in_flight:
+            self._transferred(request, what)
         return True
 
     # -- the copies -------------------------------------------------------------------
