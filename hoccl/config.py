@@ -117,7 +117,7 @@ class Config:
     intra_host: Optional[str] = None
     phases: str = "auto"
     phase_bytes: int = 64 << 20
-    stage_bytes: int = 4 << 20
+    stage_bytes: int = 16 << 20
     #: the settings the user gave (keywords, ``HOCCL_<NAME>``, or a ``Config`` made with
     #: them, where they differ from the defaults): they override a tuning table's choice;
     #: every other planning setting is the table's to choose (``hoccl.sched.select``)
