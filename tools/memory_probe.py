@@ -69,8 +69,8 @@ def main() -> None:
         rates = [size * nbytes / best(run) / 1e9 for run in (copy, read, fold)]
         if rank == 0:
             traffic = [rates[0] * 2, rates[1] * 2, rates[2] * 3]
-            print(f"{threads:7d} " + " ".join(f"{r:8.1f} ({t:6.1f})" for r, t in zip(rates, traffic)),
-                  flush=True)
+            cells = " ".join(f"{r:8.1f} ({t:6.1f})" for r, t in zip(rates, traffic))
+            print(f"{threads:7d} {cells}", flush=True)
 
 
 if __name__ == "__main__":

@@ -94,9 +94,9 @@ def timeline(job, comm, nbytes: int, phases: str) -> None:
     lines = [f"== rank {job.rank} ({job.kind}): all_reduce {phases}, ms per call "
              + " ".join(f"{t:.1f}" for t in times)]
     for index, worker, taken, waited, returned in sorted(trace):
-        lines.append(f"  step {index:3d} {worker:22s} taken {1e3 * (taken - start):7.1f}  "
-                     f"ready {1e3 * (waited - start):7.1f}  returned {1e3 * (returned - start):7.1f}"
-                     f"  ({1e3 * (returned - waited):6.1f} ms)")
+        at = [1e3 * (t - start) for t in (taken, waited, returned)]
+        lines.append(f"  step {index:3d} {worker:22s} taken {at[0]:7.1f}  ready {at[1]:7.1f}  "
+                     f"returned {at[2]:7.1f}  ({at[2] - at[1]:6.1f} ms)")
     reports = job.mpi.gather("\n".join(lines))
     if job.rank == 0:
         print("\n\n".join(reports), flush=True)

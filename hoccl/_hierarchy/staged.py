@@ -10,11 +10,12 @@ A step of ``StagedEngine`` on device arrays runs as a pipeline over chunks of
     phase's stream   ...waits for the last H2D (an event), then goes on (a fold)
 
 Chunk k+1 is copied out while chunk k is on the wire and chunk k−1 is copied in: two
-pinned slots per direction, each reused only after the copy that read it (an event on
-the lane) and the transfer that filled it are done; two transfers are in flight at a
-time (one per slot), so one chunk's handshake with the peers overlaps another's bytes.  The copies are ``cuMemcpyAsync``
-on two streams of hoccl's device (copy engines, no SM); the transport's steps are its
-nonblocking forms, tested until done, so each ends within ``timeout`` or at ``abort()``.
+pinned slots per direction (``SLOTS``), each reused only after the copy that read it (an
+event on the lane) and the transfer that filled it are done; a transfer per slot is in
+flight, so one chunk's handshake with the peers overlaps another's bytes.  The copies
+are ``cuMemcpyAsync`` on two streams of hoccl's device (copy engines, no SM); the
+transport's steps are its nonblocking forms, tested until done, so each ends within
+``timeout`` or at ``abort()``.
 Where every member of a level keeps its arrays in host memory the stage is a no-op: the
 transport moves the caller's memory itself, in one step.  A member in host memory
 beside staged members copies its chunks through plain memory, so that every member
@@ -57,6 +58,9 @@ __all__ = ["StagedEngine", "MpiStagedEngine", "GlooStagedEngine", "Transport"]
 #: progress inside ``Test``), and a chunk of ``stage_bytes`` crosses shared memory in
 #: about 0.4 ms, so the mailbox's 1 ms would leave the wire idle most of the time
 POLL_SLEEP = 50e-6
+#: pinned slots per direction, and so the transfers of one step in flight at a time on
+#: every member (a member in host memory keeps as many)
+SLOTS = 2
 
 
 class _Stager:
@@ -66,12 +70,12 @@ class _Stager:
                  release: Optional[Callable[[np.ndarray], None]] = None):
         self.device, self.slot_bytes, self.release = device, slot_bytes, release
         self.lanes = (device.create_stream(), device.create_stream())   # out, in
-        self.out_done = [device.create_event(), device.create_event()]
-        self.in_done = [device.create_event(), device.create_event()]
-        self.in_used = [False, False]
+        self.out_done = [device.create_event() for _ in range(SLOTS)]
+        self.in_done = [device.create_event() for _ in range(SLOTS)]
+        self.in_used = [False] * SLOTS
         self.started = device.create_event()
         self.pinned: List[Tuple[np.ndarray, np.ndarray]] = [
-            (allocate(slot_bytes), allocate(slot_bytes)) for _ in range(2)]  # (out, in) per slot
+            (allocate(slot_bytes), allocate(slot_bytes)) for _ in range(SLOTS)]  # (out, in)
 
     def close(self, timeout: float) -> None:
         """After the copies in flight (a copy in reads the pinned slots)."""
@@ -328,13 +332,11 @@ class StagedEngine(FoldingEngine):
                 device.copy(caller, own_recv, own_send, count * item)
             plain: Callable[..., Any] = start
             start = lambda s, r: plain(s, r, own=False)  # noqa: E731
-        #: the transfers started, oldest first: two at a time (one per pinned slot), so
-        #: one chunk's handshake overlaps the other's bytes
-        in_flight: List[Tuple[int, Any]] = []  # (chunk index, request)
+        in_flight: List[Tuple[int, Any]] = []  # (chunk index, request), oldest first
 
         def copy_in(k: int) -> None:
             a, b = chunks[k]
-            slot = k % 2
+            slot = k % SLOTS
             host = stager.pinned[slot][1]
             width = (b - a) * item
             for block in range(recv_blocks):
@@ -352,8 +354,8 @@ class StagedEngine(FoldingEngine):
                 copy_in(k)
 
         for k, (a, b) in enumerate(chunks):
-            slot = k % 2
-            if len(in_flight) == 2:  # chunk k - 2's transfer used this slot's pinned bytes
+            slot = k % SLOTS
+            if len(in_flight) == SLOTS:  # the oldest transfer used this slot's bytes
                 finish()
             out_host, in_host = stager.pinned[slot]
             width = (b - a) * item
@@ -367,12 +369,13 @@ class StagedEngine(FoldingEngine):
                 self._copied(device, stager.in_done[slot], f"{what} (copy in)")
                 stager.in_used[slot] = False
             self._copied(device, stager.out_done[slot], f"{what} (copy out)")
-            in_flight.append((k, start(out_host[:send_blocks * width] if send is not None else None,
-                                       in_host[:recv_blocks * width] if recv is not None else None)))
+            request = start(out_host[:send_blocks * width] if send is not None else None,
+                            in_host[:recv_blocks * width] if recv is not None else None)
+            in_flight.append((k, request))
         while in_flight:
             finish()
         if recv is not None and chunks:
-            device.wait_event(caller, stager.in_done[(len(chunks) - 1) % 2])
+            device.wait_event(caller, stager.in_done[(len(chunks) - 1) % SLOTS])
 
     def _unstaged(self, what: str, count: int, per_chunk: int, send: Any, send_blocks: int,
                   recv: Any, recv_blocks: int, start: Start) -> bool:
@@ -398,10 +401,10 @@ class StagedEngine(FoldingEngine):
             views = [array[(block * count + a) * item:(block * count + b) * item]
                      for block in range(blocks)]
             return views[0] if blocks == 1 else views
-        in_flight: List[Any] = []  # two at a time, as the staged members keep them
+        in_flight: List[Any] = []  # oldest first, as many as a staged member keeps
         for a in range(0, count, per_chunk):
             b = min(count, a + per_chunk)
-            if len(in_flight) == 2:
+            if len(in_flight) == SLOTS:
                 self._transferred(in_flight.pop(0), what)
             in_flight.append(start(part(host_send, send_blocks, a, b),
                                    part(host_recv, recv_blocks, a, b)))
