@@ -16,6 +16,9 @@
 #   roof         tools/memory_probe.py (4 ranks copying at once: the machine's memory roof),
 #                then the mixed job's phase study (hoccl alone) at stages of 16M, 8 host
 #                threads, and phase chunks of 128M
+#   tier         the GPU tier in one process and run_checks under mpirun -np 2 and -np 3,
+#                then tools/profile_phase.py's timeline of the mixed job's all_reduce at
+#                64 MiB (pipelined and sequential) and its rail phase alone
 #   reliability  the failure scenarios (a peer dead, killed, closed, aborting), the
 #                direct-kernel divergence scenarios, the lost-peer exit under Open MPI,
 #                the torch backend's checks and training checks
@@ -127,6 +130,17 @@ roof)
       --libraries hoccl "${extra[@]}" --out "$OUT/roof-${setting}"
   done
   ;;
+tier)
+  MPI3="${MPIRUN/-np 2/-np 3}" MPI4="${MPIRUN/-np 2/-np 4}"
+  P="--devices cuda,cuda,cpu,cpu --intra-host cuda,cuda,host,host --local-size 2"
+  run gpu-local 150 python3 -m pytest -q -x -p no:cacheprovider --timeout=60 tests/gpu
+  run checks-np2 60 $MPIRUN python3 tests/mpi/run_checks.py --backend cuda --counts 0,1,17,1003
+  run checks-np3 60 $MPI3 python3 tests/mpi/run_checks.py --backend cuda --counts 0,1,17,1003
+  for phase in pipelined sequential "rail all_reduce"; do
+    run "profile-64M-${phase// /-}" 60 $MPI4 python3 tools/profile_phase.py $P --size 64M \
+      --phase "$phase"
+  done
+  ;;
 reliability)
   for scenario in mismatch dead absent killed early closed abort; do
     run "fail-$scenario" 60 $MPIRUN $KEEP python3 tests/mpi/run_failures.py $scenario --backend cuda
@@ -172,7 +186,7 @@ tune|tune2)
   rows+=("  $(grep '^issue 29' "$OUT/auto-vs-best.md")")
   ;;
 *)
-  echo "usage: bash tools/gpu_checks.sh prepared|mixed|phases|roof|reliability|tune|tune2" >&2; exit 2 ;;
+  echo "usage: bash tools/gpu_checks.sh prepared|mixed|phases|roof|tier|reliability|tune|tune2" >&2; exit 2 ;;
 esac
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>&1 | head -1
 printf '%s\n' "${rows[@]}" | tee "$OUT/summary.txt"
