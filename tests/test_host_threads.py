@@ -16,8 +16,9 @@ import pytest
 from hoccl import _dtypes, _threads
 from hoccl._dtypes import FLOATING, NAMES, numpy_dtype, reduce_arrays, reduce_into
 from hoccl._errors import HocclError, InvalidArgumentError
-from hoccl.backends import host
-from hoccl.backends.host import RemotePtr, _move, _reduce_now
+from hoccl.backends import _cross_memory, host
+from hoccl.backends._cross_memory import RemotePtr, move
+from hoccl.backends.host import _reduce_now
 from hoccl.config import host_threads
 
 OPS = ("sum", "avg", "prod", "max", "min")
@@ -30,8 +31,9 @@ def small_blocks(monkeypatch):
     """Blocks of 40 bytes and moves split from 2 KiB up: a few thousand elements make
     parts of many blocks, each part's last block not whole."""
     monkeypatch.setattr(_dtypes, "REDUCE_BLOCK_BYTES", BLOCK_BYTES)
-    monkeypatch.setattr(host, "MOVE_PIECE_BYTES", 1024)
-    monkeypatch.setattr(host, "host_threads", lambda: THREADS)
+    monkeypatch.setattr(_cross_memory, "MOVE_PIECE_BYTES", 1024)
+    for module in (host, _cross_memory):
+        monkeypatch.setattr(module, "host_threads", lambda: THREADS)
 
 
 def _random(rng, dtype: np.dtype, count: int) -> np.ndarray:
@@ -173,18 +175,18 @@ def test_a_large_move_in_pieces_moves_every_byte_and_no_other(route, monkeypatch
     rng = np.random.default_rng()
     nbytes, guard, here = 10_007, 256, os.getpid()
     pieces = []
-    move_piece = host._move_piece
+    move_piece = _cross_memory.move_piece
 
     def recorded(dst, src, length):
         pieces.append((threading.get_ident(), length))
         move_piece(dst, src, length)
-    monkeypatch.setattr(host, "_move_piece", recorded)
+    monkeypatch.setattr(_cross_memory, "move_piece", recorded)
     for poison in (0x00, 0xFF):  # an unmoved byte shows against one of them
         source = rng.integers(0, 256, nbytes, dtype=np.uint8)
         memory = np.full(nbytes + 2 * guard, poison, np.uint8)
         target = memory[guard:guard + nbytes]
         dst, src = target.ctypes.data, source.ctypes.data
-        _move(RemotePtr(here, dst) if route in ("write", "both") else dst,
+        move(RemotePtr(here, dst) if route in ("write", "both") else dst,
               RemotePtr(here, src) if route in ("read", "both") else src, nbytes)
         _same_bytes(target, source)
         assert (memory[:guard] == poison).all() and (memory[-guard:] == poison).all()
@@ -199,7 +201,7 @@ def test_an_overlapping_move_is_one_memmove():
     for shift in (8, -8):
         want = memory.copy()
         want[1000 + shift:11_000 + shift] = memory[1000:11_000]
-        _move(memory[1000 + shift:].ctypes.data, memory[1000:].ctypes.data, 10_000)
+        move(memory[1000 + shift:].ctypes.data, memory[1000:].ctypes.data, 10_000)
         _same_bytes(memory, want)
         memory = rng.integers(0, 256, 20_000, dtype=np.uint8)
 
@@ -220,7 +222,7 @@ def test_a_failed_piece_raises_naming_the_call_the_process_and_the_bytes():
     try:
         with pytest.raises(HocclError, match=rf"process_vm_readv: moving \d+ bytes with "
                                              rf"process {os.getpid()} failed: Bad address"):
-            _move(target.ctypes.data, RemotePtr(os.getpid(), base), 4 * page)
+            move(target.ctypes.data, RemotePtr(os.getpid(), base), 4 * page)
     finally:
         libc.munmap(base, 3 * page)
 
@@ -233,9 +235,9 @@ def test_an_error_is_raised_after_every_other_piece_has_finished(monkeypatch):
             raise HocclError(f"process_vm_writev: moving {nbytes} bytes with process 1 failed")
         time.sleep(0.05)
         finished.append(dst)
-    monkeypatch.setattr(host, "_move_piece", piece)
+    monkeypatch.setattr(_cross_memory, "move_piece", piece)
     with pytest.raises(HocclError, match="process_vm_writev: moving 3392 bytes"):
-        _move(0, 1 << 20, 10_000)
+        move(0, 1 << 20, 10_000)
     assert sorted(finished) == [3392, 6784]
 
 

@@ -42,7 +42,8 @@ from mpi4py import MPI
 
 import hoccl
 import hoccl._build
-from hoccl.backends.host import HostDevice, RemotePtr
+from hoccl.backends._cross_memory import RemotePtr
+from hoccl.backends.host import HostDevice
 from hoccl.bench._harness import parse_size
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")

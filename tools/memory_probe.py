@@ -31,7 +31,7 @@ def main() -> None:
     from mpi4py import MPI
     from hoccl._dtypes import reduce_into
     from hoccl._threads import run_parts, split
-    from hoccl.backends.host import RemotePtr, _move_piece
+    from hoccl.backends._cross_memory import RemotePtr, move_piece as _move_piece
     world = MPI.COMM_WORLD
     rank, size = world.rank, world.size
     nbytes = int(args.bytes[:-1]) << {"K": 10, "M": 20, "G": 30}[args.bytes[-1]]

@@ -125,7 +125,7 @@ def _cma_reads(world, rank, peer, kind, nbytes, best):
     import numpy as np
     import torch
     from hoccl._errors import HocclError
-    from hoccl.backends.host import RemotePtr, _move
+    from hoccl.backends._cross_memory import RemotePtr, move as _move
     kinds = world.allgather(kind)  # every rank calls it
     owner = rank if kind == "cuda" else (peer if "cuda" in kinds else 0)
     forms = {"pageable": lambda: np.full(nbytes, 7, np.uint8)}

@@ -31,6 +31,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 import numpy as np
 
 from .._errors import HocclError, InvalidArgumentError
+from ..backends._cross_memory import RemotePtr, move
 from ..config import environ
 from .transports import MpiTransport, _pieces
 
@@ -58,7 +59,6 @@ def same_machine(comm: Any) -> bool:
     memory, and none turned the path off (``HOCCL_CROSS_MEMORY=0``): every member gets
     the same answer (a collective call on ``comm``)."""
     from mpi4py import MPI
-    from ..backends.host import RemotePtr, _move
     try:
         wanted, problem = _wanted(), ""
     except InvalidArgumentError as error:  # raised on every member, after the collective
@@ -74,7 +74,7 @@ def same_machine(comm: Any) -> bool:
         probe = np.zeros(1, np.uint64)
         for _, pid, address, value, _ in machines:
             try:
-                _move(probe.ctypes.data, RemotePtr(pid, address), 8)
+                move(probe.ctypes.data, RemotePtr(pid, address), 8)
             except HocclError:
                 able = False
                 break
@@ -157,13 +157,12 @@ class CmaTransport(MpiTransport):
 
     def read(self, piece: np.ndarray, peer: int, address: int, nbytes: int) -> None:
         """A peer's offered bytes into ``piece``: the lengths agree, or the calls differ."""
-        from ..backends.host import RemotePtr, _move
         if nbytes != piece.nbytes:
             raise HocclError(f"a step across hosts ({self.label}, member {self.member} of "
                              f"{self.size}): member {peer} offered {nbytes} bytes where "
                              f"{piece.nbytes} were expected: the members' calls differ")
-        _move(piece.ctypes.data, RemotePtr(self.pids[peer], address), nbytes,
-              piece_bytes=READ_PART_BYTES)
+        move(piece.ctypes.data, RemotePtr(self.pids[peer], address), nbytes,
+             piece_bytes=READ_PART_BYTES)
 
     def _others(self) -> List[int]:
         return [m for m in range(self.size) if m != self.member]

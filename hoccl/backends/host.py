@@ -4,9 +4,8 @@ Streams are FIFO queues run by one worker thread each (which splits a copy or a 
 of many MiB over ``host_threads()`` threads); events, 64-bit signal slots with wait-value
 ``>=``, copies and reductions act on plain host memory.  In one process peers' addresses
 are used directly.  Across processes (mpirun) a peer's memory is reached with Linux
-cross-memory attach (``process_vm_readv`` / ``process_vm_writev``, as MPI libraries use
-for large intra-node messages): a buffer is "exported" as (pid, address) and "imported"
-as a ``RemotePtr``.
+cross-memory attach (``hoccl.backends._cross_memory``): a buffer is "exported" as (pid,
+address) and "imported" as a ``RemotePtr``.
 
 It is a real CPU backend (like Gloo for torch), and the reference the CUDA
 backend's semantics are checked against in CI.
@@ -15,13 +14,11 @@ backend's semantics are checked against in CI.
 from __future__ import annotations
 
 import ctypes
-import errno
 import os
 import queue
 import random
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -29,113 +26,28 @@ import numpy as np
 from ..config import environ, host_threads
 from .._dtypes import numpy_dtype, reduce_arrays, reduce_into
 from .._errors import HocclError, HocclTimeoutError, InvalidArgumentError
-from .._threads import run_parts, split
 from ._base import (DIRECT_COPY, DIRECT_REDUCE, DIRECT_SIGNAL, DIRECT_VALUE_BITS, DIRECT_WAIT,
                     Device, DirectProgram, HostWord, check_reduce_extras)
+from ._cross_memory import RemotePtr, move, remote_reader
 from ._kernels import DIRECT_WORDS, block_range
 
 __all__ = ["HostDevice", "HostStream", "RemotePtr", "open_device"]
-
-
-@dataclass(frozen=True)
-class RemotePtr:
-    """An address in another process on this host."""
-    pid: int
-    address: int
-
-    def __add__(self, offset: int) -> "RemotePtr":
-        return RemotePtr(self.pid, self.address + int(offset))
-
-
-class _IoVec(ctypes.Structure):
-    _fields_ = [("base", ctypes.c_void_p), ("length", ctypes.c_size_t)]
-
-
-_libc = ctypes.CDLL(None, use_errno=True)
-
-
-def _cross_process(function_name: str, pid: int, local: int, remote: int, nbytes: int) -> None:
-    function = getattr(_libc, function_name)
-    done = 0
-    while done < nbytes:
-        local_vec = _IoVec(local + done, nbytes - done)
-        remote_vec = _IoVec(remote + done, nbytes - done)
-        moved = function(pid, ctypes.byref(local_vec), 1, ctypes.byref(remote_vec), 1, 0)
-        if moved <= 0:
-            error = ctypes.get_errno()
-            hint = ("; cross-process host transfers need ptrace permission between the ranks "
-                    "(same user and kernel.yama.ptrace_scope=0, or root)"
-                    if error == errno.EPERM else
-                    "; the peer process is gone" if error == errno.ESRCH else "")
-            raise HocclError(f"{function_name}: moving {nbytes} bytes with process {pid} failed: "
-                             f"{os.strerror(error)} (errno {error}){hint}")
-        done += moved
-
-
-#: a move of at least twice this many bytes is split into pieces of at least this many,
-#: one per thread (``hoccl.config.host_threads``)
-MOVE_PIECE_BYTES = 4 << 20
-
-
-def _move(dst: Any, src: Any, nbytes: int, piece_bytes: Optional[int] = None) -> None:
-    """memmove between any two addresses, at least one in this process; a move of two
-    pieces (``MOVE_PIECE_BYTES`` unless given) or more split over threads (``_threads``),
-    unless its ranges overlap (a piece would read bytes another had already written)."""
-    pieces = min(host_threads(), nbytes // (piece_bytes or MOVE_PIECE_BYTES))
-    if pieces < 2 or _overlap(dst, src, nbytes):
-        _move_piece(dst, src, nbytes)
-    else:
-        run_parts(lambda start, stop: _move_piece(dst + start, src + start, stop - start),
-                  split(nbytes, pieces, 64))
-
-
-def _overlap(dst: Any, src: Any, nbytes: int) -> bool:
-    """Whether [dst, dst + nbytes) and [src, src + nbytes) share bytes other than exactly."""
-    dst, src = (x if isinstance(x, RemotePtr) else RemotePtr(os.getpid(), x) for x in (dst, src))
-    return dst.pid == src.pid and 0 < abs(dst.address - src.address) < nbytes
-
-
-def _move_piece(dst: Any, src: Any, nbytes: int) -> None:
-    if nbytes == 0:
-        return
-    if isinstance(dst, RemotePtr) and isinstance(src, RemotePtr):
-        bounce = np.empty(nbytes, dtype=np.uint8)
-        _cross_process("process_vm_readv", src.pid, bounce.ctypes.data, src.address, nbytes)
-        _cross_process("process_vm_writev", dst.pid, bounce.ctypes.data, dst.address, nbytes)
-    elif isinstance(dst, RemotePtr):
-        _cross_process("process_vm_writev", dst.pid, src, dst.address, nbytes)
-    elif isinstance(src, RemotePtr):
-        _cross_process("process_vm_readv", src.pid, dst, src.address, nbytes)
-    else:
-        ctypes.memmove(dst, src, nbytes)
 
 
 def _reduce_now(output: Any, inputs: Sequence[Any], count: int, dtype: str, op: str,
                 divisor: Optional[int], scale: Optional[float]) -> None:
     """``output = op(*inputs)`` now (a host stream's reduction), a block at a time
     (``reduce_into``, on ``host_threads()`` threads): a peer's input is read where it lies
-    into a block-sized buffer of the reading thread's own."""
+    (``remote_reader``)."""
     np_dtype = numpy_dtype(dtype)
-    itemsize = np_dtype.itemsize
+    nbytes = count * np_dtype.itemsize
 
-    def local(address: int, nbytes: int) -> np.ndarray:
+    def local(address: int) -> np.ndarray:
         return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(address))
 
-    def source(address: Any) -> Any:
-        if not isinstance(address, RemotePtr):
-            return local(address, count * itemsize).view(np_dtype)
-        bounces = threading.local()
-
-        def read(start: int, stop: int) -> np.ndarray:
-            bounce = getattr(bounces, "array", None)
-            if bounce is None or bounce.shape[0] < stop - start:
-                bounce = bounces.array = np.empty(stop - start, np_dtype)
-            _move_piece(bounce.ctypes.data, address + start * itemsize,
-                        (stop - start) * itemsize)
-            return bounce[:stop - start]
-        return read
-
-    reduce_into(local(output, count * itemsize).view(np_dtype), [source(a) for a in inputs],
+    reduce_into(local(output).view(np_dtype),
+                [remote_reader(a, np_dtype) if isinstance(a, RemotePtr) else
+                 local(a).view(np_dtype) for a in inputs],
                 op, divisor, scale, threads=host_threads())
 
 
@@ -152,7 +64,7 @@ def _check_order(address: Any, value: int) -> None:
     if not value:
         return
     word = np.zeros(1, dtype=np.uint64)
-    _move(word.ctypes.data, address, 8)
+    move(word.ctypes.data, address, 8)
     current = int(word[0])
     if value < current < 1 << 62:
         raise HocclError(f"signal order: writing {value} over {current} at {address!r} would "
@@ -414,7 +326,7 @@ class HostDevice(Device):
 
     # -- the primitives ----------------------------------------------------------------
     def copy(self, stream: HostStream, dst: Any, src: Any, nbytes: int) -> None:
-        stream.enqueue(lambda: _move(dst, src, nbytes))
+        stream.enqueue(lambda: move(dst, src, nbytes))
 
     def local_copy(self, stream: HostStream, dst: Any, src: Any, nbytes: int,
                    sms: Optional[int] = None) -> None:
@@ -428,7 +340,7 @@ class HostDevice(Device):
             if not (self._aborted.is_set() or stream.aborted.is_set()):
                 if self._check_signals:
                     _check_order(address, value)
-                _move(address, word.ctypes.data, 8)
+                move(address, word.ctypes.data, 8)
         stream.enqueue(write)
 
     def wait_value(self, stream: HostStream, address: Any, value: int) -> None:
@@ -481,7 +393,7 @@ class HostDevice(Device):
 
         def read(address: Any, nbytes: int) -> np.ndarray:
             data = np.empty(nbytes, dtype=np.uint8)
-            _move(data.ctypes.data, address, nbytes)
+            move(data.ctypes.data, address, nbytes)
             return data
 
         def run():
@@ -501,8 +413,8 @@ class HostDevice(Device):
                         raise _Aborted()
                     twins = np.full(DIRECT_WORDS, program.signature, dtype=np.uint64)
                     words = np.full(DIRECT_WORDS, base + op[2], dtype=np.uint64)
-                    _move(op[1] + twin, twins.ctypes.data, twins.nbytes)
-                    _move(op[1], words.ctypes.data, words.nbytes)
+                    move(op[1] + twin, twins.ctypes.data, twins.nbytes)
+                    move(op[1], words.ctypes.data, words.nbytes)
                 elif kind == DIRECT_WAIT:
                     slot = np.ctypeslib.as_array(
                         (ctypes.c_uint64 * DIRECT_WORDS).from_address(op[1]))
@@ -524,7 +436,7 @@ class HostDevice(Device):
                     dst, src = dst + odd * dst_shift, src + odd * src_shift
                     for block in range(blocks):
                         start, stop = block_range(nbytes, blocks, block)
-                        _move(dst + start, src + start, stop - start)
+                        move(dst + start, src + start, stop - start)
                 else:
                     assert kind == DIRECT_REDUCE
                     _, output, inputs, count, out_shift = op
@@ -537,7 +449,7 @@ class HostDevice(Device):
                         views = [read(address + start, stop - start).view(np_dtype)
                                  for address in addresses]
                         result = reduce_arrays(views, program.op, np_dtype, None, program.scale)
-                        _move(output + start, result.ctypes.data, stop - start)
+                        move(output + start, result.ctypes.data, stop - start)
             if _read_u64(counter) == epoch:  # not over an abort value
                 ctypes.c_uint64.from_address(counter).value = epoch + 1
             # the kernel's last block: the call's completion words (not after an abort),
@@ -554,13 +466,13 @@ class HostDevice(Device):
     # -- out of band ---------------------------------------------------------------------
     def peek(self, address: Any, count: int) -> List[int]:
         words = np.zeros(count, dtype=np.uint64)
-        _move(words.ctypes.data, address, 8 * count)
+        move(words.ctypes.data, address, 8 * count)
         return [int(word) for word in words]
 
     def poke(self, writes: Sequence[Tuple[Any, int]]) -> None:
         for address, value in writes:
             word = np.array([value], dtype=np.uint64)
-            _move(address, word.ctypes.data, 8)
+            move(address, word.ctypes.data, 8)
 
     def failure(self) -> Optional[str]:
         for stream in self._streams:
