@@ -160,12 +160,12 @@ _IN_PLACE = {"sum": np.add, "avg": np.add, "prod": np.multiply, "max": np.maximu
 
 def reduce_into(out: np.ndarray, inputs: Sequence[Union[np.ndarray, Reader]], op: str,
                 divisor: Optional[int] = None, scale: Optional[float] = None, *,
-                threads: int = 1) -> None:
+                threads: int = 1, block_bytes: Optional[int] = None) -> None:
     """``out[...] = reduce_arrays(inputs, op, out.dtype, divisor, scale)``, the same bits,
-    a block of ``REDUCE_BLOCK_BYTES`` at a time: each element is folded in the same order
-    and precision, with no temporary of the whole size (the host backend's and the
-    hierarchy's reductions of hundreds of MiB ran at a quarter of the memory's speed
-    through ``reduce_arrays``' copies).  ``out`` is flat; an input is a flat array of its
+    a block of ``block_bytes`` (default ``REDUCE_BLOCK_BYTES``) at a time: each element is
+    folded in the same order and precision, with no temporary of the whole size (the host
+    backend's and the hierarchy's reductions of hundreds of MiB ran at a quarter of the
+    memory's speed through ``reduce_arrays``' copies).  ``out`` is flat; an input is a flat array of its
     dtype and length or a ``Reader``.  An input that overlaps ``out`` other than exactly
     (an in-place call) is folded whole, as ``reduce_arrays`` does.
 
@@ -182,7 +182,7 @@ def reduce_into(out: np.ndarray, inputs: Sequence[Union[np.ndarray, Reader]], op
         return
     wide = dtype.itemsize == 2 and dtype.kind in "fV"
     exact = dtype.kind in "fiu" and not wide and not (op == "avg" and dtype.kind in "iu")
-    per_block = max(1, REDUCE_BLOCK_BYTES // dtype.itemsize)
+    per_block = max(1, (block_bytes or REDUCE_BLOCK_BYTES) // dtype.itemsize)
 
     def fold(first: int, last: int) -> None:
         """Elements [first, last), block by block, with scratch of this part's own."""

@@ -16,6 +16,11 @@ piece's memory may change; for each piece it receives: the peer's offer, the rea
 receipt back.  Reads wait for nothing but offers, so no member waits on another's wait;
 with several steps in flight a peer's pieces are read in the order of its offers (one
 tag each way: a receipt answers the oldest offer not yet answered).
+An ``all_reduce`` step (``CmaTransport.all_reduce``) reads nothing into a buffer: once
+every peer's offer has come, a fold reads the peers' pieces where they lie, a block at a
+time into its threads' caches, and writes the sum; on the wire it is an all_gather, so a
+staged peer takes its part as one.
+
 ``CmaTransport.connect`` chooses it only where every member sits on one machine and each
 can read every other's memory (a trial read at connect); ``HOCCL_CROSS_MEMORY=0`` keeps
 MPI's own path.
@@ -26,7 +31,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -105,13 +110,15 @@ class _Step:
         self.transport = transport
         self.requests: List[Any] = []  # sends of offers and receipts, receipts expected
         self.keep: List[np.ndarray] = []  # the buffers of messages in flight
+        self.receipts: List[Any] = []  # one per offer: its piece has been read
         for peer, piece in offers:
             offer = np.array([piece.ctypes.data, piece.nbytes], np.uint64)
             self.keep += [offer, piece]  # the piece lives until its receipt has come
             self.requests.append(comm.Isend(offer, dest=peer, tag=_OFFER))
             receipt = np.zeros(1, np.uint64)
             self.keep.append(receipt)
-            self.requests.append(comm.Irecv(receipt, source=peer, tag=_READ))
+            self.receipts.append(comm.Irecv(receipt, source=peer, tag=_READ))
+        self.requests += self.receipts
         self.reads: List[Tuple[int, np.ndarray, np.ndarray, Any]] = []
         for peer, piece in reads:
             offer = np.zeros(2, np.uint64)
@@ -128,13 +135,47 @@ class _Step:
                 behind.add(peer)
                 continue
             self.transport.read(piece, peer, int(offer[0]), int(offer[1]))
-            receipt = np.ones(1, np.uint64)
-            self.keep.append(receipt)
-            self.requests.append(self.transport.comm.Isend(receipt, dest=peer, tag=_READ))
+            self._receipt(peer)
         self.reads = waiting
+
+    def _receipt(self, peer: int) -> None:
+        receipt = np.ones(1, np.uint64)
+        self.keep.append(receipt)
+        self.requests.append(self.transport.comm.Isend(receipt, dest=peer, tag=_READ))
 
     def done(self) -> bool:
         return not self.reads and bool(self.transport.MPI.Request.Testall(self.requests))
+
+
+class _FoldStep(_Step):
+    """A step that folds its members' pieces as it reads them: ``piece`` is offered to
+    every peer, and once every peer's piece has been offered (and, where the fold writes
+    over ``piece``, every peer has read it) ``fold`` is given every member's piece in
+    member order, this member's own array and a ``RemotePtr`` for each peer's; the
+    receipts go back after it."""
+
+    def __init__(self, transport: "CmaTransport", piece: np.ndarray,
+                 fold: Callable[[List[Any]], None], over_own: bool):
+        others = [(peer, piece) for peer in transport.others()]
+        super().__init__(transport, others, others)
+        self.piece, self.fold, self.over_own = piece, fold, over_own
+
+    def progress(self, behind: set) -> None:
+        if not self.reads:
+            return
+        peers = {peer for peer, *_ in self.reads}
+        if behind & peers or not all(request.Test() for *_, request in self.reads) or (
+                self.over_own and not self.transport.MPI.Request.Testall(self.receipts)):
+            behind |= peers
+            return
+        pieces: List[Any] = [self.piece] * self.transport.size
+        for peer, _, offer, _ in self.reads:
+            pieces[peer] = self.transport.offered(peer, int(offer[0]), int(offer[1]),
+                                                  self.piece.nbytes)
+        self.fold(pieces)
+        for peer in sorted(peers):
+            self._receipt(peer)
+        self.reads = []
 
 
 class CmaTransport(MpiTransport):
@@ -156,24 +197,38 @@ class CmaTransport(MpiTransport):
         return cls(comm) if same_machine(comm) else MpiTransport(comm)
 
     def read(self, piece: np.ndarray, peer: int, address: int, nbytes: int) -> None:
-        """A peer's offered bytes into ``piece``: the lengths agree, or the calls differ."""
-        if nbytes != piece.nbytes:
-            raise HocclError(f"a step across hosts ({self.label}, member {self.member} of "
-                             f"{self.size}): member {peer} offered {nbytes} bytes where "
-                             f"{piece.nbytes} were expected: the members' calls differ")
-        move(piece.ctypes.data, RemotePtr(self.pids[peer], address), nbytes,
+        """A peer's offered bytes into ``piece``."""
+        move(piece.ctypes.data, self.offered(peer, address, nbytes, piece.nbytes), nbytes,
              piece_bytes=READ_PART_BYTES)
 
-    def _others(self) -> List[int]:
+    def offered(self, peer: int, address: int, nbytes: int, expected: int) -> RemotePtr:
+        """Where a peer's offered piece lies: the lengths agree, or the calls differ."""
+        if nbytes != expected:
+            raise HocclError(f"a step across hosts ({self.label}, member {self.member} of "
+                             f"{self.size}): member {peer} offered {nbytes} bytes where "
+                             f"{expected} were expected: the members' calls differ")
+        return RemotePtr(self.pids[peer], address)
+
+    def others(self) -> List[int]:
         return [m for m in range(self.size) if m != self.member]
 
+    def all_reduce(self, piece: np.ndarray, fold: Callable[[List[Any]], None],
+                   over_own: bool) -> Any:
+        """Every member's ``piece`` handed to ``fold`` where it lies, in member order (a
+        ``RemotePtr`` for a peer's): the fold reads its peers' bytes as it folds them,
+        with no copy of its own.  On the wire it is an ``all_gather`` of ``piece``, so a
+        peer may take its part as one.  ``over_own``: the fold writes over ``piece``."""
+        step = _FoldStep(self, piece, fold, over_own)
+        self._steps.append(step)
+        return step
+
     def _exchange(self, sends: Sequence[np.ndarray], recvs: Sequence[np.ndarray]) -> Any:
-        return self._step([(p, sends[p]) for p in self._others()],
-                     [(p, recvs[p]) for p in self._others()])
+        return self._step([(p, sends[p]) for p in self.others()],
+                     [(p, recvs[p]) for p in self.others()])
 
     def broadcast(self, buf: np.ndarray, root: int) -> Any:
         if self.member == root:
-            return self._step([(p, buf) for p in self._others()], [])
+            return self._step([(p, buf) for p in self.others()], [])
         return self._step([], [(root, buf)])
 
     def gather(self, send: np.ndarray, recv: Optional[np.ndarray], root: int) -> Any:
@@ -181,14 +236,14 @@ class CmaTransport(MpiTransport):
             return self._step([(root, send)], [])
         recvs = _pieces(recv, self.size)
         recvs[root][...] = send
-        return self._step([], [(p, recvs[p]) for p in self._others()])
+        return self._step([], [(p, recvs[p]) for p in self.others()])
 
     def scatter(self, send: Optional[np.ndarray], recv: np.ndarray, root: int) -> Any:
         if self.member != root:
             return self._step([], [(root, recv)])
         sends = _pieces(send, self.size)
         recv[...] = sends[root]
-        return self._step([(p, sends[p]) for p in self._others()], [])
+        return self._step([(p, sends[p]) for p in self.others()], [])
 
     def send(self, buf: np.ndarray, peer: int) -> Any:
         return self._step([(peer, buf)], [])

@@ -35,13 +35,15 @@ waits for exactly what it reads.
 from __future__ import annotations
 
 import abc
-import ctypes
 import mmap
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from ..backends._cross_memory import remote_reader
+from ..config import host_threads
+from .._dtypes import reduce_into
 from .._errors import AbortedError, HocclError, HocclTimeoutError, InvalidArgumentError
 from .._mailbox import wait_until
 from ..bootstrap import Bootstrap, MPIBootstrap
@@ -49,6 +51,7 @@ from .arrays import Arrays, address
 from .cma import CmaTransport
 from .engine import Setup
 from .folding import FoldingEngine, _to_numpy
+from .slots import HOST_COPIES, SLOTS, Stager, host_bytes
 from .transports import GlooTransport, Start, Transport
 
 __all__ = ["StagedEngine", "MpiStagedEngine", "GlooStagedEngine", "Transport"]
@@ -58,83 +61,10 @@ __all__ = ["StagedEngine", "MpiStagedEngine", "GlooStagedEngine", "Transport"]
 #: progress inside ``Test``), and a chunk of ``stage_bytes`` crosses shared memory in
 #: about 0.4 ms, so the mailbox's 1 ms would leave the wire idle most of the time
 POLL_SLEEP = 50e-6
-#: pinned slots per direction, and so the transfers of one step in flight at a time on
-#: every member (a member in host memory keeps as many)
-SLOTS = 2
-
-
-class _Stager:
-    """Pinned slots, two lanes and their events on one GPU (hoccl's device handle)."""
-
-    def __init__(self, device: Any, slot_bytes: int, allocate: Callable[[int], np.ndarray],
-                 release: Optional[Callable[[np.ndarray], None]] = None):
-        self.device, self.slot_bytes, self.release = device, slot_bytes, release
-        self.lanes = (device.create_stream(), device.create_stream())   # out, in
-        self.out_done = [device.create_event() for _ in range(SLOTS)]
-        self.in_done = [device.create_event() for _ in range(SLOTS)]
-        self.in_used = [False] * SLOTS
-        self.started = device.create_event()
-        self.pinned: List[Tuple[np.ndarray, np.ndarray]] = [
-            (allocate(slot_bytes), allocate(slot_bytes)) for _ in range(SLOTS)]  # (out, in)
-
-    def close(self, timeout: float) -> None:
-        """After the copies in flight (a copy in reads the pinned slots)."""
-        for lane in self.lanes:
-            self.device.synchronize_stream(lane, timeout)
-        if self.release is not None:
-            for pair in self.pinned:
-                for slot in pair:
-                    self.release(slot)
-        for event in self.out_done + self.in_done + [self.started]:
-            self.device.destroy_event(event)
-        for lane in self.lanes:
-            self.device.destroy_stream(lane)
-
-
-class _HostCopies:
-    """The device interface for arrays in host memory: each copy is done when issued, so
-    every event has been reached (a rank on hoccl's host backend stages nothing, but
-    cuts its steps into the chunks its peers cut theirs)."""
-
-    def activate(self) -> None:
-        pass
-
-    def resolve_stream(self, stream: Any, arrays: Sequence[Any]) -> None:
-        return None
-
-    def create_stream(self) -> None:
-        return None
-
-    def destroy_stream(self, stream: Any) -> None:
-        pass
-
-    def create_event(self) -> None:
-        return None
-
-    def destroy_event(self, event: Any) -> None:
-        pass
-
-    def record(self, stream: Any, event: Any) -> None:
-        pass
-
-    def wait_event(self, stream: Any, event: Any) -> None:
-        pass
-
-    def done(self, event: Any) -> bool:
-        return True
-
-    def synchronize_stream(self, stream: Any, timeout: float) -> None:
-        pass
-
-    def copy(self, stream: Any, dst: int, src: int, nbytes: int) -> None:
-        ctypes.memmove(dst, src, nbytes)
-
-
-HOST_COPIES = _HostCopies()
-
-
-def _host_bytes(nbytes: int) -> np.ndarray:
-    return np.empty(nbytes, np.uint8)
+#: the block a fold that reads its peer's memory folds at a time (``_folded_as_read``): a
+#: thread's read lands in its core's cache, and a chunk of a few MiB still spreads over
+#: every helper thread (``reduce_into`` gives each thread two blocks or more)
+FOLD_BLOCK_BYTES = 1 << 20
 
 
 class StagedEngine(FoldingEngine):
@@ -145,15 +75,18 @@ class StagedEngine(FoldingEngine):
     name = "staged"
 
     def __init__(self, transport: Transport, device: Any, timeout: float, stage_bytes: int,
-                 direct: bool = False):
+                 direct: bool = False, only_host_member: bool = False):
         self.transport, self.device = transport, device
         #: every member's arrays in host memory: the transport moves them themselves, in
         #: one step (no member stages, so none needs the chunks)
         self.direct = direct
+        #: this member's arrays alone in host memory, every peer's on a device: its peers
+        #: stage, so none folds a reduction as it reads (``_folded_as_read``)
+        self.only_host_member = only_host_member
         self.size, self.member = transport.size, transport.member
         self.timeout, self.stage_bytes = timeout, stage_bytes
         self.label = f"{transport.label} (staged)"
-        self._stagers: Dict[int, _Stager] = {}  # by the id of the device that copies
+        self._stagers: Dict[int, Stager] = {}  # by the id of the device that copies
         #: a phase's own stream and its two events, started and finished (``begin``)
         self._phase: Optional[Tuple[Any, Any, Any]] = None
         self._broken = ""
@@ -166,11 +99,13 @@ class StagedEngine(FoldingEngine):
         timeout, stage = setup.host.timeout, setup.config.stage_bytes
         topology = setup.topology
 
-        def on_host(group: Sequence[int]) -> bool:
-            return bool(setup.devices) and all(setup.devices[m] == "cpu" for m in group)
+        def engine(transport: Transport, group: Sequence[int]) -> "StagedEngine":
+            kinds = [setup.devices[m] for m in group] if setup.devices else []
+            alone = kinds.count("cpu") == 1 and setup.devices[setup.bootstrap.rank] == "cpu"
+            return cls(transport, device, timeout, stage, bool(kinds) and
+                       kinds.count("cpu") == len(kinds), alone)
         rail = topology.groups("rail")[topology.local_of(setup.bootstrap.rank)]
-        return (cls(rails, device, timeout, stage, on_host(rail)),
-                cls(world, device, timeout, stage, on_host(range(topology.world_size))))
+        return engine(rails, rail), engine(world, range(topology.world_size))
 
     @classmethod
     @abc.abstractmethod
@@ -265,9 +200,7 @@ class StagedEngine(FoldingEngine):
         """A step whose send holds ``send_blocks`` blocks of ``count`` elements and whose
         recv ``recv_blocks`` (either may be None); ``start(host_send, host_recv)`` starts
         the transport's step on byte arrays laid out block-major."""
-        if self._broken:
-            raise AbortedError(f"{what} across hosts ({self.label}): the engine takes no more "
-                               f"calls: {self._broken}")
+        self._refuse_if_broken(what)
         if self.direct:
             host_send = None if send is None else _to_numpy(send).view(np.uint8)
             host_recv = None if recv is None else _to_numpy(recv).view(np.uint8)
@@ -283,6 +216,11 @@ class StagedEngine(FoldingEngine):
                                        f"rank without hoccl's cuda backend")
         self._staged(what, device, None if on_host else stream, count, send, send_blocks,
                      recv, recv_blocks, start)
+
+    def _refuse_if_broken(self, what: str) -> None:
+        if self._broken:
+            raise AbortedError(f"{what} across hosts ({self.label}): the engine takes no more "
+                               f"calls: {self._broken}")
 
     @staticmethod
     def _on_host(arrays: List[Any]) -> bool:
@@ -307,8 +245,8 @@ class StagedEngine(FoldingEngine):
             stager = None
         if stager is None:
             on_host = device is HOST_COPIES
-            stager = _Stager(device, max(self.stage_bytes, blocks * item),
-                             _host_bytes if on_host else self.pinned,
+            stager = Stager(device, max(self.stage_bytes, blocks * item),
+                             host_bytes if on_host else self.pinned,
                              None if on_host else self.unpinned)
             self._stagers[id(device)] = stager
         device.activate()
@@ -401,15 +339,59 @@ class StagedEngine(FoldingEngine):
             views = [array[(block * count + a) * item:(block * count + b) * item]
                      for block in range(blocks)]
             return views[0] if blocks == 1 else views
-        in_flight: List[Any] = []  # oldest first, as many as a staged member keeps
+        self._in_chunks(what, count, per_chunk, lambda a, b: start(
+            part(host_send, send_blocks, a, b), part(host_recv, recv_blocks, a, b)))
+        return True
+
+    def _in_chunks(self, what: str, count: int, per_chunk: int,
+                   start: Callable[[int, int], Any]) -> None:
+        """``start(a, b)`` the transfer of elements [a, b) of every chunk, as many in flight
+        as a staged member keeps, each waited for in turn."""
+        in_flight: List[Any] = []  # oldest first
         for a in range(0, count, per_chunk):
-            b = min(count, a + per_chunk)
             if len(in_flight) == SLOTS:
                 self._transferred(in_flight.pop(0), what)
-            in_flight.append(start(part(host_send, send_blocks, a, b),
-                                   part(host_recv, recv_blocks, a, b)))
+            in_flight.append(start(a, min(count, a + per_chunk)))
         for request in in_flight:
             self._transferred(request, what)
+
+    # -- reductions -------------------------------------------------------------------
+    def all_reduce(self, send: Any, recv: Any, op: str, *, stream: Any = None) -> None:
+        """Between two members, an all_gather and a fold: the same bytes cross as in a
+        reduce_scatter and an all_gather (half of each member's array each way, twice),
+        in one step instead of two with a fold between them.  A member in host memory
+        whose transport reads its peer's memory folds the peer's bytes as it reads them
+        (``CmaTransport.all_reduce``), straight into ``recv``.  From three members on, the
+        two steps move fewer bytes (``FoldingEngine``)."""
+        if self.size != 2:
+            super().all_reduce(send, recv, op, stream=stream)
+            return
+        count = recv.shape[0]
+        if not count or self._folded_as_read(count, send, recv, op):
+            return
+        everyone = self.scratch(send, 2 * count, stream)
+        self.all_gather(send, everyone, stream=stream)
+        self.folding([everyone[:count], everyone[count:]], recv, op, stream)
+
+    def _folded_as_read(self, count: int, send: Any, recv: Any, op: str) -> bool:
+        """``all_reduce``'s fold as it reads, where this member's arrays are in host
+        memory and the transport reads its peers' (else False: nothing done).  Cut into
+        the chunks of the peer's all_gather (``_staged``: a slot holds a chunk of each
+        member's block), or one step where no member stages."""
+        if not (isinstance(self.transport, CmaTransport) and self._on_host([send, recv])):
+            return False
+        host_send, host_recv = _to_numpy(send), _to_numpy(recv)
+        over_own = _overlap(host_send, host_recv)
+        if over_own and not (self.only_host_member
+                             and host_send.ctypes.data == host_recv.ctypes.data):
+            # in place, the fold writes over the piece its peer reads, so it waits until
+            # the peer has read it; a peer folding as it reads would wait for this fold
+            return False
+        self._refuse_if_broken("all_reduce")
+        transport, item = self.transport, host_recv.dtype.itemsize
+        per_chunk = count if self.direct else max(1, self.stage_bytes // (2 * item))
+        self._in_chunks("all_reduce", count, per_chunk, lambda a, b: transport.all_reduce(
+            host_send[a:b].view(np.uint8), _fold_into(host_recv[a:b], op), over_own))
         return True
 
     # -- the copies -------------------------------------------------------------------
@@ -496,6 +478,16 @@ class StagedEngine(FoldingEngine):
 
 #: the steps whose own block a staged member copies on its device (``_staged``)
 _OWN_BLOCK = ("all_gather", "all_to_all")
+
+
+def _fold_into(out: np.ndarray, op: str) -> Callable[[List[Any]], None]:
+    """A fold of the members' pieces into ``out`` that reads a peer's piece (a
+    ``RemotePtr``) where it lies, a block at a time."""
+    def fold(pieces: List[Any]) -> None:
+        reduce_into(out, [piece.view(out.dtype) if isinstance(piece, np.ndarray) else
+                          remote_reader(piece, out.dtype) for piece in pieces], op,
+                    threads=host_threads(), block_bytes=FOLD_BLOCK_BYTES)
+    return fold
 
 
 def _overlap(a: np.ndarray, b: np.ndarray) -> bool:
