@@ -41,7 +41,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..backends._cross_memory import remote_reader
+from ..backends._cross_memory import FOLD_BLOCK_BYTES, remote_reader
 from ..config import host_threads
 from .._dtypes import reduce_into
 from .._errors import AbortedError, HocclError, HocclTimeoutError, InvalidArgumentError
@@ -61,10 +61,6 @@ __all__ = ["StagedEngine", "MpiStagedEngine", "GlooStagedEngine", "Transport"]
 #: progress inside ``Test``), and a chunk of ``stage_bytes`` crosses shared memory in
 #: about 0.4 ms, so the mailbox's 1 ms would leave the wire idle most of the time
 POLL_SLEEP = 50e-6
-#: the block a fold that reads its peer's memory folds at a time (``_folded_as_read``): a
-#: thread's read lands in its core's cache, and a chunk of a few MiB still spreads over
-#: every helper thread (``reduce_into`` gives each thread two blocks or more)
-FOLD_BLOCK_BYTES = 1 << 20
 
 
 class StagedEngine(FoldingEngine):
@@ -96,16 +92,11 @@ class StagedEngine(FoldingEngine):
     def connect(cls, setup: Setup) -> Tuple["StagedEngine", "StagedEngine"]:
         rails, world = cls.transports(setup)
         device = setup.host.device_handle if setup.backend == "cuda" else None
-        timeout, stage = setup.host.timeout, setup.config.stage_bytes
-        topology = setup.topology
-
-        def engine(transport: Transport, group: Sequence[int]) -> "StagedEngine":
-            kinds = [setup.devices[m] for m in group] if setup.devices else []
-            alone = kinds.count("cpu") == 1 and setup.devices[setup.bootstrap.rank] == "cpu"
-            return cls(transport, device, timeout, stage, bool(kinds) and
-                       kinds.count("cpu") == len(kinds), alone)
+        timeout, stage, topology = setup.host.timeout, setup.config.stage_bytes, setup.topology
         rail = topology.groups("rail")[topology.local_of(setup.bootstrap.rank)]
-        return engine(rails, rail), engine(world, range(topology.world_size))
+        return (cls(rails, device, timeout, stage, *_in_host_memory(setup, rail)),
+                cls(world, device, timeout, stage,
+                    *_in_host_memory(setup, range(topology.world_size))))
 
     @classmethod
     @abc.abstractmethod
@@ -113,11 +104,9 @@ class StagedEngine(FoldingEngine):
         """(this rank's rail transport, the world's)."""
 
     def pinned(self, nbytes: int) -> np.ndarray:
-        """``nbytes`` of page-locked host memory as a numpy array: the copy engines move it
-        without a bounce through pageable memory.  An anonymous mapping that hoccl's device
-        (the only device that stages) page-locks (``pin_host``: no torch or cupy needed; a
-        peer process reads it as fast as torch's pinned memory, 4–9 GB/s on the H200
-        machine)."""
+        """``nbytes`` of page-locked host memory (copy engines move it with no bounce): an
+        anonymous mapping that hoccl's device page-locks (no torch or cupy needed; a peer
+        process reads it as fast as torch's pinned memory, 4–9 GB/s on the H200 machine)."""
         memory = np.frombuffer(mmap.mmap(-1, max(1, nbytes)), np.uint8)[:nbytes]
         if nbytes:
             self.device.pin_host(memory.ctypes.data, nbytes)
@@ -478,6 +467,14 @@ class StagedEngine(FoldingEngine):
 
 #: the steps whose own block a staged member copies on its device (``_staged``)
 _OWN_BLOCK = ("all_gather", "all_to_all")
+
+
+def _in_host_memory(setup: Setup, group: Sequence[int]) -> Tuple[bool, bool]:
+    """(every member of ``group`` in host memory, this rank the only one), from the
+    device kinds the ranks reported (neither where none were)."""
+    kinds = [setup.devices[m] for m in group] if setup.devices else []
+    alone = kinds.count("cpu") == 1 and setup.devices[setup.bootstrap.rank] == "cpu"
+    return bool(kinds) and kinds.count("cpu") == len(kinds), alone
 
 
 def _fold_into(out: np.ndarray, op: str) -> Callable[[List[Any]], None]:

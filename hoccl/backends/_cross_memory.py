@@ -22,7 +22,7 @@ from ..config import host_threads
 from .._errors import HocclError
 from .._threads import run_parts, split
 
-__all__ = ["RemotePtr", "move", "move_piece", "remote_reader"]
+__all__ = ["FOLD_BLOCK_BYTES", "RemotePtr", "move", "move_piece", "remote_reader"]
 
 
 @dataclass(frozen=True)
@@ -96,6 +96,12 @@ def move_piece(dst: Any, src: Any, nbytes: int) -> None:
         _cross_process("process_vm_readv", src.pid, dst, src.address, nbytes)
     else:
         ctypes.memmove(dst, src, nbytes)
+
+
+#: the block a fold that reads a peer's memory folds at a time (``reduce_into``'s
+#: ``block_bytes``): each thread's read lands in its core's cache before it is summed, and
+#: a few MiB still spread over every helper thread (each takes two blocks or more)
+FOLD_BLOCK_BYTES = 1 << 20
 
 
 def remote_reader(address: RemotePtr, dtype: np.dtype) -> Callable[[int, int], np.ndarray]:

@@ -28,7 +28,7 @@ from .._dtypes import numpy_dtype, reduce_arrays, reduce_into
 from .._errors import HocclError, HocclTimeoutError, InvalidArgumentError
 from ._base import (DIRECT_COPY, DIRECT_REDUCE, DIRECT_SIGNAL, DIRECT_VALUE_BITS, DIRECT_WAIT,
                     Device, DirectProgram, HostWord, check_reduce_extras)
-from ._cross_memory import RemotePtr, move, remote_reader
+from ._cross_memory import FOLD_BLOCK_BYTES, RemotePtr, move, remote_reader
 from ._kernels import DIRECT_WORDS, block_range
 
 __all__ = ["HostDevice", "HostStream", "RemotePtr", "open_device"]
@@ -45,10 +45,12 @@ def _reduce_now(output: Any, inputs: Sequence[Any], count: int, dtype: str, op: 
     def local(address: int) -> np.ndarray:
         return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(address))
 
+    remote = any(isinstance(a, RemotePtr) for a in inputs)
     reduce_into(local(output).view(np_dtype),
                 [remote_reader(a, np_dtype) if isinstance(a, RemotePtr) else
                  local(a).view(np_dtype) for a in inputs],
-                op, divisor, scale, threads=host_threads())
+                op, divisor, scale, threads=host_threads(),
+                block_bytes=FOLD_BLOCK_BYTES if remote else None)
 
 
 def _read_u64(address: int) -> int:
