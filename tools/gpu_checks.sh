@@ -19,6 +19,9 @@
 #   tier         the GPU tier in one process and run_checks under mpirun -np 2 and -np 3,
 #                then tools/profile_phase.py's timeline of the mixed job's all_reduce at
 #                64 MiB (pipelined and sequential) and its rail phase alone
+#   chunks       the mixed job's all_reduce at 64 MiB: tools/profile_phase.py's timeline
+#                (pipelined) and its rail phase alone, then the benchmark (hoccl alone) at
+#                64M and 256M in phase chunks of 32M and 16M
 #   reliability  the failure scenarios (a peer dead, killed, closed, aborting), the
 #                direct-kernel divergence scenarios, the lost-peer exit under Open MPI,
 #                the torch backend's checks and training checks
@@ -141,6 +144,19 @@ tier)
       --phase "$phase"
   done
   ;;
+chunks)
+  MPI4="${MPIRUN/-np 2/-np 4}"
+  P="--devices cuda,cuda,cpu,cpu --intra-host cuda,cuda,host,host --local-size 2"
+  for phase in pipelined "rail all_reduce"; do
+    run "profile-64M-${phase// /-}" 60 $MPI4 python3 tools/profile_phase.py $P --size 64M \
+      --phase "$phase"
+  done
+  for chunk in 32M 16M; do
+    run "chunks-$chunk" 90 $MPI4 -x OMP_NUM_THREADS=4 python3 -m hoccl.bench.mixed $P \
+      --sizes 64M,256M --phase-bytes 256M --iters 3 --libraries hoccl --phase-chunk "$chunk" \
+      --out "$OUT/chunks-$chunk"
+  done
+  ;;
 reliability)
   for scenario in mismatch dead absent killed early closed abort; do
     run "fail-$scenario" 60 $MPIRUN $KEEP python3 tests/mpi/run_failures.py $scenario --backend cuda
@@ -186,7 +202,7 @@ tune|tune2)
   rows+=("  $(grep '^issue 29' "$OUT/auto-vs-best.md")")
   ;;
 *)
-  echo "usage: bash tools/gpu_checks.sh prepared|mixed|phases|roof|tier|reliability|tune|tune2" >&2; exit 2 ;;
+  echo "usage: bash tools/gpu_checks.sh prepared|mixed|phases|roof|tier|chunks|reliability|tune|tune2" >&2; exit 2 ;;
 esac
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>&1 | head -1
 printf '%s\n' "${rows[@]}" | tee "$OUT/summary.txt"
