@@ -110,15 +110,13 @@ class _Step:
         self.transport = transport
         self.requests: List[Any] = []  # sends of offers and receipts, receipts expected
         self.keep: List[np.ndarray] = []  # the buffers of messages in flight
-        self.receipts: List[Any] = []  # one per offer: its piece has been read
         for peer, piece in offers:
             offer = np.array([piece.ctypes.data, piece.nbytes], np.uint64)
             self.keep += [offer, piece]  # the piece lives until its receipt has come
             self.requests.append(comm.Isend(offer, dest=peer, tag=_OFFER))
             receipt = np.zeros(1, np.uint64)
             self.keep.append(receipt)
-            self.receipts.append(comm.Irecv(receipt, source=peer, tag=_READ))
-        self.requests += self.receipts
+            self.requests.append(comm.Irecv(receipt, source=peer, tag=_READ))
         self.reads: List[Tuple[int, np.ndarray, np.ndarray, Any]] = []
         for peer, piece in reads:
             offer = np.zeros(2, np.uint64)
@@ -149,23 +147,21 @@ class _Step:
 
 class _FoldStep(_Step):
     """A step that folds its members' pieces as it reads them: ``piece`` is offered to
-    every peer, and once every peer's piece has been offered (and, where the fold writes
-    over ``piece``, every peer has read it) ``fold`` is given every member's piece in
-    member order, this member's own array and a ``RemotePtr`` for each peer's; the
-    receipts go back after it."""
+    every peer, and once every peer's piece has been offered ``fold`` is given every
+    member's piece in member order, this member's own array and a ``RemotePtr`` for each
+    peer's; the receipts go back after it."""
 
     def __init__(self, transport: "CmaTransport", piece: np.ndarray,
-                 fold: Callable[[List[Any]], None], over_own: bool):
+                 fold: Callable[[List[Any]], None]):
         others = [(peer, piece) for peer in transport.others()]
         super().__init__(transport, others, others)
-        self.piece, self.fold, self.over_own = piece, fold, over_own
+        self.piece, self.fold = piece, fold
 
     def progress(self, behind: set) -> None:
         if not self.reads:
             return
         peers = {peer for peer, *_ in self.reads}
-        if behind & peers or not all(request.Test() for *_, request in self.reads) or (
-                self.over_own and not self.transport.MPI.Request.Testall(self.receipts)):
+        if behind & peers or not all(request.Test() for *_, request in self.reads):
             behind |= peers
             return
         pieces: List[Any] = [self.piece] * self.transport.size
@@ -212,13 +208,12 @@ class CmaTransport(MpiTransport):
     def others(self) -> List[int]:
         return [m for m in range(self.size) if m != self.member]
 
-    def all_reduce(self, piece: np.ndarray, fold: Callable[[List[Any]], None],
-                   over_own: bool) -> Any:
+    def all_reduce(self, piece: np.ndarray, fold: Callable[[List[Any]], None]) -> Any:
         """Every member's ``piece`` handed to ``fold`` where it lies, in member order (a
         ``RemotePtr`` for a peer's): the fold reads its peers' bytes as it folds them,
         with no copy of its own.  On the wire it is an ``all_gather`` of ``piece``, so a
-        peer may take its part as one.  ``over_own``: the fold writes over ``piece``."""
-        step = _FoldStep(self, piece, fold, over_own)
+        peer may take its part as one.  The fold must not write over ``piece``."""
+        step = _FoldStep(self, piece, fold)
         self._steps.append(step)
         return step
 

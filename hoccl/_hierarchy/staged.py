@@ -41,7 +41,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..backends._cross_memory import FOLD_BLOCK_BYTES, remote_reader
+from ..backends._cross_memory import FOLD_BLOCK_BYTES, move, remote_reader
 from ..config import host_threads
 from .._dtypes import reduce_into
 from .._errors import AbortedError, HocclError, HocclTimeoutError, InvalidArgumentError
@@ -71,14 +71,11 @@ class StagedEngine(FoldingEngine):
     name = "staged"
 
     def __init__(self, transport: Transport, device: Any, timeout: float, stage_bytes: int,
-                 direct: bool = False, only_host_member: bool = False):
+                 direct: bool = False):
         self.transport, self.device = transport, device
         #: every member's arrays in host memory: the transport moves them themselves, in
         #: one step (no member stages, so none needs the chunks)
         self.direct = direct
-        #: this member's arrays alone in host memory, every peer's on a device: its peers
-        #: stage, so none folds a reduction as it reads (``_folded_as_read``)
-        self.only_host_member = only_host_member
         self.size, self.member = transport.size, transport.member
         self.timeout, self.stage_bytes = timeout, stage_bytes
         self.label = f"{transport.label} (staged)"
@@ -94,9 +91,9 @@ class StagedEngine(FoldingEngine):
         device = setup.host.device_handle if setup.backend == "cuda" else None
         timeout, stage, topology = setup.host.timeout, setup.config.stage_bytes, setup.topology
         rail = topology.groups("rail")[topology.local_of(setup.bootstrap.rank)]
-        return (cls(rails, device, timeout, stage, *_in_host_memory(setup, rail)),
+        return (cls(rails, device, timeout, stage, _in_host_memory(setup, rail)),
                 cls(world, device, timeout, stage,
-                    *_in_host_memory(setup, range(topology.world_size))))
+                    _in_host_memory(setup, range(topology.world_size))))
 
     @classmethod
     @abc.abstractmethod
@@ -346,12 +343,10 @@ class StagedEngine(FoldingEngine):
 
     # -- reductions -------------------------------------------------------------------
     def all_reduce(self, send: Any, recv: Any, op: str, *, stream: Any = None) -> None:
-        """Between two members, an all_gather and a fold: the same bytes cross as in a
-        reduce_scatter and an all_gather (half of each member's array each way, twice),
-        in one step instead of two with a fold between them.  A member in host memory
-        whose transport reads its peer's memory folds the peer's bytes as it reads them
-        (``CmaTransport.all_reduce``), straight into ``recv``.  From three members on, the
-        two steps move fewer bytes (``FoldingEngine``)."""
+        """Between two members, an all_gather and a fold: the bytes of a reduce_scatter and
+        an all_gather in one step, with no fold between two.  A member in host memory whose
+        transport reads its peer's memory folds the peer's bytes as it reads them
+        (``CmaTransport.all_reduce``).  From three members on, the two steps move fewer."""
         if self.size != 2:
             super().all_reduce(send, recv, op, stream=stream)
             return
@@ -367,20 +362,24 @@ class StagedEngine(FoldingEngine):
         memory and the transport reads its peers' (else False: nothing done).  Cut into
         the chunks of the peer's all_gather (``_staged``: a slot holds a chunk of each
         member's block), or one step where no member stages."""
-        if not (isinstance(self.transport, CmaTransport) and self._on_host([send, recv])):
-            return False
-        host_send, host_recv = _to_numpy(send), _to_numpy(recv)
-        over_own = _overlap(host_send, host_recv)
-        if over_own and not (self.only_host_member
-                             and host_send.ctypes.data == host_recv.ctypes.data):
-            # in place, the fold writes over the piece its peer reads, so it waits until
-            # the peer has read it; a peer folding as it reads would wait for this fold
+        transport = self.transport
+        if not (isinstance(transport, CmaTransport) and self._on_host([send, recv])):
             return False
         self._refuse_if_broken("all_reduce")
-        transport, item = self.transport, host_recv.dtype.itemsize
+        host_send, host_recv = _to_numpy(send), _to_numpy(recv)
+        # in place, the fold would write over what the peer reads: it reads a copy (waiting
+        # for its read before each fold cost the H200 mixed job's rail half as much again)
+        offered = (_to_numpy(self.scratch(send, count, None))
+                   if _overlap(host_send, host_recv) else host_send)
+
+        def start(a: int, b: int) -> Any:
+            if offered is not host_send:
+                move(offered[a:b].ctypes.data, host_send[a:b].ctypes.data, offered[a:b].nbytes)
+            return transport.all_reduce(offered[a:b].view(np.uint8),
+                                        _fold_into(host_recv[a:b], op))
+        item = host_recv.dtype.itemsize
         per_chunk = count if self.direct else max(1, self.stage_bytes // (2 * item))
-        self._in_chunks("all_reduce", count, per_chunk, lambda a, b: transport.all_reduce(
-            host_send[a:b].view(np.uint8), _fold_into(host_recv[a:b], op), over_own))
+        self._in_chunks("all_reduce", count, per_chunk, start)
         return True
 
     # -- the copies -------------------------------------------------------------------
@@ -469,12 +468,9 @@ class StagedEngine(FoldingEngine):
 _OWN_BLOCK = ("all_gather", "all_to_all")
 
 
-def _in_host_memory(setup: Setup, group: Sequence[int]) -> Tuple[bool, bool]:
-    """(every member of ``group`` in host memory, this rank the only one), from the
-    device kinds the ranks reported (neither where none were)."""
-    kinds = [setup.devices[m] for m in group] if setup.devices else []
-    alone = kinds.count("cpu") == 1 and setup.devices[setup.bootstrap.rank] == "cpu"
-    return bool(kinds) and kinds.count("cpu") == len(kinds), alone
+def _in_host_memory(setup: Setup, group: Sequence[int]) -> bool:
+    """Whether every member of ``group`` reported its arrays in host memory."""
+    return bool(setup.devices) and all(setup.devices[m] == "cpu" for m in group)
 
 
 def _fold_into(out: np.ndarray, op: str) -> Callable[[List[Any]], None]:

@@ -81,7 +81,7 @@ def main() -> int:
     rng = np.random.default_rng(comm.bcast(int(np.random.SeedSequence().entropy % 2**63)))
     for stage_bytes in map(int, args.stage_bytes.split(",")):
         if on_host:
-            engine = _Engine(transport, None, 30.0, stage_bytes, only_host_member=True)
+            engine = _Engine(transport, None, 30.0, stage_bytes)
         else:
             engine = _StagedMember(transport, _HostCopies(), 30.0, stage_bytes)
         for dtype in args.dtypes.split(","):
