@@ -216,20 +216,24 @@ def test_mpi_transport_steps_between_members_handing_arrays_and_lists(ranks, tra
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("host_member,plant", [(0, False), (1, False), (1, True)])
-def test_a_host_member_folds_its_staged_peers_slots_as_it_reads_them(host_member, plant):
+@pytest.mark.parametrize("host_member,plant,mapped", [(0, False, True), (1, False, True),
+                                                      (1, False, False), (1, True, True)])
+def test_a_host_member_folds_its_staged_peers_slots_as_it_reads_them(host_member, plant,
+                                                                     mapped):
     """The staged engine's all_reduce between a staged member and a member in host memory
     (``run_fold_as_read.py``): the host member folds as it reads, in place too, every
-    dtype, op and chunking bit for bit against numpy; a flipped bit in each of its
-    outputs is caught, check by check."""
+    dtype, op and chunking bit for bit against numpy, each peer's segment mapped (or every
+    piece read by cross-memory attach); a flipped bit in each of its outputs is caught."""
     command = [_mpiexec(), "-n", "2", sys.executable, str(SCRIPT.parent / "run_fold_as_read.py"),
-               "--host-member", str(host_member)] + (["--plant"] if plant else [])
+               "--host-member", str(host_member)] + (["--plant"] if plant else []) + (
+                   [] if mapped else ["--no-map"])
     env = {**os.environ, **MPI_ENV, "PYTHONPATH": str(SCRIPT.parents[2])}
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-4000:]
     found = re.search(r"fold as read, host member \d: (\d+) passed, (\d+) failed \((\d+) faults "
-                      r"planted\)", output)
+                      r"planted\); (\d+) pieces read where mapped", output)
     assert found, output[-4000:]
-    passed, failed, planted = map(int, found.groups())
+    passed, failed, planted, read_mapped = map(int, found.groups())
     assert passed + failed == 512 and failed == planted == (192 if plant else 0), output[-4000:]
+    assert (read_mapped > 0) == mapped, output[-4000:]

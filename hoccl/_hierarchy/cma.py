@@ -31,18 +31,21 @@ from __future__ import annotations
 import os
 import socket
 import sys
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
 from .._errors import HocclError, InvalidArgumentError
 from ..backends._cross_memory import RemotePtr, move
 from ..config import environ
+from .segments import PeerSegments, segment_words
 from .transports import MpiTransport, _pieces
 
 __all__ = ["CmaTransport", "same_machine"]
 
 _OFFER, _READ = 11, 12
+#: an offer: the piece's address and length, and its segment's (``segment_words``)
+OFFER_WORDS = 6
 #: a read of a piece is split over ``HOCCL_HOST_THREADS`` threads in parts of at least this
 #: many bytes (one thread reads about 5 GB/s out of another process on the H200 machine)
 READ_PART_BYTES = 512 << 10
@@ -111,7 +114,8 @@ class _Step:
         self.requests: List[Any] = []  # sends of offers and receipts, receipts expected
         self.keep: List[np.ndarray] = []  # the buffers of messages in flight
         for peer, piece in offers:
-            offer = np.array([piece.ctypes.data, piece.nbytes], np.uint64)
+            offer = np.array([piece.ctypes.data, piece.nbytes, *segment_words(piece)],
+                             np.uint64)
             self.keep += [offer, piece]  # the piece lives until its receipt has come
             self.requests.append(comm.Isend(offer, dest=peer, tag=_OFFER))
             receipt = np.zeros(1, np.uint64)
@@ -119,7 +123,7 @@ class _Step:
             self.requests.append(comm.Irecv(receipt, source=peer, tag=_READ))
         self.reads: List[Tuple[int, np.ndarray, np.ndarray, Any]] = []
         for peer, piece in reads:
-            offer = np.zeros(2, np.uint64)
+            offer = np.zeros(OFFER_WORDS, np.uint64)
             self.reads.append((peer, piece, offer, comm.Irecv(offer, source=peer, tag=_OFFER)))
 
     def progress(self, behind: set) -> None:
@@ -132,7 +136,7 @@ class _Step:
                 waiting.append((peer, piece, offer, request))
                 behind.add(peer)
                 continue
-            self.transport.read(piece, peer, int(offer[0]), int(offer[1]))
+            self.transport.read(piece, peer, offer)
             self._receipt(peer)
         self.reads = waiting
 
@@ -166,8 +170,7 @@ class _FoldStep(_Step):
             return
         pieces: List[Any] = [self.piece] * self.transport.size
         for peer, _, offer, _ in self.reads:
-            pieces[peer] = self.transport.offered(peer, int(offer[0]), int(offer[1]),
-                                                  self.piece.nbytes)
+            pieces[peer] = self.transport.offered(peer, offer, self.piece.nbytes)
         self.fold(pieces)
         for peer in sorted(peers):
             self._receipt(peer)
@@ -182,6 +185,7 @@ class CmaTransport(MpiTransport):
         super().__init__(comm)
         self.label = "mpi, cross-memory"
         self.pids = comm.allgather(os.getpid())
+        self.segments = PeerSegments()
         #: the steps not yet done: testing any one reads for all (a member's send, tested
         #: until its receipt comes, must not hold back its own receive's reads)
         self._steps: List[_Step] = []
@@ -192,18 +196,25 @@ class CmaTransport(MpiTransport):
         read the others (``same_machine``), else ``MpiTransport``."""
         return cls(comm) if same_machine(comm) else MpiTransport(comm)
 
-    def read(self, piece: np.ndarray, peer: int, address: int, nbytes: int) -> None:
+    def read(self, piece: np.ndarray, peer: int, offer: np.ndarray) -> None:
         """A peer's offered bytes into ``piece``."""
-        move(piece.ctypes.data, self.offered(peer, address, nbytes, piece.nbytes), nbytes,
-             piece_bytes=READ_PART_BYTES)
+        source = self.offered(peer, offer, piece.nbytes)
+        move(piece.ctypes.data, source if isinstance(source, RemotePtr) else source.ctypes.data,
+             piece.nbytes, piece_bytes=READ_PART_BYTES)
 
-    def offered(self, peer: int, address: int, nbytes: int, expected: int) -> RemotePtr:
-        """Where a peer's offered piece lies: the lengths agree, or the calls differ."""
+    def offered(self, peer: int, offer: np.ndarray,
+                expected: int) -> Union[RemotePtr, np.ndarray]:
+        """A peer's offered piece: mapped here where it lies in one of the peer's segments
+        (``hoccl._hierarchy.segments``), else where cross-memory attach reads it.  The
+        lengths agree, or the calls differ."""
+        address, nbytes = int(offer[0]), int(offer[1])
         if nbytes != expected:
             raise HocclError(f"a step across hosts ({self.label}, member {self.member} of "
                              f"{self.size}): member {peer} offered {nbytes} bytes where "
                              f"{expected} were expected: the members' calls differ")
-        return RemotePtr(self.pids[peer], address)
+        fd, inode, base, length = (int(word) for word in offer[2:OFFER_WORDS])
+        mapped = self.segments.view(self.pids[peer], (fd, inode, base, length), address, nbytes)
+        return RemotePtr(self.pids[peer], address) if mapped is None else mapped
 
     def others(self) -> List[int]:
         return [m for m in range(self.size) if m != self.member]

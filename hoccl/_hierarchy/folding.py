@@ -112,6 +112,11 @@ class FoldingEngine(InterHostEngine):
     #: costs its page faults (20-40 ms) at every call
     _host_bytes: Optional[np.ndarray] = None
 
+    @staticmethod
+    def host_scratch(nbytes: int) -> np.ndarray:
+        """``nbytes`` of host memory for ``scratch``."""
+        return np.empty(nbytes, np.uint8)
+
     def scratch(self, like: Any, count: int, stream: Optional[int]) -> Any:
         """``count`` elements of ``like``'s dtype, where ``like`` lives."""
         kit = Arrays.of(like)
@@ -119,7 +124,7 @@ class FoldingEngine(InterHostEngine):
             return kit.empty(like, count, stream)
         nbytes = count * _to_numpy(like).dtype.itemsize
         if self._host_bytes is None or self._host_bytes.nbytes < nbytes:
-            self._host_bytes = np.empty(nbytes, np.uint8)
+            self._host_bytes = self.host_scratch(nbytes)
         if kit.kind == "numpy":
             return self._host_bytes[:nbytes].view(like.dtype)
         import torch

@@ -9,7 +9,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-__all__ = ["HOST_COPIES", "SLOTS", "Stager", "host_bytes"]
+__all__ = ["HOST_COPIES", "SLOTS", "Stager"]
 
 #: pinned slots per direction, and so the transfers of one step in flight at a time on
 #: every member (a member in host memory keeps as many)
@@ -84,7 +84,3 @@ class _HostCopies:
 
 
 HOST_COPIES = _HostCopies()
-
-
-def host_bytes(nbytes: int) -> np.ndarray:
-    return np.empty(nbytes, np.uint8)

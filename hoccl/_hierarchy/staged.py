@@ -35,7 +35,6 @@ waits for exactly what it reads.
 from __future__ import annotations
 
 import abc
-import mmap
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -51,7 +50,8 @@ from .arrays import Arrays, address
 from .cma import CmaTransport
 from .engine import Setup
 from .folding import FoldingEngine, _to_numpy
-from .slots import HOST_COPIES, SLOTS, Stager, host_bytes
+from .segments import shared_bytes
+from .slots import HOST_COPIES, SLOTS, Stager
 from .transports import GlooTransport, Start, Transport
 
 __all__ = ["StagedEngine", "MpiStagedEngine", "GlooStagedEngine", "Transport"]
@@ -69,6 +69,7 @@ class StagedEngine(FoldingEngine):
     transport is connected; everything else is here."""
 
     name = "staged"
+    host_scratch = staticmethod(shared_bytes)  # peers map an in-place fold's offered copy
 
     def __init__(self, transport: Transport, device: Any, timeout: float, stage_bytes: int,
                  direct: bool = False):
@@ -101,10 +102,10 @@ class StagedEngine(FoldingEngine):
         """(this rank's rail transport, the world's)."""
 
     def pinned(self, nbytes: int) -> np.ndarray:
-        """``nbytes`` of page-locked host memory (copy engines move it with no bounce): an
-        anonymous mapping that hoccl's device page-locks (no torch or cupy needed; a peer
-        process reads it as fast as torch's pinned memory, 4–9 GB/s on the H200 machine)."""
-        memory = np.frombuffer(mmap.mmap(-1, max(1, nbytes)), np.uint8)[:nbytes]
+        """``nbytes`` of page-locked host memory (copy engines move it with no bounce): a
+        segment that peers on this machine may map (``shared_bytes``), page-locked by
+        hoccl's device (no torch or cupy needed)."""
+        memory = shared_bytes(nbytes)
         if nbytes:
             self.device.pin_host(memory.ctypes.data, nbytes)
         return memory
@@ -232,7 +233,7 @@ class StagedEngine(FoldingEngine):
         if stager is None:
             on_host = device is HOST_COPIES
             stager = Stager(device, max(self.stage_bytes, blocks * item),
-                             host_bytes if on_host else self.pinned,
+                             shared_bytes if on_host else self.pinned,
                              None if on_host else self.unpinned)
             self._stagers[id(device)] = stager
         device.activate()

@@ -6,7 +6,8 @@ all_gather and a fold.  Run with::
     mpiexec -n 2 python tests/mpi/run_fold_as_read.py --host-member 1
 
 The staged member's device is host memory whose copies run when issued (its slots are
-plain arrays), so the slots, chunks and offers are the GPU's.  Both members draw the same
+segments, not page-locked), so the slots, chunks and offers are the GPU's.  Pieces in a
+peer's segment are read where they are mapped (``--no-map``: all by cross-memory attach).  Both members draw the same
 inputs (fresh seeds, shared), poison their outputs, and check them bit for bit against
 numpy's fold in member order (``reduce_arrays``), in place and out of place, for every
 dtype, op, count and stage size given; the host member also checks that it folded as it
@@ -24,6 +25,7 @@ from mpi4py import MPI
 from hoccl._dtypes import reduce_arrays
 from hoccl._hierarchy import staged
 from hoccl._hierarchy.cma import CmaTransport
+from hoccl._hierarchy.segments import PeerSegments, shared_bytes
 from hoccl._hierarchy.slots import _HostCopies
 from hoccl.testing import poison, random_array
 
@@ -45,7 +47,7 @@ class _StagedMember(_Engine):
 
     @staticmethod
     def pinned(nbytes):
-        return np.empty(nbytes, np.uint8)
+        return shared_bytes(nbytes)
 
     @staticmethod
     def unpinned(memory):
@@ -57,9 +59,11 @@ def main() -> int:
     parser.add_argument("--host-member", type=int, default=1)
     parser.add_argument("--dtypes", default="float32,bfloat16,float16,int32")
     parser.add_argument("--ops", default="sum,avg,max,prod")
-    parser.add_argument("--counts", default="0,1,17,100003")
-    parser.add_argument("--stage-bytes", default="64,1048576")
+    parser.add_argument("--counts", default="0,1,17,4099")
+    parser.add_argument("--stage-bytes", default="64,4096")
     parser.add_argument("--plant", action="store_true")
+    parser.add_argument("--no-map", action="store_true",
+                        help="map no peer's segment: every piece read by cross-memory attach")
     args = parser.parse_args()
     comm = MPI.COMM_WORLD
     if comm.Get_size() != 2:
@@ -69,6 +73,15 @@ def main() -> int:
     if not isinstance(transport, CmaTransport):
         raise SystemExit("run_fold_as_read.py: the members cannot read each other's memory")
     on_host = member == args.host_member
+    mapped = 0
+    plain_view = PeerSegments.view
+
+    def view(segments, *given):
+        nonlocal mapped
+        found = None if args.no_map else plain_view(segments, *given)
+        mapped += found is not None
+        return found
+    PeerSegments.view = view
     folds_as_read = 0
     plain_fold = staged._fold_into
 
@@ -103,10 +116,11 @@ def main() -> int:
                                   f"stage {stage_bytes}: did not fold as it read", flush=True)
                         passed, failed = passed + good, failed + (not good)
                         planted += bool(args.plant and on_host and count)
-    total = comm.allreduce(np.array([passed, failed, planted]), op=MPI.SUM)
+    total = comm.allreduce(np.array([passed, failed, planted, mapped]), op=MPI.SUM)
     if member == 0:
         print(f"fold as read, host member {args.host_member}: {total[0]} passed, "
-              f"{total[1]} failed ({total[2]} faults planted)", flush=True)
+              f"{total[1]} failed ({total[2]} faults planted); {total[3]} pieces read where "
+              f"mapped", flush=True)
     transport.close()
     return 0 if total[1] == total[2] else 1
 
