@@ -9,6 +9,9 @@
 #                collectives and DDP on it, and python -m hoccl.bench.mixed beside gloo;
 #                the staged steps and the benchmark again on MPI's own path
 #                (HOCCL_CROSS_MEMORY=0), and tools/stage_probe.py's cross-memory reads
+#   mixed-quick  the mixed job's checks, torch's collectives and DDP on it, the benchmark
+#                beside gloo and the timeline of a 64 MiB all_reduce (the mixed part's
+#                core, in about three minutes)
 #   phases       the mixed job's all_reduce phases at 256 MiB: the benchmark's pipelined /
 #                sequential / phase-alone study at phase chunks of 16M (gloo beside it)
 #                and the default, tools/profile_phase.py's timeline of the whole call (pipelined,
@@ -109,6 +112,20 @@ mixed)
     --libraries hoccl --out "$OUT/bench-mixed-p2p"
   run probe 60 $MPIRUN python3 tools/stage_probe.py --devices cuda,cpu --sizes 4M,64M --cma
   ;;
+mixed-quick)
+  MPI4="${MPIRUN/-np 2/-np 4}"
+  P="--devices cuda,cuda,cpu,cpu --intra-host cuda,cuda,host,host --local-size 2"
+  run mixed-job 150 $MPI4 python3 tests/mpi/run_mixed_job.py
+  rows[-1]="${rows[-1]}  [OK lines: $(oks mixed-job)]"
+  run torch-mixed 100 env PYTHONPATH=$PWD/tests/torch_programs:$PWD $MPI4 \
+    python3 tests/torch_programs/run_backend.py $P
+  run ddp-mixed 100 env PYTHONPATH=$PWD/tests/torch_programs:$PWD $MPI4 \
+    python3 tests/torch_programs/run_training.py $P --only DDP
+  run bench-mixed 170 $MPI4 -x OMP_NUM_THREADS=4 python3 -m hoccl.bench.mixed $P \
+    --sizes 1M,16M,64M,256M --phase-bytes 256M --iters 3 --out "$OUT/bench-mixed"
+  run profile-64M-pipelined 60 $MPI4 python3 tools/profile_phase.py $P --size 64M \
+    --phase pipelined
+  ;;
 phases)
   MPI4="${MPIRUN/-np 2/-np 4}"
   P="--devices cuda,cuda,cpu,cpu --intra-host cuda,cuda,host,host --local-size 2"
@@ -202,7 +219,7 @@ tune|tune2)
   rows+=("  $(grep '^issue 29' "$OUT/auto-vs-best.md")")
   ;;
 *)
-  echo "usage: bash tools/gpu_checks.sh prepared|mixed|phases|roof|tier|chunks|reliability|tune|tune2" >&2; exit 2 ;;
+  echo "usage: bash tools/gpu_checks.sh prepared|mixed|mixed-quick|phases|roof|tier|chunks|reliability|tune|tune2" >&2; exit 2 ;;
 esac
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>&1 | head -1
 printf '%s\n' "${rows[@]}" | tee "$OUT/summary.txt"
