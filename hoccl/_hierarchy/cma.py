@@ -8,7 +8,9 @@ Members of different hosts (engines) can share one machine: a CPU-only group bes
 GPU group in one box, or a test rig.  Between them MPI's point-to-point path copies every
 byte twice through shared cells (the Open MPI of the H200 machine, cross-memory attach
 turned off in its environment: 3–5 GB/s), where one read by the receiver moves it once
-(the staged engine's pinned slot of a GPU member is read by its CPU peer directly).
+(the staged engine's pinned slot of a GPU member is read by its CPU peer directly), and
+a piece in the staged engine's own memory is not copied by the kernel at all: its
+segment is mapped by the peer (``hoccl._hierarchy.segments``).
 
 A step, for each piece a member sends to a peer: an *offer* (address and length, tag
 ``_OFFER``) to that peer, then the peer's *read receipt* (tag ``_READ``) before the

@@ -31,8 +31,12 @@ _LOCK = threading.Lock()
 
 def shared_bytes(nbytes: int) -> np.ndarray:
     """``nbytes`` of host memory in a segment of its own that peers may map; freed (its
-    file closed) once no array uses it."""
-    fd = os.memfd_create("hoccl-stage", os.MFD_CLOEXEC)
+    file closed) once no array uses it.  Where the system makes no such segments, plain
+    anonymous memory (peers then read it by cross-memory attach, or MPI moves it)."""
+    try:
+        fd = os.memfd_create("hoccl-stage", os.MFD_CLOEXEC)
+    except (AttributeError, OSError):  # not Linux, or a kernel before 3.17
+        return np.frombuffer(mmap.mmap(-1, max(1, nbytes)), np.uint8)[:nbytes]
     try:
         os.ftruncate(fd, max(1, nbytes))
         area = mmap.mmap(fd, max(1, nbytes))
