@@ -154,8 +154,8 @@ class _Step:
 class _FoldStep(_Step):
     """A step that folds its members' pieces as it reads them: ``piece`` is offered to
     every peer, and once every peer's piece has been offered ``fold`` is given every
-    member's piece in member order, this member's own array and a ``RemotePtr`` for each
-    peer's; the receipts go back after it."""
+    member's piece in member order (``CmaTransport.all_reduce``); the receipts go back
+    after it."""
 
     def __init__(self, transport: "CmaTransport", piece: np.ndarray,
                  fold: Callable[[List[Any]], None]):
@@ -222,9 +222,10 @@ class CmaTransport(MpiTransport):
         return [m for m in range(self.size) if m != self.member]
 
     def all_reduce(self, piece: np.ndarray, fold: Callable[[List[Any]], None]) -> Any:
-        """Every member's ``piece`` handed to ``fold`` where it lies, in member order (a
-        ``RemotePtr`` for a peer's): the fold reads its peers' bytes as it folds them,
-        with no copy of its own.  On the wire it is an ``all_gather`` of ``piece``, so a
+        """Every member's ``piece`` handed to ``fold`` where it lies, in member order (this
+        member's own, each peer's as ``offered`` gives it: an array where it is mapped,
+        else a ``RemotePtr``): the fold reads its peers' bytes as it folds them, with no
+        copy of its own.  On the wire it is an ``all_gather`` of ``piece``, so a
         peer may take its part as one.  The fold must not write over ``piece``."""
         step = _FoldStep(self, piece, fold)
         self._steps.append(step)

@@ -233,8 +233,8 @@ class StagedEngine(FoldingEngine):
         if stager is None:
             on_host = device is HOST_COPIES
             stager = Stager(device, max(self.stage_bytes, blocks * item),
-                             shared_bytes if on_host else self.pinned,
-                             None if on_host else self.unpinned)
+                            shared_bytes if on_host else self.pinned,
+                            None if on_host else self.unpinned)
             self._stagers[id(device)] = stager
         device.activate()
         caller = device.resolve_stream(stream, [])
