@@ -129,6 +129,17 @@ def test_the_staged_engine_adds_its_copies_as_levels_of_their_own():
         plain[1].transfer_us + per_gpu * 3 / 4 / (m.host_reduce_gbps * 1e3))
 
 
+def test_between_two_hosts_the_staged_all_reduce_is_one_step_and_a_whole_fold():
+    """As built (``StagedEngine.all_reduce``): the same bytes on the wire as the ring's two
+    steps, one step's latency, and each host sums the whole message, not half of it."""
+    m = Machine(hosts=2)
+    plain, staged = phases("all_reduce", GIB, m), phases("all_reduce", GIB, m, staged=True)
+    per_gpu = GIB / 8
+    assert staged[2].latency_us == pytest.approx(plain[1].latency_us - m.net_latency_us)
+    assert staged[2].transfer_us == pytest.approx(
+        plain[1].transfer_us + per_gpu / (m.host_reduce_gbps * 1e3))
+
+
 def test_the_hierarchical_network_share_is_one_nic_per_rail():
     """all_reduce's rail phase moves 2(H-1)/H of S/G through each GPU's NIC."""
     m = Machine(hosts=16, nvlink_gbps=math.inf, reduce_gbps=math.inf, hoccl_call_us=0.0,

@@ -140,15 +140,18 @@ def _rail(collective: str, nbytes: float, m: Machine, staged: bool = False) -> L
     (MPI or gloo on pinned host memory): the device-to-host copy before it and the
     host-to-device copy after it on copy engines (``staging_gbps``, ``copy_call_us``
     each), and all_reduce's and reduce_scatter's sums on the host's CPUs
-    (``host_reduce_gbps``)."""
+    (``host_reduce_gbps``).  Between two hosts the staged all_reduce is one all_gather and
+    a fold of the whole message (the same bytes on the wire in one step, twice the sums)."""
     H = m.hosts
     steps = _steps(collective, H)
+    pair = staged and collective == "all_reduce" and H == 2
     wire = Phase(f"rail {collective}", "rail", m.mpi_call_us if staged else 0.0,
-                 m.nccl_base_us + steps * m.net_latency_us,
+                 m.nccl_base_us + (1 if pair else steps) * m.net_latency_us,
                  nbytes * steps / H / _bytes_per_us(m.nic_gbps))
     if not staged:
         return [wire]
-    sums = (nbytes * (H - 1) / H / _bytes_per_us(m.host_reduce_gbps)
+    folded = nbytes if pair else nbytes * (H - 1) / H
+    sums = (folded / _bytes_per_us(m.host_reduce_gbps)
             if collective in ("all_reduce", "reduce_scatter") else 0.0)
     wire = replace(wire, transfer_us=wire.transfer_us + sums)
     # all_gather's rail stages in this rank's block and stages out every host's
