@@ -57,6 +57,20 @@ run() {  # NAME LIMIT COMMAND...: the command's log, its status and its last lin
 oks() {  # NAME: how many "rank R: OK" lines its log has
   grep -c 'rank [0-9]*: OK' "$OUT/$1.log"
 }
+# the mixed job: ranks 0-1 on the GPU (hoccl's cuda backend inside their simulated
+# host), ranks 2-3 on the CPU (host backend), the staged engine between
+MPI4="${MPIRUN/-np 2/-np 4}"
+P="--devices cuda,cuda,cpu,cpu --intra-host cuda,cuda,host,host --local-size 2"
+mixed_core() {  # its checks, torch's collectives and DDP on it, the benchmark beside gloo
+  run mixed-job 150 $MPI4 python3 tests/mpi/run_mixed_job.py
+  rows[-1]="${rows[-1]}  [OK lines: $(oks mixed-job)]"
+  run torch-mixed 100 env PYTHONPATH=$PWD/tests/torch_programs:$PWD $MPI4 \
+    python3 tests/torch_programs/run_backend.py $P
+  run ddp-mixed 100 env PYTHONPATH=$PWD/tests/torch_programs:$PWD $MPI4 \
+    python3 tests/torch_programs/run_training.py $P --only DDP
+  run bench-mixed 170 $MPI4 -x OMP_NUM_THREADS=4 python3 -m hoccl.bench.mixed $P \
+    --sizes 1M,16M,64M,256M --phase-bytes 256M --iters 3 --out "$OUT/bench-mixed"
+}
 case "${1:-}" in
 prepared)
   # the cuda paths of prepared calls: the GPU tier, repeated, registered, captured and
@@ -89,20 +103,9 @@ prepared)
   done
   ;;
 mixed)
-  # a mixed job on one machine: ranks 0-1 on the GPU (hoccl's cuda backend inside their
-  # simulated host), ranks 2-3 on the CPU (host backend), the staged engine between
-  MPI4="${MPIRUN/-np 2/-np 4}"
-  P="--devices cuda,cuda,cpu,cpu --intra-host cuda,cuda,host,host --local-size 2"
-  run mixed-job 150 $MPI4 python3 tests/mpi/run_mixed_job.py
-  rows[-1]="${rows[-1]}  [OK lines: $(oks mixed-job)]"
+  mixed_core
   run staged-gpu-ranks 60 $MPIRUN -x HOCCL_STAGE_BYTES=4096 python3 tests/mpi/run_hierarchical.py \
     --backend cuda --inter-host mpi --local-size 1 --counts 0,1,17,100003
-  run torch-mixed 100 env PYTHONPATH=$PWD/tests/torch_programs:$PWD $MPI4 \
-    python3 tests/torch_programs/run_backend.py $P
-  run ddp-mixed 100 env PYTHONPATH=$PWD/tests/torch_programs:$PWD $MPI4 \
-    python3 tests/torch_programs/run_training.py $P --only DDP
-  run bench-mixed 170 $MPI4 -x OMP_NUM_THREADS=4 python3 -m hoccl.bench.mixed $P \
-    --sizes 1M,16M,64M,256M --phase-bytes 256M --iters 3 --out "$OUT/bench-mixed"
   # the same job with the staged engine on MPI's own path (no cross-memory reads)
   run staged-gpu-ranks-p2p 60 $MPIRUN -x HOCCL_STAGE_BYTES=4096 -x HOCCL_CROSS_MEMORY=0 \
     python3 tests/mpi/run_hierarchical.py --backend cuda --inter-host mpi --local-size 1 \
@@ -113,22 +116,11 @@ mixed)
   run probe 60 $MPIRUN python3 tools/stage_probe.py --devices cuda,cpu --sizes 4M,64M --cma
   ;;
 mixed-quick)
-  MPI4="${MPIRUN/-np 2/-np 4}"
-  P="--devices cuda,cuda,cpu,cpu --intra-host cuda,cuda,host,host --local-size 2"
-  run mixed-job 150 $MPI4 python3 tests/mpi/run_mixed_job.py
-  rows[-1]="${rows[-1]}  [OK lines: $(oks mixed-job)]"
-  run torch-mixed 100 env PYTHONPATH=$PWD/tests/torch_programs:$PWD $MPI4 \
-    python3 tests/torch_programs/run_backend.py $P
-  run ddp-mixed 100 env PYTHONPATH=$PWD/tests/torch_programs:$PWD $MPI4 \
-    python3 tests/torch_programs/run_training.py $P --only DDP
-  run bench-mixed 170 $MPI4 -x OMP_NUM_THREADS=4 python3 -m hoccl.bench.mixed $P \
-    --sizes 1M,16M,64M,256M --phase-bytes 256M --iters 3 --out "$OUT/bench-mixed"
+  mixed_core
   run profile-64M-pipelined 60 $MPI4 python3 tools/profile_phase.py $P --size 64M \
     --phase pipelined
   ;;
 phases)
-  MPI4="${MPIRUN/-np 2/-np 4}"
-  P="--devices cuda,cuda,cpu,cpu --intra-host cuda,cuda,host,host --local-size 2"
   # gloo beside the first (the same run), hoccl alone beside the second
   run phases-16M 120 $MPI4 -x OMP_NUM_THREADS=4 python3 -m hoccl.bench.mixed $P \
     --sizes 16M,64M,256M --phase-bytes 256M --iters 3 --phase-chunk 16M --out "$OUT/phases-16M"
@@ -140,8 +132,6 @@ phases)
   done
   ;;
 roof)
-  MPI4="${MPIRUN/-np 2/-np 4}"
-  P="--devices cuda,cuda,cpu,cpu --intra-host cuda,cuda,host,host --local-size 2"
   run memory 90 $MPI4 python3 tools/memory_probe.py --bytes 256M --threads 1,2,4
   for setting in HOCCL_STAGE_BYTES=16777216 HOCCL_HOST_THREADS=8 chunk=128M; do
     extra=(); [ "${setting%%=*}" = chunk ] && extra=(--phase-chunk "${setting#*=}")
@@ -151,8 +141,7 @@ roof)
   done
   ;;
 tier)
-  MPI3="${MPIRUN/-np 2/-np 3}" MPI4="${MPIRUN/-np 2/-np 4}"
-  P="--devices cuda,cuda,cpu,cpu --intra-host cuda,cuda,host,host --local-size 2"
+  MPI3="${MPIRUN/-np 2/-np 3}"
   run gpu-local 150 python3 -m pytest -q -x -p no:cacheprovider --timeout=60 tests/gpu
   run checks-np2 60 $MPIRUN python3 tests/mpi/run_checks.py --backend cuda --counts 0,1,17,1003
   run checks-np3 60 $MPI3 python3 tests/mpi/run_checks.py --backend cuda --counts 0,1,17,1003
@@ -162,8 +151,6 @@ tier)
   done
   ;;
 chunks)
-  MPI4="${MPIRUN/-np 2/-np 4}"
-  P="--devices cuda,cuda,cpu,cpu --intra-host cuda,cuda,host,host --local-size 2"
   for phase in pipelined "rail all_reduce"; do
     run "profile-64M-${phase// /-}" 60 $MPI4 python3 tools/profile_phase.py $P --size 64M \
       --phase "$phase"
