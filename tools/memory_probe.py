@@ -6,7 +6,7 @@ cross-memory reads between its hosts, are copies and folds in one memory system)
 
 For each thread count, every rank at once: a copy of ``--bytes`` within its own memory
 (numpy, split over the threads), then a read of its neighbour's (rank + 1) memory with
-``process_vm_readv`` (hoccl's ``_move``, split the same way), and a two-input sum
+``process_vm_readv`` (hoccl's ``move``, split the same way), and a two-input sum
 (``reduce_into``).  Prints the aggregate GB/s copied (all ranks' bytes over the slowest
 rank's time, best of ``--iters``) and that rate's memory traffic (a copy reads and
 writes each byte: twice; a sum of two reads two and writes one: three times).
@@ -31,7 +31,7 @@ def main() -> None:
     from mpi4py import MPI
     from hoccl._dtypes import reduce_into
     from hoccl._threads import run_parts, split
-    from hoccl.backends._cross_memory import RemotePtr, move_piece as _move_piece
+    from hoccl.backends._cross_memory import RemotePtr, move_piece
     world = MPI.COMM_WORLD
     rank, size = world.rank, world.size
     nbytes = int(args.bytes[:-1]) << {"K": 10, "M": 20, "G": 30}[args.bytes[-1]]
@@ -60,7 +60,7 @@ def main() -> None:
             run_parts(lambda a, b: np.copyto(dst[a:b], src[a:b]), parts)
 
         def read() -> None:
-            run_parts(lambda a, b: _move_piece(dst.ctypes.data + a,
+            run_parts(lambda a, b: move_piece(dst.ctypes.data + a,
                                                RemotePtr(peer_pid, peer_at + a), b - a), parts)
 
         def fold() -> None:

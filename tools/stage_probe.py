@@ -125,7 +125,7 @@ def _cma_reads(world, rank, peer, kind, nbytes, best):
     import numpy as np
     import torch
     from hoccl._errors import HocclError
-    from hoccl.backends._cross_memory import RemotePtr, move as _move
+    from hoccl.backends._cross_memory import RemotePtr, move
     kinds = world.allgather(kind)  # every rank calls it
     owner = rank if kind == "cuda" else (peer if "cuda" in kinds else 0)
     forms = {"pageable": lambda: np.full(nbytes, 7, np.uint8)}
@@ -149,7 +149,7 @@ def _cma_reads(world, rank, peer, kind, nbytes, best):
         error = ""
         if rank != owner:
             try:
-                _move(into.ctypes.data, RemotePtr(*where), nbytes)
+                move(into.ctypes.data, RemotePtr(*where), nbytes)
                 error = "" if int(into.min()) == 7 == int(into.max()) else "wrong bytes"
             except HocclError as failed:
                 error = str(failed)[:120]
@@ -161,7 +161,7 @@ def _cma_reads(world, rank, peer, kind, nbytes, best):
             world.Barrier()
         else:
             cells[f"cma {name}"] = best(
-                (lambda: _move(into.ctypes.data, RemotePtr(*where), nbytes))
+                (lambda: move(into.ctypes.data, RemotePtr(*where), nbytes))
                 if rank != owner else (lambda: None))
         world.Barrier()
     return cells
