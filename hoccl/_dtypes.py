@@ -165,9 +165,9 @@ def reduce_into(out: np.ndarray, inputs: Sequence[Union[np.ndarray, Reader]], op
     a block of ``block_bytes`` (default ``REDUCE_BLOCK_BYTES``) at a time: each element is
     folded in the same order and precision, with no temporary of the whole size (the host
     backend's and the hierarchy's reductions of hundreds of MiB ran at a quarter of the
-    memory's speed through ``reduce_arrays``' copies).  ``out`` is flat; an input is a flat array of its
-    dtype and length or a ``Reader``.  An input that overlaps ``out`` other than exactly
-    (an in-place call) is folded whole, as ``reduce_arrays`` does.
+    memory's speed through ``reduce_arrays``' copies).  ``out`` is flat; an input is a
+    flat array of its dtype and length or a ``Reader``.  An input that overlaps ``out``
+    other than exactly (an in-place call) is folded whole, as ``reduce_arrays`` does.
 
     Up to ``threads`` threads fold contiguous parts of the elements at once
     (``hoccl._threads``), each part at least two blocks: readers are then called from

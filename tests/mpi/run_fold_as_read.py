@@ -7,11 +7,11 @@ all_gather and a fold.  Run with::
 
 The staged member's device is host memory whose copies run when issued (its slots are
 segments, not page-locked), so the slots, chunks and offers are the GPU's.  Pieces in a
-peer's segment are read where they are mapped (``--no-map``: all by cross-memory attach).  Both members draw the same
-inputs (fresh seeds, shared), poison their outputs, and check them bit for bit against
-numpy's fold in member order (``reduce_arrays``), in place and out of place, for every
-dtype, op, count and stage size given; the host member also checks that it folded as it
-read.  ``--plant`` flips one bit of each host member's output before the check: every
+peer's segment are read where they are mapped (``--no-map``: all by cross-memory
+attach).  Both members draw the same inputs (fresh seeds, shared), poison their outputs,
+and check them bit for bit against numpy's fold in member order (``reduce_arrays``), in
+place and out of place, for every dtype, op, count and stage size given; the host member
+also checks that it folded as it read.  ``--plant`` flips one bit of each host member's output before the check: every
 check with elements must then fail.  Prints ``N passed, M failed (P faults planted)`` on
 member 0; the exit status is non-zero unless exactly the planted checks failed.
 """
