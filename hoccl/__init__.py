@@ -26,13 +26,13 @@ from ._hierarchy import INTER_HOST_ENGINES, HierarchicalCommunicator, host_topol
 from ._hierarchy.hosts import backend_for
 from .bootstrap import Bootstrap, MPIBootstrap
 from .comm import Communicator, group, group_end, group_start
-from ._windows import Window, empty
+from ._windows import Window, empty, host_empty
 
 __all__ = ["init", "init_local", "split_local", "Config", "Communicator", "CommunicatorApi",
            "HierarchicalCommunicator",
            "ReduceOp", "group", "group_start", "group_end", "Bootstrap", "HocclError",
            "InvalidArgumentError", "PlanError", "HocclTimeoutError", "AbortedError", "DriverError", "MismatchError",
-           "PeerDeadError", "PeerClosedError", "DivergedError", "Window", "empty",
+           "PeerDeadError", "PeerClosedError", "DivergedError", "Window", "empty", "host_empty",
            "DEFAULT_TIMEOUT", "default_copy_sms"]
 
 __version__ = "0.1.0"

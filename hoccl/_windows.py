@@ -180,6 +180,53 @@ def empty(shape: Any, dtype: Any, comm: Any, *, framework: Optional[str] = None)
     return array
 
 
+def host_empty(shape: Any, dtype: Any, *, framework: str = "numpy") -> Any:
+    """A new array of ``shape`` and ``dtype`` in host memory that every rank on this
+    machine can map (a memfd segment; ``cudaHostAlloc``'s place for CPU ranks): hoccl's
+    host backend and the staged engine across hosts reach it from the other processes
+    with plain loads and stores, where memory the caller allocated is read and written
+    through the kernel by cross-memory attach (a few GB/s a process).  Not collective and
+    not registered: any array works in any call; this one only moves faster between
+    processes.  Its memory is freed when no array uses it.
+
+    ``framework``: ``"numpy"`` or ``"torch"`` (a CPU tensor).  ``dtype`` is a hoccl
+    dtype name (``"bfloat16"``) or a numpy / torch dtype.  Its contents are zero."""
+    from . import _dtypes
+    from .backends._segments import shared_bytes
+    name = _dtype_name(dtype)
+    if name not in _dtypes.NAMES:
+        raise InvalidArgumentError(f"host_empty: expected a dtype of {_dtypes.NAMES}, got "
+                                   f"{dtype!r}")
+    if framework not in ("numpy", "torch"):
+        raise InvalidArgumentError(f"host_empty: framework must be 'numpy' or 'torch', got "
+                                   f"{framework!r}")
+    dims = (shape,) if isinstance(shape, int) else tuple(shape)
+    if any(not isinstance(d, int) or d < 0 for d in dims):
+        raise InvalidArgumentError(f"host_empty: shape must be non-negative ints, got {shape!r}")
+    itemsize = _dtypes.ITEMSIZE[name]
+    count = 1
+    for d in dims:
+        count *= d
+    memory = shared_bytes(count * itemsize)
+    if framework == "numpy":
+        return memory.view(_dtypes.numpy_dtype(name)).reshape(dims)
+    import torch
+    torch_dtype = getattr(torch, name)
+    if not count:
+        return torch.empty(dims, dtype=torch_dtype)
+    return torch.frombuffer(memory, dtype=torch_dtype).reshape(dims)
+
+
 def _dtype_name(dtype: Any) -> str:
+    """The hoccl name of a dtype given by name, as a numpy dtype or type, or as a torch
+    dtype (a name hoccl does not know is returned as given, for the caller's error)."""
     text = str(dtype)
-    return text[len("torch."):] if text.startswith("torch.") else text
+    if text.startswith("torch."):
+        return text[len("torch."):]
+    if isinstance(dtype, type):  # np.float32, ml_dtypes' bfloat16
+        import numpy as np
+        try:
+            return np.dtype(dtype).name
+        except TypeError:
+            return text
+    return text

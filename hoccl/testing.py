@@ -238,7 +238,8 @@ def expected(collective: str, inputs: Sequence[Any], *, op: str = "sum",
 
 
 class ArrayModule:
-    """Allocates test arrays for a backend: numpy on the host, cupy or torch on GPUs."""
+    """Allocates test arrays for a backend: numpy on the host (``"shared"``: numpy arrays
+    in host memory the peers map, ``hoccl.host_empty``), cupy or torch on GPUs."""
 
     def __init__(self, kind: str = "numpy"):
         self.kind = kind
@@ -246,6 +247,13 @@ class ArrayModule:
     def asarray(self, data: np.ndarray, device: Optional[int]) -> Any:
         if self.kind == "numpy":
             return np.ascontiguousarray(data).copy()
+        if self.kind == "shared":
+            from ._windows import host_empty
+            found = from_numpy(data.dtype)
+            assert found is not None, f"asarray: no hoccl dtype for {data.dtype}"
+            array = host_empty(data.shape, found.name)
+            array[...] = data
+            return array
         if self.kind == "cupy":
             import cupy
             with cupy.cuda.Device(device):
@@ -262,7 +270,7 @@ class ArrayModule:
     def fill(self, array: Any, values: np.ndarray) -> None:
         """``values`` into ``array`` where it lies, its address kept (a registered buffer
         stays the same buffer)."""
-        if self.kind == "numpy":
+        if self.kind in ("numpy", "shared"):
             array[...] = values
         elif self.kind == "cupy":
             array.set(values)
@@ -271,7 +279,7 @@ class ArrayModule:
             array.copy_(torch.from_numpy(values))
 
     def to_numpy(self, array: Any, dtype: str) -> np.ndarray:
-        if self.kind == "numpy":
+        if self.kind in ("numpy", "shared"):
             return np.asarray(array)
         if self.kind == "cupy":
             return array.get()

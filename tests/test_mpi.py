@@ -240,6 +240,20 @@ def test_every_collective_on_registered_buffers(ranks):
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_every_collective_on_shared_host_memory(ranks):
+    """run_checks.py with every array from ``hoccl.host_empty``: the peers map each other's
+    arrays (counted) and move them with loads and stores; all exact against numpy, a
+    reallocated buffer included (a new segment, never a stale mapping)."""
+    returncode, output = _run_checks(ranks, "--shared-memory", "--counts", "0,1,17,1000,70000")
+    assert returncode == 0, output[-4000:]
+    line = next((line for line in output.splitlines()
+                 if line.startswith(f"mpi ranks={ranks} backend=host shared memory (")), None)
+    assert line is not None and line.endswith(" 0 failed"), output[-4000:]
+    assert int(line.split("memory (")[1].split()[0]) >= 1, line
+
+
+@pytest.mark.mpi
 @pytest.mark.parametrize("ranks", [2, 3])
 def test_registered_buffers_divergence_and_registration(ranks):
     """Mixed registered/unregistered calls exact; a diverging registered call (count,

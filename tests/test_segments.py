@@ -1,4 +1,4 @@
-"""The staged engine's shared stage memory (``hoccl._hierarchy.segments``): a segment is
+"""The staged engine's shared stage memory (``hoccl.backends._segments``): a segment is
 named by the offers of pieces inside it, a peer maps it and reads the owner's bytes, a
 piece outside any segment (or in a segment that is gone) is left to cross-memory
 attach, and a system without memfd gets plain memory.  This process stands for the
@@ -12,7 +12,7 @@ from unittest import mock
 import numpy as np
 import pytest
 
-from hoccl._hierarchy.segments import NO_SEGMENT, PeerSegments, segment_words, shared_bytes
+from hoccl.backends._segments import NO_SEGMENT, PeerSegments, segment_words, shared_bytes
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="memfd is Linux's")
 
@@ -65,3 +65,139 @@ def test_without_memfd_the_memory_is_plain_and_named_by_no_offer():
         memory = shared_bytes(100)
     memory[...] = 3
     assert memory.nbytes == 100 and segment_words(memory) == NO_SEGMENT
+
+
+# -- the host backend across processes: a child process owns the arrays -----------------
+
+_OWNER = r"""
+import gc, sys
+import numpy as np
+import hoccl
+from hoccl.backends.host import open_device
+device = open_device(max_sms=1, copy_sms=1)
+arrays = {}
+for line in sys.stdin:
+    word, *rest = line.split()
+    if word == "make":  # make NAME COUNT: a shared int64 array holding 0..COUNT-1
+        name, count = rest[0], int(rest[1])
+        arrays[name] = hoccl.host_empty(count, "int64")
+        arrays[name][...] = np.arange(count)
+        print(*device.export(arrays[name].ctypes.data, arrays[name].nbytes), flush=True)
+    elif word == "plain":  # plain NAME COUNT: the same in memory of the process's own
+        name, count = rest[0], int(rest[1])
+        arrays[name] = np.arange(count, dtype=np.int64)
+        print(*device.export(arrays[name].ctypes.data, arrays[name].nbytes), flush=True)
+    elif word == "sum":
+        print(int(arrays[rest[0]].sum()), flush=True)
+    elif word == "drop":
+        del arrays[rest[0]]
+        gc.collect()
+        print("dropped", flush=True)
+"""
+
+
+class _Owner:
+    """A child process that makes arrays and exports them, on command."""
+
+    def __init__(self):
+        import subprocess
+        self.process = subprocess.Popen([sys.executable, "-c", _OWNER], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, text=True)
+
+    def ask(self, line):
+        self.process.stdin.write(line + "\n")
+        self.process.stdin.flush()
+        return self.process.stdout.readline().split()
+
+    def export(self, line):
+        kind, *numbers = self.ask(line)
+        return (kind, *(int(n) for n in numbers))
+
+    def close(self):
+        self.process.stdin.close()
+        self.process.wait(30)
+
+
+@pytest.fixture
+def owner():
+    process = _Owner()
+    yield process
+    process.close()
+
+
+def _host_device():
+    from hoccl.backends.host import open_device
+    return open_device(max_sms=1, copy_sms=1)
+
+
+def test_the_host_backend_maps_a_peers_shared_array_and_reads_and_writes_it(owner):
+    from hoccl.backends._cross_memory import RemotePtr
+    device = _host_device()
+    try:
+        count = int(np.random.default_rng().integers(1000, 5000))
+        descriptor = owner.export(f"make a {count}")
+        assert descriptor[0] == "host" and descriptor[1] == owner.process.pid
+        assert descriptor[4], "a shared array is exported with its segment's words"
+        local = device.import_(descriptor)
+        assert isinstance(local, int) and device.mapped_segments == 1
+        seen = np.ctypeslib.as_array((np.ctypeslib.ctypes.c_int64 * count).from_address(local))
+        assert np.array_equal(seen, np.arange(count))
+        seen[...] = 3  # a store lands in the owner's array
+        assert int(owner.ask("sum a")[0]) == 3 * count
+        assert device.import_(descriptor) == local and device.mapped_segments == 1
+        plain = owner.export(f"plain b {count}")
+        assert plain[3:] == (0, 0, 0, 0)
+        assert device.import_(plain) == RemotePtr(owner.process.pid, plain[2])
+    finally:
+        device.close()
+
+
+def test_a_buffer_reaching_past_its_segment_is_exported_without_it():
+    from hoccl.backends.host import open_device
+    import hoccl
+    device = open_device(max_sms=1, copy_sms=1)
+    try:
+        array = hoccl.host_empty(100, "int32")
+        inside = device.export(array.ctypes.data + 40, 360)
+        assert inside[3:] != NO_SEGMENT
+        assert device.export(array.ctypes.data + 40, 1 << 20)[3:] == NO_SEGMENT
+        assert device.export(array.ctypes.data, 0)[3:] == NO_SEGMENT  # size unknown
+    finally:
+        device.close()
+
+
+def test_a_peers_segment_is_kept_while_it_lives_and_dropped_once_freed(owner):
+    device = _host_device()
+    try:
+        device._peer_segments.KEEP = 2
+        descriptors = [owner.export(f"make m{i} 64") for i in range(4)]
+        addresses = [device.import_(d) for d in descriptors]
+        assert device.mapped_segments == 4  # every owner still has them: none dropped
+        for i in (1, 2):
+            assert owner.ask(f"drop m{i}") == ["dropped"]
+        device.import_(owner.export("make m4 64"))
+        assert device.mapped_segments == 3  # the freed two went, the live three stay
+        for address, i in ((addresses[0], 0), (addresses[3], 3)):
+            seen = np.ctypeslib.as_array((np.ctypeslib.ctypes.c_int64 * 64).from_address(address))
+            assert np.array_equal(seen, np.arange(64)), i
+    finally:
+        device.close()
+
+
+def test_host_empty_gives_zeroed_shared_arrays_and_refuses_bad_requests():
+    import hoccl
+    from hoccl.backends._segments import segment_of
+    array = hoccl.host_empty((3, 5), np.float32)
+    assert array.shape == (3, 5) and array.dtype == np.float32 and not array.any()
+    assert segment_of(array.ctypes.data, array.nbytes) != NO_SEGMENT
+    with pytest.raises(hoccl.InvalidArgumentError, match="host_empty: expected a dtype"):
+        hoccl.host_empty(4, "complex64")
+    with pytest.raises(hoccl.InvalidArgumentError, match="host_empty: shape"):
+        hoccl.host_empty((2, -1), "int32")
+    with pytest.raises(hoccl.InvalidArgumentError, match="host_empty: framework"):
+        hoccl.host_empty(4, "int32", framework="cupy")
+    torch = pytest.importorskip("torch")
+    tensor = hoccl.host_empty(6, torch.bfloat16, framework="torch")
+    assert tensor.dtype == torch.bfloat16 and tensor.shape == (6,) and not tensor.any()
+    assert segment_of(tensor.data_ptr(), 12) != NO_SEGMENT
+    assert hoccl.host_empty((0, 4), "int8", framework="torch").shape == (0, 4)

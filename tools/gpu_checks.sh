@@ -12,6 +12,10 @@
 #   mixed-quick  the mixed job's checks, torch's collectives and DDP on it, the benchmark
 #                beside gloo and the timeline of a 64 MiB all_reduce (the mixed part's
 #                core, in about three minutes)
+#   shared       the mixed job's core with the benchmark on plain and shared host memory
+#                (hoccl.host_empty) beside gloo, the host backend's checks on shared memory
+#                (run_checks --shared-memory, -np 4), timelines of a 64 MiB all_reduce on
+#                each, then the GPU tier and run_checks on the cuda backend (-np 2, -np 3)
 #   phases       the mixed job's all_reduce phases at 256 MiB: the benchmark's pipelined /
 #                sequential / phase-alone study at phase chunks of 16M (gloo beside it)
 #                and the default, tools/profile_phase.py's timeline of the whole call (pipelined,
@@ -62,14 +66,16 @@ oks() {  # NAME: how many "rank R: OK" lines its log has
 MPI4="${MPIRUN/-np 2/-np 4}"
 P="--devices cuda,cuda,cpu,cpu --intra-host cuda,cuda,host,host --local-size 2"
 mixed_core() {  # its checks, torch's collectives and DDP on it, the benchmark beside gloo
+  local memory=${1:-plain}
   run mixed-job 150 $MPI4 python3 tests/mpi/run_mixed_job.py
   rows[-1]="${rows[-1]}  [OK lines: $(oks mixed-job)]"
   run torch-mixed 100 env PYTHONPATH=$PWD/tests/torch_programs:$PWD $MPI4 \
     python3 tests/torch_programs/run_backend.py $P
   run ddp-mixed 100 env PYTHONPATH=$PWD/tests/torch_programs:$PWD $MPI4 \
     python3 tests/torch_programs/run_training.py $P --only DDP
-  run bench-mixed 170 $MPI4 -x OMP_NUM_THREADS=4 python3 -m hoccl.bench.mixed $P \
-    --sizes 1M,16M,64M,256M --phase-bytes 256M --iters 3 --out "$OUT/bench-mixed"
+  run bench-mixed 260 $MPI4 -x OMP_NUM_THREADS=4 python3 -m hoccl.bench.mixed $P \
+    --sizes 1M,16M,64M,256M --phase-bytes 256M --iters 3 --host-memory "$memory" \
+    --out "$OUT/bench-mixed"
 }
 case "${1:-}" in
 prepared)
@@ -140,6 +146,19 @@ roof)
       --libraries hoccl "${extra[@]}" --out "$OUT/roof-${setting}"
   done
   ;;
+shared)
+  MPI3="${MPIRUN/-np 2/-np 3}"
+  mixed_core both
+  run checks-host-shared 90 $MPI4 python3 tests/mpi/run_checks.py --backend host \
+    --shared-memory --counts 0,1,17,1000,70000
+  for memory in plain shared; do
+    run "profile-64M-$memory" 60 $MPI4 python3 tools/profile_phase.py $P --size 64M \
+      --phase pipelined --host-memory "$memory"
+  done
+  run gpu-local 150 python3 -m pytest -q -x -p no:cacheprovider --timeout=60 tests/gpu
+  run checks-np2 60 $MPIRUN python3 tests/mpi/run_checks.py --backend cuda --counts 0,1,17,1003
+  run checks-np3 60 $MPI3 python3 tests/mpi/run_checks.py --backend cuda --counts 0,1,17,1003
+  ;;
 tier)
   MPI3="${MPIRUN/-np 2/-np 3}"
   run gpu-local 150 python3 -m pytest -q -x -p no:cacheprovider --timeout=60 tests/gpu
@@ -206,7 +225,7 @@ tune|tune2)
   rows+=("  $(grep '^issue 29' "$OUT/auto-vs-best.md")")
   ;;
 *)
-  echo "usage: bash tools/gpu_checks.sh prepared|mixed|mixed-quick|phases|roof|tier|chunks|reliability|tune|tune2" >&2; exit 2 ;;
+  echo "usage: bash tools/gpu_checks.sh prepared|mixed|mixed-quick|shared|phases|roof|tier|chunks|reliability|tune|tune2" >&2; exit 2 ;;
 esac
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>&1 | head -1
 printf '%s\n' "${rows[@]}" | tee "$OUT/summary.txt"

@@ -4,6 +4,8 @@ each step of the whole call ran (``--phase pipelined`` or ``sequential``).
   mpirun -np 4 python tools/profile_phase.py --devices cuda,cuda,cpu,cpu \
       --intra-host cuda,cuda,host,host --local-size 2 --size 256M --phase "rail all_reduce"
   mpirun -np 4 python tools/profile_phase.py ... --size 256M --phase pipelined
+  mpirun -np 4 python tools/profile_phase.py ... --size 64M --phase pipelined \
+      --host-memory shared   # the CPU ranks' tensors in hoccl.host_empty's memory
 
 With ``pipelined`` each rank prints, for its last call, every step of the plan: its
 worker (level), when the worker took it, when the step it waits for was done, when it
@@ -45,7 +47,8 @@ def main() -> None:
     if own["--phase"] in ("pipelined", "sequential"):
         timeline(job, comm, parse_size(own["--size"]), own["--phase"])
         return
-    once = _phase_callers(job, comm, parse_size(own["--size"]), args.dtype)[own["--phase"]]
+    once = _phase_callers(job, comm, parse_size(own["--size"]), args.dtype,
+                          args.host_memory != "plain")[own["--phase"]]
     once()
     job.mpi.Barrier()
     profile = cProfile.Profile()
@@ -69,10 +72,11 @@ def main() -> None:
 def timeline(job, comm, nbytes: int, phases: str) -> None:
     """The whole all_reduce, ``--iters`` calls; each rank's steps of the last one."""
     import numpy as np
-    torch = job.torch
+    from hoccl.bench.mixed import _tensor
     count = max(nbytes // np.dtype(job.args.dtype).itemsize, job.world_size)
-    send = torch.ones(count, dtype=getattr(torch, job.args.dtype), device=job.device)
-    recv = torch.empty_like(send)
+    shared = job.args.host_memory != "plain"
+    send = _tensor(job, np.ones(count, job.args.dtype), shared)
+    recv = _tensor(job, np.zeros(count, job.args.dtype), shared)
     if job.kind == "cpu":
         send, recv = send.numpy(), recv.numpy()
     comm.set_options(phases=phases)
@@ -91,7 +95,8 @@ def timeline(job, comm, nbytes: int, phases: str) -> None:
         once()
         times.append((time.monotonic() - start) * 1e3)
     trace, runner.trace = runner.trace, None
-    lines = [f"== rank {job.rank} ({job.kind}): all_reduce {phases}, ms per call "
+    lines = [f"== rank {job.rank} ({job.kind}{', shared memory' if shared else ''}): "
+             f"all_reduce {phases}, ms per call "
              + " ".join(f"{t:.1f}" for t in times)]
     for index, worker, taken, waited, returned in sorted(trace):
         at = [1e3 * (t - start) for t in (taken, waited, returned)]

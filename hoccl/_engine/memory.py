@@ -94,14 +94,15 @@ class Memory:
         self._exports.clear()
         return (address, half), True
 
-    def export(self, address: Any) -> Any:
-        """The export descriptor of the scratch or ring at ``address``: made once per
-        allocation (forgotten when either is replaced, so that a later allocation at the
-        same address is exported afresh)."""
+    def export(self, address: Any, nbytes: int) -> Any:
+        """The export descriptor of the scratch or ring at ``address`` (of which peers
+        reach ``nbytes``, inside the allocation): made once per allocation (forgotten when
+        either is replaced, so that a later allocation at the same address is exported
+        afresh)."""
         key = int(address)
         where = self._exports.get(key)
         if where is None:
-            where = self._exports[key] = self.device.export(address)
+            where = self._exports[key] = self.device.export(address, nbytes)
         return where
 
     def free_retired(self) -> None:

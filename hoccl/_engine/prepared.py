@@ -410,7 +410,8 @@ class Preparer:
         shared = dict(prepared.shared)
         export = self.engine.device.export
         for name in prepared.exports:
-            shared[name] = PeerBuffer(export(prepared.local[name]), prepared.sizes[name])
+            shared[name] = PeerBuffer(export(prepared.local[name], prepared.sizes[name]),
+                                      prepared.sizes[name])
         return shared
 
     def _largest_direct(self) -> int:
@@ -434,7 +435,8 @@ class Preparer:
         exports = []
         for buffer_name in part.shared:
             if buffer_name in ("scratch", RING):  # this rank's own: exported once
-                shared[buffer_name] = PeerBuffer(engine.memory.export(local[buffer_name]),
+                shared[buffer_name] = PeerBuffer(engine.memory.export(local[buffer_name],
+                                                                     sizes[buffer_name]),
                                                  sizes[buffer_name])
                 continue
             found = windows.find(local[buffer_name], sizes[buffer_name]) if windows else None

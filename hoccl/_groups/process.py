@@ -213,7 +213,7 @@ class ProcessGroup:
         where = None
         if verdict is None:
             try:
-                where = engine.device.export(buffer.address)
+                where = engine.device.export(buffer.address, buffer.nbytes)
             except InvalidArgumentError as error:
                 verdict = str(error)
         index = engine.windows.next_index

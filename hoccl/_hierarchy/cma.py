@@ -10,7 +10,7 @@ byte twice through shared cells (the Open MPI of the H200 machine, cross-memory 
 turned off in its environment: 3–5 GB/s), where one read by the receiver moves it once
 (the staged engine's pinned slot of a GPU member is read by its CPU peer directly), and
 a piece in the staged engine's own memory is not copied by the kernel at all: its
-segment is mapped by the peer (``hoccl._hierarchy.segments``).
+segment is mapped by the peer (``hoccl.backends._segments``).
 
 A step, for each piece a member sends to a peer: an *offer* (address and length, tag
 ``_OFFER``) to that peer, then the peer's *read receipt* (tag ``_READ``) before the
@@ -40,7 +40,7 @@ import numpy as np
 from .._errors import HocclError, InvalidArgumentError
 from ..backends._cross_memory import RemotePtr, move
 from ..config import environ
-from .segments import PeerSegments, segment_words
+from ..backends._segments import PeerSegments, segment_words
 from .transports import MpiTransport, _pieces
 
 __all__ = ["CmaTransport", "same_machine"]
@@ -207,7 +207,7 @@ class CmaTransport(MpiTransport):
     def offered(self, peer: int, offer: np.ndarray,
                 expected: int) -> Union[RemotePtr, np.ndarray]:
         """A peer's offered piece: mapped here where it lies in one of the peer's segments
-        (``hoccl._hierarchy.segments``), else where cross-memory attach reads it.  The
+        (``hoccl.backends._segments``), else where cross-memory attach reads it.  The
         lengths agree, or the calls differ."""
         address, nbytes = int(offer[0]), int(offer[1])
         if nbytes != expected:

@@ -50,7 +50,7 @@ from .arrays import Arrays, address
 from .cma import CmaTransport
 from .engine import Setup
 from .folding import FoldingEngine, _to_numpy
-from .segments import shared_bytes
+from ..backends._segments import shared_bytes
 from .slots import HOST_COPIES, SLOTS, Stager
 from .transports import GlooTransport, Start, Transport
 

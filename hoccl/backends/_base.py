@@ -218,8 +218,9 @@ class Device(abc.ABC):
         """A zeroed 64-bit counter in host memory that this device can write."""
 
     @abc.abstractmethod
-    def export(self, address: int) -> Any:
-        """A picklable descriptor another process passes to ``import_`` to map ``address``."""
+    def export(self, address: int, nbytes: int = 0) -> Any:
+        """A picklable descriptor another process passes to ``import_`` to map ``address``
+        (``nbytes``: how many bytes from it the peers will reach; 0: unknown)."""
 
     @abc.abstractmethod
     def import_(self, descriptor: Any) -> Any:

@@ -125,7 +125,7 @@ class _Memory:
         self._owned.host_words.append(word)
         return word
 
-    def export(self, address: int) -> CudaIpcDescriptor:
+    def export(self, address: int, nbytes: int = 0) -> CudaIpcDescriptor:
         """``("cuda-ipc", handle, base, size, buffer_id, offset)`` for the allocation
         holding ``address``; the handle of an allocation is made once and cached.
 

@@ -3,9 +3,12 @@
 Streams are FIFO queues run by one worker thread each (which splits a copy or a reduction
 of many MiB over ``host_threads()`` threads); events, 64-bit signal slots with wait-value
 ``>=``, copies and reductions act on plain host memory.  In one process peers' addresses
-are used directly.  Across processes (mpirun) a peer's memory is reached with Linux
-cross-memory attach (``hoccl.backends._cross_memory``): a buffer is "exported" as (pid,
-address) and "imported" as a ``RemotePtr``.
+are used directly.  Across processes (mpirun) a buffer is "exported" as (pid, address)
+and, where it lies in a shared segment (``hoccl.backends._segments``: the backend's own
+scratch, ``hoccl.host_empty``'s arrays), the segment's name; the importer maps such a
+segment once and uses the buffer as its own memory.  Any other buffer is "imported" as a
+``RemotePtr`` and reached with Linux cross-memory attach
+(``hoccl.backends._cross_memory``).
 
 It is a real CPU backend (like Gloo for torch), and the reference the CUDA
 backend's semantics are checked against in CI.
@@ -30,6 +33,7 @@ from ._base import (DIRECT_COPY, DIRECT_REDUCE, DIRECT_SIGNAL, DIRECT_VALUE_BITS
                     Device, DirectProgram, HostWord, check_reduce_extras)
 from ._cross_memory import FOLD_BLOCK_BYTES, RemotePtr, move, remote_reader
 from ._kernels import DIRECT_WORDS, block_range
+from ._segments import NO_SEGMENT, PeerSegments, segment_of, shared_bytes
 
 __all__ = ["HostDevice", "HostStream", "RemotePtr", "open_device"]
 
@@ -74,7 +78,7 @@ def _check_order(address: Any, value: int) -> None:
                          f"call's (HOCCL_HOST_CHECK_SIGNALS)")
 
 
-_ABANDONED: List[Dict[int, np.ndarray]] = []  # memory of devices closed with stuck work
+_ABANDONED: List[Any] = []  # memory of devices closed with stuck work
 
 
 class _PadPool:
@@ -223,6 +227,8 @@ class HostDevice(Device):
         self.max_sms = max_sms  # kept for interface parity (threads: host_threads())
         self.copy_sms = copy_sms
         self._memory: Dict[int, np.ndarray] = {}
+        #: the peers' segments this device has mapped (``import_``)
+        self._peer_segments = PeerSegments(writable=True, hold_live=True)
         self._streams: List[HostStream] = []
         self._default: HostStream | None = None
         self._aborted = threading.Event()
@@ -295,8 +301,12 @@ class HostDevice(Device):
             delay = min(delay * 2 + 20e-6, 1e-3)
 
     # -- memory ------------------------------------------------------------------------
+    #: scratch of at least this many bytes lies in a segment that peers map
+    SHARED_FROM = 1 << 20
+
     def alloc(self, nbytes: int) -> int:
-        array = np.empty(max(nbytes, 8), dtype=np.uint8)
+        array = (shared_bytes(nbytes) if nbytes >= self.SHARED_FROM
+                 else np.empty(max(nbytes, 8), dtype=np.uint8))
         self._memory[array.ctypes.data] = array
         return array.ctypes.data
 
@@ -314,14 +324,31 @@ class HostDevice(Device):
         self._memory[array.ctypes.data] = array
         return _HostWord(array)
 
-    def export(self, address: int) -> tuple:
-        return ("host", self._pid, int(address))
+    def export(self, address: int, nbytes: int = 0) -> tuple:
+        """``("host", pid, address, *segment)``: the segment's words (``segment_of``)
+        where the ``nbytes`` at ``address`` lie in one, else zeros."""
+        words = segment_of(address, nbytes) if nbytes else NO_SEGMENT
+        return ("host", self._pid, int(address), *words)
 
     def import_(self, descriptor: tuple) -> Any:
-        kind, pid, address = descriptor
+        """A peer's buffer: where it lies in a segment this process can map, its address
+        here (the segment is mapped once and kept while its owner has it), else a
+        ``RemotePtr``."""
+        kind, pid, address, *words = descriptor
         if kind != "host":
             raise InvalidArgumentError(f"import_: expected a host descriptor, got {kind!r}")
-        return address if pid == self._pid else RemotePtr(pid, address)
+        if pid == self._pid:
+            return address
+        if words and words[1]:
+            mapped = self._peer_segments.address(pid, tuple(words), address)
+            if mapped is not None:
+                return mapped
+        return RemotePtr(pid, address)
+
+    @property
+    def mapped_segments(self) -> int:
+        """How many of the peers' segments this device has mapped."""
+        return len(self._peer_segments)
 
     def enable_peer_access(self, peer: Device) -> None:
         pass
@@ -504,9 +531,11 @@ class HostDevice(Device):
         self._streams.clear()
         self._default = None
         if leak:
-            _ABANDONED.append(self._memory)  # a stuck stream may still read its pad
-            self._memory = {}
+            # a stuck stream may still read its pad or a peer's mapped buffer
+            _ABANDONED.append((self._memory, self._peer_segments))
+            self._memory, self._peer_segments = {}, PeerSegments(True, True)
         self._memory.clear()
+        self._peer_segments.clear()
 
 
 def open_device(ordinal: Any = None, *, max_sms: int, copy_sms: int) -> HostDevice:

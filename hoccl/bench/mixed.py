@@ -11,6 +11,8 @@ engine inside each chosen by what the host has, ``--inter-host`` between them); 
 gloo, what a mixed job has today, does the same calls on the same tensors.  Every
 library's output is checked against numpy once per size (inputs are small integers, so
 every order of summation gives the same bits; outputs are poisoned with NaN first).
+``--host-memory shared`` puts the CPU ranks' tensors in host memory that the peers on
+the machine map (``hoccl.host_empty``), ``both`` times hoccl on each kind beside gloo.
 
 At ``--phase-bytes`` (default 256 MiB) hoccl's all_reduce also runs with its phases
 pipelined and sequential (``Config.phases``), and each phase alone (inside hosts, between
@@ -61,6 +63,11 @@ def arguments(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--iters", type=int, default=5, help="timed calls per measurement")
     parser.add_argument("--warmup", type=int, default=1, help="untimed calls first")
     parser.add_argument("--libraries", default="hoccl,gloo", help="hoccl, gloo")
+    parser.add_argument("--host-memory", choices=("plain", "shared", "both"), default="plain",
+                        help="the CPU ranks' tensors: plain (torch's own), shared "
+                             "(hoccl.host_empty: the peers on this machine map them), or both "
+                             "(hoccl measured on each, as 'hoccl' and 'hoccl shared'); the "
+                             "phase study takes shared memory unless plain")
     parser.add_argument("--out", default="results/mixed", help="folder for JSON, MD and PNG")
     return parser.parse_args(argv)
 
@@ -184,18 +191,31 @@ def _caller(library: str, handle: Any, collective: str) -> Callable[[Any, Any], 
     return hoccl_call
 
 
+def _tensor(job: Job, values: np.ndarray, shared: bool) -> Any:
+    """``values`` on this rank's device; on a CPU rank in shared host memory
+    (``hoccl.host_empty``) when ``shared``."""
+    torch = job.torch
+    if shared and job.kind == "cpu":
+        import hoccl
+        tensor = hoccl.host_empty(values.shape, values.dtype, framework="torch")
+        tensor.copy_(torch.from_numpy(values))
+        return tensor
+    return torch.from_numpy(values).to(job.device)
+
+
 def measure(job: Job, library: str, handle: Any, collective: str, nbytes: int,
-            dtype: str) -> Dict[str, Any]:
+            dtype: str, shared: bool = False) -> Dict[str, Any]:
     """Check once against numpy (outputs poisoned first), then time ``--iters`` calls:
     the slowest rank's µs per call.  A gloo call that gloo cannot make on a device
-    tensor is made on host copies (``staged`` in the record)."""
-    torch = job.torch
+    tensor is made on host copies (``staged`` in the record).  ``shared``: a CPU rank's
+    tensors in shared host memory (the record's library gets " shared")."""
     itemsize = np.dtype(dtype).itemsize
     send_count, recv_count = _counts(collective, nbytes, itemsize, job.world_size)
-    send = torch.from_numpy(pattern(job.rank, send_count, dtype)).to(job.device)
-    recv = torch.full((recv_count,), float("nan"), dtype=send.dtype, device=job.device)
+    send = _tensor(job, pattern(job.rank, send_count, dtype), shared)
+    recv = _tensor(job, np.full(recv_count, np.nan, dtype=dtype), shared)
     call = _caller(library, handle, collective)
-    record: Dict[str, Any] = dict(collective=collective, bytes=nbytes, library=library)
+    record: Dict[str, Any] = dict(collective=collective, bytes=nbytes,
+                                  library=library + (" shared" if shared else ""))
     want = expected(collective, job.world_size, send_count, dtype)
 
     def once() -> None:
@@ -221,7 +241,7 @@ def measure(job: Job, library: str, handle: Any, collective: str, nbytes: int,
     algbw = nbytes / micros / 1e3
     record.update(time_us=micros, algbw=algbw, busbw=algbw * bus_factor(collective, job.world_size),
                   wrong=job.sum(wrong), checked="numpy")
-    job.say(f"  {collective:10s} {human(nbytes):>5s} {library:17s} {micros:12.1f} us "
+    job.say(f"  {collective:10s} {human(nbytes):>5s} {record['library']:17s} {micros:12.1f} us "
             f"{record['busbw']:8.2f} GB/s  wrong {record['wrong']}")
     return record
 
@@ -236,7 +256,7 @@ def _staged(call: Callable[[Any, Any], None]) -> Callable[[Any, Any], None]:
     return staged
 
 
-def _phase_callers(job: Job, comm: Any, nbytes: int, dtype: str
+def _phase_callers(job: Job, comm: Any, nbytes: int, dtype: str, shared: bool
                    ) -> Dict[str, Callable[[], None]]:
     """all_reduce's phases alone, each at the size it has inside an all_reduce of
     ``nbytes`` per rank, on the engines the communicator runs them on: the host's
@@ -248,9 +268,9 @@ def _phase_callers(job: Job, comm: Any, nbytes: int, dtype: str
     host, rail = comm._levels["host"], comm._levels["rail"]
     local = job.args.local_size
     count = max(nbytes // np.dtype(dtype).itemsize // local * local, local)
-    whole = torch.ones(count, dtype=getattr(torch, dtype), device=job.device)
-    part = torch.ones(count // local, dtype=whole.dtype, device=job.device)
-    part_out = torch.empty_like(part)
+    whole = _tensor(job, np.ones(count, dtype), shared)
+    part = _tensor(job, np.ones(count // local, dtype), shared)
+    part_out = _tensor(job, np.zeros(count // local, dtype), shared)
     if job.kind == "cpu":  # as the communicator hands the host backend's engines
         whole, part, part_out = whole.numpy(), part.numpy(), part_out.numpy()
 
@@ -268,17 +288,19 @@ def _phase_callers(job: Job, comm: Any, nbytes: int, dtype: str
         "host all_gather": on(host, lambda s: host.all_gather(part, whole, stream=s))}
 
 
-def phase_study(job: Job, comm: Any, nbytes: int, dtype: str) -> List[Dict[str, Any]]:
+def phase_study(job: Job, comm: Any, nbytes: int, dtype: str,
+                shared: bool = False) -> List[Dict[str, Any]]:
     """hoccl's collectives at ``nbytes`` with phases pipelined and sequential (checked
-    against numpy), and all_reduce's phases alone (timed only)."""
+    against numpy), and all_reduce's phases alone (timed only); ``shared``: on a CPU
+    rank in shared host memory."""
     records = []
     for collective in COLLECTIVES:
         for phases in ("pipelined", "sequential"):
             comm.set_options(phases=phases)
-            record = measure(job, "hoccl", comm, collective, nbytes, dtype)
+            record = measure(job, "hoccl", comm, collective, nbytes, dtype, shared)
             records.append({**record, "library": f"hoccl {phases}", "phases": phases})
     comm.set_options(phases="auto")
-    for name, once in _phase_callers(job, comm, nbytes, dtype).items():
+    for name, once in _phase_callers(job, comm, nbytes, dtype, shared).items():
         micros = _time(job, once)
         records.append(dict(collective="all_reduce", bytes=nbytes, library=f"phase {name}",
                             phase=name, time_us=micros))
@@ -306,10 +328,12 @@ def ratios(result: Dict[str, Any]) -> Dict[str, Any]:
     over_gloo: Dict[str, Dict[str, float]] = {}
     for collective in COLLECTIVES:
         by = {(r["library"], r["bytes"]): r for r in good if r["collective"] == collective}
-        over_gloo[collective] = {
-            human(nbytes): by[("hoccl", nbytes)]["busbw"] / by[("gloo", nbytes)]["busbw"]
-            for (library, nbytes) in by if library == "hoccl" and nbytes >= COMPARED_FROM
-            and ("gloo", nbytes) in by}
+        for name in ("hoccl", "hoccl shared"):
+            found = {human(nbytes): by[(name, nbytes)]["busbw"] / by[("gloo", nbytes)]["busbw"]
+                     for (library, nbytes) in by if library == name
+                     and nbytes >= COMPARED_FROM and ("gloo", nbytes) in by}
+            if found or name == "hoccl":
+                over_gloo[collective if name == "hoccl" else f"{collective} shared"] = found
     study = {r["library"]: r["time_us"] for r in result["phases"] if "error" not in r
              and r["collective"] == "all_reduce"}
     alone = [micros for name, micros in study.items() if name.startswith("phase ")]
@@ -338,7 +362,8 @@ def table(result: Dict[str, Any]) -> str:
                      if name in by else "" for name in names]
             lines.append(f"| {human(nbytes)} | " + " | ".join(cells) + " |")
     lines += [f"\n## phases at {human(result['phase_bytes'])} (pipelined in chunks of "
-              f"{human(result['phase_chunk'] or 0)}), time us",
+              f"{human(result['phase_chunk'] or 0)}; CPU ranks' tensors in "
+              f"{result.get('study_memory', 'plain')} memory), time us",
               "| collective | run | time us | wrong |", "|---|---|---|---|"]
     for r in result["phases"]:
         if "error" not in r:
@@ -348,7 +373,9 @@ def table(result: Dict[str, Any]) -> str:
     lines.append("\n## ratios (targets: hoccl / gloo >= 3 from 64M; pipelined / slowest "
                  "phase <= 1.15; sequential / pipelined >= 1.3)")
     for collective, by_size in found["hoccl busbw / gloo busbw"].items():
-        lines.append(f"- {collective} hoccl / gloo busbw: " + (", ".join(
+        name = (f"{collective[:-len(' shared')]} hoccl on shared host memory"
+                if collective.endswith(" shared") else f"{collective} hoccl")
+        lines.append(f"- {name} / gloo busbw: " + (", ".join(
             f"{size} {ratio:.2f}x" for size, ratio in by_size.items()) or "no size from 64M"))
     for name, ratio in found["all_reduce phases"].items():
         lines.append(f"- all_reduce {name}: {ratio:.2f}x")
@@ -394,13 +421,19 @@ def sweep(job: Job, comm: Any) -> Dict[str, Any]:
     devices = job.mpi.allgather(job.kind)
     engines = job.mpi.allgather(None if comm is None else _engines(comm.describe()))
     job.say(f"# hoccl.bench.mixed: devices {devices}, {args.local_size} ranks per host")
-    records = [measure(job, library, handles[library], collective, nbytes, args.dtype)
-               for collective in COLLECTIVES for nbytes in sizes for library in wanted]
+    runs = [(library, shared) for library in wanted
+            for shared in ((False, True) if library == "hoccl" and args.host_memory == "both"
+                           else (args.host_memory == "shared",))]
+    records = [measure(job, library, handles[library], collective, nbytes, args.dtype, shared)
+               for collective in COLLECTIVES for nbytes in sizes for library, shared in runs]
     phase_bytes = parse_size(args.phase_bytes)
-    study = phase_study(job, comm, phase_bytes, args.dtype) if comm is not None else []
+    study_shared = args.host_memory != "plain"
+    study = (phase_study(job, comm, phase_bytes, args.dtype, study_shared)
+             if comm is not None else [])
     return {"world_size": job.world_size, "devices": devices, "local_size": args.local_size,
             "dtype": args.dtype, "engines": engines, "phase_bytes": phase_bytes,
-            "records": records, "phases": study,
+            "records": records, "phases": study, "host_memory": args.host_memory,
+            "study_memory": "shared" if study_shared else "plain",
             "phase_chunk": None if comm is None else comm.config.phase_bytes}
 
 

@@ -23,7 +23,7 @@ import numpy as np
 from mpi4py import MPI
 
 import hoccl
-from hoccl.testing import (FAULTS, IN_PLACE_FORMS, PlantedFault, RegisteredArrays,
+from hoccl.testing import (FAULTS, IN_PLACE_FORMS, ArrayModule, PlantedFault, RegisteredArrays,
                            array_module_for, assert_exact, check_collective, poison, random_array)
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast", "reduce",
@@ -31,6 +31,12 @@ COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broa
 ROOTED = ("broadcast", "reduce", "gather", "scatter")
 REDUCING = ("reduce_scatter", "all_reduce", "reduce")
 PASSED, FAILED, ERROR = 0, 1, 2  # a case's outcome; the worst over the ranks counts
+SHARED = [False]  # --shared-memory
+
+
+def arrays_for(backend, dtype):
+    """The arrays of a case: ``--shared-memory``'s, or the backend's own."""
+    return ArrayModule("shared") if SHARED[0] else array_module_for(backend, dtype)
 
 
 def cases(world_size, dtypes, counts):
@@ -59,7 +65,7 @@ def check_reallocated_buffers(comm, seed):
     """Free a received-into buffer and allocate a new one (often at the same address, as a
     new allocation): the peers must write into the new one, never through a stale mapping
     of the old one."""
-    arrays = array_module_for(comm.backend, "int32")
+    arrays = arrays_for(comm.backend, "int32")
     n = comm.world_size
     for round_ in range(3):
         rng = np.random.default_rng(seed + round_)
@@ -82,7 +88,7 @@ def check_repeated_calls(comm, seed):
     and a peer buffer registered too small for the plan is refused even after the shape
     has run (MismatchError on every rank, nothing written), after which the shape runs
     again."""
-    arrays = array_module_for(comm.backend, "float32")
+    arrays = arrays_for(comm.backend, "float32")
     n, rank, count = comm.world_size, comm.rank, 40
     rng = np.random.default_rng(seed)
     fulls = [arrays.asarray(poison(n * count, "float32"), comm.device) for _ in range(2)]
@@ -153,6 +159,10 @@ def main():
     parser.add_argument("--registered", action="store_true",
                         help="every buffer in a registered array (hoccl.empty), at the same "
                              "offsets on every rank: calls issued without a descriptor exchange")
+    parser.add_argument("--shared-memory", action="store_true",
+                        help="host backend: every array in host memory the peers map "
+                             "(hoccl.host_empty), reached with loads and stores, not "
+                             "cross-memory attach")
     parser.add_argument("--pull-bytes", type=int, default=0,
                         help="Options.pull_bytes: reductions up to this many bytes read the "
                              "peers' inputs where they lie")
@@ -167,6 +177,7 @@ def main():
                              "and a launch per chunk; auto: the default (on, unless ranks "
                              "share a GPU)")
     args = parser.parse_args()
+    SHARED[0] = args.shared_memory
     world = MPI.COMM_WORLD
     comm = hoccl.init(backend=args.backend, timeout=120)
     if args.chunk_bytes:
@@ -191,7 +202,7 @@ def main():
     registered = {}  # kind -> RegisteredArrays (one registered array per kind)
     largest = max(counts) * comm.world_size * 8
     for case in cases(comm.world_size, dtypes, counts):
-        arrays = array_module_for(comm.backend, case["dtype"])
+        arrays = arrays_for(comm.backend, case["dtype"])
         if args.registered:
             arrays = registered.setdefault(arrays.kind, RegisteredArrays(
                 arrays, slot_bytes=max(1 << 20, -(-largest // 4096) * 4096)))
@@ -212,6 +223,7 @@ def main():
     fast = world.allreduce(comm._engine.issued_fast, op=MPI.MIN)
     fused_launches = world.allreduce(fused[0], op=MPI.MIN)
     fuse_sums = comm.fuse_sums
+    mapped = world.allreduce(getattr(device, "mapped_segments", 0), op=MPI.MIN)
     comm.close()
     every = [outcome for results in outcomes.values() for outcome in results]
     passed, failed, errors = (every.count(outcome) for outcome in (PASSED, FAILED, ERROR))
@@ -219,6 +231,8 @@ def main():
         label = f"mpi ranks={world.size} backend={comm.backend}"
         if args.registered:
             label += f" registered ({fast} calls or more on each rank without an exchange)"
+        if args.shared_memory:
+            label += f" shared memory ({mapped} peer segments or more mapped on each rank)"
         if args.pull_bytes:
             label += f" pull_bytes={args.pull_bytes}"
         if args.kernel_bytes:

@@ -25,7 +25,7 @@ from mpi4py import MPI
 from hoccl._dtypes import reduce_arrays
 from hoccl._hierarchy import staged
 from hoccl._hierarchy.cma import CmaTransport
-from hoccl._hierarchy.segments import PeerSegments, shared_bytes
+from hoccl.backends._segments import PeerSegments, shared_bytes
 from hoccl._hierarchy.slots import _HostCopies
 from hoccl.testing import poison, random_array
 
