@@ -23,7 +23,7 @@ from ._errors import (AbortedError, DivergedError, DriverError, HocclError, Hocc
 from ._validate import ReduceOp
 from .backends import cuda_device_count, pick_backend
 from ._hierarchy import INTER_HOST_ENGINES, HierarchicalCommunicator, host_topology
-from ._hierarchy.hosts import backend_for
+from ._hierarchy.hosts import backend_for, host_config
 from .bootstrap import Bootstrap, MPIBootstrap
 from .comm import Communicator, group, group_end, group_start
 from ._windows import Window, empty, host_empty
@@ -166,7 +166,8 @@ def init(*, backend: Optional[str] = None, mpi_comm: Any = None,
     topology, hostnames, grouping = host_topology(call, bootstrap, local_size)
     if topology.hosts > 1:
         def connect_host(members: Bootstrap, ordinal: Optional[int]) -> Communicator:
-            return _build.connect_process(call, backend, members, ordinal, resolved)
+            return _build.connect_process(call, backend, members, ordinal,
+                                          host_config(resolved, backend))
         return HierarchicalCommunicator.connect(
             call=call, backend=backend, bootstrap=bootstrap, topology=topology,
             hostnames=hostnames, grouping=grouping, device=device, inter_host=inter_host,

@@ -249,9 +249,7 @@ class ArrayModule:
             return np.ascontiguousarray(data).copy()
         if self.kind == "shared":
             from ._windows import host_empty
-            found = from_numpy(data.dtype)
-            assert found is not None, f"asarray: no hoccl dtype for {data.dtype}"
-            array = host_empty(data.shape, found.name)
+            array = host_empty(data.shape, data.dtype)
             array[...] = data
             return array
         if self.kind == "cupy":
@@ -558,32 +556,23 @@ def _issue(collective: str, buffers: list, op: str, root: int,
 def _in_place_buffers(collective, r, root, n, count, data, send, recv, make, dtype, bits):
     """The in-place form of rank r's buffers: one array, the send data at its place in it;
     ``recv`` is the part that receives the result.  ``make(slot, data)`` makes an array."""
-    if collective == "all_gather":
+    if collective == "all_gather" or (collective == "gather" and r == root):
         full = poison(count * n, dtype, bits)
         full[r * count:(r + 1) * count] = data
         recv = make(2, full)
         return recv[r * count:(r + 1) * count], recv
+    if collective == "gather":
+        return send, None
     if collective == "reduce_scatter":
         return send, send[r * count:(r + 1) * count]
-    if collective == "all_reduce":
+    if collective == "all_reduce" or (collective == "broadcast" and r == root):
         return send, send
     if collective == "broadcast":
-        if r == root:
-            return send, send
         return None, recv
     if collective == "reduce":
         return (send, send) if r == root else (send, None)
-    if collective == "gather":
-        if r != root:
-            return send, None
-        full = poison(count * n, dtype, bits)
-        full[r * count:(r + 1) * count] = data
-        recv = make(2, full)
-        return recv[r * count:(r + 1) * count], recv
     if collective == "scatter":
-        if r != root:
-            return None, recv
-        return send, send[r * count:(r + 1) * count]
+        return (send, send[r * count:(r + 1) * count]) if r == root else (None, recv)
     raise ValueError(f"check_collective: {collective} has no in-place form")
 
 

@@ -15,7 +15,8 @@
 #   shared       the mixed job's core with the benchmark on plain and shared host memory
 #                (hoccl.host_empty) beside gloo, the host backend's checks on shared memory
 #                (run_checks --shared-memory, -np 4), timelines of a 64 MiB all_reduce on
-#                each, then the GPU tier and run_checks on the cuda backend (-np 2, -np 3)
+#                each, the staged engine's steps on GPU ranks in 4 KiB stages, then the
+#                GPU tier and run_checks on the cuda backend (-np 2, -np 3)
 #   phases       the mixed job's all_reduce phases at 256 MiB: the benchmark's pipelined /
 #                sequential / phase-alone study at phase chunks of 16M (gloo beside it)
 #                and the default, tools/profile_phase.py's timeline of the whole call (pipelined,
@@ -155,6 +156,8 @@ shared)
     run "profile-64M-$memory" 60 $MPI4 python3 tools/profile_phase.py $P --size 64M \
       --phase pipelined --host-memory "$memory"
   done
+  run staged-gpu-ranks 60 $MPIRUN -x HOCCL_STAGE_BYTES=4096 python3 tests/mpi/run_hierarchical.py \
+    --backend cuda --inter-host mpi --local-size 1 --counts 0,1,17,100003
   run gpu-local 150 python3 -m pytest -q -x -p no:cacheprovider --timeout=60 tests/gpu
   run checks-np2 60 $MPIRUN python3 tests/mpi/run_checks.py --backend cuda --counts 0,1,17,1003
   run checks-np3 60 $MPI3 python3 tests/mpi/run_checks.py --backend cuda --counts 0,1,17,1003
