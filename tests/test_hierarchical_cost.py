@@ -103,9 +103,10 @@ def test_all_gather_and_reduce_scatter_pipeline_one_share_per_host(collective):
     pipelined = hoccl_hierarchical(collective, GIB, m, pipelined=True)
     assert pipelined == pytest.approx(pipeline_us(shares, 4))
     assert pipelined < hoccl_hierarchical(collective, GIB, m)
-    many = Machine(hosts=64)
-    assert hoccl_hierarchical(collective, GIB, many, pipelined=True) > \
-        hoccl_hierarchical(collective, GIB, many)
+    many = Machine(hosts=64)  # a share of 16 MiB: the shares' latencies would outweigh it
+    sequential = hoccl_hierarchical(collective, GIB, many)
+    assert pipeline_us(host_shares(collective, GIB, many), 64) > sequential
+    assert hoccl_hierarchical(collective, GIB, many, pipelined=True) == sequential
 
 
 def test_the_runtimes_chunk_size_gives_the_chunk_count():
@@ -163,3 +164,29 @@ def test_the_models_runtime_chunk_is_the_configs_default():
     from hoccl.config import Config
     from hoccl.sched.cost import PHASE_BYTES
     assert PHASE_BYTES == Config().phase_bytes
+
+
+@pytest.mark.parametrize("collective", ["all_gather", "reduce_scatter"])
+@pytest.mark.parametrize("hosts,share_chunks,pipelined", [
+    (2, 1, True), (2, 0.5, False), (4, 1, True), (4, 0.75, False), (8, 2, True),
+    (64, 0.25, False)])
+def test_the_runtime_pipelines_by_host_where_each_share_holds_a_chunk(collective, hosts,
+                                                                      share_chunks, pipelined):
+    """``plan_of`` (the runtime) and the model choose alike: one chunk per host where each
+    host's share holds ``phase_bytes``, else the phases in turn; ``phases="pipelined"``
+    pipelines whatever the size."""
+    from hoccl._hierarchy.phases import plan_of
+    from hoccl.sched import Shape
+    from hoccl.sched.hierarchical import PipelinedPlan, Topology
+    topology, phase_bytes, local = Topology(hosts, 2), 1 << 20, 2
+    count = int(share_chunks * phase_bytes) // 4 // local  # elements per rank
+    shape = Shape(collective, hosts * local, count, "float32", 4)
+    plan = plan_of(shape, topology, "auto", phase_bytes, stream_ordered=False)
+    assert isinstance(plan, PipelinedPlan) == pipelined
+    forced = plan_of(shape, topology, "pipelined", phase_bytes, stream_ordered=False)
+    assert isinstance(forced, PipelinedPlan)
+    m = Machine(hosts=hosts)
+    nbytes = float(count * 4 * hosts * local)
+    modelled = hoccl_hierarchical(collective, nbytes, m, pipelined=True, chunk_bytes=phase_bytes)
+    assert modelled == pytest.approx(pipeline_us(host_shares(collective, nbytes, m), hosts)
+                                     if pipelined else pipeline_us(phases(collective, nbytes, m), 1))

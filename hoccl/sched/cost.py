@@ -245,8 +245,9 @@ def hoccl_hierarchical(collective: str, nbytes: float, m: Machine,
     """µs of hoccl's hierarchical plan: host phases (hoccl) and rail phases (NCCL, or
     ``staged`` through pinned host memory), one after another, or (``pipelined``) chunk
     by chunk (``pipeline_us``): all_gather and reduce_scatter one chunk per host
-    (``host_shares``), the others in chunks of ``chunk_bytes`` (None: the best
-    power-of-two count, ``best_chunks``)."""
+    (``host_shares``) where each host's share holds ``chunk_bytes`` (None:
+    ``PHASE_BYTES``), else in turn, as the runtime chooses; the others in chunks of
+    ``chunk_bytes`` (None: the best power-of-two count, ``best_chunks``)."""
     H, G = m.hosts, m.gpus_per_host
     if collective not in COLLECTIVES:
         raise ValueError(f"hoccl_hierarchical: collective must be one of {COLLECTIVES}; "
@@ -259,6 +260,8 @@ def hoccl_hierarchical(collective: str, nbytes: float, m: Machine,
     if not pipelined:
         return pipeline_us(found, 1)
     if collective in ("all_gather", "reduce_scatter"):
+        if nbytes / H < (chunk_bytes or PHASE_BYTES):
+            return pipeline_us(found, 1)
         return pipeline_us(host_shares(collective, nbytes, m, staged), H)
     chunks = (best_chunks(found, nbytes) if chunk_bytes is None
               else max(1, math.ceil(nbytes / chunk_bytes)))
@@ -281,7 +284,8 @@ def table(collective: str, nbytes: float, hosts: Sequence[int], base: Machine,
         m = replace(base, hosts=count)
         shared = collective in ("all_gather", "reduce_scatter")
         row: Dict[str, float] = {"hosts": count, "gpus": m.world_size,
-                                 "chunks": count if shared else
+                                 "chunks": (count if nbytes / count >= PHASE_BYTES else 1)
+                                 if shared else
                                  best_chunks(phases(collective, nbytes, m), nbytes)}
         times = {"nccl ring": nccl_ring(collective, nbytes, m),
                  "hoccl hier": hoccl_hierarchical(collective, nbytes, m),
@@ -350,7 +354,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         names = [key for key in rows[-1] if key not in ("hosts", "gpus", "chunks")
                  and not key.endswith("busbw")]
         print(f"\n{collective}, {args.size}: time ms (busbw GB/s); chunks: the pipeline's "
-              f"(one per host for all_gather and reduce_scatter, as built; else the best)")
+              f"(one per host for all_gather and reduce_scatter where a host's share "
+              f"holds {_label(PHASE_BYTES)}, as built; else the best)")
         print("| hosts x gpus | " + " | ".join(names) + " | chunks |")
         print("|---" * (len(names) + 2) + "|")
         for row in rows:
