@@ -47,7 +47,7 @@ from .._errors import AbortedError, HocclError, HocclTimeoutError, InvalidArgume
 from .._mailbox import wait_until
 from ..bootstrap import Bootstrap, MPIBootstrap
 from .arrays import Arrays, address
-from .cma import CmaTransport
+from .cma import READ_PART_BYTES, CmaTransport
 from .engine import Setup
 from .folding import FoldingEngine, _to_numpy
 from ..backends._segments import shared_bytes
@@ -374,8 +374,9 @@ class StagedEngine(FoldingEngine):
                    if _overlap(host_send, host_recv) else host_send)
 
         def start(a: int, b: int) -> Any:
-            if offered is not host_send:
-                move(offered[a:b].ctypes.data, host_send[a:b].ctypes.data, offered[a:b].nbytes)
+            if offered is not host_send:  # on every helper thread: the fold waits for it
+                move(offered[a:b].ctypes.data, host_send[a:b].ctypes.data, offered[a:b].nbytes,
+                     piece_bytes=READ_PART_BYTES)
             return transport.all_reduce(offered[a:b].view(np.uint8),
                                         _fold_into(host_recv[a:b], op))
         item = host_recv.dtype.itemsize
