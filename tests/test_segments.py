@@ -169,7 +169,7 @@ def test_a_buffer_reaching_past_its_segment_is_exported_without_it():
 def test_a_peers_segment_is_kept_while_it_lives_and_dropped_once_freed(owner):
     device = _host_device()
     try:
-        device._peer_segments.KEEP = 2
+        device._peer_segments.KEEP = 2  # no bound for segments their owner still has
         descriptors = [owner.export(f"make m{i} 64") for i in range(4)]
         addresses = [device.import_(d) for d in descriptors]
         assert device.mapped_segments == 4  # every owner still has them: none dropped

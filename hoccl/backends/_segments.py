@@ -80,9 +80,11 @@ class PeerSegments:
 
     ``writable``: mapped for stores too (the host backend writes into its peers' buffers).
     ``hold_live``: a segment its owner still has is never unmapped (the host backend hands
-    out plain addresses inside the mappings, which hold no reference to them); past
-    ``KEEP`` mappings, those whose owner closed its file (or exited) are dropped.  Without
-    it the oldest is dropped past ``KEEP`` (the views handed out hold their mapping)."""
+    out plain addresses inside the mappings, which hold no reference to them); whenever
+    another is mapped, those whose owner closed its file (or exited) are dropped, so a
+    freed segment's memory is held here at most until the next mapping (or ``clear``).
+    Without it the oldest is dropped past ``KEEP`` (the views handed out hold their
+    mapping)."""
 
     KEEP = 16
 
@@ -142,11 +144,11 @@ class PeerSegments:
         return base, fd, np.frombuffer(area, np.uint8)
 
     def _make_room(self) -> None:
-        """Past ``KEEP`` mappings, drop the oldest (or, ``hold_live``, the dead ones)."""
-        if len(self._maps) < self.KEEP:
-            return
+        """Before a new mapping: past ``KEEP`` mappings drop the oldest, or (``hold_live``)
+        drop every one whose owner has closed it."""
         if not self._hold_live:
-            self._maps.pop(next(iter(self._maps)))
+            if len(self._maps) >= self.KEEP:
+                self._maps.pop(next(iter(self._maps)))
             return
         for key, (_, fd, _) in list(self._maps.items()):
             pid, inode = key
