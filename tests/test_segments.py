@@ -201,3 +201,21 @@ def test_host_empty_gives_zeroed_shared_arrays_and_refuses_bad_requests():
     assert tensor.dtype == torch.bfloat16 and tensor.shape == (6,) and not tensor.any()
     assert segment_of(tensor.data_ptr(), 12) != NO_SEGMENT
     assert hoccl.host_empty((0, 4), "int8", framework="torch").shape == (0, 4)
+
+
+def test_each_piece_is_named_by_the_segment_that_holds_it_among_many():
+    from hoccl.backends._segments import segment_of
+    rng = np.random.default_rng()
+    sizes = rng.integers(1, 3 * 4096, 40)
+    memories = [shared_bytes(int(size)) for size in sizes]
+    for memory in memories:
+        words = segment_words(memory)
+        assert words != NO_SEGMENT and words[2] == memory.ctypes.data
+        start = int(rng.integers(0, memory.nbytes))
+        length = int(rng.integers(0, memory.nbytes - start + 1))
+        assert segment_of(memory.ctypes.data + start, length) == words
+        assert segment_of(memory.ctypes.data, memory.nbytes + 1) == NO_SEGMENT  # past its end
+    base = memories[7].ctypes.data
+    del memories[7], memory
+    gc.collect()
+    assert segment_of(base, 1) == NO_SEGMENT  # released: no segment holds it now

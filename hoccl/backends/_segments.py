@@ -13,11 +13,12 @@ is any piece whose segment cannot be mapped.
 
 from __future__ import annotations
 
+import bisect
 import mmap
 import os
 import threading
 import weakref
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -25,8 +26,9 @@ __all__ = ["PeerSegments", "shared_bytes", "segment_of", "segment_words", "NO_SE
 
 #: an offer's segment words where the piece lies in no segment
 NO_SEGMENT = (0, 0, 0, 0)
-#: this process's segments: base address -> (end, fd, inode)
+#: this process's segments: base address -> (end, fd, inode), and their bases in order
 _OWNED: Dict[int, Tuple[int, int, int]] = {}
+_BASES: List[int] = []
 _LOCK = threading.Lock()
 
 
@@ -48,13 +50,15 @@ def shared_bytes(nbytes: int) -> np.ndarray:
     base = memory.ctypes.data
     with _LOCK:
         _OWNED[base] = (base + area.size(), fd, os.fstat(fd).st_ino)
+        bisect.insort(_BASES, base)
     weakref.finalize(area, _release, base, fd)
     return memory[:nbytes]
 
 
 def _release(base: int, fd: int) -> None:
     with _LOCK:
-        _OWNED.pop(base, None)
+        if _OWNED.pop(base, None) is not None:
+            del _BASES[bisect.bisect_left(_BASES, base)]
     os.close(fd)
 
 
@@ -63,8 +67,11 @@ def segment_of(address: int, nbytes: int) -> Tuple[int, int, int, int]:
     ``nbytes`` at ``address`` whole, or ``NO_SEGMENT``."""
     start, end = int(address), int(address) + max(0, int(nbytes))
     with _LOCK:
-        for base, (stop, fd, inode) in _OWNED.items():
-            if base <= start and end <= stop:
+        index = bisect.bisect_right(_BASES, start) - 1  # the last segment starting at or before
+        if index >= 0:
+            base = _BASES[index]
+            stop, fd, inode = _OWNED[base]
+            if end <= stop:
                 return fd, inode, base, stop - base
     return NO_SEGMENT
 
