@@ -131,3 +131,18 @@ def test_init_refuses_hosts_whose_ranks_differ_and_ranks_that_would_cut_calls_ap
                        match=r"^init: every rank must have the same \['phases', 'phase_bytes', "
                              r"'stage_bytes'\]; .* rank 3 .*\(differ: \['phase_bytes'\]\)"):
         agree("init", [cpu, cpu, gloo, other], Topology(2, 2))
+
+
+def test_a_host_on_the_host_backend_pulls_its_reductions_unless_told():
+    """``host_config``: the host backend inside a hierarchy pulls every reduction (a CPU
+    has no copy engine to push with); a ``pull_bytes`` the user set stands, and the cuda
+    backend keeps its table's or the defaults' choice."""
+    from hoccl._hierarchy.hosts import HOST_PULL_BYTES, host_config
+    plain = hoccl.Config()
+    assert plain.pull_bytes == 0
+    assert host_config(plain, "host").pull_bytes == HOST_PULL_BYTES
+    assert host_config(plain, "cuda") is plain
+    chosen = hoccl.Config(pull_bytes=4096)
+    assert host_config(chosen, "host").pull_bytes == 4096
+    off = plain.replace("test", pull_bytes=0)  # pulling turned off by name
+    assert "pull_bytes" in off.given and host_config(off, "host").pull_bytes == 0
