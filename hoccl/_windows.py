@@ -27,6 +27,7 @@ The window's array is kept alive by the registry until ``deregister``.
 from __future__ import annotations
 
 import bisect
+import math
 from typing import Any, Dict, List, Optional, Tuple
 
 from ._buffers import as_buffer
@@ -203,11 +204,8 @@ def host_empty(shape: Any, dtype: Any, *, framework: str = "numpy") -> Any:
     dims = (shape,) if isinstance(shape, int) else tuple(shape)
     if any(not isinstance(d, int) or d < 0 for d in dims):
         raise InvalidArgumentError(f"host_empty: shape must be non-negative ints, got {shape!r}")
-    itemsize = _dtypes.ITEMSIZE[name]
-    count = 1
-    for d in dims:
-        count *= d
-    memory = shared_bytes(count * itemsize)
+    count = math.prod(dims)
+    memory = shared_bytes(count * _dtypes.ITEMSIZE[name])
     if framework == "numpy":
         return memory.view(_dtypes.numpy_dtype(name)).reshape(dims)
     import torch
