@@ -13,7 +13,8 @@ argument raises the same error from either.
 from __future__ import annotations
 
 import abc
-from typing import Any, Dict, List, Optional, Tuple
+import functools
+from typing import Any, Callable, Dict, List, Optional, Tuple, TypeVar
 
 from . import _validate as check
 from ._buffers import Buffer, as_buffer
@@ -25,6 +26,27 @@ __all__ = ["CommunicatorApi"]
 #: the collectives ``CommunicatorApi.explain`` tells about
 _EXPLAINED = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast",
               "reduce", "gather", "scatter")
+
+
+_Method = TypeVar("_Method", bound=Callable[..., None])
+
+
+def _refusable(method: _Method) -> _Method:
+    """A call whose wrong arguments raise InvalidArgumentError before it is made: its
+    peers are told in its place (``_refuse``), so that their matching calls end too and
+    every rank's sequence of calls stays aligned."""
+    name = method.__name__
+
+    @functools.wraps(method)
+    def call(self: "CommunicatorApi", *args: Any, **kwargs: Any) -> None:
+        try:
+            method(self, *args, **kwargs)
+        except InvalidArgumentError as error:
+            if not getattr(error, "made", False):
+                peer = kwargs.get("peer", args[1] if len(args) > 1 else None)
+                self._refuse(name, peer, error)
+            raise
+    return call  # type: ignore[return-value]
 
 
 class CommunicatorApi(abc.ABC):
@@ -48,6 +70,10 @@ class CommunicatorApi(abc.ABC):
              stream: Any) -> None:
         """Run the checked call ``name`` of ``shape`` on ``buffers`` (by role: "send",
         "recv", or "send"/"recv" alone for send and recv; None where a rank has none)."""
+
+    def _refuse(self, name: str, peer: Any, error: InvalidArgumentError) -> None:
+        """This rank's call ``name`` (``peer``: a send's or recv's) raised ``error`` before
+        it was made: tell the peers in its place, where the communicator can."""
 
     @property
     @abc.abstractmethod
@@ -156,6 +182,7 @@ class CommunicatorApi(abc.ABC):
         return self._explain(shape)
 
     # -- public collectives ----------------------------------------------------------------
+    @_refusable
     def all_gather(self, sendbuf: Any, recvbuf: Any, *, stream: Any = None) -> None:
         """``recvbuf[r*count:(r+1)*count] = sendbuf of rank r`` for every rank r.
 
@@ -172,6 +199,7 @@ class CommunicatorApi(abc.ABC):
         shape = self._shape(name, send, in_place=in_place)
         self._run(name, shape, {"send": send, "recv": recv}, stream)
 
+    @_refusable
     def reduce_scatter(self, sendbuf: Any, recvbuf: Any, op: Any = "sum", *,
                        scale: Optional[float] = None, stream: Any = None) -> None:
         """``recvbuf = op over ranks r of sendbuf_r[rank*count:(rank+1)*count]``.
@@ -191,6 +219,7 @@ class CommunicatorApi(abc.ABC):
         shape = self._shape(name, recv, op=op, in_place=in_place, scale=factor)
         self._run(name, shape, {"send": send, "recv": recv}, stream)
 
+    @_refusable
     def all_reduce(self, sendbuf: Any, recvbuf: Any, op: Any = "sum", *,
                    scale: Optional[float] = None, stream: Any = None) -> None:
         """``recvbuf = op over ranks of sendbuf`` on every rank.  In place when they are one
@@ -204,6 +233,7 @@ class CommunicatorApi(abc.ABC):
         shape = self._shape(name, send, op=op, in_place=in_place, scale=factor)
         self._run(name, shape, {"send": send, "recv": recv}, stream)
 
+    @_refusable
     def all_to_all(self, sendbuf: Any, recvbuf: Any, *, stream: Any = None) -> None:
         """Block j of rank i's ``sendbuf`` goes to block i of rank j's ``recvbuf``."""
         name = "all_to_all"
@@ -216,6 +246,7 @@ class CommunicatorApi(abc.ABC):
         shape = self._shape(name, send, count=send.count // self.world_size)
         self._run(name, shape, {"send": send, "recv": recv}, stream)
 
+    @_refusable
     def broadcast(self, sendbuf: Any, recvbuf: Any, root: int, *, stream: Any = None) -> None:
         """Every rank's ``recvbuf`` = root's ``sendbuf`` (``sendbuf`` is ignored off the root
         and may be None).  In place when ``sendbuf is recvbuf`` on the root."""
@@ -231,6 +262,7 @@ class CommunicatorApi(abc.ABC):
         shape = self._shape(name, recv, root=root, in_place=in_place)
         self._run(name, shape, {"send": send, "recv": recv}, stream)
 
+    @_refusable
     def reduce(self, sendbuf: Any, recvbuf: Any, root: int, op: Any = "sum", *,
                scale: Optional[float] = None, stream: Any = None) -> None:
         """Root's ``recvbuf`` = op over ranks of ``sendbuf`` (``recvbuf`` may be None
@@ -250,12 +282,14 @@ class CommunicatorApi(abc.ABC):
                             scale=factor)
         self._run(name, shape, {"send": send, "recv": recv}, stream)
 
+    @_refusable
     def gather(self, sendbuf: Any, recvbuf: Any, root: int, *, stream: Any = None) -> None:
         """Root's ``recvbuf[r*count:(r+1)*count]`` = rank r's ``sendbuf`` (``recvbuf`` may be
         None off the root).  In place when the root's ``sendbuf`` is its own block of
         ``recvbuf``."""
         self._rooted_blocks("gather", sendbuf, recvbuf, root, stream)
 
+    @_refusable
     def scatter(self, sendbuf: Any, recvbuf: Any, root: int, *, stream: Any = None) -> None:
         """Rank r's ``recvbuf`` = root's ``sendbuf[r*count:(r+1)*count]`` (``sendbuf`` may be
         None off the root).  In place when the root's ``recvbuf`` is its own block of
@@ -283,6 +317,7 @@ class CommunicatorApi(abc.ABC):
         shape = self._shape(name, small, root=root, in_place=in_place)
         self._run(name, shape, {"send": send, "recv": recv}, stream)
 
+    @_refusable
     def send(self, buf: Any, peer: int, *, stream: Any = None) -> None:
         """Send ``buf`` to ``peer``, which must call ``recv`` with a buffer of the same size.
 
@@ -290,10 +325,12 @@ class CommunicatorApi(abc.ABC):
         ``recv`` (the ranks swap buffer descriptors); a cycle of sends must be grouped."""
         self._pair("send", buf, peer, stream)
 
+    @_refusable
     def recv(self, buf: Any, peer: int, *, stream: Any = None) -> None:
         """Receive into ``buf`` what ``peer`` sends with ``send``."""
         self._pair("recv", buf, peer, stream)
 
+    @_refusable
     def barrier(self, *, stream: Any = None) -> None:
         """Work enqueued on ``stream`` after the barrier starts only after every rank's
         stream reached its barrier.  Zero SMs, no data."""

@@ -19,8 +19,9 @@ import atexit
 import contextlib
 import dataclasses
 import logging
+import numbers
 import weakref
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from . import _validate as check
 from ._api import CommunicatorApi
@@ -432,9 +433,35 @@ class Communicator(CommunicatorApi):
             self._group.post(calls)
             self._group.complete(calls)
         except BaseException as error:
+            if isinstance(error, InvalidArgumentError):
+                error.made = True  # type: ignore[attr-defined]  # the peers know of it
             if fatal(error):
                 self._fail(calls, error)
             raise
+
+    def _refuse(self, name: str, peer: Any, error: InvalidArgumentError) -> None:
+        """``name`` raised ``error`` before it was made: take its place in this rank's
+        sequence of calls and tell its participants (``Group.refuse``), whose matching
+        calls then end with MismatchError, the communicator usable.  A send or recv to no
+        valid peer has no participants to tell."""
+        engine = self._engine
+        if engine.closed or engine.aborted:
+            return
+        if name in ("send", "recv"):
+            if isinstance(peer, bool) or not isinstance(peer, numbers.Integral) \
+                    or not 0 <= int(peer) < self.world_size or int(peer) == self.rank:
+                return
+            pair: Optional[Tuple[int, int]] = ((self.rank, int(peer)) if name == "send"
+                                               else (int(peer), self.rank))
+            participants: Sequence[int] = pair
+        else:
+            pair, participants = None, range(self.world_size)
+        key = engine.skip(pair)
+        try:
+            self._group.refuse(name, key, participants, str(error), self.rank)
+        except HocclError as failure:  # the peers then time out on the call, naming it
+            log.warning("rank %d %s: could not tell the peers of the refused call: %s",
+                        self.rank, name, failure)
 
     def _fail(self, calls: List[Call], error: BaseException) -> None:
         """The peers never answered: nothing can be matched up any more."""
@@ -444,7 +471,8 @@ class Communicator(CommunicatorApi):
         if isinstance(error, PeerDeadError):  # later calls say the peer is gone, too
             self._health.abort_for_lost_peer(reason, type(error))
         else:
-            self._health.abort(reason)
+            self._health.abort(reason, kind="diverged" if isinstance(error, DivergedError)
+                               else "aborted")
 
 
 @atexit.register

@@ -211,6 +211,19 @@ class Engine:
         with self.lock:
             return [(held.plan, held.prepared.marks) for held in self._unissued.values()]
 
+    def skip(self, pair: Optional[Tuple[int, int]]) -> tuple:
+        """The key of a call this rank refused (its arguments were wrong) and that its peers
+        are told of in its place (``Group.refuse``): the next collective's, or the next of
+        ``pair`` (sender, receiver); its sequence advances as if the call had been made."""
+        with self.lock:
+            if pair:
+                key: tuple = ("pair",) + tuple(pair) + (self._pair_calls.get(pair, 0),)
+                self._pair_calls[pair] = key[-1] + 1
+            else:
+                key = ("coll", self._collectives)
+                self._collectives += 1
+            return key
+
     def _count(self, call: Call) -> None:
         """Advance the sequence ``call``'s key was taken from (``prepare``)."""
         if call.plan.pair:
