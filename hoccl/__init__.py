@@ -20,7 +20,7 @@ from .config import DEFAULT_TIMEOUT, Config, default_copy_sms, environ
 from ._errors import (AbortedError, DivergedError, DriverError, HocclError, HocclTimeoutError,
                       InvalidArgumentError, MismatchError, PeerClosedError, PeerDeadError,
                       PlanError)
-from ._validate import ReduceOp
+from ._validate import ReduceOp, integer, integers
 from .backends import cuda_device_count, pick_backend
 from ._hierarchy import INTER_HOST_ENGINES, HierarchicalCommunicator, host_topology
 from ._hierarchy.hosts import backend_for, host_config
@@ -79,16 +79,17 @@ def init_local(n_or_devices: Union[int, Sequence[int]], *, backend: Optional[str
     """
     call = "init_local"
     backend = pick_backend(call, backend)
-    if isinstance(n_or_devices, bool) or not isinstance(n_or_devices, (int, list, tuple)):
+    count = integer(n_or_devices)
+    if count is None and not isinstance(n_or_devices, (list, tuple)):
         raise InvalidArgumentError(f"{call}: expected a rank count or a list of device "
                                    f"ordinals; got {n_or_devices!r}")
-    devices = list(range(n_or_devices)) if isinstance(n_or_devices, int) else list(n_or_devices)
+    ordinals = integers(range(count) if count is not None else n_or_devices)
+    if ordinals is None or len(set(ordinals)) != len(ordinals):
+        raise InvalidArgumentError(f"{call}: devices must be distinct int ordinals; got "
+                                   f"{n_or_devices!r}")
+    devices = list(ordinals)
     if not devices:
         raise InvalidArgumentError(f"{call}: need at least one rank; got {n_or_devices!r}")
-    if any(isinstance(d, bool) or not isinstance(d, int) for d in devices) \
-            or len(set(devices)) != len(devices):
-        raise InvalidArgumentError(f"{call}: devices must be distinct int ordinals; got "
-                                   f"{devices}")
     if backend == "cuda":
         visible = cuda_device_count()
         if not all(0 <= d < visible for d in devices):

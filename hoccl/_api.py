@@ -145,14 +145,12 @@ class CommunicatorApi(abc.ABC):
         itemsize = check.dtype_itemsize(name, dtype)
         blocks = self.world_size if collective in ("all_gather", "reduce_scatter",
                                                    "all_to_all") else 1
-        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0 \
-                or nbytes % (itemsize * blocks):
-            raise InvalidArgumentError(f"{name}: nbytes must be an int >= 0, a multiple of "
-                                       f"{itemsize * blocks} ({blocks} blocks of {dtype}); got "
-                                       f"{nbytes!r}")
+        nbytes = check.count(name, "nbytes", nbytes, itemsize * blocks,
+                             f"{blocks} blocks of {dtype}")
         shape = Shape(collective, self.world_size, nbytes // itemsize // blocks,
                       check.dtype_name(name, dtype), itemsize, op=check.reduce_op(name, op),
-                      root=check.rank(name, "root", root, self.world_size), in_place=in_place)
+                      root=check.rank(name, "root", root, self.world_size),
+                      in_place=check.flag(name, "in_place", in_place))
         return self._explain(shape)
 
     # -- public collectives ----------------------------------------------------------------
@@ -170,7 +168,7 @@ class CommunicatorApi(abc.ABC):
         in_place = check.in_place(name, self.rank, send, recv,
                                   recv.block(self.rank, send.count), send)
         shape = self._shape(name, send, in_place=in_place)
-        self._run(name, shape, {"send": send, "recv": recv}, stream)
+        self._issue(name, shape, {"send": send, "recv": recv}, stream)
 
     def reduce_scatter(self, sendbuf: Any, recvbuf: Any, op: Any = "sum", *,
                        scale: Optional[float] = None, stream: Any = None) -> None:
@@ -189,7 +187,7 @@ class CommunicatorApi(abc.ABC):
         in_place = check.in_place(name, self.rank, send, recv,
                                   send.block(self.rank, recv.count), recv)
         shape = self._shape(name, recv, op=op, in_place=in_place, scale=factor)
-        self._run(name, shape, {"send": send, "recv": recv}, stream)
+        self._issue(name, shape, {"send": send, "recv": recv}, stream)
 
     def all_reduce(self, sendbuf: Any, recvbuf: Any, op: Any = "sum", *,
                    scale: Optional[float] = None, stream: Any = None) -> None:
@@ -202,7 +200,7 @@ class CommunicatorApi(abc.ABC):
         check.same_shape(name, send, recv)
         in_place = check.in_place(name, self.rank, send, recv, recv, send)
         shape = self._shape(name, send, op=op, in_place=in_place, scale=factor)
-        self._run(name, shape, {"send": send, "recv": recv}, stream)
+        self._issue(name, shape, {"send": send, "recv": recv}, stream)
 
     def all_to_all(self, sendbuf: Any, recvbuf: Any, *, stream: Any = None) -> None:
         """Block j of rank i's ``sendbuf`` goes to block i of rank j's ``recvbuf``."""
@@ -214,7 +212,7 @@ class CommunicatorApi(abc.ABC):
                                        f"{self.world_size}; got {send.count}")
         check.disjoint(name, send, recv)
         shape = self._shape(name, send, count=send.count // self.world_size)
-        self._run(name, shape, {"send": send, "recv": recv}, stream)
+        self._issue(name, shape, {"send": send, "recv": recv}, stream)
 
     def broadcast(self, sendbuf: Any, recvbuf: Any, root: int, *, stream: Any = None) -> None:
         """Every rank's ``recvbuf`` = root's ``sendbuf`` (``sendbuf`` is ignored off the root
@@ -229,7 +227,7 @@ class CommunicatorApi(abc.ABC):
             check.same_shape(name, send, recv)
             in_place = check.in_place(name, self.rank, send, recv, recv, send)
         shape = self._shape(name, recv, root=root, in_place=in_place)
-        self._run(name, shape, {"send": send, "recv": recv}, stream)
+        self._issue(name, shape, {"send": send, "recv": recv}, stream)
 
     def reduce(self, sendbuf: Any, recvbuf: Any, root: int, op: Any = "sum", *,
                scale: Optional[float] = None, stream: Any = None) -> None:
@@ -248,7 +246,7 @@ class CommunicatorApi(abc.ABC):
         factor = check.scale(name, scale, op, send.dtype)
         shape = self._shape(name, send, op=op, root=root, in_place=in_place,
                             scale=factor)
-        self._run(name, shape, {"send": send, "recv": recv}, stream)
+        self._issue(name, shape, {"send": send, "recv": recv}, stream)
 
     def gather(self, sendbuf: Any, recvbuf: Any, root: int, *, stream: Any = None) -> None:
         """Root's ``recvbuf[r*count:(r+1)*count]`` = rank r's ``sendbuf`` (``recvbuf`` may be
@@ -281,7 +279,7 @@ class CommunicatorApi(abc.ABC):
             in_place = check.in_place(name, self.rank, send, recv,
                                       large.block(root, small.count), small)
         shape = self._shape(name, small, root=root, in_place=in_place)
-        self._run(name, shape, {"send": send, "recv": recv}, stream)
+        self._issue(name, shape, {"send": send, "recv": recv}, stream)
 
     def send(self, buf: Any, peer: int, *, stream: Any = None) -> None:
         """Send ``buf`` to ``peer``, which must call ``recv`` with a buffer of the same size.
@@ -298,7 +296,16 @@ class CommunicatorApi(abc.ABC):
         """Work enqueued on ``stream`` after the barrier starts only after every rank's
         stream reached its barrier.  Zero SMs, no data."""
         self._usable("barrier")
-        self._run("barrier", Shape("barrier", self.world_size, 0), {}, stream)
+        self._issue("barrier", Shape("barrier", self.world_size, 0), {}, stream)
+
+    def _issue(self, name: str, shape: Shape, buffers: Dict[str, Optional[Buffer]],
+               stream: Any) -> None:
+        """``_run``, its argument errors named after the public call (the device resolves
+        ``stream`` and names its own method)."""
+        try:
+            self._run(name, shape, buffers, stream)
+        except InvalidArgumentError as error:
+            raise check.renamed(name, error) from None
 
     # -- argument checks -------------------------------------------------------------
     def _buffers(self, name: str, optional: Tuple[str, ...] = (),
@@ -331,4 +338,4 @@ class CommunicatorApi(abc.ABC):
         sender, receiver = (self.rank, peer) if name == "send" else (peer, self.rank)
         shape = Shape("sendrecv", self.world_size, buffer.count, buffer.dtype, buffer.itemsize,
                       root=sender, peer=receiver)
-        self._run(name, shape, {name: buffer}, stream)
+        self._issue(name, shape, {name: buffer}, stream)

@@ -33,7 +33,7 @@ import ctypes
 import math
 import operator
 import sys
-from typing import Any, Mapping, Optional, Sequence, Tuple
+from typing import Any, Mapping, Optional, Sequence, Tuple, cast
 
 import numpy as np
 
@@ -41,7 +41,7 @@ from . import _dtypes
 from ._dtypes import BOOL, ITEMSIZE, NAMES
 from ._errors import InvalidArgumentError
 
-__all__ = ["Buffer", "as_buffer", "integer"]
+__all__ = ["Buffer", "as_buffer", "integer", "integers", "ADDRESS_END"]
 
 
 class Buffer:
@@ -152,7 +152,7 @@ def _from_array_interface(call: str, name: str, array: Any, interface: Any, writ
     address, read_only = integer(data[0]), data[1]
     if writable and read_only:
         raise _read_only(call, name, "__cuda_array_interface__ data[1] is True")
-    count = _checked_memory(call, what, address, data[0], shape, ITEMSIZE[dtype])
+    address, count = _checked_memory(call, what, address, data[0], shape, ITEMSIZE[dtype])
     return Buffer(address, count, dtype, _interface_device(call, what, array, interface),
                   array)
 
@@ -250,7 +250,7 @@ def _from_dlpack(call: str, name: str, array: Any, writable: bool, reduction: bo
     device = int(device_id) if device_type == _DLPACK_CUDA else None
     data = tensor.data or 0
     address = data + tensor.byte_offset if data else 0
-    count = _checked_memory(call, what, address, f"data {data:#x} + byte_offset "
+    address, count = _checked_memory(call, what, address, f"data {data:#x} + byte_offset "
                             f"{tensor.byte_offset}", shape, ITEMSIZE[dtype])
     # The capsule stays unconsumed and alive with the buffer: the memory is valid until its
     # deleter runs, which the capsule's destructor does.
@@ -292,7 +292,7 @@ _MAX_DIMS = 64
 #: no buffer reaches past this address: user memory on 64-bit Linux (host or mapped into
 #: the GPU's unified address space) lies below 2**57, and every size and offset hoccl
 #: hands the drivers fits a signed 64-bit int
-_ADDRESS_END = 1 << 63
+ADDRESS_END = 1 << 63
 
 
 def integer(value: Any) -> Optional[int]:
@@ -309,14 +309,21 @@ def integer(value: Any) -> Optional[int]:
         return None
 
 
-def _extents(call: str, what: str, key: str, values: Any, ndim: Optional[int] = None,
-             signed: bool = False) -> Tuple[int, ...]:
-    """A description's ``shape`` (ints >= 0) or ``strides`` (ints, ``ndim`` of them)."""
+def integers(values: Any) -> Optional[Tuple[int, ...]]:
+    """``values`` (any iterable) as a tuple of ints when each is an integer (``integer``);
+    else None."""
     try:
         found = tuple(integer(value) for value in values)
     except TypeError:
-        found = (None,)
-    if (None in found or (ndim is not None and len(found) != ndim)
+        return None
+    return None if None in found else cast(Tuple[int, ...], found)
+
+
+def _extents(call: str, what: str, key: str, values: Any, ndim: Optional[int] = None,
+             signed: bool = False) -> Tuple[int, ...]:
+    """A description's ``shape`` (ints >= 0) or ``strides`` (ints, ``ndim`` of them)."""
+    found = integers(values)
+    if (found is None or (ndim is not None and len(found) != ndim)
             or (not signed and any(value < 0 for value in found))):
         expected = (f"{ndim} ints" if signed else "a sequence of ints >= 0" if ndim is None
                     else f"{ndim} ints >= 0")
@@ -326,8 +333,8 @@ def _extents(call: str, what: str, key: str, values: Any, ndim: Optional[int] = 
 
 
 def _checked_memory(call: str, what: str, address: Optional[int], given: Any,
-                    shape: Tuple[int, ...], itemsize: int) -> int:
-    """The element count of ``shape``, once its bytes at ``address`` are a range of the
+                    shape: Tuple[int, ...], itemsize: int) -> Tuple[int, int]:
+    """``address`` and the element count of ``shape``, once its bytes there are a range of the
     address space: a real address (not null) unless the array is empty, and no byte past
     the end.  Whether that memory exists and is the array's cannot be known here."""
     count = math.prod(shape)
@@ -339,11 +346,11 @@ def _checked_memory(call: str, what: str, address: Optional[int], given: Any,
         raise InvalidArgumentError(f"{call}: {what} has a null data pointer for shape "
                                    f"{shape} ({nbytes} bytes); expected the address of its "
                                    f"memory (null only for an empty array)")
-    if address + nbytes > _ADDRESS_END:
+    if address + nbytes > ADDRESS_END:
         raise InvalidArgumentError(f"{call}: {what} describes {nbytes} bytes (shape {shape}, "
                                    f"{itemsize} bytes each) at {address:#x}, past 2**63, where "
                                    f"no process's memory lies")
-    return count
+    return address, count
 
 
 def _not_contiguous(call: str, name: str) -> InvalidArgumentError:
