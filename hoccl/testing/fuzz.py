@@ -39,7 +39,8 @@ from ..backends._kernels import MAX_INPUTS
 from . import (IN_PLACE_FORMS, POISON_BITS, ArrayModule, _COUNTS, _in_place_buffers,
                array_module_for, assert_exact, expected, is_poison, poison, random_array)
 
-__all__ = ["Settings", "Call", "Step", "Report", "Runner", "program", "main"]
+__all__ = ["Settings", "Call", "Step", "Report", "Runner", "program", "coverage", "run_local",
+           "run_process", "replay_command", "summary", "main"]
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast",
                "reduce", "gather", "scatter")
@@ -153,7 +154,7 @@ def _collective(rng: np.random.Generator, world_size: int, settings: Settings,
     op, scale = "sum", None
     if collective in REDUCING:
         op = OPS[int(rng.integers(len(OPS)))]
-        if op == "sum" and dtype.startswith(("float", "bfloat")) and rng.random() < 0.2:
+        if op == "sum" and dtype.startswith(("float", "bfloat")) and rng.random() < 0.5:
             scale = SCALES[int(rng.integers(len(SCALES)))]
     count = _count(rng, settings.max_count)
     return Call(collective, dtype, count, op,
@@ -196,13 +197,36 @@ def program(seed: int, world_size: int, calls: int, settings: Settings = Setting
             members = [_collective(rng, smallest, settings, False)
                        for _ in range(int(rng.integers(1, 4)))]
             step = Step(tuple(members), colors=colors)
-        elif kind > 0.98:
+        elif kind > 0.965:
             step = Step((Call("barrier"),))
         else:
             step = Step((_collective(rng, world_size, settings, True),))
         steps.append(step)
         made += sum(call.calls_per_rank for call in step.calls)
     return steps
+
+
+def coverage(steps: Sequence[Step]) -> Counter:
+    """How many calls of each kind ``steps`` hold: by collective ("ring", "barrier"
+    too), dtype, op, form, and "registered", "scale", "grouped", "grouped collective",
+    "split", "count 0", "count > 16384"."""
+    found: Counter = collections.Counter()
+    for step in steps:
+        for call in step.calls:
+            found[call.collective] += 1
+            if call.collective == "barrier":
+                continue
+            found[f"dtype {call.dtype}"] += 1
+            found[f"op {call.op}"] += call.collective in REDUCING
+            found["in place" if call.in_place else "out of place"] += call.collective != "ring"
+            found["registered"] += call.registered
+            found["scale"] += call.scale is not None
+            found["grouped"] += step.grouped
+            found["grouped collective"] += step.grouped and call.collective != "ring"
+            found["split"] += step.colors is not None
+            found["count 0"] += call.count == 0
+            found["count > 16384"] += call.count > 1 << 14
+    return found
 
 
 @dataclass
@@ -214,8 +238,8 @@ class Report:
     outputs: int = 0        # outputs compared (one per rank and call that has one)
     wrong: int = 0          # outputs that differ from numpy's
     errors: List[str] = field(default_factory=list)
+    empty: int = 0          # of the outputs, those of no element (a flipped bit cannot show)
     failures: List[str] = field(default_factory=list)  # the first wrong outputs, described
-    coverage: Counter = field(default_factory=collections.Counter)
     seconds: float = 0.0
 
     @property
@@ -313,7 +337,6 @@ class Runner:
             for child in children:
                 if child is not None:
                     child.close()
-        self.report.coverage["split"] += 1
 
     def _calls(self, index: int, step: Step, comms: List[Any], color: int) -> None:
         for slab in self.slabs.values():
@@ -336,18 +359,6 @@ class Runner:
         for call, (want, buffers, bits) in zip(step.calls, prepared):
             self._check(index, step, call, comms, want, buffers, bits)
         self.report.calls += sum(call.calls_per_rank for call in step.calls)
-        coverage = self.report.coverage
-        for call in step.calls:
-            coverage[call.collective] += 1
-            coverage[f"dtype {call.dtype}"] += call.collective != "barrier"
-            coverage[f"op {call.op}"] += call.collective in REDUCING
-            coverage["in place" if call.in_place else "out of place"] += 1
-            coverage["registered"] += call.registered
-            coverage["scale"] += call.scale is not None
-            coverage["grouped"] += step.grouped
-            coverage["grouped collective"] += step.grouped and call.collective != "ring"
-            coverage["count 0"] += call.count == 0 and call.collective != "barrier"
-            coverage["count > 16384"] += call.count > 1 << 14
 
     def _prepare(self, comms: List[Any], call: Call, key: List[int], registered: bool
                  ) -> Tuple[List[Optional[np.ndarray]], Dict[int, Tuple[Any, Any]], int]:
@@ -406,6 +417,7 @@ class Runner:
             if self.fault == "flip" and got.size:
                 got.view(f"u{got.dtype.itemsize}")[0] ^= 1
             self.report.outputs += 1
+            self.report.empty += not got.size
             try:
                 assert_exact(f"step {index} ({step.describe()}): {call.describe()}: rank "
                              f"{comm.rank} of {comm.world_size}", reference, got, bits)
