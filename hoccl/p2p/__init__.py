@@ -80,8 +80,10 @@ def _independent(batch, item) -> bool:
 def _families(plans: Iterable[Plan]) -> Tuple[Dict[tuple, int], int]:
     """Each family's first lane, and the lanes all of them take.  Plans that signal the
     same slots (every collective; send/recv of one pair and direction) run one after
-    another on the same lanes: a slot has one writer and its values only grow.  Plans
-    of different families run side by side."""
+    another on the same lanes, each plan's lanes starting only once every lane of the one
+    before has finished (``Executor._after_family``): a slot has one writer, its values
+    only grow, and the plans share the rank's scratch.  Plans of different families run
+    side by side."""
     widths: Dict[tuple, int] = {}
     for plan in plans:
         widths[plan.pair] = max(widths.get(plan.pair, 0), plan.lanes)
@@ -438,6 +440,33 @@ class Executor:
             self.streams.ensure_lanes(total)
         self.streams.reserve_events(events)
 
+    def _after_family(self, lanes: Any, pending: List[list], first: int, used: int, span: int,
+                      marks: Dict[Any, Any], item: int) -> None:
+        """Make lanes ``first .. first + span`` wait until the ``used`` lanes from ``first``
+        that earlier plans of the family took have run every step so far: the next plan
+        of a family (a ``hoccl.group()`` of collectives, or of sends in one direction)
+        runs as if called alone after them.  Side by side, a later plan's signals
+        (larger values into the same slots) would release the earlier plan's waits too
+        soon on the peers, and its copies into the shared scratch would overwrite what
+        an earlier lane still reads::
+
+            lane first   ─ plan A ─┬─ wait ── record ──┬─ plan B
+            lane first+1 ─ plan A ─ record ─┘           └─ wait ── plan B
+        """
+        device, streams = self.device, self.streams
+        _flush(device, lanes, pending, first)  # its own steps stay before the waits
+        for lane_index in range(first + 1, first + used):
+            _flush(device, lanes, pending, lane_index)
+            joined = marks[(-3, item, lane_index)] = streams.event()
+            device.record(lanes[lane_index], joined)
+            device.wait_event(lanes[first], joined)
+        if span > 1:
+            released = marks[(-3, item, first)] = streams.event()
+            device.record(lanes[first], released)
+            for lane_index in range(first + 1, first + span):
+                _flush(device, lanes, pending, lane_index)
+                device.wait_event(lanes[lane_index], released)
+
     def _enqueue(self, items: Sequence[Tuple[Any, Tuple[tuple, ...], int, Any]],
                  firsts: Dict[Any, int], lanes: Any, value: int, after: int,
                  callers: Optional[Sequence[Any]] = None, fence: Sequence[Any] = (),
@@ -474,9 +503,17 @@ class Executor:
         if start:
             for waiting in pending:
                 waiting.extend(start)
+        used: Dict[Any, int] = {}  # family -> the lanes its items so far have taken
         try:
             for item, (plan, program, base, entry) in enumerate(items):
-                first = firsts[plan.pair if plan is not None else None]
+                family = plan.pair if plan is not None else None
+                first = firsts[family]
+                if family in used:
+                    span = max(used[family], plan.lanes)
+                    self._after_family(lanes, pending, first, used[family], span, marks, item)
+                    used[family] = span
+                elif plan is not None:
+                    used[family] = plan.lanes
                 if entry is not None:
                     for lane_index in range(first, first + plan.lanes):
                         if pending[lane_index]:
@@ -548,15 +585,26 @@ class Executor:
                 streams.release(event)
 
 
+def _flush(device: Any, lanes: Any, pending: List[list], lane_index: int) -> None:
+    """Issue ``lane_index``'s buffered memory operations (before an event or a copy)."""
+    if pending[lane_index]:
+        device.memops(lanes[lane_index], pending[lane_index])
+        pending[lane_index] = []
+
+
 def _needs(plans: Iterable[Tuple[Plan, int]]) -> Tuple[int, int]:
     """(lanes, events) that issuing ``plans`` (each ``(plan, marks)``) together takes: the
-    lanes as ``_families`` counts them; the events for marks, joins, entries, and a
-    captured call's exit."""
+    lanes as ``_families`` counts them; the events for marks, joins, entries, a captured
+    call's exit, and the barriers between plans of one family (``_after_family``: at
+    most the family's width each)."""
     widths: Dict[tuple, int] = {}
+    members: Dict[tuple, int] = {}
     marks = count = 0
     for plan, plan_marks in plans:
         widths[plan.pair] = max(widths.get(plan.pair, 0), plan.lanes)
+        members[plan.pair] = members.get(plan.pair, 0) + 1
         marks += plan_marks
         count += 1
     total = max(sum(widths.values()), 1)
-    return total, marks + total + count
+    barriers = sum((members[family] - 1) * widths[family] for family in widths)
+    return total, marks + total + count + barriers
