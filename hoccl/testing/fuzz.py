@@ -10,8 +10,8 @@ dtype (bfloat16 where numpy has it through ml_dtypes), counts from 0 to
 ``scale``, plain and registered buffers (``hoccl.empty``: one slab a communicator, each
 call's buffers at the same offsets on every rank), rings of send/recv (every rank sends
 to rank + shift, receives from rank - shift) inside ``hoccl.group()``, barriers, and
-splits (``split_local`` or ``split``) whose children make calls of their own.  With
-``settings.grouped_collectives`` a group also holds several collectives beside rings.
+splits (``split_local`` or ``split``) whose children make calls of their own, and groups
+of several collectives beside rings (``settings.grouped_collectives``).
 
 ``Runner.run`` makes the calls, step by step: each call's inputs are drawn from
 ``(seed, step, call)`` for every rank (so each process knows the reference of its own
@@ -75,7 +75,7 @@ class Settings:
     registered: bool = True
     splits: bool = True
     #: several collectives (and rings) inside one ``hoccl.group()``; off: groups hold rings
-    grouped_collectives: bool = False
+    grouped_collectives: bool = True
 
     def flags(self) -> List[str]:
         """The command-line flags that give these settings."""
@@ -85,7 +85,8 @@ class Settings:
             flags.append(f"--dtypes {','.join(self.dtypes)}")
         flags += [flag for flag, on in (("--no-registered", not self.registered),
                                         ("--no-splits", not self.splits),
-                                        ("--grouped-collectives", self.grouped_collectives))
+                                        ("--no-grouped-collectives",
+                                         not self.grouped_collectives))
                   if on]
         return flags
 
@@ -511,8 +512,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--dtypes", default=",".join(Settings().dtypes))
     parser.add_argument("--no-registered", action="store_true")
     parser.add_argument("--no-splits", action="store_true")
-    parser.add_argument("--grouped-collectives", action="store_true",
-                        help="groups of several collectives and rings")
+    parser.add_argument("--no-grouped-collectives", action="store_true",
+                        help="groups hold send/recv rings only, no collectives")
     parser.add_argument("--timeout", type=float, default=120.0)
     parser.add_argument("--fault", choices=("flip",), default=None,
                         help="corrupt every output before it is checked (the checker must fail)")
@@ -520,7 +521,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
     settings = Settings(max_count=args.max_count, dtypes=tuple(args.dtypes.split(",")),
                         registered=not args.no_registered, splits=not args.no_splits,
-                        grouped_collectives=args.grouped_collectives)
+                        grouped_collectives=not args.no_grouped_collectives)
     mpi = _under_mpi()
     if mpi:
         from mpi4py import MPI
