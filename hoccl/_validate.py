@@ -18,7 +18,7 @@ from ._errors import InvalidArgumentError
 from .sched.plan import OPS
 
 __all__ = ["ReduceOp", "integer", "integers", "positive_int", "count", "flag", "shape", "reduce_op", "rank",
-           "dtype_name", "dtype_itemsize", "same_dtype", "same_shape", "renamed", "caller_stream",
+           "real", "dtype_name", "dtype_itemsize", "same_dtype", "same_shape", "renamed", "caller_stream",
            "mark",
            "blocks", "disjoint", "in_place", "on_device"]
 
@@ -96,13 +96,13 @@ def scale(call: str, value: Any, op: str, dtype: str) -> Optional[float]:
     if op != "sum" or dtype not in FLOATING:
         raise InvalidArgumentError(f"{call}: scale applies to a sum of a floating dtype; got "
                                    f"op {op!r} on {dtype}")
-    number = _real(value)
+    number = real(value)
     if number is None or number != number or number in (float("inf"), float("-inf")):
         raise InvalidArgumentError(f"{call}: scale must be a finite real number; got {value!r}")
     return number
 
 
-def _real(value: Any) -> Optional[float]:
+def real(value: Any) -> Optional[float]:
     """``value`` as a float when it is a real number (an int, a float, numpy's, a 0-dim
     torch tensor), never a bool nor a string; else None."""
     if (isinstance(value, (str, bytes, bool)) or type(value).__name__ == "bool_"

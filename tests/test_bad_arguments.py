@@ -24,7 +24,7 @@ def _torch():
 
 def _integers(value):
     """``value`` as every kind of integer a user may hold."""
-    kinds = [value, np.int64(value), np.int32(value), np.uint8(value)]
+    kinds = [value, np.int64(value), np.int32(value)] + ([np.uint8(value)] if value < 256 else [])
     torch = _torch()
     if torch is not None:
         kinds += [torch.tensor(value), torch.tensor(value, dtype=torch.int32)]
@@ -273,3 +273,21 @@ def test_init_local_and_split_local_take_integer_scalars(init_local):
     _raises("split_local", ["color must be an int in [0, 2**31)", "2.0"], hoccl.split_local,
             comms, [2.0, 2.0, 2.0])
     _raises("init_local", ["expected a rank count", "2.0"], hoccl.init_local, 2.0)
+
+
+# -- settings ------------------------------------------------------------------------------
+def test_settings_take_integer_and_real_scalars(init_local):
+    (comm,) = init_local(1, max_sms=np.int64(4), timeout=np.float32(30))
+    assert (comm.max_sms, comm.timeout) == (4, 30.0)
+    assert type(comm.config.max_sms) is int and type(comm.config.timeout) is float
+    for size in _integers(4096):
+        comm.set_options(chunk_bytes=size, kernel_sms=_integers(2)[0])
+        assert comm.config.chunk_bytes == 4096 and type(comm.config.chunk_bytes) is int
+    config = hoccl.Config(copy_lanes=np.int32(2), stage_bytes=np.uint64(1 << 20))
+    assert (config.copy_lanes, config.stage_bytes) == (2, 1 << 20)
+    for bad in _not_integers(4):
+        _raises("set_options", ["max_sms must be a positive int", repr(bad)], comm.set_options,
+                max_sms=bad)
+    for bad in ("30", True, float("nan"), -1):
+        _raises("set_options", ["timeout must be a positive number of seconds"],
+                comm.set_options, timeout=bad)
