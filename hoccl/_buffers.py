@@ -203,10 +203,15 @@ _capsule_pointer = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.py_object, ctypes.c
 
 
 def _from_dlpack(call: str, name: str, array: Any, writable: bool, reduction: bool) -> Buffer:
-    device_type, device_id = array.__dlpack_device__()
+    where = array.__dlpack_device__()
+    pair = integers(where) if isinstance(where, (tuple, list)) and len(where) == 2 else None
+    if pair is None:
+        raise InvalidArgumentError(f"{call}: {name}.__dlpack_device__() returned {where!r}; "
+                                   f"expected (device type, device id), two ints")
+    device_type, device_id = pair
     if device_type not in (_DLPACK_CPU, _DLPACK_CUDA):
         raise InvalidArgumentError(f"{call}: {name} is a DLPack array on device type "
-                                   f"{int(device_type)}; expected CPU (1) or CUDA (2)")
+                                   f"{device_type}; expected CPU (1) or CUDA (2)")
     stream = -1 if device_type == _DLPACK_CUDA else None
     try:
         try:
@@ -216,6 +221,9 @@ def _from_dlpack(call: str, name: str, array: Any, writable: bool, reduction: bo
     except BufferError as error:
         raise InvalidArgumentError(f"{call}: {name} cannot be exported through DLPack: "
                                    f"{error}") from error
+    if type(capsule).__name__ != "PyCapsule":
+        raise InvalidArgumentError(f"{call}: {name}.__dlpack__() returned a "
+                                   f"{type(capsule).__name__}; expected a DLPack capsule")
     kind = _capsule_name(capsule)
     if kind not in (b"dltensor_versioned", b"dltensor"):
         raise InvalidArgumentError(f"{call}: {name}.__dlpack__() returned a capsule named "

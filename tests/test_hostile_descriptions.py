@@ -210,3 +210,28 @@ def test_a_null_pointer_through_every_kind_of_call_is_refused_not_a_crash():
                             text=True, timeout=120)
     assert result.returncode == 0, (result.returncode, result.stderr[-2000:])
     assert result.stdout.split() == ["refused", "10"], result.stdout + result.stderr[-2000:]
+
+
+class _Producer:
+    """A DLPack producer whose methods return what they are given."""
+
+    def __init__(self, device, capsule):
+        self.device, self.capsule = device, capsule
+
+    def __dlpack_device__(self):
+        return self.device
+
+    def __dlpack__(self, **kwargs):
+        return self.capsule
+
+
+@pytest.mark.parametrize("device", [("x", 0), 1, (1,), (1, 0, 0), None, (True, 0)])
+def test_dlpack_devices_that_are_not_two_ints_are_refused(device):
+    _refused("all_reduce", "sendbuf", _Producer(device, None), "__dlpack_device__() returned",
+             "expected (device type, device id), two ints")
+
+
+@pytest.mark.parametrize("capsule", ["capsule", None, 0x1000, b"dltensor"])
+def test_dlpack_exports_that_are_not_capsules_are_refused(capsule):
+    _refused("all_reduce", "sendbuf", _Producer((1, 0), capsule), "__dlpack__() returned a",
+             "expected a DLPack capsule")
