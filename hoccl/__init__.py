@@ -150,6 +150,13 @@ def init(*, backend: Optional[str] = None, mpi_comm: Any = None,
     defaults.  Every rank should pass the same.
     """
     call = "init"
+    if device is not None:
+        ordinal = integer(device)
+        if ordinal is None or ordinal < 0:
+            raise InvalidArgumentError(f"{call}: device must be a CUDA ordinal (an int >= 0) or "
+                                       f"None (the local rank's GPU); got {device!r}")
+        device = ordinal
+    local_size = local_size if integer(local_size) is None else integer(local_size)
     resolved = _config(call, config, dict(settings, timeout=timeout, verify_plans=verify_plans,
                                           max_sms=max_sms, copy_sms=copy_sms))
     backend = pick_backend(call, backend_for(call, resolved.intra_host, backend))

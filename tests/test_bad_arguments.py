@@ -291,3 +291,37 @@ def test_settings_take_integer_and_real_scalars(init_local):
     for bad in ("30", True, float("nan"), -1):
         _raises("set_options", ["timeout must be a positive number of seconds"],
                 comm.set_options, timeout=bad)
+
+
+class _OneRank:
+    """A bootstrap of one rank (``hoccl.Bootstrap``): init without MPI."""
+    rank, world_size = 0, 1
+
+    def allgather(self, value):
+        return [value]
+
+    def barrier(self):
+        pass
+
+    def close(self):
+        pass
+
+
+@pytest.mark.parametrize("device", ["x", -1, 1.5, True, [0]])
+def test_init_refuses_devices_that_are_not_ordinals(device):
+    _raises("init", ["device must be a CUDA ordinal", repr(device)], hoccl.init, backend="host",
+            bootstrap=_OneRank(), device=device)
+
+
+def test_init_takes_integer_scalars_as_local_size_and_device():
+    for value in _integers(0)[1:]:
+        comm = hoccl.init(backend="host", bootstrap=_OneRank(), device=value,
+                          local_size=_integers(1)[1])
+        try:
+            rng = np.random.default_rng()
+            data, out = random_array(rng, 5, "float32"), poison(5, "float32")
+            comm.all_reduce(data, out)
+            comm.synchronize()
+            assert_exact("one rank", data, out)
+        finally:
+            comm.close()
