@@ -97,7 +97,7 @@ def test_a_program_of_1000_calls_holds_every_kind_of_call(seed, ranks):
              + [f"dtype {dtype}" for dtype in fuzz.Settings().dtypes]
              + [f"op {op}" for op in fuzz.OPS]
              + ["in place", "out of place", "registered", "scale", "grouped", "split",
-                "count 0", "count > 16384"])
+                "count 0", "count > 16384", "own stream"])
     assert [kind for kind in kinds if not found[kind]] == []
     assert found["grouped collective"] > 20
     roots = {call.root for step in steps for call in step.calls if call.collective == "gather"}

@@ -8,7 +8,8 @@ every process draws the same program: every collective in place and out of place
 dtype (bfloat16 where numpy has it through ml_dtypes), counts from 0 to
 ``settings.max_count`` (most small, a few large), every op and root, sums with a
 ``scale``, plain and registered buffers (``hoccl.empty``: one slab a communicator, each
-call's buffers at the same offsets on every rank), rings of send/recv (every rank sends
+call's buffers at the same offsets on every rank), ``stream=None`` and two streams of each
+rank's own, rings of send/recv (every rank sends
 to rank + shift, receives from rank - shift) inside ``hoccl.group()``, barriers, and
 splits (``split_local`` or ``split``) whose children make calls of their own, and groups
 of several collectives beside rings (``settings.grouped_collectives``).
@@ -103,19 +104,22 @@ class Call:
     in_place: bool = False
     registered: bool = False
     scale: Optional[float] = None
+    #: 0: ``stream=None``; 1 or 2: one of two streams each rank made for the run
+    stream: int = 0
 
     def describe(self) -> str:
+        on = f" stream={self.stream}" if self.stream else ""
         if self.collective == "barrier":
-            return "barrier"
+            return "barrier" + on
         text = f"{self.collective} {self.dtype} count={self.count}"
         if self.collective == "ring":
-            return f"{text} shift={self.root}{' registered' if self.registered else ''}"
+            return f"{text} shift={self.root}{' registered' if self.registered else ''}{on}"
         if self.collective in REDUCING:
             text += f" op={self.op}" + (f" scale={self.scale}" if self.scale is not None else "")
         if self.collective in ROOTED:
             text += f" root={self.root}"
         return (text + (" in_place" if self.in_place else "")
-                + (" registered" if self.registered else ""))
+                + (" registered" if self.registered else "") + on)
 
     @property
     def calls_per_rank(self) -> int:
@@ -162,14 +166,19 @@ def _collective(rng: np.random.Generator, world_size: int, settings: Settings,
                 root=int(rng.integers(world_size)) if collective in ROOTED else 0,
                 in_place=bool(rng.random() < 0.4) and count > 0 and collective in IN_PLACE_FORMS,
                 registered=registered and settings.registered and bool(rng.random() < 0.3),
-                scale=scale)
+                scale=scale, stream=_stream(rng))
 
 
 def _ring(rng: np.random.Generator, world_size: int, settings: Settings) -> Call:
     dtype = settings.dtypes[int(rng.integers(len(settings.dtypes)))]
     return Call("ring", dtype, _count(rng, settings.max_count),
                 root=int(rng.integers(1, world_size)),
-                registered=settings.registered and bool(rng.random() < 0.3))
+                registered=settings.registered and bool(rng.random() < 0.3),
+                stream=_stream(rng))
+
+
+def _stream(rng: np.random.Generator) -> int:
+    return 0 if rng.random() < 0.6 else int(rng.integers(1, 3))
 
 
 def program(seed: int, world_size: int, calls: int, settings: Settings = Settings()
@@ -199,7 +208,7 @@ def program(seed: int, world_size: int, calls: int, settings: Settings = Setting
                        for _ in range(int(rng.integers(1, 4)))]
             step = Step(tuple(members), colors=colors)
         elif kind > 0.965:
-            step = Step((Call("barrier"),))
+            step = Step((Call("barrier", stream=_stream(rng)),))
         else:
             step = Step((_collective(rng, world_size, settings, True),))
         steps.append(step)
@@ -210,7 +219,7 @@ def program(seed: int, world_size: int, calls: int, settings: Settings = Setting
 def coverage(steps: Sequence[Step]) -> Counter:
     """How many calls of each kind ``steps`` hold: by collective ("ring", "barrier"
     too), dtype, op, form, and "registered", "scale", "grouped", "grouped collective",
-    "split", "count 0", "count > 16384"."""
+    "split", "count 0", "count > 16384", "own stream"."""
     found: Counter = collections.Counter()
     for step in steps:
         for call in step.calls:
@@ -227,6 +236,7 @@ def coverage(steps: Sequence[Step]) -> Counter:
             found["split"] += step.colors is not None
             found["count 0"] += call.count == 0
             found["count > 16384"] += call.count > 1 << 14
+            found["own stream"] += call.stream > 0
     return found
 
 
@@ -299,6 +309,9 @@ class Runner:
         #: where a rank's color has none)
         self.split = split
         self.slabs: Dict[int, _Slab] = {}
+        #: each rank's streams by ``Call.stream``: None, then two of its own
+        self.streams = {comm.rank: [None, _new_stream(comm), _new_stream(comm)]
+                        for comm in self.comms}
         self.report = Report(seed, self.comms[0].world_size)
 
     def run(self, steps: Sequence[Step], settings: Settings) -> Report:
@@ -345,16 +358,18 @@ class Runner:
         prepared = [self._prepare(comms, call, [self.seed, index, position, color],
                                   registered=color == 0)
                     for position, call in enumerate(step.calls)]
+        # the children of a split use their default streams
+        streams = self.streams if color == 0 else {comm.rank: [None] * 3 for comm in comms}
         if step.grouped:
             import hoccl
             with hoccl.group():
                 for comm in comms:
                     for call, (_, buffers, _) in zip(step.calls, prepared):
-                        _issue(comm, call, *buffers[comm.rank])
+                        _issue(comm, call, *buffers[comm.rank], streams[comm.rank][call.stream])
         else:
             for call, (_, buffers, _) in zip(step.calls, prepared):
                 for comm in comms:
-                    _issue(comm, call, *buffers[comm.rank])
+                    _issue(comm, call, *buffers[comm.rank], streams[comm.rank][call.stream])
         for comm in comms:
             comm.synchronize()
         for call, (want, buffers, bits) in zip(step.calls, prepared):
@@ -428,23 +443,32 @@ class Runner:
                     self.report.failures.append(str(wrong))
 
 
-def _issue(comm: Any, call: Call, send: Any, recv: Any) -> None:
-    """Rank ``comm.rank``'s part of ``call``."""
+def _new_stream(comm: Any) -> Any:
+    """A stream of ``comm``'s device for ``stream=``: the host backend's own, or cupy's."""
+    if comm.backend == "host":
+        return comm.device_handle.create_stream()
+    import cupy
+    with cupy.cuda.Device(comm.device):
+        return cupy.cuda.Stream(non_blocking=True)
+
+
+def _issue(comm: Any, call: Call, send: Any, recv: Any, stream: Any) -> None:
+    """Rank ``comm.rank``'s part of ``call``, on ``stream``."""
     name = call.collective
     if name == "barrier":
-        comm.barrier()
+        comm.barrier(stream=stream)
     elif name == "ring":
         rank, n = comm.rank, comm.world_size
-        comm.send(send, (rank + call.root) % n)
-        comm.recv(recv, (rank - call.root) % n)
+        comm.send(send, (rank + call.root) % n, stream=stream)
+        comm.recv(recv, (rank - call.root) % n, stream=stream)
     elif name in ("broadcast", "gather", "scatter"):
-        getattr(comm, name)(send, recv, call.root)
+        getattr(comm, name)(send, recv, call.root, stream=stream)
     elif name == "reduce":
-        comm.reduce(send, recv, call.root, call.op, scale=call.scale)
+        comm.reduce(send, recv, call.root, call.op, scale=call.scale, stream=stream)
     elif name in ("reduce_scatter", "all_reduce"):
-        getattr(comm, name)(send, recv, call.op, scale=call.scale)
+        getattr(comm, name)(send, recv, call.op, scale=call.scale, stream=stream)
     else:
-        getattr(comm, name)(send, recv)
+        getattr(comm, name)(send, recv, stream=stream)
 
 
 # -- running it -------------------------------------------------------------------------------
