@@ -6,7 +6,8 @@ Each run prints its seed and the command that replays it.  ``HOCCL_FUZZ_SEED=N``
 replays a seed (each run adds its rank count to it); ``HOCCL_FUZZ_CALLS=N`` sets the
 calls per rank of each run (default 1000: 4000 per rank over the four runs); a long run
 on demand: ``HOCCL_FUZZ_CALLS=100000 python -m pytest -q tests/test_fuzz.py``, or
-``python -m hoccl.testing.fuzz --ranks 4 --calls 100000 --seed N``.
+``python -m hoccl.testing.fuzz --ranks 4 --calls 100000 --seed N``.  A fifth as many
+calls run across two simulated hosts of two ranks (``HOCCL_LOCAL_SIZE=2``).
 
 Programs hold groups of several collectives beside send/recv rings;
 ``HOCCL_FUZZ_GROUPED_COLLECTIVES=0`` leaves them out (groups then hold rings only).
@@ -69,6 +70,31 @@ def test_random_calls_under_mpiexec_equal_numpy(ranks):
         assert found is not None, context
         calls, outputs, wrong, errors = map(int, found.groups())
         assert (wrong, errors) == (0, 0) and calls >= CALLS and outputs > 0, context
+
+
+@pytest.mark.mpi
+def test_random_calls_across_two_hosts_of_two_ranks_equal_numpy():
+    """A ``HierarchicalCommunicator`` (``HOCCL_LOCAL_SIZE=2``, ``mpiexec -n 4``): what it
+    takes (no groups, rings, splits, registered buffers, streams or scales), reductions
+    folded host by host as ``expected(..., local_size=2)`` computes."""
+    seed, calls = SEED + 22, max(1, CALLS // 5)
+    hierarchical = fuzz.Settings(registered=False, splits=False, rings=False, streams=False,
+                                 scales=False, grouped_collectives=False)
+    replay = f"HOCCL_LOCAL_SIZE=2 {fuzz.replay_command(seed, 4, calls, hierarchical, True)}"
+    print(f"hoccl fuzz seed {seed}; replay: {replay}")
+    command = [_mpiexec(), "-n", "4", sys.executable, "-m", "hoccl.testing.fuzz", "--calls",
+               str(calls), "--seed", str(seed), "--timeout", str(TIMEOUT), "--hierarchical"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=1800,
+                            env={**os.environ, **MPI_ENV, "HOCCL_LOCAL_SIZE": "2"})
+    output = result.stdout + result.stderr
+    context = f"{output[-4000:]}\nreplay: {replay}"
+    assert result.returncode == 0, context
+    for rank in range(4):
+        found = re.search(rf"hoccl fuzz rank {rank} of 4: seed {seed}, (\d+) calls per "
+                          rf"rank, (\d+) outputs checked, (\d+) wrong, (\d+) errors", output)
+        assert found is not None, context
+        made, outputs, wrong, errors = map(int, found.groups())
+        assert (wrong, errors) == (0, 0) and made >= calls and outputs > 0, context
 
 
 def test_the_checker_fails_every_output_with_a_flipped_bit():

@@ -2,6 +2,7 @@
 
     python -m hoccl.testing.fuzz --ranks 4 --calls 100000 --seed 7      # ranks of one process
     mpiexec -n 4 python -m hoccl.testing.fuzz --calls 100000 --seed 7   # a rank a process
+    HOCCL_LOCAL_SIZE=2 mpiexec -n 4 python -m hoccl.testing.fuzz --hierarchical  # 2 hosts x 2
 
 ``program(seed, world_size, calls, settings)`` draws the calls from ``seed`` alone, so
 every process draws the same program: every collective in place and out of place, every
@@ -75,6 +76,11 @@ class Settings:
     dtypes: Tuple[str, ...] = field(default_factory=_dtypes)
     registered: bool = True
     splits: bool = True
+    #: send/recv rings (inside ``hoccl.group()``)
+    rings: bool = True
+    #: calls on streams of the ranks' own, and sums with a ``scale``
+    streams: bool = True
+    scales: bool = True
     #: several collectives (and rings) inside one ``hoccl.group()``; off: groups hold rings
     grouped_collectives: bool = True
 
@@ -86,6 +92,9 @@ class Settings:
             flags.append(f"--dtypes {','.join(self.dtypes)}")
         flags += [flag for flag, on in (("--no-registered", not self.registered),
                                         ("--no-splits", not self.splits),
+                                        ("--no-rings", not self.rings),
+                                        ("--no-streams", not self.streams),
+                                        ("--no-scales", not self.scales),
                                         ("--no-grouped-collectives",
                                          not self.grouped_collectives))
                   if on]
@@ -159,14 +168,15 @@ def _collective(rng: np.random.Generator, world_size: int, settings: Settings,
     op, scale = "sum", None
     if collective in REDUCING:
         op = OPS[int(rng.integers(len(OPS)))]
-        if op == "sum" and dtype.startswith(("float", "bfloat")) and rng.random() < 0.5:
+        if (settings.scales and op == "sum" and dtype.startswith(("float", "bfloat"))
+                and rng.random() < 0.5):
             scale = SCALES[int(rng.integers(len(SCALES)))]
     count = _count(rng, settings.max_count)
     return Call(collective, dtype, count, op,
                 root=int(rng.integers(world_size)) if collective in ROOTED else 0,
                 in_place=bool(rng.random() < 0.4) and count > 0 and collective in IN_PLACE_FORMS,
                 registered=registered and settings.registered and bool(rng.random() < 0.3),
-                scale=scale, stream=_stream(rng))
+                scale=scale, stream=_stream(rng, settings))
 
 
 def _ring(rng: np.random.Generator, world_size: int, settings: Settings) -> Call:
@@ -174,11 +184,11 @@ def _ring(rng: np.random.Generator, world_size: int, settings: Settings) -> Call
     return Call("ring", dtype, _count(rng, settings.max_count),
                 root=int(rng.integers(1, world_size)),
                 registered=settings.registered and bool(rng.random() < 0.3),
-                stream=_stream(rng))
+                stream=_stream(rng, settings))
 
 
-def _stream(rng: np.random.Generator) -> int:
-    return 0 if rng.random() < 0.6 else int(rng.integers(1, 3))
+def _stream(rng: np.random.Generator, settings: Settings) -> int:
+    return 0 if not settings.streams or rng.random() < 0.6 else int(rng.integers(1, 3))
 
 
 def program(seed: int, world_size: int, calls: int, settings: Settings = Settings()
@@ -190,14 +200,14 @@ def program(seed: int, world_size: int, calls: int, settings: Settings = Setting
     made = 0
     while made < calls:
         kind = rng.random()
-        if world_size > 1 and kind < 0.15:  # rings, one or two per group
+        if settings.rings and world_size > 1 and kind < 0.15:  # one or two rings a group
             rings = tuple(_ring(rng, world_size, settings)
                           for _ in range(1 + int(rng.random() < 0.3)))
             step = Step(rings, grouped=True)
         elif settings.grouped_collectives and world_size > 1 and kind < 0.3:
             members = [_collective(rng, world_size, settings, True)
                        for _ in range(int(rng.integers(2, 5)))]
-            if rng.random() < 0.5:
+            if settings.rings and rng.random() < 0.5:
                 members.insert(int(rng.integers(len(members) + 1)),
                                _ring(rng, world_size, settings))
             step = Step(tuple(members), grouped=True)
@@ -208,7 +218,7 @@ def program(seed: int, world_size: int, calls: int, settings: Settings = Setting
                        for _ in range(int(rng.integers(1, 4)))]
             step = Step(tuple(members), colors=colors)
         elif kind > 0.965:
-            step = Step((Call("barrier", stream=_stream(rng)),))
+            step = Step((Call("barrier", stream=_stream(rng, settings)),))
         else:
             step = Step((_collective(rng, world_size, settings, True),))
         steps.append(step)
@@ -393,8 +403,9 @@ class Runner:
         else:
             if call.collective in ("broadcast", "scatter"):
                 inputs = [x if r == call.root else None for r, x in enumerate(inputs)]
+            topology = getattr(comms[0], "topology", None)  # across hosts: its fold order
             want = expected(call.collective, inputs, op=call.op, root=call.root,
-                            scale=call.scale,
+                            scale=call.scale, local_size=getattr(topology, "local_size", None),
                             inputs_per_launch=MAX_INPUTS if self.backend == "cuda" else None)
         bits = POISON_BITS[call.dtype]
         if any(w is not None and is_poison(w).any() for w in want):
@@ -482,7 +493,9 @@ def replay_command(seed: int, world_size: int, calls: int, settings: Settings,
     """The command that runs the same program again."""
     flags = " ".join([f"--calls {calls}", f"--seed {seed}"] + settings.flags())
     if mpi:
-        return f"mpiexec -n {world_size} python -m hoccl.testing.fuzz {flags}"
+        hosts = os.environ.get("HOCCL_LOCAL_SIZE")
+        return (f"{f'HOCCL_LOCAL_SIZE={hosts} ' if hosts else ''}mpiexec -n {world_size} "
+                f"python -m hoccl.testing.fuzz {flags}")
     return f"python -m hoccl.testing.fuzz --ranks {world_size} {flags}"
 
 
@@ -536,6 +549,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--dtypes", default=",".join(Settings().dtypes))
     parser.add_argument("--no-registered", action="store_true")
     parser.add_argument("--no-splits", action="store_true")
+    parser.add_argument("--no-rings", action="store_true")
+    parser.add_argument("--no-streams", action="store_true")
+    parser.add_argument("--no-scales", action="store_true")
+    parser.add_argument("--hierarchical", action="store_true",
+                        help="what a communicator across hosts (HOCCL_LOCAL_SIZE) takes: no "
+                             "groups, rings, splits, registered buffers, streams or scales")
     parser.add_argument("--no-grouped-collectives", action="store_true",
                         help="groups hold send/recv rings only, no collectives")
     parser.add_argument("--timeout", type=float, default=120.0)
@@ -543,9 +562,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="corrupt every output before it is checked (the checker must fail)")
     args = parser.parse_args(argv)
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
+    flat = not args.hierarchical
     settings = Settings(max_count=args.max_count, dtypes=tuple(args.dtypes.split(",")),
-                        registered=not args.no_registered, splits=not args.no_splits,
-                        grouped_collectives=not args.no_grouped_collectives)
+                        registered=flat and not args.no_registered,
+                        splits=flat and not args.no_splits, rings=flat and not args.no_rings,
+                        grouped_collectives=flat and not args.no_grouped_collectives,
+                        streams=flat and not args.no_streams, scales=flat and not args.no_scales)
     mpi = _under_mpi()
     if mpi:
         from mpi4py import MPI
