@@ -305,7 +305,10 @@ class CommunicatorApi(abc.ABC):
         try:
             self._run(name, shape, buffers, stream)
         except InvalidArgumentError as error:
-            raise check.renamed(name, error) from None
+            named = check.renamed(name, error)
+            if named is error:
+                raise
+            raise named from None
 
     # -- argument checks -------------------------------------------------------------
     def _buffers(self, name: str, optional: Tuple[str, ...] = (),

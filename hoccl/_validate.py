@@ -12,15 +12,17 @@ from __future__ import annotations
 import math
 from typing import Any, Optional, Tuple
 
+import numpy as np
+
 from ._buffers import ADDRESS_END, Buffer, integer, integers
 from ._dtypes import FLOATING, ITEMSIZE, NAMES, from_numpy
 from ._errors import InvalidArgumentError
 from .sched.plan import OPS
 
-__all__ = ["ReduceOp", "integer", "integers", "positive_int", "count", "flag", "shape", "reduce_op", "rank",
-           "real", "dtype_name", "dtype_itemsize", "same_dtype", "same_shape", "renamed", "caller_stream",
-           "mark",
-           "blocks", "disjoint", "in_place", "on_device"]
+__all__ = ["ReduceOp", "integer", "integers", "real", "positive_int", "count", "flag", "shape",
+           "mark", "reduce_op", "rank", "dtype_name", "dtype_itemsize", "renamed",
+           "caller_stream", "same_dtype", "same_shape", "blocks", "disjoint", "in_place",
+           "on_device"]
 
 
 class ReduceOp:
@@ -59,7 +61,7 @@ def count(call: str, name: str, value: Any, unit: int = 1, what: str = "") -> in
 
 def flag(call: str, name: str, value: Any) -> bool:
     """``value`` must be True or False (numpy's bools too)."""
-    if value is True or value is False or type(value).__name__ == "bool_":
+    if value is True or value is False or isinstance(value, np.bool_):
         return bool(value)
     raise InvalidArgumentError(f"{call}: {name} must be True or False; got {value!r}")
 
@@ -105,8 +107,7 @@ def scale(call: str, value: Any, op: str, dtype: str) -> Optional[float]:
 def real(value: Any) -> Optional[float]:
     """``value`` as a float when it is a real number (an int, a float, numpy's, a 0-dim
     torch tensor), never a bool nor a string; else None."""
-    if (isinstance(value, (str, bytes, bool)) or type(value).__name__ == "bool_"
-            or getattr(value, "ndim", 0) != 0
+    if (isinstance(value, (str, bytes, bool)) or getattr(value, "ndim", 0) != 0
             or str(getattr(value, "dtype", "")) in ("bool", "torch.bool")
             or not hasattr(type(value), "__float__")):
         return None
@@ -125,7 +126,6 @@ def dtype_name(call: str, dtype: Any) -> str:
     if text.startswith("torch.") and text[len("torch."):] in NAMES:
         return text[len("torch."):]
     try:
-        import numpy as np
         found = from_numpy(np.dtype(dtype)) if dtype is not None else None  # None: float64
     except (TypeError, ValueError):
         found = None
@@ -168,7 +168,10 @@ def caller_stream(call: str, device: Any, stream: Any) -> Any:
     try:
         return device.resolve_stream(stream, ())
     except InvalidArgumentError as error:
-        raise renamed(call, error) from None
+        named = renamed(call, error)
+        if named is error:
+            raise
+        raise named from None
 
 
 def mark(call: str, value: Any) -> int:

@@ -325,3 +325,11 @@ def test_init_takes_integer_scalars_as_local_size_and_device():
             assert_exact("one rank", data, out)
         finally:
             comm.close()
+
+
+def test_numpy_bools_are_flags(init_local):
+    (comm,) = init_local(1)
+    assert comm.explain("all_reduce", 64, in_place=np.bool_(True)) == \
+        comm.explain("all_reduce", 64, in_place=True)
+    _raises("explain", ["in_place must be True or False", "got 1"], comm.explain, "all_reduce",
+            64, in_place=1)

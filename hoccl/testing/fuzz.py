@@ -9,11 +9,12 @@ every process draws the same program: every collective in place and out of place
 dtype (bfloat16 where numpy has it through ml_dtypes), counts from 0 to
 ``settings.max_count`` (most small, a few large), every op and root, sums with a
 ``scale``, plain and registered buffers (``hoccl.empty``: one slab a communicator, each
-call's buffers at the same offsets on every rank), ``stream=None`` and two streams of each
-rank's own, rings of send/recv (every rank sends
-to rank + shift, receives from rank - shift) inside ``hoccl.group()``, barriers, and
-splits (``split_local`` or ``split``) whose children make calls of their own, and groups
-of several collectives beside rings (``settings.grouped_collectives``).
+call's buffers at the same offsets on every rank), ``stream=None`` and two streams of
+each rank's own, rings of send/recv (every rank sends to rank + shift and receives from
+rank - shift) inside ``hoccl.group()``, groups of several collectives beside rings,
+barriers, and splits (``split_local`` or ``split``) whose children make calls of their
+own.  Each of these can be switched off (``Settings``; ``--hierarchical`` keeps what a
+communicator across hosts takes).
 
 ``Runner.run`` makes the calls, step by step: each call's inputs are drawn from
 ``(seed, step, call)`` for every rank (so each process knows the reference of its own
