@@ -162,6 +162,7 @@ def empty(shape: Any, dtype: Any, comm: Any, *, framework: Optional[str] = None)
     if not isinstance(comm, CommunicatorApi):
         raise InvalidArgumentError(f"empty: comm must be a hoccl communicator; got "
                                    f"{type(comm).__name__}")
+    comm._usable("empty")
     dims, nbytes = check.shape("empty", shape, _dtypes.ITEMSIZE[name])
     on_gpu = comm.backend == "cuda"
     if framework is None:

@@ -333,3 +333,9 @@ def test_numpy_bools_are_flags(init_local):
         comm.explain("all_reduce", 64, in_place=True)
     _raises("explain", ["in_place must be True or False", "got 1"], comm.explain, "all_reduce",
             64, in_place=1)
+
+
+def test_empty_on_a_closed_communicator_names_empty(init_local):
+    (comm,) = init_local(1)
+    comm.close()
+    _raises("empty", ["the communicator is closed"], hoccl.empty, 4, "float32", comm)
