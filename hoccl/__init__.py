@@ -20,7 +20,7 @@ from .config import DEFAULT_TIMEOUT, Config, default_copy_sms, environ
 from ._errors import (AbortedError, DivergedError, DriverError, HocclError, HocclTimeoutError,
                       InvalidArgumentError, MismatchError, PeerClosedError, PeerDeadError,
                       PlanError)
-from ._validate import ReduceOp
+from ._validate import ReduceOp, integer, integers
 from .backends import cuda_device_count, pick_backend
 from ._hierarchy import INTER_HOST_ENGINES, HierarchicalCommunicator, host_topology
 from ._hierarchy.hosts import backend_for, host_config
@@ -79,16 +79,17 @@ def init_local(n_or_devices: Union[int, Sequence[int]], *, backend: Optional[str
     """
     call = "init_local"
     backend = pick_backend(call, backend)
-    if isinstance(n_or_devices, bool) or not isinstance(n_or_devices, (int, list, tuple)):
+    count = integer(n_or_devices)
+    if count is None and not isinstance(n_or_devices, (list, tuple)):
         raise InvalidArgumentError(f"{call}: expected a rank count or a list of device "
                                    f"ordinals; got {n_or_devices!r}")
-    devices = list(range(n_or_devices)) if isinstance(n_or_devices, int) else list(n_or_devices)
+    ordinals = integers(range(count) if count is not None else n_or_devices)
+    if ordinals is None or len(set(ordinals)) != len(ordinals):
+        raise InvalidArgumentError(f"{call}: devices must be distinct int ordinals; got "
+                                   f"{n_or_devices!r}")
+    devices = list(ordinals)
     if not devices:
         raise InvalidArgumentError(f"{call}: need at least one rank; got {n_or_devices!r}")
-    if any(isinstance(d, bool) or not isinstance(d, int) for d in devices) \
-            or len(set(devices)) != len(devices):
-        raise InvalidArgumentError(f"{call}: devices must be distinct int ordinals; got "
-                                   f"{devices}")
     if backend == "cuda":
         visible = cuda_device_count()
         if not all(0 <= d < visible for d in devices):
@@ -149,6 +150,13 @@ def init(*, backend: Optional[str] = None, mpi_comm: Any = None,
     defaults.  Every rank should pass the same.
     """
     call = "init"
+    if device is not None:
+        ordinal = integer(device)
+        if ordinal is None or ordinal < 0:
+            raise InvalidArgumentError(f"{call}: device must be a CUDA ordinal (an int >= 0) or "
+                                       f"None (the local rank's GPU); got {device!r}")
+        device = ordinal
+    local_size = local_size if integer(local_size) is None else integer(local_size)
     resolved = _config(call, config, dict(settings, timeout=timeout, verify_plans=verify_plans,
                                           max_sms=max_sms, copy_sms=copy_sms))
     backend = pick_backend(call, backend_for(call, resolved.intra_host, backend))

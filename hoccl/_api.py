@@ -171,14 +171,12 @@ class CommunicatorApi(abc.ABC):
         itemsize = check.dtype_itemsize(name, dtype)
         blocks = self.world_size if collective in ("all_gather", "reduce_scatter",
                                                    "all_to_all") else 1
-        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0 \
-                or nbytes % (itemsize * blocks):
-            raise InvalidArgumentError(f"{name}: nbytes must be an int >= 0, a multiple of "
-                                       f"{itemsize * blocks} ({blocks} blocks of {dtype}); got "
-                                       f"{nbytes!r}")
+        nbytes = check.count(name, "nbytes", nbytes, itemsize * blocks,
+                             f"{blocks} blocks of {dtype}")
         shape = Shape(collective, self.world_size, nbytes // itemsize // blocks,
                       check.dtype_name(name, dtype), itemsize, op=check.reduce_op(name, op),
-                      root=check.rank(name, "root", root, self.world_size), in_place=in_place)
+                      root=check.rank(name, "root", root, self.world_size),
+                      in_place=check.flag(name, "in_place", in_place))
         return self._explain(shape)
 
     # -- public collectives ----------------------------------------------------------------
@@ -197,7 +195,7 @@ class CommunicatorApi(abc.ABC):
         in_place = check.in_place(name, self.rank, send, recv,
                                   recv.block(self.rank, send.count), send)
         shape = self._shape(name, send, in_place=in_place)
-        self._run(name, shape, {"send": send, "recv": recv}, stream)
+        self._issue(name, shape, {"send": send, "recv": recv}, stream)
 
     @_refusable
     def reduce_scatter(self, sendbuf: Any, recvbuf: Any, op: Any = "sum", *,
@@ -217,7 +215,7 @@ class CommunicatorApi(abc.ABC):
         in_place = check.in_place(name, self.rank, send, recv,
                                   send.block(self.rank, recv.count), recv)
         shape = self._shape(name, recv, op=op, in_place=in_place, scale=factor)
-        self._run(name, shape, {"send": send, "recv": recv}, stream)
+        self._issue(name, shape, {"send": send, "recv": recv}, stream)
 
     @_refusable
     def all_reduce(self, sendbuf: Any, recvbuf: Any, op: Any = "sum", *,
@@ -231,7 +229,7 @@ class CommunicatorApi(abc.ABC):
         check.same_shape(name, send, recv)
         in_place = check.in_place(name, self.rank, send, recv, recv, send)
         shape = self._shape(name, send, op=op, in_place=in_place, scale=factor)
-        self._run(name, shape, {"send": send, "recv": recv}, stream)
+        self._issue(name, shape, {"send": send, "recv": recv}, stream)
 
     @_refusable
     def all_to_all(self, sendbuf: Any, recvbuf: Any, *, stream: Any = None) -> None:
@@ -244,7 +242,7 @@ class CommunicatorApi(abc.ABC):
                                        f"{self.world_size}; got {send.count}")
         check.disjoint(name, send, recv)
         shape = self._shape(name, send, count=send.count // self.world_size)
-        self._run(name, shape, {"send": send, "recv": recv}, stream)
+        self._issue(name, shape, {"send": send, "recv": recv}, stream)
 
     @_refusable
     def broadcast(self, sendbuf: Any, recvbuf: Any, root: int, *, stream: Any = None) -> None:
@@ -260,7 +258,7 @@ class CommunicatorApi(abc.ABC):
             check.same_shape(name, send, recv)
             in_place = check.in_place(name, self.rank, send, recv, recv, send)
         shape = self._shape(name, recv, root=root, in_place=in_place)
-        self._run(name, shape, {"send": send, "recv": recv}, stream)
+        self._issue(name, shape, {"send": send, "recv": recv}, stream)
 
     @_refusable
     def reduce(self, sendbuf: Any, recvbuf: Any, root: int, op: Any = "sum", *,
@@ -280,7 +278,7 @@ class CommunicatorApi(abc.ABC):
         factor = check.scale(name, scale, op, send.dtype)
         shape = self._shape(name, send, op=op, root=root, in_place=in_place,
                             scale=factor)
-        self._run(name, shape, {"send": send, "recv": recv}, stream)
+        self._issue(name, shape, {"send": send, "recv": recv}, stream)
 
     @_refusable
     def gather(self, sendbuf: Any, recvbuf: Any, root: int, *, stream: Any = None) -> None:
@@ -315,7 +313,7 @@ class CommunicatorApi(abc.ABC):
             in_place = check.in_place(name, self.rank, send, recv,
                                       large.block(root, small.count), small)
         shape = self._shape(name, small, root=root, in_place=in_place)
-        self._run(name, shape, {"send": send, "recv": recv}, stream)
+        self._issue(name, shape, {"send": send, "recv": recv}, stream)
 
     @_refusable
     def send(self, buf: Any, peer: int, *, stream: Any = None) -> None:
@@ -335,7 +333,19 @@ class CommunicatorApi(abc.ABC):
         """Work enqueued on ``stream`` after the barrier starts only after every rank's
         stream reached its barrier.  Zero SMs, no data."""
         self._usable("barrier")
-        self._run("barrier", Shape("barrier", self.world_size, 0), {}, stream)
+        self._issue("barrier", Shape("barrier", self.world_size, 0), {}, stream)
+
+    def _issue(self, name: str, shape: Shape, buffers: Dict[str, Optional[Buffer]],
+               stream: Any) -> None:
+        """``_run``, its argument errors named after the public call (the device resolves
+        ``stream`` and names its own method)."""
+        try:
+            self._run(name, shape, buffers, stream)
+        except InvalidArgumentError as error:
+            named = check.renamed(name, error)
+            if named is error:
+                raise
+            raise named from None
 
     # -- argument checks -------------------------------------------------------------
     def _buffers(self, name: str, optional: Tuple[str, ...] = (),
@@ -368,4 +378,4 @@ class CommunicatorApi(abc.ABC):
         sender, receiver = (self.rank, peer) if name == "send" else (peer, self.rank)
         shape = Shape("sendrecv", self.world_size, buffer.count, buffer.dtype, buffer.itemsize,
                       root=sender, peer=receiver)
-        self._run(name, shape, {name: buffer}, stream)
+        self._issue(name, shape, {name: buffer}, stream)

@@ -18,6 +18,10 @@ Rules every kind of array follows:
   collectives that only copy, as torch's NCCL backend moves it (``ncclUint8``), and is
   refused in reductions (``reduction=True``): bytes of bools summed are not bools.  To
   reduce bools, pass a uint8 view: ``max`` is then logical or and ``min`` logical and.
+* A description is refused unless it describes a range of memory: a data pointer that
+  is not null (unless the array is empty), extents that are ints >= 0, one stride per
+  dimension, an end below 2**63 (``_checked_memory``); hoccl then touches only that
+  range.  Whether the range is the producer's memory cannot be checked here.
 * No synchronisation here: hoccl orders its work after the caller's ``stream`` only, so
   it asks DLPack producers for none (``stream=-1``) and ignores an array interface's
   ``stream`` entry.
@@ -27,8 +31,9 @@ from __future__ import annotations
 
 import ctypes
 import math
+import operator
 import sys
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence, Tuple, cast
 
 import numpy as np
 
@@ -36,7 +41,7 @@ from . import _dtypes
 from ._dtypes import BOOL, ITEMSIZE, NAMES
 from ._errors import InvalidArgumentError
 
-__all__ = ["Buffer", "as_buffer"]
+__all__ = ["Buffer", "as_buffer", "integer", "integers", "ADDRESS_END"]
 
 
 class Buffer:
@@ -118,29 +123,52 @@ def _from_torch(call: str, name: str, tensor: Any, torch: Any, writable: bool,
     return Buffer(tensor.data_ptr(), tensor.numel(), dtype, device, tensor)
 
 
-def _from_array_interface(call: str, name: str, array: Any, interface: dict, writable: bool,
+def _from_array_interface(call: str, name: str, array: Any, interface: Any, writable: bool,
                           reduction: bool) -> Buffer:
+    what = f"{name}'s __cuda_array_interface__"
+    if not isinstance(interface, Mapping):
+        raise InvalidArgumentError(f"{call}: {what} must be a dict; got "
+                                   f"{type(interface).__name__}")
+    missing = [key for key in ("typestr", "shape", "data") if key not in interface]
+    if missing:
+        raise InvalidArgumentError(f"{call}: {what} has no {', '.join(map(repr, missing))}; "
+                                   f"expected the keys typestr, shape and data")
     typestr = interface["typestr"]
-    dtype = _dtype_name(call, name, _dtypes.from_typestr(typestr), f"typestr {typestr!r}",
-                        reduction)
-    shape = tuple(interface["shape"])
+    found = _dtypes.from_typestr(typestr) if isinstance(typestr, str) else None
+    dtype = _dtype_name(call, name, found, f"typestr {typestr!r}", reduction)
+    if interface.get("mask") is not None:
+        raise InvalidArgumentError(f"{call}: {what} has a mask; expected mask None (hoccl "
+                                   f"moves every element)")
+    shape = _extents(call, what, "shape", interface["shape"])
     strides = interface.get("strides")
-    if strides is not None and not _c_contiguous(shape, strides, ITEMSIZE[dtype]):
-        raise _not_contiguous(call, name)
-    address, read_only = interface["data"]
+    if strides is not None:
+        strides = _extents(call, what, "strides", strides, len(shape), signed=True)
+        if not _c_contiguous(shape, strides, ITEMSIZE[dtype]):
+            raise _not_contiguous(call, name)
+    data = interface["data"]
+    if not isinstance(data, (tuple, list)) or len(data) != 2:
+        raise InvalidArgumentError(f"{call}: {what} data must be a pair (address, read_only); "
+                                   f"got {data!r}")
+    address, read_only = integer(data[0]), data[1]
     if writable and read_only:
         raise _read_only(call, name, "__cuda_array_interface__ data[1] is True")
-    return Buffer(int(address), math.prod(shape), dtype, _interface_device(array, interface),
+    address, count = _checked_memory(call, what, address, data[0], shape, ITEMSIZE[dtype])
+    return Buffer(address, count, dtype, _interface_device(call, what, array, interface),
                   array)
 
 
-def _interface_device(array: Any, interface: dict) -> Optional[int]:
+def _interface_device(call: str, what: str, array: Any, interface: Mapping) -> Optional[int]:
     """The array's ``device.id`` (cupy), else the interface's optional ``device`` entry;
     None when neither says."""
     ordinal = getattr(getattr(array, "device", None), "id", None)
     if isinstance(ordinal, int):
         return ordinal
-    return interface.get("device")
+    given = interface.get("device")
+    ordinal = integer(given)
+    if given is not None and (ordinal is None or ordinal < 0):
+        raise InvalidArgumentError(f"{call}: {what} device must be a CUDA ordinal (an int "
+                                   f">= 0) or absent; got {given!r}")
+    return ordinal
 
 
 # -- DLPack (dlpack.h) -------------------------------------------------------------------
@@ -175,10 +203,15 @@ _capsule_pointer = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.py_object, ctypes.c
 
 
 def _from_dlpack(call: str, name: str, array: Any, writable: bool, reduction: bool) -> Buffer:
-    device_type, device_id = array.__dlpack_device__()
+    where = array.__dlpack_device__()
+    pair = integers(where) if isinstance(where, (tuple, list)) and len(where) == 2 else None
+    if pair is None:
+        raise InvalidArgumentError(f"{call}: {name}.__dlpack_device__() returned {where!r}; "
+                                   f"expected (device type, device id), two ints")
+    device_type, device_id = pair
     if device_type not in (_DLPACK_CPU, _DLPACK_CUDA):
         raise InvalidArgumentError(f"{call}: {name} is a DLPack array on device type "
-                                   f"{int(device_type)}; expected CPU (1) or CUDA (2)")
+                                   f"{device_type}; expected CPU (1) or CUDA (2)")
     stream = -1 if device_type == _DLPACK_CUDA else None
     try:
         try:
@@ -188,6 +221,9 @@ def _from_dlpack(call: str, name: str, array: Any, writable: bool, reduction: bo
     except BufferError as error:
         raise InvalidArgumentError(f"{call}: {name} cannot be exported through DLPack: "
                                    f"{error}") from error
+    if type(capsule).__name__ != "PyCapsule":
+        raise InvalidArgumentError(f"{call}: {name}.__dlpack__() returned a "
+                                   f"{type(capsule).__name__}; expected a DLPack capsule")
     kind = _capsule_name(capsule)
     if kind not in (b"dltensor_versioned", b"dltensor"):
         raise InvalidArgumentError(f"{call}: {name}.__dlpack__() returned a capsule named "
@@ -208,16 +244,25 @@ def _from_dlpack(call: str, name: str, array: Any, writable: bool, reduction: bo
     if flags & _DLPACK_IS_COPIED:
         raise InvalidArgumentError(f"{call}: {name} was exported as a copy (DLPack flag "
                                    f"IS_COPIED); pass an array hoccl can use in place")
-    shape = tuple(tensor.shape[:tensor.ndim])
-    if tensor.strides and not _c_contiguous(shape, tensor.strides[:tensor.ndim], 1):
+    what = f"{name}'s DLPack tensor"
+    ndim = tensor.ndim
+    if not 0 <= ndim <= _MAX_DIMS or (ndim and not tensor.shape):
+        raise InvalidArgumentError(f"{call}: {what} has ndim {ndim} and "
+                                   f"{'a' if tensor.shape else 'no'} shape; expected 0 to "
+                                   f"{_MAX_DIMS} dimensions and a shape for each")
+    shape = _extents(call, what, "shape", tensor.shape[:ndim])
+    if tensor.strides and not _c_contiguous(shape, tensor.strides[:ndim], 1):
         raise _not_contiguous(call, name)
     if writable and flags & _DLPACK_READ_ONLY:
         raise _read_only(call, name, "DLPack flag READ_ONLY")
     device = int(device_id) if device_type == _DLPACK_CUDA else None
+    data = tensor.data or 0
+    address = data + tensor.byte_offset if data else 0
+    address, count = _checked_memory(call, what, address, f"data {data:#x} + byte_offset "
+                            f"{tensor.byte_offset}", shape, ITEMSIZE[dtype])
     # The capsule stays unconsumed and alive with the buffer: the memory is valid until its
     # deleter runs, which the capsule's destructor does.
-    return Buffer((tensor.data or 0) + tensor.byte_offset, math.prod(shape), dtype, device,
-                  (array, capsule))
+    return Buffer(address, count, dtype, device, (array, capsule))
 
 
 # -- shared checks -----------------------------------------------------------------------
@@ -248,6 +293,72 @@ def _c_contiguous(shape: Sequence[int], strides: Sequence[int], step: int) -> bo
             return False
         step *= extent
     return True
+
+
+#: the most dimensions a DLPack tensor may have here (numpy's NPY_MAXDIMS)
+_MAX_DIMS = 64
+#: no buffer reaches past this address: user memory on 64-bit Linux (host or mapped into
+#: the GPU's unified address space) lies below 2**57, and every size and offset hoccl
+#: hands the drivers fits a signed 64-bit int
+ADDRESS_END = 1 << 63
+
+
+def integer(value: Any) -> Optional[int]:
+    """``value`` as an int when it is an integer: an int, or an integer scalar with
+    ``__index__`` (numpy's, a 0-dim torch tensor); never a bool of any kind; else None."""
+    if type(value) is int:
+        return value
+    if (isinstance(value, (bool, np.bool_)) or getattr(value, "ndim", 0) != 0
+            or str(getattr(value, "dtype", "")) in ("bool", "torch.bool")):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
+def integers(values: Any) -> Optional[Tuple[int, ...]]:
+    """``values`` (any iterable) as a tuple of ints when each is an integer (``integer``);
+    else None."""
+    try:
+        found = tuple(integer(value) for value in values)
+    except TypeError:
+        return None
+    return None if None in found else cast(Tuple[int, ...], found)
+
+
+def _extents(call: str, what: str, key: str, values: Any, ndim: Optional[int] = None,
+             signed: bool = False) -> Tuple[int, ...]:
+    """A description's ``shape`` (ints >= 0) or ``strides`` (ints, ``ndim`` of them)."""
+    found = integers(values)
+    if (found is None or (ndim is not None and len(found) != ndim)
+            or (not signed and any(value < 0 for value in found))):
+        expected = (f"{ndim} ints" if signed else "a sequence of ints >= 0" if ndim is None
+                    else f"{ndim} ints >= 0")
+        given = tuple(values) if isinstance(values, ctypes.Array) else values
+        raise InvalidArgumentError(f"{call}: {what} has {key} {given!r}; expected {expected}")
+    return found
+
+
+def _checked_memory(call: str, what: str, address: Optional[int], given: Any,
+                    shape: Tuple[int, ...], itemsize: int) -> Tuple[int, int]:
+    """``address`` and the element count of ``shape``, once its bytes there are a range of the
+    address space: a real address (not null) unless the array is empty, and no byte past
+    the end.  Whether that memory exists and is the array's cannot be known here."""
+    count = math.prod(shape)
+    nbytes = count * itemsize
+    if address is None or address < 0:
+        raise InvalidArgumentError(f"{call}: {what} has data address {given!r}; expected an "
+                                   f"int address >= 0")
+    if nbytes and not address:
+        raise InvalidArgumentError(f"{call}: {what} has a null data pointer for shape "
+                                   f"{shape} ({nbytes} bytes); expected the address of its "
+                                   f"memory (null only for an empty array)")
+    if address + nbytes > ADDRESS_END:
+        raise InvalidArgumentError(f"{call}: {what} describes {nbytes} bytes (shape {shape}, "
+                                   f"{itemsize} bytes each) at {address:#x}, past 2**63, where "
+                                   f"no process's memory lies")
+    return address, count
 
 
 def _not_contiguous(call: str, name: str) -> InvalidArgumentError:

@@ -17,6 +17,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ._engine import DeviceShare, Engine
 from ._errors import InvalidArgumentError
+from ._validate import integer
 from ._health import Health
 from .backends import cuda_device_count, open_device
 from .backends._base import SmCaps
@@ -139,17 +140,19 @@ def shares_device(identities: Sequence[tuple], rank: int) -> bool:
 
 
 # -- split ----------------------------------------------------------------------------------
-def check_color_key(call: str, color: Any, key: Any) -> None:
+def check_color_key(call: str, color: Any, key: Any) -> Tuple[Optional[int], Optional[int]]:
     """``color``: an int in [0, 2**31) or None (no communicator); ``key``: an int in
-    [-2**31, 2**31) or None (the parent rank)."""
-    if color is not None and (isinstance(color, bool) or not isinstance(color, int)
-                              or not 0 <= color <= _INT_MAX):
+    [-2**31, 2**31) or None (the parent rank).  Numpy's integers and 0-dim torch tensors
+    are ints; both are returned as ints."""
+    number = integer(color)
+    if color is not None and (number is None or not 0 <= number <= _INT_MAX):
         raise InvalidArgumentError(f"{call}: color must be an int in [0, 2**31) or None (no "
                                    f"communicator for this rank); got {color!r}")
-    if key is not None and (isinstance(key, bool) or not isinstance(key, int)
-                            or not -_INT_MAX - 1 <= key <= _INT_MAX):
+    order = integer(key)
+    if key is not None and (order is None or not -_INT_MAX - 1 <= order <= _INT_MAX):
         raise InvalidArgumentError(f"{call}: key must be an int in [-2**31, 2**31) or None "
                                    f"(order by parent rank); got {key!r}")
+    return number, order
 
 
 def members(colors: Sequence[Optional[int]], keys: Sequence[Optional[int]]
@@ -194,7 +197,7 @@ def split(parent: Communicator, color: Any, key: Any, overrides: Dict[str, Any]
             f"split; split needs an MPI bootstrap (hoccl.init under mpirun or with mpi_comm=)")
     problem: Optional[str] = None
     try:
-        check_color_key(call, color, key)
+        color, key = check_color_key(call, color, key)
         config = parent.config.replace(call, **overrides)
     except InvalidArgumentError as error:
         problem = str(error)
@@ -236,8 +239,8 @@ def split_local(parents: Sequence[Communicator], colors: Sequence[Any],
         raise InvalidArgumentError(f"{call}: expected one color and one key per rank "
                                    f"({len(parents)}); got {len(colors)} colors and "
                                    f"{len(keys)} keys")
-    for color, key in zip(colors, keys):
-        check_color_key(call, color, key)
+    checked = [check_color_key(call, color, key) for color, key in zip(colors, keys)]
+    colors, keys = [color for color, _ in checked], [key for _, key in checked]
     for comm in parents:
         comm._usable(call)
     _refuse_cuda(call, parents[0].backend, "make communicators of their own with "

@@ -9,16 +9,20 @@ collectives from ``hoccl.sched.COLLECTIVES``.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import math
+from typing import Any, Optional, Tuple
 
-from ._buffers import Buffer
+import numpy as np
+
+from ._buffers import ADDRESS_END, Buffer, integer, integers
 from ._dtypes import FLOATING, ITEMSIZE, NAMES, from_numpy
 from ._errors import InvalidArgumentError
 from .sched.plan import OPS
 
-__all__ = ["ReduceOp", "positive_int", "reduce_op", "rank", "dtype_name", "dtype_itemsize",
-           "same_dtype", "same_shape",
-           "blocks", "disjoint", "in_place", "on_device"]
+__all__ = ["ReduceOp", "integer", "integers", "real", "positive_int", "count", "flag", "shape",
+           "mark", "reduce_op", "rank", "dtype_name", "dtype_itemsize", "renamed",
+           "caller_stream", "same_dtype", "same_shape", "blocks", "disjoint", "in_place",
+           "on_device"]
 
 
 class ReduceOp:
@@ -33,13 +37,48 @@ class ReduceOp:
 assert {value for name, value in vars(ReduceOp).items() if name.isupper()} == set(OPS)
 
 
-def positive_int(call: str, name: str, value: Any, optional: bool = False) -> None:
-    """``value`` must be an int > 0 (``None`` too, when ``optional``)."""
+def positive_int(call: str, name: str, value: Any, optional: bool = False) -> Optional[int]:
+    """``value`` must be an integer > 0 (``None`` too, when ``optional``); as an int."""
     if value is None and optional:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        return None
+    number = integer(value)
+    if number is None or number < 1:
         raise InvalidArgumentError(f"{call}: {name} must be a positive int"
                                    f"{' or None' if optional else ''}; got {value!r}")
+    return number
+
+
+def count(call: str, name: str, value: Any, unit: int = 1, what: str = "") -> int:
+    """A size: an integer >= 0, a multiple of ``unit`` (``what`` says why), below 2**63
+    (no memory lies beyond); as an int."""
+    number = integer(value)
+    if number is None or number < 0 or number % unit or number >= ADDRESS_END:
+        multiple = f", a multiple of {unit}{f' ({what})' if what else ''}" if unit > 1 else ""
+        raise InvalidArgumentError(f"{call}: {name} must be an int >= 0{multiple}, below 2**63; "
+                                   f"got {value!r}")
+    return number
+
+
+def flag(call: str, name: str, value: Any) -> bool:
+    """``value`` must be True or False (numpy's bools too)."""
+    if value is True or value is False or isinstance(value, np.bool_):
+        return bool(value)
+    raise InvalidArgumentError(f"{call}: {name} must be True or False; got {value!r}")
+
+
+def shape(call: str, value: Any, itemsize: int) -> Tuple[Tuple[int, ...], int]:
+    """An array's shape (an integer or a sequence of integers >= 0) of ``itemsize``-byte
+    elements: (the dimensions as ints, the bytes), the bytes below 2**63."""
+    single = integer(value)
+    dims = (single,) if single is not None else integers(value)
+    if dims is None or any(not 0 <= d < ADDRESS_END for d in dims):
+        raise InvalidArgumentError(f"{call}: shape must be an int >= 0 or a sequence of them; "
+                                   f"got {value!r}")
+    nbytes = math.prod(dims) * itemsize
+    if nbytes >= ADDRESS_END:
+        raise InvalidArgumentError(f"{call}: shape {value!r} of {itemsize}-byte elements is "
+                                   f"{nbytes} bytes, more than any memory (2**63)")
+    return dims, nbytes
 
 
 def reduce_op(call: str, op: Any) -> str:
@@ -59,23 +98,36 @@ def scale(call: str, value: Any, op: str, dtype: str) -> Optional[float]:
     if op != "sum" or dtype not in FLOATING:
         raise InvalidArgumentError(f"{call}: scale applies to a sum of a floating dtype; got "
                                    f"op {op!r} on {dtype}")
-    try:
-        number = float(value) if not isinstance(value, bool) else None
-    except (TypeError, ValueError):
-        number = None
+    number = real(value)
     if number is None or number != number or number in (float("inf"), float("-inf")):
         raise InvalidArgumentError(f"{call}: scale must be a finite real number; got {value!r}")
     return number
 
 
+def real(value: Any) -> Optional[float]:
+    """``value`` as a float when it is a real number (an int, a float, numpy's, a 0-dim
+    torch tensor), never a bool nor a string; else None."""
+    if (isinstance(value, (str, bytes, bool)) or getattr(value, "ndim", 0) != 0
+            or str(getattr(value, "dtype", "")) in ("bool", "torch.bool")
+            or not hasattr(type(value), "__float__")):
+        return None
+    try:
+        return float(value)
+    except (TypeError, ValueError, OverflowError):
+        return None
+
+
 def dtype_name(call: str, dtype: Any) -> str:
-    """A dtype's hoccl name: one of ``hoccl._dtypes.NAMES``, or a numpy dtype of one."""
+    """A dtype's hoccl name: one of ``hoccl._dtypes.NAMES``, a numpy dtype or a torch
+    dtype of one."""
     if isinstance(dtype, str) and dtype in NAMES:
         return dtype
+    text = str(dtype)
+    if text.startswith("torch.") and text[len("torch."):] in NAMES:
+        return text[len("torch."):]
     try:
-        import numpy as np
-        found = from_numpy(np.dtype(dtype))
-    except TypeError:
+        found = from_numpy(np.dtype(dtype)) if dtype is not None else None  # None: float64
+    except (TypeError, ValueError):
         found = None
     if found is None:
         raise InvalidArgumentError(f"{call}: dtype must be one of {list(NAMES)}; got {dtype!r}")
@@ -88,13 +140,47 @@ def dtype_itemsize(call: str, dtype: Any) -> int:
 
 def rank(call: str, name: str, value: Any, world_size: int,
          other_than: Optional[int] = None) -> int:
-    """A rank of the communicator (``root``, ``peer``), optionally not ``other_than``."""
-    if (isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < world_size
-            or value == other_than):
+    """A rank of the communicator (``root``, ``peer``): an integer (numpy's and 0-dim
+    torch tensors' too), optionally not ``other_than``; as an int."""
+    number = integer(value)
+    if number is None or not 0 <= number < world_size or number == other_than:
         besides = f" other than {other_than}" if other_than is not None else ""
         raise InvalidArgumentError(f"{call}: {name} must be a rank in [0, {world_size}){besides}; "
                                    f"got {value!r}")
-    return value
+    return number
+
+
+#: helpers below the API whose errors name themselves (the device's ``resolve_stream``)
+_HELPERS = ("resolve_stream: ",)
+
+
+def renamed(call: str, error: InvalidArgumentError) -> InvalidArgumentError:
+    """``error`` from a helper below the API, named after the public ``call`` instead."""
+    message = str(error)
+    for helper in _HELPERS:
+        if message.startswith(helper):
+            return InvalidArgumentError(f"{call}: {message[len(helper):]}")
+    return error
+
+
+def caller_stream(call: str, device: Any, stream: Any) -> Any:
+    """``device.resolve_stream(stream)``, its refusal named after ``call``."""
+    try:
+        return device.resolve_stream(stream, ())
+    except InvalidArgumentError as error:
+        named = renamed(call, error)
+        if named is error:
+            raise
+        raise named from None
+
+
+def mark(call: str, value: Any) -> int:
+    """A mark of ``Communicator.calls``: an integer; as an int."""
+    number = integer(value)
+    if number is None:
+        raise InvalidArgumentError(f"{call}: mark must be an int (a value of calls); got "
+                                   f"{value!r}")
+    return number
 
 
 # -- buffers -------------------------------------------------------------------------------

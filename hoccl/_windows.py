@@ -27,9 +27,11 @@ The window's array is kept alive by the registry until ``deregister``.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import math
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
+from . import _validate as check
 from ._buffers import as_buffer
 from ._errors import InvalidArgumentError
 
@@ -153,9 +155,15 @@ def empty(shape: Any, dtype: Any, comm: Any, *, framework: Optional[str] = None)
     lacks).  ``dtype`` is a hoccl dtype name (``"bfloat16"``) or a numpy / torch dtype.
     The array is held until ``comm.deregister(array)``; its contents are undefined."""
     from . import _dtypes
+    from ._api import CommunicatorApi
     name = _dtype_name(dtype)
     if name not in _dtypes.NAMES:
         raise InvalidArgumentError(f"empty: expected a dtype of {_dtypes.NAMES}, got {dtype!r}")
+    if not isinstance(comm, CommunicatorApi):
+        raise InvalidArgumentError(f"empty: comm must be a hoccl communicator; got "
+                                   f"{type(comm).__name__}")
+    comm._usable("empty")
+    dims, nbytes = check.shape("empty", shape, _dtypes.ITEMSIZE[name])
     on_gpu = comm.backend == "cuda"
     if framework is None:
         framework = ("torch" if name == "bfloat16" else "cupy") if on_gpu else "numpy"
@@ -163,20 +171,11 @@ def empty(shape: Any, dtype: Any, comm: Any, *, framework: Optional[str] = None)
     if framework not in choices:
         raise InvalidArgumentError(f"empty: framework must be one of {choices} on the "
                                    f"{comm.backend} backend, got {framework!r}")
-    array: Any
-    if framework == "torch":
-        import torch
-        array = torch.empty(shape, dtype=getattr(torch, name),
-                            device=f"cuda:{comm.device}" if on_gpu else "cpu")
-    elif framework == "cupy":
-        import cupy
-        if name == "bfloat16":
-            raise InvalidArgumentError("empty: cupy has no bfloat16; pass framework='torch'")
-        with cupy.cuda.Device(comm.device):
-            array = cupy.empty(shape, dtype=name)
-    else:
-        import numpy as np
-        array = np.empty(shape, dtype=_dtypes.numpy_dtype(name))
+    if framework == "cupy" and name == "bfloat16":
+        raise InvalidArgumentError("empty: cupy has no bfloat16; pass framework='torch'")
+    where = f"GPU {comm.device}" if on_gpu else "host memory"
+    with _allocating("empty", nbytes, dims, name, where):
+        array = _allocate(framework, dims, name, comm.device if on_gpu else None)
     comm.register(array)
     return array
 
@@ -201,11 +200,10 @@ def host_empty(shape: Any, dtype: Any, *, framework: str = "numpy") -> Any:
     if framework not in ("numpy", "torch"):
         raise InvalidArgumentError(f"host_empty: framework must be 'numpy' or 'torch', got "
                                    f"{framework!r}")
-    dims = (shape,) if isinstance(shape, int) else tuple(shape)
-    if any(not isinstance(d, int) or d < 0 for d in dims):
-        raise InvalidArgumentError(f"host_empty: shape must be non-negative ints, got {shape!r}")
+    dims, nbytes = check.shape("host_empty", shape, _dtypes.ITEMSIZE[name])
     count = math.prod(dims)
-    memory = shared_bytes(count * _dtypes.ITEMSIZE[name])
+    with _allocating("host_empty", nbytes, dims, name, "shared host memory"):
+        memory = shared_bytes(nbytes)
     if framework == "numpy":
         return memory.view(_dtypes.numpy_dtype(name)).reshape(dims)
     import torch
@@ -213,6 +211,35 @@ def host_empty(shape: Any, dtype: Any, *, framework: str = "numpy") -> Any:
     if not count:
         return torch.empty(dims, dtype=torch_dtype)
     return torch.frombuffer(memory, dtype=torch_dtype).reshape(dims)
+
+
+def _allocate(framework: str, dims: Tuple[int, ...], name: str, device: Optional[int]) -> Any:
+    """An uninitialised array of ``framework`` (numpy on the host; cupy or torch on GPU
+    ``device``, or torch on the host when ``device`` is None)."""
+    if framework == "torch":
+        import torch
+        return torch.empty(dims, dtype=getattr(torch, name),
+                           device="cpu" if device is None else f"cuda:{device}")
+    if framework == "cupy":
+        import cupy
+        with cupy.cuda.Device(device):
+            return cupy.empty(dims, dtype=name)
+    import numpy as np
+    from . import _dtypes
+    return np.empty(dims, dtype=_dtypes.numpy_dtype(name))
+
+
+@contextlib.contextmanager
+def _allocating(call: str, nbytes: int, dims: Tuple[int, ...], name: str,
+                where: str) -> Iterator[None]:
+    """An allocation that fails (numpy's MemoryError, torch's and cupy's out-of-memory
+    errors, an mmap's ENOMEM) raises InvalidArgumentError naming ``call`` and the size."""
+    try:
+        yield
+    except (MemoryError, OSError, RuntimeError, ValueError) as error:
+        raise InvalidArgumentError(f"{call}: cannot allocate {nbytes} bytes (shape {dims} of "
+                                   f"{name}) in {where}: {type(error).__name__}: "
+                                   f"{error}") from error
 
 
 def _dtype_name(dtype: Any) -> str:

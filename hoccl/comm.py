@@ -203,15 +203,7 @@ class Communicator(CommunicatorApi):
         because other ranks have not made it yet.
         """
         self._usable("synchronize")
-        held = self._engine.held()
-        if held:
-            call = held[0]
-            closed = self._group.closed_peer([call])
-            raise HocclTimeoutError(
-                f"synchronize: rank {self.rank}'s {call.name} (call {call.key}) cannot run: "
-                f"ranks {self._group.waiting_for(call)} have not made the matching call yet"
-                + (f" ({closed}: it never will)" if closed else
-                   "; with init_local make every rank's call before synchronizing"))
+        _refuse_held_calls(self)
         with self._aborting_on_divergence():
             try:
                 self._health.synchronize(poll=self._group.check)
@@ -232,6 +224,7 @@ class Communicator(CommunicatorApi):
         """Whether every call this rank made up to ``mark`` (a value of ``calls``) has
         finished on the device.  Never blocks; raises AbortedError after an abort."""
         engine = self._engine
+        mark = check.mark("finished", mark)
         if engine.aborted:
             raise AbortedError(f"finished: the communicator was aborted: {engine.abort_reason}")
         return engine.closed or engine.completed >= mark
@@ -243,13 +236,14 @@ class Communicator(CommunicatorApi):
         would give, without the event.  Raises AbortedError after an abort."""
         self._usable("order_after")
         engine = self._engine
+        mark = check.mark("order_after", mark)
         if mark > engine.calls:
             raise InvalidArgumentError(f"order_after: mark {mark} is past this rank's "
                                        f"{engine.calls} calls so far")
         if mark <= 0:
             return
         engine.device.activate()
-        caller = engine.device.resolve_stream(stream, ())
+        caller = check.caller_stream("order_after", engine.device, stream)
         engine.device.wait_value(caller, engine.streams.completion, mark)
 
     def abort(self, reason: str = "") -> None:
@@ -473,6 +467,27 @@ class Communicator(CommunicatorApi):
         else:
             self._health.abort(reason, kind="diverged" if isinstance(error, DivergedError)
                                else "aborted")
+
+
+def _refuse_held_calls(comm: Communicator) -> None:
+    """``synchronize`` cannot wait for calls that are not issued yet: calls held in the
+    enclosing ``hoccl.group()`` (handed to the peers at its end), or, with init_local,
+    calls waiting for other ranks to make theirs."""
+    grouped = [call for owner, call in held_calls() or () if owner is comm]
+    if grouped:
+        raise InvalidArgumentError(
+            f"synchronize: rank {comm.rank} has {len(grouped)} call(s) held in the enclosing "
+            f"hoccl.group() ({', '.join(call.name for call in grouped)}), handed to the peers "
+            f"at the group's end; synchronize after the group")
+    held = comm._engine.held()
+    if held:
+        call = held[0]
+        closed = comm._group.closed_peer([call])
+        raise HocclTimeoutError(
+            f"synchronize: rank {comm.rank}'s {call.name} (call {call.key}) cannot run: "
+            f"ranks {comm._group.waiting_for(call)} have not made the matching call yet"
+            + (f" ({closed}: it never will)" if closed else
+               "; with init_local make every rank's call before synchronizing"))
 
 
 @atexit.register

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Dict, FrozenSet, Mapping, Optional, Tuple
 
 from ._errors import InvalidArgumentError
+from ._validate import integer, real
 from .sched import Options
 
 __all__ = ["Config", "DEFAULT_TIMEOUT", "ENVIRONMENT", "SETTINGS", "ACROSS_HOSTS",
@@ -268,14 +269,23 @@ def _parse(call: str, variable: str, name: str, text: str) -> Any:
 _DEFAULTS = {field.name: field.default for field in fields(Config) if field.name != "given"}
 
 
+#: the settings that are counts (of bytes, SMs, lanes): numpy's integers and 0-dim torch
+#: tensors given for them become ints before they are checked
+_COUNTS = ("max_sms", "copy_sms", "copy_lanes", "chunk_bytes", "one_shot_bytes", "pull_bytes",
+           "kernel_bytes", "kernel_sms", "phase_bytes", "stage_bytes")
+
+
 def _check(config: Config) -> None:
     """Every field's type and range; the planning fields as ``Options`` checks them."""
-    timeout = config.timeout
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0 \
-            or timeout != timeout:
+    for name in _COUNTS:
+        number = integer(getattr(config, name))
+        if number is not None:
+            object.__setattr__(config, name, number)
+    timeout = real(config.timeout)
+    if timeout is None or not timeout > 0:
         raise InvalidArgumentError(f"timeout must be a positive number of seconds; "
-                                   f"got {timeout!r}")
-    object.__setattr__(config, "timeout", float(timeout))
+                                   f"got {config.timeout!r}")
+    object.__setattr__(config, "timeout", timeout)
     if config.verify_plans not in (True, False, 0, 1) or type(config.verify_plans) not in (bool, int):
         raise InvalidArgumentError(f"verify_plans must be True or False; got "
                                    f"{config.verify_plans!r}")

@@ -48,8 +48,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ._dtypes import from_numpy, numpy_dtype, reduce_arrays
-from .backends._kernels import MAX_INPUTS
+from .._dtypes import from_numpy, numpy_dtype, reduce_arrays
+from ..backends._kernels import MAX_INPUTS
 
 __all__ = ["expected", "reduced", "hierarchical_reduced", "random_array", "poison", "is_poison", "assert_exact",
            "check_collective", "check_interleaved", "PlantedFault", "FAULTS", "ArrayModule", "RegisteredArrays",
@@ -183,7 +183,7 @@ def hierarchical_reduced(inputs: Sequence[np.ndarray], op: str, local_size: int
                          ) -> np.ndarray:
     """``op`` over ``inputs`` as across hosts of ``local_size`` ranks: each host's inputs
     folded and rounded, then the hosts' results, then "avg" divided once."""
-    from .sched.hierarchical import divide_in_place
+    from ..sched.hierarchical import divide_in_place
     dtype = inputs[0].dtype
     step = "sum" if op == "avg" else op
     total = reduce_arrays([reduce_arrays(list(inputs[first:first + local_size]), step, dtype)
@@ -248,7 +248,7 @@ class ArrayModule:
         if self.kind == "numpy":
             return np.ascontiguousarray(data).copy()
         if self.kind == "shared":
-            from ._windows import host_empty
+            from .._windows import host_empty
             array = host_empty(data.shape, data.dtype)
             array[...] = data
             return array
