@@ -102,7 +102,7 @@ def connect_process(call: str, backend: str, bootstrap: Bootstrap, device: Optio
         owns_device = False
     handle = share.device
     engine = make_engine(config, group.rank, world_size, share, owns_device)
-    identity = (group.host, group.pid, handle.ordinal, handle.export(engine.pad.address),
+    identity = (group.host, group.pid, handle.ordinal, engine.pad.export(),
                 handle.physical)
     everyone = bootstrap.allgather(identity)
     if config.fuse_sums is None and shares_device(everyone, group.rank):
@@ -114,14 +114,12 @@ def connect_process(call: str, backend: str, bootstrap: Bootstrap, device: Optio
     per_gpu = max(physical.count(one) for one in physical) if None not in physical else 1
     machine = machine_of(handle, world_size, per_gpu)
     _use_table([engine], machine, shared_table(call, group.rank, machine, bootstrap.allgather))
-    pads = []
-    for rank, (host, _, _, pad, _) in enumerate(everyone):
+    for rank, (host, _, _, _, _) in enumerate(everyone):
         if host != group.host:
             raise InvalidArgumentError(f"{call}: rank {rank} runs on host {host}, rank "
                                        f"{group.rank} on {group.host}; hoccl connects the GPUs "
                                        f"of one host (one NVLink domain)")
-        pads.append(engine.pad.address if rank == group.rank else handle.import_(pad))
-    engine.pad.connect(pads)
+    engine.pad.import_peers([pad for _, _, _, pad, _ in everyone])
     health = Health(engine, config.timeout, group)
     comm = Communicator(engine=engine, group=group, health=health, splitter=split)
     bootstrap.barrier()
@@ -252,3 +250,4 @@ def split_local(parents: Sequence[Communicator], colors: Sequence[Any],
             children[rank] = child
         log.info("%s: color %d: parent ranks %s", call, color, ranks)
     return children
+

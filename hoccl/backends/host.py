@@ -17,6 +17,7 @@ backend's semantics are checked against in CI.
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import queue
 import random
@@ -33,9 +34,13 @@ from ._base import (DIRECT_COPY, DIRECT_REDUCE, DIRECT_SIGNAL, DIRECT_VALUE_BITS
                     Device, DirectProgram, HostWord, check_reduce_extras)
 from ._cross_memory import FOLD_BLOCK_BYTES, RemotePtr, move, remote_reader
 from ._kernels import DIRECT_WORDS, block_range
-from ._segments import NO_SEGMENT, PeerSegments, segment_of, shared_bytes
+from ._segments import (NO_SEGMENT, HeldSegments, PeerSegments, held_elsewhere, segment_of,
+                        shared_bytes)
 
-__all__ = ["HostDevice", "HostStream", "RemotePtr", "open_device"]
+log = logging.getLogger("hoccl")
+
+__all__ = ["HostDevice", "HostStream", "RemotePtr", "open_device", "released_pad_writes",
+           "pad_counts"]
 
 
 def _reduce_now(output: Any, inputs: Sequence[Any], count: int, dtype: str, op: str,
@@ -82,58 +87,125 @@ _ABANDONED: List[Any] = []  # memory of devices closed with stuck work
 
 
 class _PadPool:
-    """Every signal pad of the process, handed out or free for reuse.
+    """Every signal pad of the process: in use, let go by its owner, or free for reuse.
 
-    Peers write into a pad by its raw address: a signal from a peer's lane, a direct
-    kernel's, and the poison of a peer's abort, which the abort's pump writes again every
-    50 ms until that peer closes, from its own process (``process_vm_writev``) or from
-    this one.  A write into memory handed to something else corrupts it (the host
-    backend's first pump wrote into a closed rank's freed pad, and the heap corruption
-    showed in the next communicator's allocation); one into a reused pad reads as an
-    abort of the communicator that has it.  So a pad is reused only once no writer is
-    left: every rank that could write into it has closed (its lanes stopped, its pump
-    stopped, and a closed rank never aborts again) or its process is gone
-    (``Engine.leave_device``).  Until then, and when that cannot be known, it is kept
-    for the life of the process.  Free pads are kept by size, at most ``FREE`` of each:
-    a program that makes groups often reuses the same few, and its memory stays flat."""
+    Peers write into a pad by address: a signal from a peer's lane, a direct kernel's,
+    and the poison of a peer's abort, which the abort's pump writes again every 50 ms
+    until that peer closes.  A pad is a shared segment (``shared_bytes``): a peer in
+    another process maps it and holds the mapping (``HeldSegments``) until its own
+    writers have stopped, so its writes land in that mapping, never in memory this
+    process has freed, even after the owner has exited.  Peers in this process
+    (``init_local``) write by plain address; their group gives a pad back only once
+    every one of them has closed.
+
+    A pad given back (``give_back``) is *released*: nothing of its owner reads it any
+    more.  It is reused only once no mapping of another process holds it
+    (``held_elsewhere``): a write into a reused pad would read as an abort of the
+    communicator that has it.  Free pads are kept by size, at most ``FREE`` of each: a
+    program that makes groups (or splits) often reuses the same few, and its memory
+    and open files stay flat.
+
+    With ``HOCCL_HOST_CHECK_SIGNALS=1`` a released pad is filled with ``RELEASED`` and
+    checked when it is reused (and by ``released_pad_writes``): every word that changed
+    is a write into a pad after its owner let go, counted in ``released_writes``."""
 
     FREE = 64
+    #: what fills a released pad under HOCCL_HOST_CHECK_SIGNALS (no signal value)
+    RELEASED = 0x5E1E_A5ED_5E1E_A5ED
 
     def __init__(self):
         self._lock = threading.Lock()
         self._used: Dict[int, np.ndarray] = {}  # by address
+        self._released: Dict[int, np.ndarray] = {}  # by address: let go, maybe still held
         self._free: Dict[int, List[np.ndarray]] = {}  # by slots
+        self.released_writes = 0
 
     def take(self, slots: int) -> int:
         with self._lock:
+            self._sweep()
             free = self._free.get(slots)
             array = free.pop() if free else None
+            if array is not None:
+                self._count_writes(array)
         if array is None:
-            array = np.zeros(slots, dtype=np.uint64)
-        else:
-            array[...] = 0
+            array = shared_bytes(8 * slots).view(np.uint64)
+        array[...] = 0
         with self._lock:
             self._used[array.ctypes.data] = array
         return array.ctypes.data
 
-    def give_back(self, address: int, writers_done: bool) -> None:
-        """Reuse the pad at ``address`` if ``writers_done``, else keep it for good."""
-        if not writers_done:
-            return
+    def give_back(self, address: int) -> None:
+        """The owner of the pad at ``address`` is done with it, and so is every peer in
+        this process; peers elsewhere may still hold it."""
         with self._lock:
             array = self._used.pop(address, None)
-            if array is not None:
-                free = self._free.setdefault(len(array), [])
-                if len(free) < self.FREE:
-                    free.append(array)
+            if array is None:
+                return
+            if _checking():
+                array[...] = self.RELEASED
+            self._released[address] = array
+            self._sweep()
+
+    def _sweep(self) -> None:
+        """Released pads that no other process holds any more become free (or go)."""
+        for address, array in list(self._released.items()):
+            if held_elsewhere(array):
+                continue
+            del self._released[address]
+            free = self._free.setdefault(len(array), [])
+            if len(free) < self.FREE:
+                free.append(array)
+            else:
+                self._count_writes(array)  # its segment is freed with the array
+
+    def _count_writes(self, array: np.ndarray) -> None:
+        if not _checking():
+            return
+        changed = int(np.count_nonzero(array != np.uint64(self.RELEASED)))
+        if changed:
+            self.released_writes += changed
+            log.error("signal pad at %#x: %d word(s) written after its owner released it "
+                      "(HOCCL_HOST_CHECK_SIGNALS)", array.ctypes.data, changed)
+        array[...] = self.RELEASED
+
+    def check_released(self) -> int:
+        """Check every released and free pad now; ``released_writes``."""
+        with self._lock:
+            self._sweep()
+            if _checking():
+                for array in self._released.values():
+                    self._count_writes(array)
+                for free in self._free.values():
+                    for array in free:
+                        self._count_writes(array)
+            return self.released_writes
 
     def counts(self) -> Tuple[int, int]:
-        """(pads handed out or kept, free pads)."""
+        """(pads in use or released but still held by another process, free pads)."""
         with self._lock:
-            return len(self._used), sum(len(free) for free in self._free.values())
+            self._sweep()
+            return (len(self._used) + len(self._released),
+                    sum(len(free) for free in self._free.values()))
+
+
+def _checking() -> bool:
+    return environ("HOCCL_HOST_CHECK_SIGNALS") == "1"
 
 
 _PADS = _PadPool()
+
+
+def released_pad_writes() -> int:
+    """How many words of this process's signal pads were written after their owner had
+    released them (``HOCCL_HOST_CHECK_SIGNALS=1``; 0 when unchecked).  Peers' writes
+    into a pad that still holds its place in their mapping are not such writes until
+    the owner has let go of it."""
+    return _PADS.check_released()
+
+
+def pad_counts() -> Tuple[int, int]:
+    """(signal pads in use or held by a peer, free pads) of this process."""
+    return _PADS.counts()
 
 
 class _Aborted(Exception):
@@ -229,6 +301,8 @@ class HostDevice(Device):
         self._memory: Dict[int, np.ndarray] = {}
         #: the peers' segments this device has mapped (``import_``)
         self._peer_segments = PeerSegments(writable=True, hold_live=True)
+        #: the peers' signal pads this device writes into, held while a pad uses them
+        self._peer_pads = HeldSegments()
         self._streams: List[HostStream] = []
         self._default: HostStream | None = None
         self._aborted = threading.Event()
@@ -316,13 +390,36 @@ class HostDevice(Device):
     def alloc_pad(self, slots: int) -> int:
         return _PADS.take(slots)
 
-    def free_pad(self, address: int, writers_done: bool) -> None:
-        _PADS.give_back(address, writers_done)
+    def free_pad(self, address: int) -> None:
+        _PADS.give_back(address)
+
+    def import_pad(self, descriptor: tuple) -> Any:
+        """A peer's pad (``export`` of it with its size), mapped and held until
+        ``drop_pad``: this rank's writes into it never reach memory its owner freed."""
+        kind, pid, address, *words = descriptor
+        if kind != "host":
+            raise InvalidArgumentError(f"import_pad: expected a host descriptor, got {kind!r}")
+        if pid == self._pid:
+            return address
+        try:
+            return self._peer_pads.hold(pid, tuple(words), address)
+        except OSError as error:
+            raise HocclError(f"import_pad: could not map the signal pad of process {pid} "
+                             f"(/proc/{pid}/fd, which needs the permission cross-memory "
+                             f"attach needs): {error}") from None
+
+    def drop_pad(self, descriptor: tuple) -> None:
+        kind, pid, _, *words = descriptor
+        if pid != self._pid:
+            self._peer_pads.drop(pid, tuple(words))
 
     def alloc_host_word(self) -> HostWord:
         array = np.zeros(1, dtype=np.uint64)
         self._memory[array.ctypes.data] = array
         return _HostWord(array)
+
+    def free_host_word(self, word: HostWord) -> None:
+        self._memory.pop(word.address, None)
 
     def export(self, address: int, nbytes: int = 0) -> tuple:
         """``("host", pid, address, *segment)``: the segment's words (``segment_of``)
@@ -350,12 +447,27 @@ class HostDevice(Device):
         """How many of the peers' segments this device has mapped."""
         return len(self._peer_segments)
 
+    @property
+    def held_pads(self) -> int:
+        """How many of the peers' signal pads this device holds mapped (``import_pad``)."""
+        return len(self._peer_pads)
+
+    @property
+    def allocations(self) -> int:
+        """How many allocations of this device (scratch, rings, host words) are live."""
+        return len(self._memory)
+
     def enable_peer_access(self, peer: Device) -> None:
         pass
 
     # -- the primitives ----------------------------------------------------------------
     def copy(self, stream: HostStream, dst: Any, src: Any, nbytes: int) -> None:
-        stream.enqueue(lambda: move(dst, src, nbytes))
+        def run():
+            # after an abort nothing more moves: a peer that let go may have freed ``dst``
+            if self._aborted.is_set() or stream.aborted.is_set():
+                raise _Aborted()
+            move(dst, src, nbytes)
+        stream.enqueue(run)
 
     def local_copy(self, stream: HostStream, dst: Any, src: Any, nbytes: int,
                    sms: Optional[int] = None) -> None:
@@ -532,10 +644,12 @@ class HostDevice(Device):
         self._default = None
         if leak:
             # a stuck stream may still read its pad or a peer's mapped buffer
-            _ABANDONED.append((self._memory, self._peer_segments))
+            _ABANDONED.append((self._memory, self._peer_segments, self._peer_pads))
             self._memory, self._peer_segments = {}, PeerSegments(True, True)
+            self._peer_pads = HeldSegments()
         self._memory.clear()
         self._peer_segments.clear()
+        self._peer_pads.clear()
 
 
 def open_device(ordinal: Any = None, *, max_sms: int, copy_sms: int) -> HostDevice:
