@@ -46,6 +46,9 @@ class ProcessGroup:
         # per peer, in call order: the calls issued without the peer's description (on
         # registered buffers), whose description is checked when it comes (``check``)
         self._unchecked: List[deque] = [deque() for _ in range(self.world_size)]
+        #: how many times this rank began to shrink the communicator (``shrink``): each
+        #: attempt's exchanges are told apart from an earlier one's
+        self.shrinks = 0
 
     def local_rank(self) -> int:
         """This rank's index among the ranks on its host."""

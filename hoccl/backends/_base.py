@@ -289,6 +289,14 @@ class Device(abc.ABC):
             else:
                 self.wait_value(stream, address, value)
 
+    def fresh(self) -> Optional["Device"]:
+        """A device on the same hardware for a communicator made from an aborted one's
+        survivors (``Communicator.shrink``), or None: borrow this one.  A CUDA device is
+        borrowed (a process imports a peer's buffer once per context, and an abort
+        leaves the context usable); the host backend opens a new one, since an abort
+        drops its streams' queued work for good."""
+        return None
+
     def activate(self) -> None:
         """Make this device current for the calls that follow on this thread (CUDA: its
         context); called once at the start of every public call, not per operation."""
