@@ -126,7 +126,7 @@ class _Memory:
         return word
 
     def free_host_word(self, word: HostWord) -> None:
-        if word in self._owned.host_words:
+        if isinstance(word, _PinnedWord) and word in self._owned.host_words:
             self._make_current()
             self._owned.host_words.remove(word)
             _call(driver.cuMemFreeHost, word._host_address)

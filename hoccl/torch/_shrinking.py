@@ -45,13 +45,13 @@ def shrink(group: Any, ranks: List[int], flags: int, opts: Any) -> Any:
     store = (dist.PrefixStore(f"hoccl/shrunk/{group.shrinks}/", group.store)
              if group.store is not None else None)
     cpu_group = None
-    if group.cpu_group is not None:
+    if group.cpu_group is not None and store is not None:
         cpu_group = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), child.rank,
                                           child.world_size, timedelta(seconds=child.timeout))
     return type(group)(child, cpu_group, store)
 
 
-def use_python_groups(kind: type) -> None:
+def use_python_groups(kind: Any) -> None:
     """Make torch's ``shrink_group`` keep a group of ``kind`` (hoccl's) as the shrunk
     process group, its ranks named right (once; a torch without ``shrink_group`` is left
     alone)."""
@@ -73,11 +73,13 @@ def use_python_groups(kind: type) -> None:
             c10d._world.pg_backend_config[new_backend] = metadata["backend_config"]
         return new_backend
 
-    def finalize_group(group_info: Dict[str, Any], excluded: Set[int], new_backend: Any) -> Any:
+    def finalize_group(group_info: Dict[Any, Any], excluded_ranks_set: Set[Any],
+                       new_backend: Any) -> dist.ProcessGroup:
         if isinstance(new_backend, kind):
             ranks = c10d.get_process_group_ranks(group_info["process_group"])
-            excluded = {ranks[rank] for rank in excluded}  # group ranks -> global ranks
-        return finalize(group_info, excluded, new_backend)
+            # group ranks -> global ranks
+            excluded_ranks_set = {ranks[rank] for rank in excluded_ranks_set}
+        return finalize(group_info, excluded_ranks_set, new_backend)
     create.hoccl = True  # type: ignore[attr-defined]
     c10d._create_shrunk_process_group = create
     c10d._finalize_shrunk_group = finalize_group
