@@ -125,8 +125,9 @@ class CommunicatorApi(abc.ABC):
         through this communicator's mailboxes, not its bootstrap (which would wait for
         the lost rank): each wait is bounded by the timeout, and a rank that goes on but
         dies or closes meanwhile makes the others raise PeerDeadError or
-        PeerClosedError (shrink again, excluding it too); different ``exclude`` lists
-        raise MismatchError on every rank.  The new communicator can shrink again, not
+        PeerClosedError (shrink again, excluding it too); a rank that gets another's
+        ``exclude`` and finds it different raises MismatchError (one left waiting for a
+        rank that disagreed raises when that rank closes, or at the timeout).  The new communicator can shrink again, not
         split.  ``init_local`` ranks shrink together (``hoccl.shrink_local``); a
         communicator across hosts cannot shrink yet.  Not inside ``hoccl.group()``.
         docs/troubleshooting.md ("Going on after a lost rank") has an example."""

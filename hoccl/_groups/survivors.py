@@ -14,7 +14,7 @@ PeerClosedError when a survivor's process exits or closes its communicator.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, List, Sequence
+from typing import Any, Callable, Dict, List, Sequence
 
 from .._errors import MismatchError
 from .._mailbox import Mailboxes, wait_until
@@ -39,6 +39,8 @@ class MailboxBootstrap:
         self._timeout = timeout
         self._call = call
         self._seq = 0
+        #: this sequence's messages taken early (``_drain``), by peer
+        self._early: Dict[int, List[tuple]] = {}
         self.peer_lost = peer_lost
 
     def allgather(self, value: Any) -> List[Any]:
@@ -49,30 +51,43 @@ class MailboxBootstrap:
         mailboxes, me = self._mailboxes, self._mailboxes.rank
         for peer in self._members:
             if peer != me:
+                self._drain(peer)  # room in both directions, however much was left unread
                 mailboxes.send(peer, (key, value, None), deadline, self._call)
         values = []
         for index, peer in enumerate(self._members):
             values.append(value if peer == me else self._take(peer, key, deadline, index))
         return values
 
+    def _drain(self, peer: int) -> None:
+        """Take every message ``peer`` has sent so far: this sequence's are kept for
+        ``_take``, any other goes (a call the parent never ran, an earlier attempt's
+        exchange: nobody will read it now)."""
+        mailboxes = self._mailboxes
+        while mailboxes.ready(peer):
+            message = mailboxes.receive(peer)
+            if message[0][:2] == ("bootstrap", self._tag):
+                self._early.setdefault(peer, []).append(message)
+
     def _take(self, peer: int, key: tuple, deadline: float, index: int) -> Any:
         """``peer``'s message of exchange ``key``, skipping what it sent before."""
         mailboxes = self._mailboxes
         while True:
-            wait_until(lambda: mailboxes.ready(peer), deadline,
-                       lambda: f"{self._call}: rank {self.rank} waited {self._timeout:g} s for "
-                               f"rank {index} (rank {peer} of the communicator it was made "
-                               f"from) to take part; it never did",
-                       check=lambda: mailboxes.check_alive([peer], self._call))
-            got_key, got, _ = mailboxes.receive(peer)
+            early = self._early.get(peer)
+            if early:
+                got_key, got, _ = early.pop(0)
+            else:
+                wait_until(lambda: mailboxes.ready(peer), deadline,
+                           lambda: f"{self._call}: rank {self.rank} waited {self._timeout:g} s "
+                                   f"for rank {index} (rank {peer} of the communicator it was "
+                                   f"made from) to take part; it never did",
+                           check=lambda: mailboxes.check_alive([peer], self._call))
+                got_key, got, _ = mailboxes.receive(peer)
             if got_key == key:
                 return got
-            if got_key[:1] == ("bootstrap",) and got_key[1] == key[1]:
+            if got_key[:2] == ("bootstrap", self._tag):
                 raise MismatchError(f"{self._call}: rank {self.rank}'s exchange {key[2]} met "
                                     f"exchange {got_key[2]} of rank {index}: the ranks' "
                                     f"sequences differ")
-            # a message sent before this sequence began (a call the parent never ran, an
-            # earlier attempt's exchange): nobody will read it now
 
     def barrier(self) -> None:
         self.allgather(None)
