@@ -19,6 +19,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, TypeVar
 from . import _validate as check
 from ._buffers import Buffer, as_buffer
 from ._errors import InvalidArgumentError
+from ._group_calls import held_calls
 from .sched import Shape
 
 __all__ = ["CommunicatorApi"]
@@ -133,6 +134,40 @@ class CommunicatorApi(abc.ABC):
               max_sms: Optional[int] = None, copy_sms: Optional[int] = None,
               **options: Any) -> Optional["CommunicatorApi"]:
         """A new communicator of the ranks that pass the same ``color``."""
+
+    def shrink(self, exclude: Any, *, wait: bool = True, **settings: Any) -> "CommunicatorApi":
+        """A new communicator of every rank not in ``exclude`` (ncclCommShrink): the way on
+        after a rank was lost (its process died, was killed mid-call, closed, or is to be
+        left out while still running).  Every rank that goes on calls it with the same
+        ``exclude``; the excluded ranks do not.
+
+        The ranks keep their order, numbered 0..n-1 among themselves.  The new
+        communicator has its own signal pads, lanes and mailboxes, and this one's
+        settings unless given here (``timeout=`` and any ``hoccl.Config`` field).  This
+        one is left aborted: with ``wait`` (torch's SHRINK_DEFAULT) once its calls in
+        flight have finished or failed (a lost peer ends them within about a second, a
+        live peer that never makes its call only at the timeout), else at once
+        (SHRINK_ABORT); no call of it hangs.  Close it when convenient.  The ranks meet
+        through this communicator's mailboxes, not its bootstrap (which would wait for
+        the lost rank): each wait is bounded by the timeout, and a rank that goes on but
+        dies or closes meanwhile makes the others raise PeerDeadError or
+        PeerClosedError (shrink again, excluding it too); a rank that gets another's
+        ``exclude`` and finds it different raises MismatchError (one left waiting for a
+        rank that disagreed raises when that rank closes, or at the timeout).  The new communicator can shrink again, not
+        split.  ``init_local`` ranks shrink together (``hoccl.shrink_local``); a
+        communicator across hosts cannot shrink yet.  Not inside ``hoccl.group()``.
+        docs/troubleshooting.md ("Going on after a lost rank") has an example."""
+        if held_calls() is not None:
+            raise InvalidArgumentError("shrink: not inside hoccl.group(); shrink after it")
+        if not isinstance(wait, bool):
+            raise InvalidArgumentError(f"shrink: wait must be True or False; got {wait!r}")
+        return self._shrink(exclude, wait, settings)
+
+    def _shrink(self, exclude: Any, wait: bool, settings: Dict[str, Any]) -> "CommunicatorApi":
+        raise InvalidArgumentError(
+            f"shrink: not supported across hosts yet ({type(self).__name__}); make a new "
+            f"communicator of the processes that go on (hoccl.init over their own MPI "
+            f"communicator or store)")
 
     @abc.abstractmethod
     def register(self, array: Any) -> Any:

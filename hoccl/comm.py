@@ -21,7 +21,7 @@ import dataclasses
 import logging
 import numbers
 import weakref
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 from . import _validate as check
 from ._api import CommunicatorApi
@@ -46,17 +46,22 @@ _DRAIN_SECONDS = 10.0
 _KEPT: List[Any] = []  # buffers of calls still queued behind a stuck stream at close
 
 
+class Builders(NamedTuple):
+    """What makes a communicator's children (``split``) and its survivors' communicator
+    (``shrink``): the builder's functions, handed in by the builder that made it, so
+    that this module never imports the builder."""
+    split: Callable[..., Optional["Communicator"]]
+    shrink: Callable[..., "Communicator"]
+
+
 class Communicator(CommunicatorApi):
     """One rank of a group.  Create with ``hoccl.init`` or ``hoccl.init_local``."""
 
-    def __init__(self, *, engine: Engine, group: Group, health: Health,
-                 splitter: Optional[Callable[..., Optional["Communicator"]]] = None):
+    def __init__(self, *, engine: Engine, group: Group, health: Health, builders: "Builders"):
         self._engine = engine
         self._group = group
         self._health = health
-        #: what makes this communicator's children (``split``): the builder that made it,
-        #: handed in, so that this module never imports the builder
-        self._splitter = splitter
+        self._builders = builders
         self.rank = engine.rank
         self.world_size = engine.world_size
         self.backend: str = engine.device.backend
@@ -289,13 +294,13 @@ class Communicator(CommunicatorApi):
         self._usable("split")
         if held_calls() is not None:
             raise InvalidArgumentError("split: not inside hoccl.group(); split before or after")
-        if self._splitter is None:
-            raise InvalidArgumentError("split: this communicator was not made by hoccl.init "
-                                       "and cannot split")
         given = {name: value for name, value in dict(
             options, timeout=timeout, verify_plans=verify_plans, max_sms=max_sms,
             copy_sms=copy_sms).items() if value is not None}
-        return self._splitter(self, color, key, given)
+        return self._builders.split(self, color, key, given)
+
+    def _shrink(self, exclude: Any, wait: bool, settings: Dict[str, Any]) -> "Communicator":
+        return self._builders.shrink(self, exclude, wait, settings)
 
     def set_options(self, **changes: Any) -> None:
         """Change settings (fields of ``hoccl.Config``) for later calls; the rest stay.

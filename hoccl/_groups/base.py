@@ -11,7 +11,8 @@ flow one way: Communicator → Group → Engine.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Protocol, Sequence, Tuple
+from typing import (TYPE_CHECKING, Any, Dict, FrozenSet, List, Optional, Protocol, Sequence,
+                    Tuple)
 
 from .._errors import InvalidArgumentError, MismatchError
 from .._mailbox import Notice
@@ -61,6 +62,10 @@ class Group(Protocol):
     def closed_peer(self, calls: Sequence["Call"]) -> Optional[str]:
         """A description of a participant of one of ``calls`` that closed the communicator
         without making that call (it never will), if one did."""
+
+    def gone_peers(self) -> FrozenSet[int]:
+        """The peers known to have closed the communicator or exited: nothing of theirs
+        waits for a signal any more, so an abort's poison skips them."""
 
     def announce(self, kind: str, reason: str) -> None:
         """This rank aborted (``kind``: "diverged" or "aborted", and why): tell the peers,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 from .._errors import InvalidArgumentError, MismatchError
 from .._mailbox import Notice
@@ -236,6 +236,9 @@ class LocalGroup:
                     return f"rank {rank}, which closed the communicator"
         return None
 
+    def gone_peers(self) -> FrozenSet[int]:
+        return frozenset(self._closed)
+
     def announce(self, kind: str, reason: str) -> None:
         """The ranks of this process share every abort, and its reason (``Health.abort``)."""
 
@@ -293,5 +296,5 @@ class LocalGroup:
         self._leak = self._leak or leak
         if len(self._closed) == len(self.monitors):
             for monitor in self.monitors:  # every writer of the pads has closed
-                monitor.engine.leave_device(self._leak, peers_done=True)
+                monitor.engine.leave_device(self._leak)
             self.forget_calls()

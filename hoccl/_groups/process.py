@@ -11,7 +11,7 @@ import pickle
 import socket
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 from .._errors import AbortedError, DivergedError, InvalidArgumentError, MismatchError
 from .._mailbox import Mailboxes, Notice, made_call, wait_until
@@ -52,6 +52,9 @@ class ProcessGroup:
         # the keys of the calls this rank refused (``refuse``): a peer's message for one of
         # them (its call, or its refusal too) is dropped when it comes
         self._refused: set = set()
+        #: how many times this rank began to shrink the communicator (``shrink``): each
+        #: attempt's exchanges are told apart from an earlier one's
+        self.shrinks = 0
 
     def local_rank(self) -> int:
         """This rank's index among the ranks on its host."""
@@ -385,6 +388,10 @@ class ProcessGroup:
                             f"this {call.name} (sequence {call.key[1:]}): it never will")
         return None
 
+    def gone_peers(self) -> FrozenSet[int]:
+        return frozenset(peer for peer in range(self.world_size) if peer != self.rank and (
+            self.mailboxes.notice(peer, "close") is not None or not self.mailboxes.alive(peer)))
+
     def announce(self, kind: str, reason: str) -> None:
         self.mailboxes.announce(Notice(kind, reason))
 
@@ -402,11 +409,9 @@ class ProcessGroup:
         # the peers still waiting for this rank learn that it is gone, and which of its
         # calls they may still wait for (all of whose signals it has written)
         self.mailboxes.announce(Notice("closed", made=None if engine.aborted else engine.made()))
-        # the last rank to close knows that no peer can write into its pad any more
-        peers_done = all(self.mailboxes.notice(peer, "close") is not None
-                         or not self.mailboxes.alive(peer)
-                         for peer in range(self.world_size) if peer != self.rank)
-        engine.leave_device(leak, peers_done=peers_done)
+        # the peers that may still write into this rank's pad hold their mapping of it
+        # (``Device.import_pad``): it is reused only once they have let go
+        engine.leave_device(leak)
         self.mailboxes.close()
         self.bootstrap.close()
 

@@ -44,6 +44,7 @@ from ._launchers import fill_rendezvous_env
 from ._mixed import is_mixed, library_group, making_library_groups, needs_torch_groups
 from ._pool import RegisteredPool
 from ._process_group import ProcessGroupHoccl
+from ._shrinking import use_python_groups
 from ._work import Work
 
 __all__ = ["Options", "ProcessGroupHoccl", "StoreBootstrap", "AllGather", "ReduceScatter",
@@ -175,5 +176,6 @@ def _create(backend_options: Any, pg_options: Any) -> Any:
 
 
 hoccl_autoload.register()
+use_python_groups(ProcessGroupHoccl)
 if not hoccl_autoload.CREATING and not dist.is_initialized():
     fill_rendezvous_env()
