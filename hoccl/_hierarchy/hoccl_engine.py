@@ -3,11 +3,12 @@ hosts on one machine (``inter_host="hoccl"``), the rails' and the world's."""
 
 from __future__ import annotations
 
-from typing import Any, List, Tuple
+from typing import Any, List, Sequence, Tuple
 
 from .._errors import InvalidArgumentError
+from .._group_calls import group
 from ..comm import Communicator
-from .engine import InterHostEngine, Setup
+from .engine import InterHostEngine, Pair, Setup, rounds
 from .topology import SubBootstrap
 
 __all__ = ["HocclEngine"]
@@ -75,6 +76,14 @@ class HocclEngine(InterHostEngine):
 
     def barrier(self, *, stream: Any = None) -> None:
         self.comm.barrier(stream=stream)
+
+    def batch(self, pairs: Sequence[Pair], *, stream: Any = None) -> None:
+        """The pairs in ``hoccl.group()`` s, a round at a time (``rounds``: a hoccl group
+        matches one call per peer and direction)."""
+        for made in rounds(pairs):
+            with group():
+                for kind, array, peer in made:
+                    getattr(self.comm, kind)(array, peer, stream=stream)
 
     def synchronize(self) -> None:
         self.comm.synchronize()
