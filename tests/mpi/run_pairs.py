@@ -4,6 +4,10 @@
     HOCCL_LOCAL_SIZE=2 mpiexec -n 4 python tests/mpi/run_pairs.py --inter-host mpi
     HOCCL_LOCAL_SIZE=1 mpiexec -n 2 python tests/mpi/run_pairs.py --inter-host gloo
     HOCCL_LOCAL_SIZE=1 mpiexec -n 2 python tests/mpi/run_pairs.py --unmatched group
+    HOCCL_LOCAL_SIZE=2 mpiexec -n 4 python tests/mpi/run_pairs.py --torch-hosts 1
+
+``--torch-hosts``: the hosts whose ranks use a torch gloo group inside (standing for a
+vendor library), the others hoccl's host backend.
 
 Every receive lands in a poisoned array, and every rank checks what it received against
 the data its sender drew (the same seeds on every rank):
@@ -203,13 +207,21 @@ def main():
     parser.add_argument("--dtypes", default=DTYPES)
     parser.add_argument("--counts", default="0,1,17,65537")
     parser.add_argument("--large", type=int, default=0, help="bytes of the large checks")
+    parser.add_argument("--torch-hosts", default="",
+                        help="hosts (comma-separated) whose ranks use a torch gloo group inside")
     parser.add_argument("--unmatched", choices=["single", "group"], default=None)
     args = parser.parse_args()
     world = MPI.COMM_WORLD
-    if args.inter_host == "gloo":
+    torch_hosts = {int(h) for h in args.torch_hosts.split(",") if h}
+    gloo = args.inter_host == "gloo" or bool(torch_hosts)
+    if gloo:
         init_torch_gloo(world)
+    settings = {}
+    if torch_hosts:
+        local_size = int(os.environ["HOCCL_LOCAL_SIZE"])
+        settings["intra_host"] = "torch" if world.rank // local_size in torch_hosts else None
     timeout = 4.0 if args.unmatched else 120.0
-    comm = hoccl.init(backend="host", timeout=timeout, inter_host=args.inter_host)
+    comm = hoccl.init(backend="host", timeout=timeout, inter_host=args.inter_host, **settings)
     if world.rank == 0:
         print(f"pairs: {comm.describe()}", flush=True)
     if not isinstance(comm, hoccl.HierarchicalCommunicator):
@@ -245,7 +257,7 @@ def main():
     print(f"pairs rank {world.rank}: {passed} passed, {len(failures)} failed", flush=True)
     comm.close()
     totals = world.allreduce(np.array([passed, len(failures)]), op=MPI.SUM)
-    if args.inter_host == "gloo":
+    if gloo:
         import torch.distributed as dist
         dist.destroy_process_group()
     if world.rank == 0:
