@@ -10,7 +10,6 @@ of the level together."""
 from __future__ import annotations
 
 import abc
-from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, List, Optional, Sequence, Tuple
 
@@ -20,27 +19,11 @@ from ..comm import Communicator
 from ..config import Config
 from ..sched.hierarchical import Call, Topology
 
-__all__ = ["Setup", "InterHostEngine", "Pair", "caller_begin", "caller_end", "rounds"]
+__all__ = ["Setup", "InterHostEngine", "Pair", "caller_begin", "caller_end"]
 
 #: one send or receive of a batch: ("send" or "recv", a flat array, the peer's member
 #: number in the level's group)
 Pair = Tuple[str, Any, int]
-
-
-def rounds(pairs: Sequence[Pair]) -> List[List[Pair]]:
-    """``pairs`` in rounds, the k-th holding the k-th pair of each (peer, direction): round
-    k of every member matches round k of its peers, and no round holds two pairs of one
-    peer and direction (for engines whose groups match one call per peer and direction,
-    as hoccl's do)."""
-    made: List[List[Pair]] = []
-    seen: Counter = Counter()
-    for pair in pairs:
-        key = (pair[0], pair[2])
-        if seen[key] == len(made):
-            made.append([])
-        made[seen[key]].append(pair)
-        seen[key] += 1
-    return made
 
 
 def caller_begin(device: Any, stream: int, ready: Any) -> int:

@@ -8,7 +8,7 @@ from typing import Any, List, Sequence, Tuple
 from .._errors import InvalidArgumentError
 from .._group_calls import group
 from ..comm import Communicator
-from .engine import InterHostEngine, Pair, Setup, rounds
+from .engine import InterHostEngine, Pair, Setup
 from .topology import SubBootstrap
 
 __all__ = ["HocclEngine"]
@@ -78,12 +78,10 @@ class HocclEngine(InterHostEngine):
         self.comm.barrier(stream=stream)
 
     def batch(self, pairs: Sequence[Pair], *, stream: Any = None) -> None:
-        """The pairs in ``hoccl.group()`` s, a round at a time (``rounds``: a hoccl group
-        matches one call per peer and direction)."""
-        for made in rounds(pairs):
-            with group():
-                for kind, array, peer in made:
-                    getattr(self.comm, kind)(array, peer, stream=stream)
+        """The pairs in one ``hoccl.group()``."""
+        with group():
+            for kind, array, peer in pairs:
+                getattr(self.comm, kind)(array, peer, stream=stream)
 
     def synchronize(self) -> None:
         self.comm.synchronize()

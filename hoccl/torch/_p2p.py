@@ -8,11 +8,12 @@ every held one is issued together when anything needs one of them: a ``wait()``,
 ``is_completed()`` or ``get_future()`` of its Work, or any other call on any hoccl
 process group of this process (which keeps the calls of every group in program order).
 
-The held calls are issued inside ``hoccl.group()``: every rank's batch is matched with
-its peers' batches as a whole, whatever the order of its calls.  A batch goes out in
-rounds, the k-th round holding the k-th call of each (communicator, peer, direction):
-round k of every rank matches round k of its peers, and no round holds two calls of
-one pair and direction (under mpirun such a group does not complete yet).
+The held calls are issued inside one ``hoccl.group()``: every rank's batch is matched
+with its peers' calls whatever the order of its calls and however the peers batched
+theirs (the k-th send of a pair matches its k-th recv), so a pipeline schedule whose
+ranks batch their sends and recvs differently never waits in a cycle; across hosts the
+communicator runs the batch one level at a time, side by side
+(``hoccl._hierarchy.pairs``).
 
 A recv from any source (``dist.recv(tensor)`` with no ``src``, host backend only) is
 matched through the group's store (``SendCounts``): every send of the torch API adds
@@ -201,24 +202,11 @@ def issue_held() -> None:
                 call.counts.received[call.peer] += 1
         going.append(call)
     _HELD[:0] = staying
-    for round_ in _rounds(going):
-        with hoccl.group():
-            for call in round_:
-                call.issue()
+    with hoccl.group():
+        for call in going:
+            call.issue()
     for call in going:
         call.finish()
-
-
-def _rounds(held: List[HeldP2P]) -> List[List[HeldP2P]]:
-    rounds: List[List[HeldP2P]] = []
-    seen: Dict[Tuple[int, Any, str], int] = {}
-    for call in held:
-        key = (id(call.launcher.comm), call.peer, call.kind)
-        index = seen[key] = seen.get(key, -1) + 1
-        if index == len(rounds):
-            rounds.append([])
-        rounds[index].append(call)
-    return rounds
 
 
 def even_splits(call: str, tensor: torch.Tensor, world_size: int) -> List[int]:
