@@ -594,9 +594,15 @@ class GlooStagedEngine(StagedEngine):
                 GlooTransport(made[-1], groups[-1], timeout))
 
 
+#: the tag of ``Create_group`` for a part of the MPI world
+_SUB_WORLD = 4242
+
+
 def _mpi_communicator(call: str, bootstrap: Bootstrap, mpi_comm: Any) -> Any:
     """The MPI communicator the engine splits: the bootstrap's own, or ``mpi_comm`` / the
-    world when the bootstrap is not MPI's (its ranks must then be the same)."""
+    world when the bootstrap is not MPI's (its ranks must then be the same), or, for a
+    bootstrap of some of the MPI world's processes (a torch sub-group), a communicator of
+    those processes made from the world."""
     try:
         from mpi4py import MPI
     except ImportError:
@@ -605,6 +611,11 @@ def _mpi_communicator(call: str, bootstrap: Bootstrap, mpi_comm: Any) -> Any:
     if isinstance(bootstrap, MPIBootstrap):
         return bootstrap.mpi
     world = mpi_comm if mpi_comm is not None else MPI.COMM_WORLD
+    if mpi_comm is None and world.Get_size() > bootstrap.world_size:
+        # a part of the MPI world (a torch sub-group): its ranks, in the bootstrap's order
+        ranks = bootstrap.allgather(world.Get_rank())
+        if len(set(ranks)) == len(ranks):
+            return world.Create_group(world.group.Incl(ranks), tag=_SUB_WORLD)
     if world.Get_size() != bootstrap.world_size or world.Get_rank() != bootstrap.rank:
         raise InvalidArgumentError(f"{call}: inter_host='mpi' needs an MPI communicator with the "
                                    f"bootstrap's ranks; MPI has rank {world.Get_rank()} of "

@@ -8,12 +8,13 @@ every held one is issued together when anything needs one of them: a ``wait()``,
 ``is_completed()`` or ``get_future()`` of its Work, or any other call on any hoccl
 process group of this process (which keeps the calls of every group in program order).
 
-The held calls are issued inside one ``hoccl.group()``: every rank's batch is matched
-with its peers' calls whatever the order of its calls and however the peers batched
-theirs (the k-th send of a pair matches its k-th recv), so a pipeline schedule whose
-ranks batch their sends and recvs differently never waits in a cycle; across hosts the
-communicator runs the batch one level at a time, side by side
-(``hoccl._hierarchy.pairs``).
+The held calls are issued inside ``hoccl.group()``.  Across hosts, one group: the
+communicator posts every pair of it before it waits for any (``hoccl._hierarchy.pairs``),
+so ranks that batch their sends and recvs differently (a pipeline schedule's) never wait
+in a cycle.  Within a host a hoccl group matches its calls with the peers' as a whole, so
+a batch goes out in rounds (``hoccl._hierarchy.engine.rounds``), the k-th round holding
+the k-th call of each (communicator, peer, direction): round k of every rank matches
+round k of its peers where they batched alike.
 
 A recv from any source (``dist.recv(tensor)`` with no ``src``, host backend only) is
 matched through the group's store (``SendCounts``): every send of the torch API adds
@@ -32,13 +33,14 @@ timed out is dropped (the recvs held behind it go on).
 from __future__ import annotations
 
 import time
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence
 
 import torch
 
 import hoccl
 
 from .. import HocclTimeoutError, InvalidArgumentError
+from .._hierarchy.engine import rounds
 from .._mailbox import wait_until
 from ._ops import movable
 from ._work import Launcher, Work, WorkList
@@ -202,9 +204,14 @@ def issue_held() -> None:
                 call.counts.received[call.peer] += 1
         going.append(call)
     _HELD[:0] = staying
-    with hoccl.group():
-        for call in going:
-            call.issue()
+    across = [call for call in going if call.launcher.across_hosts]
+    within = [call for call in going if not call.launcher.across_hosts]
+    batches = ([across] if across else []) + rounds(
+        within, lambda call: (id(call.launcher.comm), call.peer, call.kind))
+    for batch in batches:
+        with hoccl.group():
+            for call in batch:
+                call.issue()
     for call in going:
         call.finish()
 

@@ -12,6 +12,9 @@ microbatch after another, gradients summed and divided by the microbatches as th
 schedules scale them) within ``TOLERANCE``, and gloo's bit for bit.  A gradient the
 step did not write reads as NaN, so a stage that was skipped shows.
 
+``--pp rails``: the schedules run on the groups of ranks with one local rank (one rank
+per host, so every stage's neighbours are on other hosts), each group a pipeline.
+
 ``--mesh``: pipeline × data parallel on a 2-D DeviceMesh ("pp", "dp") of the world
 (pp across hosts, dp inside them: ranks [[0, 1], [2, 3]]): 3 training steps of 1F1B,
 each dp rank on its own data, gradients summed over "dp" and divided; the losses and
@@ -29,6 +32,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import sys
 import traceback
 from datetime import timedelta
@@ -135,7 +139,8 @@ def check_schedule(name: str, hoccl_group, gloo_group, device: torch.device,
     losses, grads = run_schedule(name, hoccl_group, device, seed)
     gloo_losses, gloo_grads = run_schedule(name, gloo_group, torch.device("cpu"), seed)
     class_name, per_rank, _ = SCHEDULES[name]
-    want_losses, want_grads = reference(build_stages(WORLD * per_rank, seed), *inputs(seed))
+    pp = dist.get_world_size(hoccl_group)
+    want_losses, want_grads = reference(build_stages(pp * per_rank, seed), *inputs(seed))
     worst = 0.0
     for index, stage_grads in grads.items():
         for k, (got, gloo, want) in enumerate(zip(stage_grads, gloo_grads[index],
@@ -155,7 +160,8 @@ def check_schedule(name: str, hoccl_group, gloo_group, device: torch.device,
             difference = largest_difference(got, want)
             assert difference <= TOLERANCE, f"{name}: loss {k} {difference:.3g} off"
             worst = max(worst, difference)
-    return {"schedule": name, "stages_per_rank": per_rank, "largest_relative_difference": worst}
+    return {"schedule": name, "stages_per_rank": per_rank, "pp": pp,
+            "largest_relative_difference": worst}
 
 
 def train_mesh(mesh, device: torch.device, steps: int = 3) -> tuple:
@@ -192,6 +198,9 @@ def check_mesh(device: torch.device) -> dict:
     mesh = init_device_mesh(kind, shape, mesh_dim_names=("pp", "dp"))
     gloo_mesh = init_device_mesh("cpu", shape, mesh_dim_names=("pp", "dp"),
                                  backend_override={"pp": "gloo", "dp": "gloo"})
+    pp_comm = hoccl.torch.communicator(mesh.get_group("pp"))
+    assert isinstance(pp_comm, hoccl.HierarchicalCommunicator) or WORLD == 2, \
+        f"mesh: the pp group {pp_comm!r} is not across hosts"
     losses, parameters = train_mesh(mesh, device)
     gloo_losses, gloo_parameters = train_mesh(gloo_mesh, torch.device("cpu"))
     assert len(losses) == len(gloo_losses), f"mesh: {len(losses)} losses, gloo {len(gloo_losses)}"
@@ -200,13 +209,17 @@ def check_mesh(device: torch.device) -> dict:
     for k, (got, want) in enumerate(zip(parameters, gloo_parameters)):
         assert torch.equal(got.view(torch.int32), want.view(torch.int32)), \
             f"mesh {shape}: parameter {k} differs from gloo's by {largest_difference(got, want)}"
-    return {"mesh": list(shape), "losses": [float(loss) for loss in losses]}
+    return {"mesh": list(shape), "pp_group": repr(pp_comm),
+            "losses": [float(loss) for loss in losses]}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--schedules", default=",".join(SCHEDULES))
+    parser.add_argument("--pp", choices=("world", "rails"), default="world",
+                        help="the schedules' groups: the world, or the ranks of one local "
+                             "rank (one per host: every stage's neighbour on another host)")
     parser.add_argument("--mesh", action="store_true", help="also pp x dp on a 2-D DeviceMesh")
     parser.add_argument("--inter-host", default=None, choices=("mpi", "gloo", "hoccl", "nccl"))
     parser.add_argument("--json", default="", help="write the results here (rank 0)")
@@ -217,8 +230,15 @@ def main() -> None:
     options = hoccl.torch.Options(inter_host=args.inter_host) if args.inter_host else None
     dist.init_process_group("hoccl", rank=RANK, world_size=WORLD,
                             timeout=timedelta(seconds=30), pg_options=options)
-    hoccl_group = dist.distributed_c10d._get_default_group()
-    gloo_group = dist.new_group(backend="gloo")
+    world_group = dist.distributed_c10d._get_default_group()
+    gloo_world = dist.new_group(backend="gloo")
+    hoccl_group, gloo_group = world_group, gloo_world
+    if args.pp == "rails":
+        local_size = int(os.environ.get("HOCCL_LOCAL_SIZE", WORLD))
+        rails = [list(range(local, WORLD, local_size)) for local in range(local_size)]
+        hoccl_group, _ = dist.new_subgroups_by_enumeration(rails, backend="hoccl",
+                                                           pg_options=options)
+        gloo_group, _ = dist.new_subgroups_by_enumeration(rails, backend="gloo")
     passed = failed = 0
     results = []
     checks = [(name, lambda name=name, seed=seed: check_schedule(
@@ -237,11 +257,11 @@ def main() -> None:
             failed += 1
             print(f"rank {RANK} FAILED {name}\n{traceback.format_exc()}", flush=True)
     totals = torch.tensor([passed, failed])
-    dist.all_reduce(totals, group=gloo_group)
+    dist.all_reduce(totals, group=gloo_world)
     comm = hoccl.torch.communicator(hoccl_group)
     described = comm.describe() if hasattr(comm, "describe") else {}
     if RANK == 0:
-        print(f"pipeline ranks={WORLD} inter={described.get('inter_host', 'none')}"
+        print(f"pipeline ranks={WORLD} pp={args.pp} inter={described.get('inter_host', 'none')}"
               f"{' mixed' if mixed else ''}: {int(totals[0])} passed, {int(totals[1])} failed",
               flush=True)
         if args.json:
