@@ -156,7 +156,7 @@ class GlooTransport(Transport):
         import torch.distributed as dist
         self.torch, self.dist, self.group, self.members = torch, dist, group, list(members)
         self.size, self.member = len(self.members), self.members.index(dist.get_rank())
-        self.label = dist.get_backend(group)
+        self.label = _library(torch, dist, group)
 
     def _t(self, array: Optional[np.ndarray]) -> Any:
         return None if array is None else self.torch.from_numpy(array)
@@ -211,6 +211,17 @@ class GlooTransport(Transport):
         if isinstance(request, _Posted):
             return self._waited(request)
         return request is None or bool(request.is_completed())
+
+
+def _library(torch: Any, dist: Any, group: Any) -> str:
+    """The library of a torch group: its backend's name, or "gloo" for a gloo backend
+    registered under another name (the groups hoccl's torch backend makes while it
+    connects are gloo's: ``hoccl.torch._mixed``)."""
+    try:
+        backend = (group or dist.group.WORLD)._get_backend(torch.device("cpu"))
+    except (AttributeError, RuntimeError):
+        return dist.get_backend(group)
+    return "gloo" if isinstance(backend, dist.ProcessGroupGloo) else dist.get_backend(group)
 
 
 class _Posted:
