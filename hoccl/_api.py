@@ -45,7 +45,7 @@ def _refusable(method: _Method) -> _Method:
         except InvalidArgumentError as error:
             if not getattr(error, "made", False):
                 peer = kwargs.get("peer", args[1] if len(args) > 1 else None)
-                self._refuse(name, peer, error)
+                self._refused_call(name, peer, error)
             raise
     return call  # type: ignore[return-value]
 
@@ -72,7 +72,7 @@ class CommunicatorApi(abc.ABC):
         """Run the checked call ``name`` of ``shape`` on ``buffers`` (by role: "send",
         "recv", or "send"/"recv" alone for send and recv; None where a rank has none)."""
 
-    def _refuse(self, name: str, peer: Any, error: InvalidArgumentError) -> None:
+    def _refused_call(self, name: str, peer: Any, error: InvalidArgumentError) -> None:
         """This rank's call ``name`` (``peer``: a send's or recv's) raised ``error`` before
         it was made: tell the peers in its place, where the communicator can."""
 

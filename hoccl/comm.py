@@ -438,7 +438,7 @@ class Communicator(CommunicatorApi):
                 self._fail(calls, error)
             raise
 
-    def _refuse(self, name: str, peer: Any, error: InvalidArgumentError) -> None:
+    def _refused_call(self, name: str, peer: Any, error: InvalidArgumentError) -> None:
         """``name`` raised ``error`` before it was made: take its place in this rank's
         sequence of calls and tell its participants (``Group.refuse``), whose matching
         calls then end with MismatchError, the communicator usable.  A send or recv to no
