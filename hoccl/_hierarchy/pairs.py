@@ -10,10 +10,16 @@ level's engine (``InterHostEngine.batch``)::
     world:    batch[recv(b, 3), send(c, 2)]  on the engine over every rank
 
 The levels run side by side (one worker each, ``PhaseRunner.pipelined``) and every
-engine posts a batch's pairs before it waits for any, so no batch waits in a cycle:
-not one that sends to and receives from the same peer, nor a ring in either direction,
-nor ranks that batch the same pairs differently.  A pair of ranks on one host still
+engine between hosts posts a batch's pairs before it waits for any, so no batch waits in
+a cycle: not one that sends to and receives from the same peer, nor a ring in either
+direction, nor ranks that batch the same pairs differently.  A pair of ranks on one host still
 moves its bytes on that host's engine, one along a rail on the rail engine.
+
+The pairs of several communicators in one group run one communicator's batch after
+another (``hoccl.group()`` completes each communicator's calls in turn).  Between ranks
+on one host (and on ``inter_host="hoccl"``) the engine is a hoccl communicator, whose
+groups match a rank's calls with a peer as a whole: there a batch goes out in rounds
+(``HocclEngine.batch``), and ranks must batch their pairs alike.
 
 The calls of one group on one communicator take one stream (or None on the host
 backend): the batch is ordered after the work on it so far, and the work enqueued on it
