@@ -72,3 +72,14 @@ def test_a_send_whose_receive_never_comes_times_out_naming_both_ranks(inter_host
     code, output = _run(2, 1, "--inter-host", inter_host, "--unmatched", how, timeout=120)
     assert code == 0 and "unmatched across hosts: rank 0 OK" in output, output[-4000:]
     assert "rank 0 (host 0, " in output and "rank 1 (host 1, " in output, output[-4000:]
+
+
+@pytest.mark.mpi
+def test_the_checker_fails_on_a_flipped_bit():
+    """Rank 1 flips one bit of what it received before checking: each of its four checks
+    (single, both rings, everyone) fails, rank 0's pass."""
+    code, output = _run(2, 1, "--inter-host", "mpi", "--dtypes", "int32", "--counts", "17",
+                        "--fault", "1", timeout=120)
+    assert code != 0, output[-4000:]
+    assert "pairs rank 1: 0 passed, 4 failed" in output, output[-4000:]
+    assert "pairs rank 0: 4 passed, 0 failed" in output, output[-4000:]

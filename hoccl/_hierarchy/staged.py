@@ -461,10 +461,11 @@ class StagedEngine(FoldingEngine):
             raise InvalidArgumentError(f"{what} across hosts ({self.label}): device arrays on "
                                        f"a rank without hoccl's cuda backend")
         device = self.device
+        if not on_host:
+            device.activate()
         hosts = ([_to_numpy(array).view(np.uint8) for array in arrays] if on_host else
                  self._batch_memory([address(array)[1] for array in arrays]))
         if not on_host:
-            device.activate()
             work = device.resolve_stream(stream, [])
             for (kind, array, _), host in zip(pairs, hosts):
                 if kind == "send":
