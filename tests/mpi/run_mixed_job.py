@@ -182,6 +182,9 @@ def check_pipelines(on_gpu, schedules):
             port = probe.getsockname()[1]
         os.environ["MASTER_PORT"] = str(world.bcast(port))
     os.environ["HOCCL_LOCAL_SIZE"] = "2"
+    # the process groups' communicators: hoccl's cuda backend inside the GPU host, its host
+    # backend inside the CPU host (a GPU is visible there too)
+    os.environ["HOCCL_INTRA_HOST"] = "cuda" if on_gpu else "host"
     sys.path.insert(0, str(Path(__file__).parents[1] / "torch_programs"))
     import torch
     import torch.distributed as dist
