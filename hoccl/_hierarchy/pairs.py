@@ -180,6 +180,7 @@ class PairCalls:
         except HocclTimeoutError as error:
             if not pairs:
                 raise
+
             def who(rank: int) -> str:
                 host = self.topology.host_of(rank)
                 return f"rank {rank} (host {host}, {self._hosts[host].hostname})"
