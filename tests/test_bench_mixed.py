@@ -28,7 +28,7 @@ def test_the_smoke_run_checks_every_result_against_numpy_and_writes_its_files(tm
     assert result["phase_chunk"] == 16 << 10  # the pipelined all_reduce has 4 chunks
     records = result["records"]
     assert {(r["collective"], r["bytes"], r["library"]) for r in records} == {
-        (collective, size, library) for collective in ("all_reduce", "all_gather")
+        (collective, size, library) for collective in ("all_reduce", "all_gather", "sendrecv")
         for size in (16 << 10, 64 << 10) for library in ("hoccl", "gloo")}
     for record in records:
         assert "error" not in record, record
@@ -51,9 +51,9 @@ def test_the_smoke_run_checks_every_result_against_numpy_and_writes_its_files(tm
     assert (tmp_path / "mixed.png").stat().st_size > 0
 
 
-@pytest.mark.parametrize("collective", ["all_reduce", "all_gather"])
+@pytest.mark.parametrize("collective", ["all_reduce", "all_gather", "sendrecv"])
 def test_the_checker_counts_a_flipped_bit_and_an_unwritten_element(collective):
-    want = expected(collective, 3, 101, "float32")
+    want = expected(collective, 3, 101, "float32", source=2)
     assert wrong_elements(want.copy(), want) == 0
     flipped = want.copy()
     flipped.view(np.uint32)[17] ^= 1
@@ -67,6 +67,14 @@ def test_the_expected_results_are_numpys_sum_and_concatenation():
     inputs = [pattern(rank, 7, "float32") for rank in range(3)]
     assert np.array_equal(expected("all_reduce", 3, 7, "float32"), inputs[0] + inputs[1] + inputs[2])
     assert np.array_equal(expected("all_gather", 3, 7, "float32"), np.concatenate(inputs))
+    assert np.array_equal(expected("sendrecv", 3, 7, "float32", source=1), inputs[1])
+
+
+def test_a_sendrecv_crosses_to_the_next_host_and_back():
+    from hoccl.bench.mixed import peers
+    assert [peers(rank, 4, 2) for rank in range(4)] == [(2, 2), (3, 3), (0, 0), (1, 1)]
+    assert [peers(rank, 6, 2) for rank in range(6)] == [(2, 4), (3, 5), (4, 0), (5, 1),
+                                                        (0, 2), (1, 3)]
 
 
 def test_the_ratios_are_the_records_quotients():
@@ -77,7 +85,9 @@ def test_the_ratios_are_the_records_quotients():
                           record("all_reduce", "hoccl", 1 << 20, 5.0),
                           record("all_reduce", "gloo", 1 << 20, 1.0),
                           record("all_gather", "hoccl", 256 << 20, 4.0),
-                          record("all_gather", "gloo", 256 << 20, 2.0)],
+                          record("all_gather", "gloo", 256 << 20, 2.0),
+                          record("sendrecv", "hoccl", 64 << 20, 6.0),
+                          record("sendrecv", "gloo", 64 << 20, 1.5)],
               "phases": [dict(collective="all_reduce", library=name, time_us=micros)
                          for name, micros in (("hoccl pipelined", 110.0),
                                               ("hoccl sequential", 220.0),
@@ -85,6 +95,7 @@ def test_the_ratios_are_the_records_quotients():
                                               ("phase rail all_reduce", 50.0))]}
     found = ratios(result)
     assert found["hoccl busbw / gloo busbw"] == {"all_reduce": {"64M": 3.0},
-                                                 "all_gather": {"256M": 2.0}}
+                                                 "all_gather": {"256M": 2.0},
+                                                 "sendrecv": {"64M": 4.0}}
     assert found["all_reduce phases"] == {"pipelined / slowest phase alone": 1.1,
                                           "sequential / pipelined": 2.0}

@@ -8,6 +8,7 @@ on others) with MPI, gloo or hoccl between them, every dtype and op; a step acro
 hosts whose peer never comes ends in a timeout.  Plus the grouping of ranks into hosts,
 in one process."""
 
+import json
 import os
 import re
 import subprocess
@@ -185,17 +186,25 @@ def test_an_unknown_inter_host_engine_is_refused():
 
 
 @pytest.mark.mpi
-def test_the_mixed_job_program_runs_on_cpus_alone():
+def test_the_mixed_job_program_runs_on_cpus_alone(tmp_path):
     """run_mixed_job.py (the one-GPU mixed job) with every rank on the host backend: each
-    rank checks every collective, sequential and pipelined, and reports OK."""
+    rank checks every collective, sequential and pipelined, batched sends and receives
+    across the hosts, the sendrecv bandwidth's results beside gloo's, and GPipe and 1F1B
+    against the reference and gloo, and reports OK; rank 0 writes the JSON."""
+    out = tmp_path / "mixed_job.json"
     command = [_mpiexec(), "-n", "4", sys.executable, str(SCRIPT.parent / "run_mixed_job.py"),
-               "--cpu-only", "--counts", "0,17", "--dtypes", "bfloat16,int32", "--ops", "sum,avg"]
+               "--cpu-only", "--counts", "0,17", "--dtypes", "bfloat16,int32", "--ops", "sum,avg",
+               "--pair-counts", "0,1,65537", "--p2p-sizes", "64K", "--json", str(out)]
     env = {**os.environ, **MPI_ENV, "HOCCL_VERIFY": "1"}
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-4000:]
     for rank in range(4):
         assert re.search(rf"rank {rank}: OK (\d+)/\1(?!\d)", output), output[-4000:]
+    result = json.loads(out.read_text())
+    assert result["failed"] == 0 and result["pairs"]["passed"] == 18, result
+    assert {(r["library"], r["wrong"]) for r in result["p2p"]} == {("hoccl", 0), ("gloo", 0)}
+    assert [r["schedule"] for r in result["pipelining"]] == ["GPipe", "1F1B"], result
 
 
 @pytest.mark.mpi

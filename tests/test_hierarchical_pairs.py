@@ -4,7 +4,9 @@ direction, an exchange with every peer, two pairs of one peer and direction), ev
 dtype, counts 0, 1 and odd, and 64 MiB + 4 bytes once per engine family, bit for bit
 into poisoned arrays, on every engine between hosts CI runs (MPI with cross-memory
 reads and without, gloo, hoccl) and with a torch gloo group inside a host; a send whose
-receive never comes times out naming both ranks and their hosts."""
+receive never comes times out naming both ranks and their hosts; the checker fails on a
+planted bit flip.  Plus, in one process, the rounds of hoccl's own engine and the
+simulated hosts of a sub-group's ranks."""
 
 import os
 import subprocess
@@ -13,6 +15,9 @@ from pathlib import Path
 
 import pytest
 
+import hoccl
+from hoccl._hierarchy.engine import rounds
+from hoccl._hierarchy.topology import simulated_local_size
 from test_mpi import MPI_ENV, _mpiexec
 
 SCRIPT = Path(__file__).parent / "mpi" / "run_pairs.py"
@@ -72,3 +77,37 @@ def test_a_send_whose_receive_never_comes_times_out_naming_both_ranks(inter_host
     code, output = _run(2, 1, "--inter-host", inter_host, "--unmatched", how, timeout=120)
     assert code == 0 and "unmatched across hosts: rank 0 OK" in output, output[-4000:]
     assert "rank 0 (host 0, " in output and "rank 1 (host 1, " in output, output[-4000:]
+
+
+@pytest.mark.mpi
+def test_the_checker_fails_on_a_flipped_bit():
+    """Rank 1 flips one bit of what it received before checking: each of its four checks
+    (single, both rings, everyone) fails, rank 0's pass."""
+    code, output = _run(2, 1, "--inter-host", "mpi", "--dtypes", "int32", "--counts", "17",
+                        "--fault", "1", timeout=120)
+    assert code != 0, output[-4000:]
+    assert "pairs rank 1: 0 passed, 4 failed" in output, output[-4000:]
+    assert "pairs rank 0: 4 passed, 0 failed" in output, output[-4000:]
+
+
+def test_rounds_hold_one_pair_per_peer_and_direction_in_order():
+    pairs = [("send", "a", 1), ("send", "b", 1), ("recv", "c", 1), ("send", "d", 2),
+             ("recv", "e", 1), ("send", "f", 1)]
+    made = rounds(pairs, lambda pair: (pair[0], pair[2]))
+    assert [[array for _, array, _ in made_round] for made_round in made] == [
+        ["a", "c", "d"], ["b", "e"], ["f"]]
+
+
+@pytest.mark.parametrize("ranks,told", [([0, 2], 1), ([1, 3], 1), ([0, 1], 2), ([2, 3], 2),
+                                        ([0, 1, 2, 3], 2), ([3], 1), ([], None)])
+def test_a_sub_group_takes_the_simulated_hosts_of_its_ranks(monkeypatch, ranks, told):
+    monkeypatch.setenv("HOCCL_LOCAL_SIZE", "2")
+    assert simulated_local_size("new_group", ranks) == told
+
+
+def test_a_sub_group_whose_ranks_fill_hosts_unevenly_is_refused(monkeypatch):
+    monkeypatch.setenv("HOCCL_LOCAL_SIZE", "2")
+    with pytest.raises(hoccl.InvalidArgumentError, match=r"blocks of equal size per host"):
+        simulated_local_size("new_group", [0, 1, 2])
+    monkeypatch.delenv("HOCCL_LOCAL_SIZE")
+    assert simulated_local_size("new_group", [0, 2]) is None

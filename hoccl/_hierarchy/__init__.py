@@ -8,7 +8,8 @@ whose calls run the phases of ``hoccl.sched.hierarchical`` plans:
 
 * ``"host"`` calls on the engine inside the rank's host;
 * ``"rail"`` calls on the inter-host engine among the ranks with this local rank;
-* ``"world"`` send/recv on the engine over all ranks;
+* ``"world"`` send/recv on the engine over all ranks (inside ``hoccl.group()``, a
+  batch of them per level, ``pairs.py``);
 * ``"local"`` steps (avg's division) on the rank's arrays.
 
 Inside each host (``hosts.py``): the ``intra_host`` setting (``HOCCL_INTRA_HOST``, set
@@ -70,6 +71,8 @@ Modules::
     torch_group.py   TorchGroupEngine: a torch.distributed group (inside a host)
     phases.py        PhaseRunner: a call's phases in sequence, or pipelined (a worker per level)
     staged.py        StagedEngine (MPI, gloo): pinned staging on copy engines, chunked
+    staged_batch.py  the staged engine's batches of sends and receives, all posted at once
+    pairs.py         sends and receives inside hoccl.group(): held, then a batch per level
     transports.py    the staged engine's transports: MPI's and gloo's nonblocking steps
     nccl.py          NcclEngine: nccl4py or torch.distributed's NCCL groups
     arrays.py        flat views, scratch and host staging for numpy, torch and cupy
@@ -91,6 +94,8 @@ CUDA and ROCm memory and so needs no staging) is one more module with one
   arrays of the caller's framework with ``stream`` the caller's raw stream handle (None
   on the host backend): enqueued on it, or done when the method returns.  Deriving
   from ``FoldingEngine`` gives the three reductions by hoccl's rule from the copies;
+* ``batch(pairs, stream=)``: a ``hoccl.group()``'s sends and receives of the level, every
+  one in flight before any is waited for (the default takes one pair at a time);
 * ``abort(reason)``, ``close()``, and, where it keeps work of its own in flight,
   ``synchronize()``.
 

@@ -52,9 +52,11 @@ from .engine import Pair, Setup
 from .folding import FoldingEngine, _to_numpy
 from ..backends._segments import shared_bytes
 from .slots import HOST_COPIES, SLOTS, Stager
+from .staged_batch import BatchStage, run_batch
 from .transports import GlooTransport, Start, Transport
 
-__all__ = ["StagedEngine", "MpiStagedEngine", "GlooStagedEngine", "Transport"]
+__all__ = ["StagedEngine", "BatchingStagedEngine", "MpiStagedEngine", "GlooStagedEngine",
+           "Transport"]
 
 #: the longest sleep between two polls of a copy or a transfer (after 2 ms of spinning):
 #: a transport's nonblocking step moves only while it is tested (MPI's collectives
@@ -66,7 +68,7 @@ POLL_SLEEP = 50e-6
 class StagedEngine(FoldingEngine):
     """A ``Transport`` between hosts, device data staged through pinned host memory (the
     module docstring).  ``MpiStagedEngine`` and ``GlooStagedEngine`` say how the
-    transport is connected; everything else is here."""
+    transport is connected, ``BatchingStagedEngine`` how it takes batches of pairs."""
 
     name = "staged"
     host_scratch = staticmethod(shared_bytes)  # peers map an in-place fold's offered copy
@@ -85,9 +87,6 @@ class StagedEngine(FoldingEngine):
         self._phase: Optional[Tuple[Any, Any, Any]] = None
         self._broken = ""
         self._aborted = ""
-        #: a batch's pinned memory, one array a pair, and the event of its copies
-        self._batch_pinned: List[np.ndarray] = []
-        self._batch_event: Any = None
 
     @classmethod
     def connect(cls, setup: Setup) -> Tuple["StagedEngine", "StagedEngine"]:
@@ -443,65 +442,6 @@ class StagedEngine(FoldingEngine):
         self._step("recv", stream, buf.shape[0], None, 0, buf, 1,
                    lambda s, r: self.transport.recv(r, peer))
 
-    def batch(self, pairs: Sequence[Pair], *, stream: Any = None) -> None:
-        """Every send and receive of ``pairs`` posted to the transport before any is waited
-        for, so no order of them waits in a cycle; each cut into the chunks a single send
-        or receive takes (one message where no member of the level stages, else
-        ``stage_bytes``), so a batch's pair matches its peer's, batched or not.  A member
-        on a device first copies its sends whole to pinned memory, and its receives in
-        after every transfer is done (copy engines; the copies do not overlap the wire)."""
-        what = "send/recv batch"
-        self._refuse_if_broken(what)
-        pairs = [pair for pair in pairs if pair[1].shape[0]]
-        arrays = [array for _, array, _ in pairs]
-        if not pairs:
-            return
-        on_host = self.direct or self._on_host(arrays)
-        if not on_host and self.device is None:
-            raise InvalidArgumentError(f"{what} across hosts ({self.label}): device arrays on "
-                                       f"a rank without hoccl's cuda backend")
-        device = self.device
-        hosts = ([_to_numpy(array).view(np.uint8) for array in arrays] if on_host else
-                 self._batch_memory([address(array)[1] for array in arrays]))
-        if not on_host:
-            device.activate()
-            work = device.resolve_stream(stream, [])
-            for (kind, array, _), host in zip(pairs, hosts):
-                if kind == "send":
-                    device.copy(work, host.ctypes.data, address(array)[0], host.nbytes)
-            self._batch_waited(device, work, f"{what} (copy out)")
-        requests = []
-        for (kind, array, peer), host in zip(pairs, hosts):
-            width = host.nbytes if self.direct else \
-                max(1, self.stage_bytes // _itemsize(array)) * _itemsize(array)
-            post = self.transport.send if kind == "send" else self.transport.recv
-            requests += [post(host[a:a + width], peer) for a in range(0, host.nbytes, width)]
-        for request in requests:
-            self._transferred(request, what)
-        if not on_host:
-            for (kind, array, _), host in zip(pairs, hosts):
-                if kind == "recv":
-                    device.copy(work, address(array)[0], host.ctypes.data, host.nbytes)
-            self._batch_waited(device, work, f"{what} (copy in)")
-
-    def _batch_memory(self, sizes: List[int]) -> List[np.ndarray]:
-        """Pinned host memory for a batch's pairs (kept for the next batch)."""
-        memory = self._batch_pinned
-        for index, nbytes in enumerate(sizes):
-            if index == len(memory):
-                memory.append(self.pinned(nbytes))
-            elif memory[index].nbytes < nbytes:
-                self.unpinned(memory[index])
-                memory[index] = self.pinned(nbytes)
-        return [memory[index][:nbytes] for index, nbytes in enumerate(sizes)]
-
-    def _batch_waited(self, device: Any, stream: Any, what: str) -> None:
-        """Wait on the host for the work on ``stream`` so far (the batch's copies)."""
-        if self._batch_event is None:
-            self._batch_event = device.create_event()
-        device.record(stream, self._batch_event)
-        self._copied(device, self._batch_event, what)
-
     def barrier(self, *, stream: Any = None) -> None:
         if stream is not None and self.device is not None:
             self.device.synchronize_stream(self.device.resolve_stream(stream, []), self.timeout)
@@ -517,12 +457,6 @@ class StagedEngine(FoldingEngine):
         for stager in self._stagers.values():
             stager.close(self.timeout)
         self._stagers.clear()
-        if self._batch_event is not None:
-            self.device.destroy_event(self._batch_event)
-            self._batch_event = None
-        for memory in self._batch_pinned:
-            self.unpinned(memory)
-        self._batch_pinned.clear()
         if self._phase is not None:
             stream, *events = self._phase
             self.device.synchronize_stream(stream, self.timeout)
@@ -561,7 +495,24 @@ def _itemsize(array: Any) -> int:
     return array.element_size() if hasattr(array, "element_size") else array.dtype.itemsize
 
 
-class MpiStagedEngine(StagedEngine):
+class BatchingStagedEngine(StagedEngine):
+    """A ``StagedEngine`` that takes batches of sends and receives (``staged_batch``: every
+    pair posted before any is waited for), with the pinned memory they keep."""
+
+    _batch_stage: Optional[BatchStage] = None
+
+    def batch(self, pairs: Sequence[Pair], *, stream: Any = None) -> None:
+        if self._batch_stage is None:
+            self._batch_stage = BatchStage(self.pinned, self.unpinned)
+        run_batch(self, self._batch_stage, pairs, stream)
+
+    def close(self) -> None:
+        if self._batch_stage is not None:
+            self._batch_stage.close(self.device)
+        super().close()
+
+
+class MpiStagedEngine(BatchingStagedEngine):
     """The staged engine over MPI: the rails split from the MPI communicator, the world a
     duplicate of it."""
 
@@ -576,7 +527,7 @@ class MpiStagedEngine(StagedEngine):
                 CmaTransport.connect(mpi.Dup()))
 
 
-class GlooStagedEngine(StagedEngine):
+class GlooStagedEngine(BatchingStagedEngine):
     """The staged engine over torch.distributed groups (gloo): the application's default
     group must span the same world."""
 

@@ -9,9 +9,10 @@
 * ``python -m hoccl.bench.tp`` — a tensor-parallel MLP layer (all_gather, matmuls,
   reduce_scatter) sequential and chunk-overlapped on hoccl and NCCL, and torch's async-TP
   (``mpirun -np 2`` only).
-* ``python -m hoccl.bench.mixed`` — all_reduce and all_gather on a job whose ranks are on
-  different devices (GPU and CPU ranks as simulated hosts) beside gloo on the same
-  tensors, and the phases pipelined, sequential and alone (``mpirun -np 4``).
+* ``python -m hoccl.bench.mixed`` — all_reduce, all_gather and point to point across hosts
+  (``sendrecv``) on a job whose ranks are on different devices (GPU and CPU ranks as
+  simulated hosts) beside gloo on the same tensors, and the phases pipelined, sequential
+  and alone (``mpirun -np 4``).
 
 The one-GPU lever study (hoccl's reduction kernel beside a bf16 GEMM, lever by lever) is
 research, not a benchmark users run: it lives outside the package, in

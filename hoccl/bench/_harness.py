@@ -25,8 +25,8 @@ __all__ = ["COLLECTIVES", "FORMS", "Ranks", "Library", "Hoccl", "HocclAuto", "To
 
 
 def bus_factor(collective: str, n: int) -> float:
-    """nccl-tests' busbw / algbw (broadcast: 1, as nccl-tests counts it)."""
-    if collective == "broadcast":
+    """nccl-tests' busbw / algbw (broadcast and sendrecv: 1, as nccl-tests counts them)."""
+    if collective in ("broadcast", "sendrecv"):
         return 1.0
     return 2 * (n - 1) / n if collective == "all_reduce" else (n - 1) / n
 

@@ -5,12 +5,17 @@
   # CPU only (every host on hoccl's host backend), small sizes
   mpiexec -n 4 python -m hoccl.bench.mixed --devices cpu --sizes 64K,1M --phase-bytes 1M
 
-Each rank's tensors are on its own device.  hoccl runs all_reduce and all_gather as one
+Each rank's tensors are on its own device.  hoccl runs all_reduce, all_gather and
+point-to-point (``sendrecv``: every rank sends its tensor to the rank of its local rank on
+the next host and receives from the one on the host before, in one ``hoccl.group()``, so
+every byte crosses hosts both ways, as a pipeline's activations and gradients do) as one
 communicator across the simulated hosts (``--local-size`` consecutive ranks per host, an
 engine inside each chosen by what the host has, ``--inter-host`` between them); torch's
-gloo, what a mixed job has today, does the same calls on the same tensors.  Every
-library's output is checked against numpy once per size (inputs are small integers, so
-every order of summation gives the same bits; outputs are poisoned with NaN first).
+gloo, what a mixed job has today, does the same calls on the same tensors (``isend`` and
+``irecv``, then their waits).  Every library's output is checked against numpy once per
+size (inputs are small integers, so every order of summation gives the same bits; outputs
+are poisoned with NaN first).  A sendrecv's busbw is its algbw: the bytes one rank sends
+over the time.
 ``--host-memory shared`` puts the CPU ranks' tensors in host memory that the peers on
 the machine map (``hoccl.host_empty``), ``both`` times hoccl on each kind beside gloo.
 
@@ -34,9 +39,11 @@ import numpy as np
 
 from ._harness import bus_factor, human, metadata, parse_size, report
 
-__all__ = ["main", "arguments", "sweep", "ratios", "table", "plot"]
+__all__ = ["main", "arguments", "sweep", "ratios", "table", "plot", "peers", "expected"]
 
 COLLECTIVES = ("all_reduce", "all_gather")
+#: what each size measures: the collectives, then point-to-point across hosts
+MEASURED = COLLECTIVES + ("sendrecv",)
 #: the sizes from which hoccl's bus bandwidth is compared with gloo's
 COMPARED_FROM = 64 << 20
 
@@ -151,7 +158,17 @@ def pattern(rank: int, count: int, dtype: Any) -> np.ndarray:
     return ((np.arange(count, dtype=np.int64) * 7 + 13 * rank) % 5).astype(dtype)
 
 
-def expected(collective: str, world_size: int, count: int, dtype: Any) -> np.ndarray:
+def peers(rank: int, world_size: int, local_size: int) -> Tuple[int, int]:
+    """(the rank a sendrecv sends to, the rank it receives from): the ranks of this local
+    rank on the next host and on the host before."""
+    return (rank + local_size) % world_size, (rank - local_size) % world_size
+
+
+def expected(collective: str, world_size: int, count: int, dtype: Any,
+             source: int = 0) -> np.ndarray:
+    """What every rank's output holds (a sendrecv's: its ``source``'s input)."""
+    if collective == "sendrecv":
+        return pattern(source, count, dtype)
     inputs = [pattern(rank, count, dtype) for rank in range(world_size)]
     if collective == "all_gather":
         return np.concatenate(inputs)
@@ -166,12 +183,19 @@ def wrong_elements(got: np.ndarray, want: np.ndarray) -> int:
 
 def _counts(collective: str, nbytes: int, itemsize: int, world_size: int) -> Tuple[int, int]:
     """(input elements, output elements) of nccl-tests' size ``nbytes``."""
+    if collective == "sendrecv":
+        count = max(nbytes // itemsize, 1)
+        return count, count
     total = max(nbytes // itemsize // world_size * world_size, world_size)
     return (total // world_size, total) if collective == "all_gather" else (total, total)
 
 
-def _caller(library: str, handle: Any, collective: str) -> Callable[[Any, Any], None]:
-    """One call of ``collective`` on ``handle`` (a hoccl communicator or a gloo group)."""
+def _caller(library: str, handle: Any, collective: str,
+            pair: Tuple[int, int] = (0, 0)) -> Callable[[Any, Any], None]:
+    """One call of ``collective`` on ``handle`` (a hoccl communicator or a gloo group);
+    a sendrecv's ``pair``: (the rank it sends to, the rank it receives from)."""
+    if collective == "sendrecv":
+        return _pair_caller(library, handle, pair)
     if library == "gloo":
         if collective == "all_reduce":
             def gloo_all_reduce(send: Any, recv: Any) -> None:
@@ -189,6 +213,30 @@ def _caller(library: str, handle: Any, collective: str) -> Callable[[Any, Any], 
         getattr(handle, collective)(send, recv)
         handle.synchronize()
     return hoccl_call
+
+
+def _pair_caller(library: str, handle: Any, pair: Tuple[int, int]
+                 ) -> Callable[[Any, Any], None]:
+    """A send of ``send`` to ``pair[0]`` and a receive into ``recv`` from ``pair[1]``, in
+    flight together: one ``hoccl.group()``, or gloo's ``send`` and ``recv`` posted before
+    either is waited for."""
+    to, source = pair
+    if library == "gloo":
+        def gloo_sendrecv(send: Any, recv: Any) -> None:
+            works = [handle.send([send], to, 0), handle.recv([recv], source, 0)]
+            for work in works:
+                work.wait()
+        return gloo_sendrecv
+
+    def hoccl_sendrecv(send: Any, recv: Any) -> None:
+        import hoccl
+        if send.device.type == "cpu":
+            send, recv = send.numpy(), recv.numpy()
+        with hoccl.group():
+            handle.send(send, to)
+            handle.recv(recv, source)
+        handle.synchronize()
+    return hoccl_sendrecv
 
 
 def _tensor(job: Job, values: np.ndarray, shared: bool) -> Any:
@@ -213,10 +261,14 @@ def measure(job: Job, library: str, handle: Any, collective: str, nbytes: int,
     send_count, recv_count = _counts(collective, nbytes, itemsize, job.world_size)
     send = _tensor(job, pattern(job.rank, send_count, dtype), shared)
     recv = _tensor(job, np.full(recv_count, np.nan, dtype=dtype), shared)
-    call = _caller(library, handle, collective)
+    pair = peers(job.rank, job.world_size, job.args.local_size)
+    call = _caller(library, handle, collective, pair)
     record: Dict[str, Any] = dict(collective=collective, bytes=nbytes,
                                   library=library + (" shared" if shared else ""))
-    want = expected(collective, job.world_size, send_count, dtype)
+    want = expected(collective, job.world_size, send_count, dtype, pair[1])
+    if library == "gloo" and collective == "sendrecv" and job.kind == "cuda":
+        # gloo's send and recv take a tensor's pointer as host memory, whatever its device
+        call, record["staged"] = _staged(call), True
 
     def once() -> None:
         call(send, recv)
@@ -321,12 +373,12 @@ def _time(job: Job, once: Callable[[], None]) -> float:
 
 def ratios(result: Dict[str, Any]) -> Dict[str, Any]:
     """The figures the mixed job is judged by (printed, never asserted): hoccl's bus
-    bandwidth over gloo's at each size from 64 MiB, and at the phase study's size the
-    pipelined all_reduce over its slowest phase alone and the sequential over the
-    pipelined (targets: ≥ 3, ≤ 1.15, ≥ 1.3)."""
+    bandwidth over gloo's at each size from 64 MiB (sendrecv's too), and at the phase
+    study's size the pipelined all_reduce over its slowest phase alone and the sequential
+    over the pipelined (targets: ≥ 3, ≤ 1.15, ≥ 1.3)."""
     good = [r for r in result["records"] if "error" not in r]
     over_gloo: Dict[str, Dict[str, float]] = {}
-    for collective in COLLECTIVES:
+    for collective in MEASURED:
         by = {(r["library"], r["bytes"]): r for r in good if r["collective"] == collective}
         for name in ("hoccl", "hoccl shared"):
             found = {human(nbytes): by[(name, nbytes)]["busbw"] / by[("gloo", nbytes)]["busbw"]
@@ -350,7 +402,7 @@ def table(result: Dict[str, Any]) -> str:
              f"{result['local_size']} per host, {result['dtype']}"]
     lines += [f"- rank {rank}: {engines}" for rank, engines in enumerate(result["engines"])]
     good = [r for r in result["records"] if "error" not in r]
-    for collective in COLLECTIVES:
+    for collective in MEASURED:
         rows = [r for r in good if r["collective"] == collective]
         names = list(dict.fromkeys(r["library"] for r in rows))
         lines += [f"\n## {collective}, busbw GB/s (time us)",
@@ -387,8 +439,8 @@ def plot(result: Dict[str, Any], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     good = [r for r in result["records"] if "error" not in r]
-    figure, axes = plt.subplots(1, len(COLLECTIVES), figsize=(11, 4.2))
-    for axis, collective in zip(axes, COLLECTIVES):
+    figure, axes = plt.subplots(1, len(MEASURED), figsize=(16, 4.2))
+    for axis, collective in zip(axes, MEASURED):
         for name in dict.fromkeys(r["library"] for r in good):
             series = sorted((r["bytes"], r["busbw"]) for r in good
                             if r["library"] == name and r["collective"] == collective)
@@ -425,7 +477,7 @@ def sweep(job: Job, comm: Any) -> Dict[str, Any]:
             for shared in ((False, True) if library == "hoccl" and args.host_memory == "both"
                            else (args.host_memory == "shared",))]
     records = [measure(job, library, handles[library], collective, nbytes, args.dtype, shared)
-               for collective in COLLECTIVES for nbytes in sizes for library, shared in runs]
+               for collective in MEASURED for nbytes in sizes for library, shared in runs]
     phase_bytes = parse_size(args.phase_bytes)
     study_shared = args.host_memory != "plain"
     study = (phase_study(job, comm, phase_bytes, args.dtype, study_shared)

@@ -22,7 +22,8 @@ the data its sender drew (the same seeds on every rank):
 * ``--large`` bytes (float32, an odd count): a ring in a group and one send from the
   first rank to the last.
 
-``--unmatched single|group``: the first rank sends to the last, which never receives:
+``--fault R``: rank R flips a bit of everything it received before checking it, so
+every check with a receive there must fail.  ``--unmatched single|group``: the first rank sends to the last, which never receives:
 the send must end within the timeout in ``HocclTimeoutError`` naming both ranks and
 their hosts, the next call must be refused (``AbortedError``), and bad arguments must
 be refused at once; prints ``unmatched across hosts: rank 0 OK``.  Each rank prints
@@ -53,7 +54,14 @@ def sent(seed, sender, receiver, index, count, dtype):
     return random_array(np.random.default_rng([seed, sender, receiver, index]), count, dtype)
 
 
+#: ``--fault``: this rank flips the first bit of everything it received before checking it
+FAULT = {"rank": None}
+
+
 def expect(got, want, what):
+    if FAULT["rank"] == MPI.COMM_WORLD.rank and got.size:
+        got = got.copy()
+        got.view(np.uint8)[0] ^= 1
     if got.dtype != want.dtype or got.shape != want.shape:
         raise AssertionError(f"{what}: got {got.dtype}{got.shape}, want {want.dtype}{want.shape}")
     same = got.view(np.uint8) == want.view(np.uint8)
@@ -64,7 +72,10 @@ def expect(got, want, what):
 
 
 def check_single(comm, dtype, count, seed):
+    """Every ordered pair in turn; the receives checked once every pair has gone (a
+    failed check must not leave a peer's later pair unmatched)."""
     n, r = comm.world_size, comm.rank
+    received = []
     for sender in range(n):
         for receiver in range(n):
             if sender == receiver or r not in (sender, receiver):
@@ -76,7 +87,9 @@ def check_single(comm, dtype, count, seed):
             out = poison(count, dtype)
             comm.recv(out, sender)
             comm.synchronize()
-            expect(out, data, f"send {sender} -> {receiver}")
+            received.append((out, data, f"send {sender} -> {receiver}"))
+    for out, data, what in received:
+        expect(out, data, what)
 
 
 def run_group(comm, calls, seed, dtype, count):
@@ -210,7 +223,11 @@ def main():
     parser.add_argument("--torch-hosts", default="",
                         help="hosts (comma-separated) whose ranks use a torch gloo group inside")
     parser.add_argument("--unmatched", choices=["single", "group"], default=None)
+    parser.add_argument("--fault", type=int, default=None, metavar="RANK",
+                        help="RANK flips a bit of every receive before checking it (the "
+                             "checker must fail)")
     args = parser.parse_args()
+    FAULT["rank"] = args.fault
     world = MPI.COMM_WORLD
     torch_hosts = {int(h) for h in args.torch_hosts.split(",") if h}
     gloo = args.inter_host == "gloo" or bool(torch_hosts)

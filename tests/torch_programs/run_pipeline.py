@@ -135,7 +135,10 @@ def largest_difference(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def check_schedule(name: str, hoccl_group, gloo_group, device: torch.device,
-                   seed: int) -> dict:
+                   seed: int, exact: bool = True) -> dict:
+    """``name`` on hoccl and on gloo against the reference; ``exact``: every rank computes
+    on the CPU, so hoccl's results are gloo's bit for bit (else within ``TOLERANCE``: a
+    GPU stage's arithmetic is its own)."""
     losses, grads = run_schedule(name, hoccl_group, device, seed)
     gloo_losses, gloo_grads = run_schedule(name, gloo_group, torch.device("cpu"), seed)
     class_name, per_rank, _ = SCHEDULES[name]
@@ -147,7 +150,8 @@ def check_schedule(name: str, hoccl_group, gloo_group, device: torch.device,
                                                   want_grads[index])):
             what = f"{name}: stage {index} gradient {k}"
             assert not torch.isnan(got).any(), f"{what}: not written (NaN)"
-            assert torch.equal(got.view(torch.int32), gloo.view(torch.int32)), \
+            assert (torch.equal(got.view(torch.int32), gloo.view(torch.int32)) if exact else
+                    largest_difference(got, gloo) <= TOLERANCE), \
                 f"{what}: differs from gloo's by {largest_difference(got, gloo):.3g}"
             difference = largest_difference(got, want)
             assert difference <= TOLERANCE, f"{what}: {difference:.3g} from the reference"
@@ -156,7 +160,9 @@ def check_schedule(name: str, hoccl_group, gloo_group, device: torch.device,
         assert len(losses) == MICROBATCHES == len(gloo_losses), \
             f"{name}: {len(losses)} losses on hoccl, {len(gloo_losses)} on gloo"
         for k, (got, gloo, want) in enumerate(zip(losses, gloo_losses, want_losses)):
-            assert torch.equal(got, gloo), f"{name}: loss {k} {got} on hoccl, {gloo} on gloo"
+            assert (torch.equal(got, gloo) if exact else
+                    largest_difference(got, gloo) <= TOLERANCE), \
+                f"{name}: loss {k} {got} on hoccl, {gloo} on gloo"
             difference = largest_difference(got, want)
             assert difference <= TOLERANCE, f"{name}: loss {k} {difference:.3g} off"
             worst = max(worst, difference)
@@ -241,8 +247,9 @@ def main() -> None:
         gloo_group, _ = dist.new_subgroups_by_enumeration(rails, backend="gloo")
     passed = failed = 0
     results = []
+    exact = "cuda" not in args.devices  # every rank computes on the CPU
     checks = [(name, lambda name=name, seed=seed: check_schedule(
-        name, hoccl_group, gloo_group, device, seed))
+        name, hoccl_group, gloo_group, device, seed, exact))
         for seed, name in enumerate(args.schedules.split(","), start=1)]
     if args.mesh:
         checks.append(("pp x dp mesh", lambda: check_mesh(device)))
