@@ -38,6 +38,7 @@ from typing import Any, Counter, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from .._dtypes import NAMES, numpy_dtype
+from ..config import environ
 from ..backends._kernels import MAX_INPUTS
 from . import (IN_PLACE_FORMS, POISON_BITS, ArrayModule, _COUNTS, _in_place_buffers,
                array_module_for, assert_exact, expected, is_poison, poison, random_array)
@@ -494,7 +495,7 @@ def replay_command(seed: int, world_size: int, calls: int, settings: Settings,
     """The command that runs the same program again."""
     flags = " ".join([f"--calls {calls}", f"--seed {seed}"] + settings.flags())
     if mpi:
-        hosts = os.environ.get("HOCCL_LOCAL_SIZE")
+        hosts = environ("HOCCL_LOCAL_SIZE")
         return (f"{f'HOCCL_LOCAL_SIZE={hosts} ' if hosts else ''}mpiexec -n {world_size} "
                 f"python -m hoccl.testing.fuzz {flags}")
     return f"python -m hoccl.testing.fuzz --ranks {world_size} {flags}"
