@@ -28,7 +28,7 @@ from .bootstrap import Bootstrap, MPIBootstrap
 from .comm import Communicator, group, group_end, group_start
 from ._windows import Window, empty, host_empty
 
-__all__ = ["init", "init_local", "split_local", "Config", "Communicator", "CommunicatorApi",
+__all__ = ["init", "init_local", "split_local", "shrink_local", "Config", "Communicator", "CommunicatorApi",
            "HierarchicalCommunicator",
            "ReduceOp", "group", "group_start", "group_end", "Bootstrap", "HocclError",
            "InvalidArgumentError", "PlanError", "HocclTimeoutError", "AbortedError", "DriverError", "MismatchError",
@@ -122,6 +122,27 @@ def split_local(comms: Sequence[Communicator], colors: Sequence[Optional[int]],
                  copy_sms=copy_sms)
     return _build.split_local(comms, colors, keys, {name: value for name, value in given.items()
                                                     if value is not None})
+
+
+def shrink_local(comms: Sequence[Communicator], exclude: Sequence[int], *, wait: bool = True,
+                 timeout: Optional[float] = None, verify_plans: Optional[bool] = None,
+                 max_sms: Optional[int] = None, copy_sms: Optional[int] = None,
+                 **settings: Any) -> List[Communicator]:
+    """``Communicator.shrink`` for the ranks of one ``init_local`` that go on, all at once.
+
+    ``comms`` are the communicators of every rank not in ``exclude``, in rank order (the
+    excluded ranks' may be closed or not).  Returns their new communicators, numbered
+    0..n-1 in that order, with pads, lanes and matching of their own and the parents'
+    settings unless given here.  Every rank of the parent ``init_local`` (the excluded
+    ones too) is left aborted: with ``wait``, once the calls in flight that can finish
+    have finished.
+    """
+    if not isinstance(wait, bool):
+        raise InvalidArgumentError(f"shrink_local: wait must be True or False; got {wait!r}")
+    given = dict(settings, timeout=timeout, verify_plans=verify_plans, max_sms=max_sms,
+                 copy_sms=copy_sms)
+    return _build.shrink_local(comms, exclude, wait, {name: value for name, value in
+                                                      given.items() if value is not None})
 
 
 def init(*, backend: Optional[str] = None, mpi_comm: Any = None,

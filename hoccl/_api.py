@@ -13,11 +13,13 @@ argument raises the same error from either.
 from __future__ import annotations
 
 import abc
-from typing import Any, Dict, List, Optional, Tuple
+import functools
+from typing import Any, Callable, Dict, List, Optional, Tuple, TypeVar
 
 from . import _validate as check
 from ._buffers import Buffer, as_buffer
 from ._errors import InvalidArgumentError
+from ._group_calls import held_calls
 from .sched import Shape
 
 __all__ = ["CommunicatorApi"]
@@ -25,6 +27,27 @@ __all__ = ["CommunicatorApi"]
 #: the collectives ``CommunicatorApi.explain`` tells about
 _EXPLAINED = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast",
               "reduce", "gather", "scatter")
+
+
+_Method = TypeVar("_Method", bound=Callable[..., None])
+
+
+def _refusable(method: _Method) -> _Method:
+    """A call whose wrong arguments raise InvalidArgumentError before it is made: its
+    peers are told in its place (``_refuse``), so that their matching calls end too and
+    every rank's sequence of calls stays aligned."""
+    name = method.__name__
+
+    @functools.wraps(method)
+    def call(self: "CommunicatorApi", *args: Any, **kwargs: Any) -> None:
+        try:
+            method(self, *args, **kwargs)
+        except InvalidArgumentError as error:
+            if not getattr(error, "made", False):
+                peer = kwargs.get("peer", args[1] if len(args) > 1 else None)
+                self._refused_call(name, peer, error)
+            raise
+    return call  # type: ignore[return-value]
 
 
 class CommunicatorApi(abc.ABC):
@@ -48,6 +71,10 @@ class CommunicatorApi(abc.ABC):
              stream: Any) -> None:
         """Run the checked call ``name`` of ``shape`` on ``buffers`` (by role: "send",
         "recv", or "send"/"recv" alone for send and recv; None where a rank has none)."""
+
+    def _refused_call(self, name: str, peer: Any, error: InvalidArgumentError) -> None:
+        """This rank's call ``name`` (``peer``: a send's or recv's) raised ``error`` before
+        it was made: tell the peers in its place, where the communicator can."""
 
     @property
     @abc.abstractmethod
@@ -108,6 +135,40 @@ class CommunicatorApi(abc.ABC):
               **options: Any) -> Optional["CommunicatorApi"]:
         """A new communicator of the ranks that pass the same ``color``."""
 
+    def shrink(self, exclude: Any, *, wait: bool = True, **settings: Any) -> "CommunicatorApi":
+        """A new communicator of every rank not in ``exclude`` (ncclCommShrink): the way on
+        after a rank was lost (its process died, was killed mid-call, closed, or is to be
+        left out while still running).  Every rank that goes on calls it with the same
+        ``exclude``; the excluded ranks do not.
+
+        The ranks keep their order, numbered 0..n-1 among themselves.  The new
+        communicator has its own signal pads, lanes and mailboxes, and this one's
+        settings unless given here (``timeout=`` and any ``hoccl.Config`` field).  This
+        one is left aborted: with ``wait`` (torch's SHRINK_DEFAULT) once its calls in
+        flight have finished or failed (a lost peer ends them within about a second, a
+        live peer that never makes its call only at the timeout), else at once
+        (SHRINK_ABORT); no call of it hangs.  Close it when convenient.  The ranks meet
+        through this communicator's mailboxes, not its bootstrap (which would wait for
+        the lost rank): each wait is bounded by the timeout, and a rank that goes on but
+        dies or closes meanwhile makes the others raise PeerDeadError or
+        PeerClosedError (shrink again, excluding it too); a rank that gets another's
+        ``exclude`` and finds it different raises MismatchError (one left waiting for a
+        rank that disagreed raises when that rank closes, or at the timeout).  The new communicator can shrink again, not
+        split.  ``init_local`` ranks shrink together (``hoccl.shrink_local``); a
+        communicator across hosts cannot shrink yet.  Not inside ``hoccl.group()``.
+        docs/troubleshooting.md ("Going on after a lost rank") has an example."""
+        if held_calls() is not None:
+            raise InvalidArgumentError("shrink: not inside hoccl.group(); shrink after it")
+        if not isinstance(wait, bool):
+            raise InvalidArgumentError(f"shrink: wait must be True or False; got {wait!r}")
+        return self._shrink(exclude, wait, settings)
+
+    def _shrink(self, exclude: Any, wait: bool, settings: Dict[str, Any]) -> "CommunicatorApi":
+        raise InvalidArgumentError(
+            f"shrink: not supported across hosts yet ({type(self).__name__}); make a new "
+            f"communicator of the processes that go on (hoccl.init over their own MPI "
+            f"communicator or store)")
+
     @abc.abstractmethod
     def register(self, array: Any) -> Any:
         """Register ``array`` with every rank (a collective call)."""
@@ -154,6 +215,7 @@ class CommunicatorApi(abc.ABC):
         return self._explain(shape)
 
     # -- public collectives ----------------------------------------------------------------
+    @_refusable
     def all_gather(self, sendbuf: Any, recvbuf: Any, *, stream: Any = None) -> None:
         """``recvbuf[r*count:(r+1)*count] = sendbuf of rank r`` for every rank r.
 
@@ -170,6 +232,7 @@ class CommunicatorApi(abc.ABC):
         shape = self._shape(name, send, in_place=in_place)
         self._issue(name, shape, {"send": send, "recv": recv}, stream)
 
+    @_refusable
     def reduce_scatter(self, sendbuf: Any, recvbuf: Any, op: Any = "sum", *,
                        scale: Optional[float] = None, stream: Any = None) -> None:
         """``recvbuf = op over ranks r of sendbuf_r[rank*count:(rank+1)*count]``.
@@ -189,6 +252,7 @@ class CommunicatorApi(abc.ABC):
         shape = self._shape(name, recv, op=op, in_place=in_place, scale=factor)
         self._issue(name, shape, {"send": send, "recv": recv}, stream)
 
+    @_refusable
     def all_reduce(self, sendbuf: Any, recvbuf: Any, op: Any = "sum", *,
                    scale: Optional[float] = None, stream: Any = None) -> None:
         """``recvbuf = op over ranks of sendbuf`` on every rank.  In place when they are one
@@ -202,6 +266,7 @@ class CommunicatorApi(abc.ABC):
         shape = self._shape(name, send, op=op, in_place=in_place, scale=factor)
         self._issue(name, shape, {"send": send, "recv": recv}, stream)
 
+    @_refusable
     def all_to_all(self, sendbuf: Any, recvbuf: Any, *, stream: Any = None) -> None:
         """Block j of rank i's ``sendbuf`` goes to block i of rank j's ``recvbuf``."""
         name = "all_to_all"
@@ -214,6 +279,7 @@ class CommunicatorApi(abc.ABC):
         shape = self._shape(name, send, count=send.count // self.world_size)
         self._issue(name, shape, {"send": send, "recv": recv}, stream)
 
+    @_refusable
     def broadcast(self, sendbuf: Any, recvbuf: Any, root: int, *, stream: Any = None) -> None:
         """Every rank's ``recvbuf`` = root's ``sendbuf`` (``sendbuf`` is ignored off the root
         and may be None).  In place when ``sendbuf is recvbuf`` on the root."""
@@ -229,6 +295,7 @@ class CommunicatorApi(abc.ABC):
         shape = self._shape(name, recv, root=root, in_place=in_place)
         self._issue(name, shape, {"send": send, "recv": recv}, stream)
 
+    @_refusable
     def reduce(self, sendbuf: Any, recvbuf: Any, root: int, op: Any = "sum", *,
                scale: Optional[float] = None, stream: Any = None) -> None:
         """Root's ``recvbuf`` = op over ranks of ``sendbuf`` (``recvbuf`` may be None
@@ -248,12 +315,14 @@ class CommunicatorApi(abc.ABC):
                             scale=factor)
         self._issue(name, shape, {"send": send, "recv": recv}, stream)
 
+    @_refusable
     def gather(self, sendbuf: Any, recvbuf: Any, root: int, *, stream: Any = None) -> None:
         """Root's ``recvbuf[r*count:(r+1)*count]`` = rank r's ``sendbuf`` (``recvbuf`` may be
         None off the root).  In place when the root's ``sendbuf`` is its own block of
         ``recvbuf``."""
         self._rooted_blocks("gather", sendbuf, recvbuf, root, stream)
 
+    @_refusable
     def scatter(self, sendbuf: Any, recvbuf: Any, root: int, *, stream: Any = None) -> None:
         """Rank r's ``recvbuf`` = root's ``sendbuf[r*count:(r+1)*count]`` (``sendbuf`` may be
         None off the root).  In place when the root's ``recvbuf`` is its own block of
@@ -281,6 +350,7 @@ class CommunicatorApi(abc.ABC):
         shape = self._shape(name, small, root=root, in_place=in_place)
         self._issue(name, shape, {"send": send, "recv": recv}, stream)
 
+    @_refusable
     def send(self, buf: Any, peer: int, *, stream: Any = None) -> None:
         """Send ``buf`` to ``peer``, which must call ``recv`` with a buffer of the same size.
 
@@ -288,10 +358,12 @@ class CommunicatorApi(abc.ABC):
         ``recv`` (the ranks swap buffer descriptors); a cycle of sends must be grouped."""
         self._pair("send", buf, peer, stream)
 
+    @_refusable
     def recv(self, buf: Any, peer: int, *, stream: Any = None) -> None:
         """Receive into ``buf`` what ``peer`` sends with ``send``."""
         self._pair("recv", buf, peer, stream)
 
+    @_refusable
     def barrier(self, *, stream: Any = None) -> None:
         """Work enqueued on ``stream`` after the barrier starts only after every rank's
         stream reached its barrier.  Zero SMs, no data."""

@@ -8,28 +8,32 @@ with its peers', a ``Health`` monitor and the ``Communicator`` in front of them:
     init_local  LocalGroup ─► open devices ─► Engines ─► pads ─► Communicators
     split       parent's bootstrap.split ─► ProcessGroup ─► parent's device ─► Engine ─► ...
     split_local parents' LocalGroup: one new LocalGroup per color, parents' devices ─► ...
+    shrink      parent aborted ─► MailboxBootstrap over the survivors ─► ProcessGroup ─► ...
+    shrink_local parents aborted ─► a new LocalGroup of the survivors ─► ...
 """
 
 from __future__ import annotations
 
 import logging
+import operator
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ._engine import DeviceShare, Engine
-from ._errors import InvalidArgumentError
+from ._errors import HocclError, InvalidArgumentError, MismatchError
 from ._validate import integer
 from ._health import Health
 from .backends import cuda_device_count, open_device
 from .backends._base import SmCaps
 from ._groups import LocalGroup, ProcessGroup
+from ._groups.survivors import MailboxBootstrap
 from .bootstrap import Bootstrap
-from .comm import Communicator
+from .comm import Builders, Communicator
 from .config import Config, default_copy_sms, environ
 from .sched.select import Table
 from .tuning import load_table, machine_of, shared_table
 
 __all__ = ["make_engine", "connect_local", "open_local", "connect_process", "check_color_key",
-           "members", "split", "split_local"]
+           "members", "split", "split_local", "check_exclude", "shrink", "shrink_local"]
 
 log = logging.getLogger("hoccl")
 
@@ -68,7 +72,7 @@ def connect_local(shares: Sequence[DeviceShare], config: Config, owns_devices: b
     _use_table(engines, machine, load_table(machine, "init_local"))
     monitors = [Health(engine, config.timeout, group) for engine in engines]
     group.monitors = monitors
-    return [Communicator(engine=engine, group=group, health=health, splitter=split)
+    return [Communicator(engine=engine, group=group, health=health, builders=_BUILDERS)
             for engine, health in zip(engines, monitors)]
 
 
@@ -86,9 +90,11 @@ def open_local(backend: str, devices: List[int], config: Config) -> List[Communi
 
 
 def connect_process(call: str, backend: str, bootstrap: Bootstrap, device: Optional[int],
-                    config: Config, share: Optional[DeviceShare] = None) -> Communicator:
+                    config: Config, share: Optional[DeviceShare] = None,
+                    owns_device: bool = False) -> Communicator:
     """The communicator of ``bootstrap``'s ranks, all on one host: on ``share``'s device
-    (borrowed, ``split``) or else on ``device`` (opened; None: the local rank's GPU)."""
+    (borrowed, ``split``, unless ``owns_device``: opened for it, ``shrink``) or else on
+    ``device`` (opened; None: the local rank's GPU)."""
     group = ProcessGroup(bootstrap, config.timeout)
     world_size = group.world_size
     local_rank = group.local_rank()  # an exchange every rank makes, device given or not
@@ -99,11 +105,9 @@ def connect_process(call: str, backend: str, bootstrap: Bootstrap, device: Optio
             backend, device, max_sms=config.max_sms,
             copy_sms=config.copy_sms or default_copy_sms(world_size)))
         owns_device = True
-    else:
-        owns_device = False
     handle = share.device
     engine = make_engine(config, group.rank, world_size, share, owns_device)
-    identity = (group.host, group.pid, handle.ordinal, handle.export(engine.pad.address),
+    identity = (group.host, group.pid, handle.ordinal, engine.pad.export(),
                 handle.physical)
     everyone = bootstrap.allgather(identity)
     if config.fuse_sums is None and shares_device(everyone, group.rank):
@@ -115,16 +119,14 @@ def connect_process(call: str, backend: str, bootstrap: Bootstrap, device: Optio
     per_gpu = max(physical.count(one) for one in physical) if None not in physical else 1
     machine = machine_of(handle, world_size, per_gpu)
     _use_table([engine], machine, shared_table(call, group.rank, machine, bootstrap.allgather))
-    pads = []
-    for rank, (host, _, _, pad, _) in enumerate(everyone):
+    for rank, (host, _, _, _, _) in enumerate(everyone):
         if host != group.host:
             raise InvalidArgumentError(f"{call}: rank {rank} runs on host {host}, rank "
                                        f"{group.rank} on {group.host}; hoccl connects the GPUs "
                                        f"of one host (one NVLink domain)")
-        pads.append(engine.pad.address if rank == group.rank else handle.import_(pad))
-    engine.pad.connect(pads)
+    engine.pad.import_peers([pad for _, _, _, pad, _ in everyone])
     health = Health(engine, config.timeout, group)
-    comm = Communicator(engine=engine, group=group, health=health, splitter=split)
+    comm = Communicator(engine=engine, group=group, health=health, builders=_BUILDERS)
     bootstrap.barrier()
     log.info("%s: rank %d/%d backend %s device %s", call, group.rank, world_size, backend,
              handle.ordinal)
@@ -255,3 +257,118 @@ def split_local(parents: Sequence[Communicator], colors: Sequence[Any],
             children[rank] = child
         log.info("%s: color %d: parent ranks %s", call, color, ranks)
     return children
+
+
+# -- shrink ---------------------------------------------------------------------------------
+def check_exclude(call: str, exclude: Any, world_size: int) -> Tuple[int, ...]:
+    """``exclude`` (a sequence or set of ranks, each an int in [0, world_size), some rank
+    left out) as a sorted tuple without repeats."""
+    try:
+        ranks = sorted({operator.index(rank) for rank in exclude})
+    except TypeError:
+        raise InvalidArgumentError(f"{call}: exclude must be a sequence of ranks (ints); got "
+                                   f"{exclude!r}") from None
+    if not ranks or ranks[0] < 0 or ranks[-1] >= world_size or len(ranks) >= world_size:
+        raise InvalidArgumentError(f"{call}: exclude must name at least one rank, each in "
+                                   f"[0, {world_size}), and leave at least one; got {exclude!r}")
+    return tuple(ranks)
+
+
+def _stop(parent: Communicator, call: str, wait: bool, reason: str) -> None:
+    """Leave ``parent`` aborted: with ``wait``, once its calls in flight have finished
+    (or failed: a lost peer, the timeout; the error is logged, the shrink goes on)."""
+    engine, health = parent._engine, parent._health
+    if wait and not engine.aborted and engine.unfinished() and not engine.held():
+        try:
+            health.synchronize(call)
+        except HocclError as error:
+            log.warning("rank %d %s: the calls in flight ended with %s", engine.rank, call,
+                        error)
+    if not engine.aborted:
+        health.abort(reason)
+
+
+def _survivor_share(parent: Communicator, call: str) -> Tuple[DeviceShare, bool]:
+    """The survivor's device and whether it was opened for it (``Device.fresh``)."""
+    engine = parent._engine
+    fresh = engine.device.fresh()
+    if fresh is not None:
+        return DeviceShare(fresh), True
+    return engine.share.borrow(call), False
+
+
+def shrink(parent: Communicator, exclude: Any, wait: bool, overrides: Dict[str, Any]
+           ) -> Communicator:
+    """``Communicator.shrink`` of a rank of a process group (see its docstring)."""
+    call = "shrink"
+    engine, group = parent._engine, parent._group
+    if engine.closed:
+        raise InvalidArgumentError(f"{call}: the communicator is closed")
+    if not isinstance(group, ProcessGroup):
+        raise InvalidArgumentError(
+            f"{call}: the ranks of init_local live in one process and shrink together: "
+            f"hoccl.shrink_local(comms, exclude)")
+    exclude = check_exclude(call, exclude, engine.world_size)
+    if engine.rank in exclude:
+        raise InvalidArgumentError(f"{call}: rank {engine.rank} is in exclude {list(exclude)}; "
+                                   f"only the ranks that go on call shrink")
+    config = parent.config.replace(call, **overrides)
+    survivors = [rank for rank in range(engine.world_size) if rank not in exclude]
+    _stop(parent, call, wait, f"{call}: rank {engine.rank} shrank the communicator to ranks "
+                              f"{survivors}, excluding {list(exclude)}")
+    group.dead_peer()  # an excluded process found gone is told to the bootstrap (MPI's exit)
+    group.shrinks += 1
+    bootstrap = MailboxBootstrap(group.mailboxes, survivors, (call, group.shrinks),
+                                 config.timeout, call,
+                                 peer_lost=getattr(group.bootstrap, "peer_lost",
+                                                   lambda gone: None))
+    theirs = bootstrap.allgather(exclude)
+    if any(other != exclude for other in theirs):
+        raise MismatchError(f"{call}: the ranks that go on excluded different ranks: "
+                            + ", ".join(f"rank {survivors[index]} excluded {list(other)}"
+                                        for index, other in enumerate(theirs)))
+    share, opened = _survivor_share(parent, call)
+    try:
+        child = connect_process(call, engine.device.backend, bootstrap, None, config,
+                                share=share, owns_device=opened)
+    except BaseException:
+        share.leave(leak=False)
+        raise
+    log.info("%s: rank %d is rank %d of %d (excluded %s)", call, engine.rank, child.rank,
+             child.world_size, list(exclude))
+    return child
+
+
+def shrink_local(parents: Sequence[Communicator], exclude: Any, wait: bool,
+                 overrides: Dict[str, Any]) -> List[Communicator]:
+    """``hoccl.shrink_local`` (see its docstring): the survivors of ``init_local`` ranks."""
+    call = "shrink_local"
+    parents = list(parents)
+    group = parents[0]._group if parents else None
+    if not isinstance(group, LocalGroup) or any(comm._group is not group for comm in parents):
+        raise InvalidArgumentError(f"{call}: comms must be communicators of one "
+                                   f"hoccl.init_local; got {parents!r}")
+    exclude = check_exclude(call, exclude, group.world_size)
+    survivors = [rank for rank in range(group.world_size) if rank not in exclude]
+    if [comm.rank for comm in parents] != survivors:
+        raise InvalidArgumentError(f"{call}: comms must be the communicators of ranks "
+                                   f"{survivors} (every rank not excluded), in rank order; got "
+                                   f"ranks {[comm.rank for comm in parents]}")
+    for comm in parents:
+        if comm.closed:
+            raise InvalidArgumentError(f"{call}: rank {comm.rank}'s communicator is closed")
+    _refuse_cuda(call, parents[0].backend, "make a communicator of the GPUs that go on with "
+                 "hoccl.init_local")
+    config = parents[0].config.replace(call, **overrides)
+    reason = f"{call}: shrunk to ranks {survivors}, excluding {list(exclude)}"
+    for comm in parents:
+        _stop(comm, call, wait, reason)
+    shares = [_survivor_share(comm, call) for comm in parents]
+    children = connect_local([share for share, _ in shares], config,
+                             owns_devices=all(opened for _, opened in shares))
+    log.info("%s: ranks %s go on as ranks 0..%d", call, survivors, len(children) - 1)
+    return children
+
+
+#: what every communicator built here makes its children and survivors with
+_BUILDERS = Builders(split=split, shrink=shrink)

@@ -252,7 +252,7 @@ class Health:
             engine.device.abort(None if engine.owns_device else engine.streams.lanes)
         except HocclError as error:
             log.warning("rank %d abort: %s", self.rank, error)
-        engine.pad.poison(engine.host_word, warn=True)
+        engine.pad.poison(engine.host_word, warn=True, gone=self._group.gone_peers())
         # Lanes released by the poison run on, and their signal writes (this rank's, or a
         # peer's not yet aborted) can land after it and lower a slot again: keep poisoning
         # for a while, so that no wait released once can block again.
@@ -271,7 +271,8 @@ class Health:
                 with engine.lock:
                     if engine.closed:
                         return
-                    engine.pad.poison(engine.host_word, warn=False)
+                    engine.pad.poison(engine.host_word, warn=False,
+                                      gone=self._group.gone_peers())
         except Exception as error:  # a helper thread must not die loudly at exit
             log.debug("rank %d abort pump stopped: %r", self.rank, error)
 

@@ -19,8 +19,9 @@ import atexit
 import contextlib
 import dataclasses
 import logging
+import numbers
 import weakref
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 from . import _validate as check
 from ._api import CommunicatorApi
@@ -45,17 +46,22 @@ _DRAIN_SECONDS = 10.0
 _KEPT: List[Any] = []  # buffers of calls still queued behind a stuck stream at close
 
 
+class Builders(NamedTuple):
+    """What makes a communicator's children (``split``) and its survivors' communicator
+    (``shrink``): the builder's functions, handed in by the builder that made it, so
+    that this module never imports the builder."""
+    split: Callable[..., Optional["Communicator"]]
+    shrink: Callable[..., "Communicator"]
+
+
 class Communicator(CommunicatorApi):
     """One rank of a group.  Create with ``hoccl.init`` or ``hoccl.init_local``."""
 
-    def __init__(self, *, engine: Engine, group: Group, health: Health,
-                 splitter: Optional[Callable[..., Optional["Communicator"]]] = None):
+    def __init__(self, *, engine: Engine, group: Group, health: Health, builders: "Builders"):
         self._engine = engine
         self._group = group
         self._health = health
-        #: what makes this communicator's children (``split``): the builder that made it,
-        #: handed in, so that this module never imports the builder
-        self._splitter = splitter
+        self._builders = builders
         self.rank = engine.rank
         self.world_size = engine.world_size
         self.backend: str = engine.device.backend
@@ -288,13 +294,13 @@ class Communicator(CommunicatorApi):
         self._usable("split")
         if held_calls() is not None:
             raise InvalidArgumentError("split: not inside hoccl.group(); split before or after")
-        if self._splitter is None:
-            raise InvalidArgumentError("split: this communicator was not made by hoccl.init "
-                                       "and cannot split")
         given = {name: value for name, value in dict(
             options, timeout=timeout, verify_plans=verify_plans, max_sms=max_sms,
             copy_sms=copy_sms).items() if value is not None}
-        return self._splitter(self, color, key, given)
+        return self._builders.split(self, color, key, given)
+
+    def _shrink(self, exclude: Any, wait: bool, settings: Dict[str, Any]) -> "Communicator":
+        return self._builders.shrink(self, exclude, wait, settings)
 
     def set_options(self, **changes: Any) -> None:
         """Change settings (fields of ``hoccl.Config``) for later calls; the rest stay.
@@ -426,9 +432,35 @@ class Communicator(CommunicatorApi):
             self._group.post(calls)
             self._group.complete(calls)
         except BaseException as error:
+            if isinstance(error, InvalidArgumentError):
+                error.made = True  # type: ignore[attr-defined]  # the peers know of it
             if fatal(error):
                 self._fail(calls, error)
             raise
+
+    def _refused_call(self, name: str, peer: Any, error: InvalidArgumentError) -> None:
+        """``name`` raised ``error`` before it was made: take its place in this rank's
+        sequence of calls and tell its participants (``Group.refuse``), whose matching
+        calls then end with MismatchError, the communicator usable.  A send or recv to no
+        valid peer has no participants to tell."""
+        engine = self._engine
+        if engine.closed or engine.aborted:
+            return
+        if name in ("send", "recv"):
+            if isinstance(peer, bool) or not isinstance(peer, numbers.Integral) \
+                    or not 0 <= int(peer) < self.world_size or int(peer) == self.rank:
+                return
+            pair: Optional[Tuple[int, int]] = ((self.rank, int(peer)) if name == "send"
+                                               else (int(peer), self.rank))
+            participants: Sequence[int] = pair
+        else:
+            pair, participants = None, range(self.world_size)
+        key = engine.skip(pair)
+        try:
+            self._group.refuse(name, key, participants, str(error), self.rank)
+        except HocclError as failure:  # the peers then time out on the call, naming it
+            log.warning("rank %d %s: could not tell the peers of the refused call: %s",
+                        self.rank, name, failure)
 
     def _fail(self, calls: List[Call], error: BaseException) -> None:
         """The peers never answered: nothing can be matched up any more."""
@@ -438,7 +470,8 @@ class Communicator(CommunicatorApi):
         if isinstance(error, PeerDeadError):  # later calls say the peer is gone, too
             self._health.abort_for_lost_peer(reason, type(error))
         else:
-            self._health.abort(reason)
+            self._health.abort(reason, kind="diverged" if isinstance(error, DivergedError)
+                               else "aborted")
 
 
 def _refuse_held_calls(comm: Communicator) -> None:

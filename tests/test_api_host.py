@@ -152,27 +152,52 @@ def _untouched(call, *outputs):
 
 
 def test_bad_input_is_rejected_by_name_before_anything_is_enqueued(init_local):
+    """Every rank makes the same bad call (a program's calls are the same on every rank):
+    each raises InvalidArgumentError naming it, nothing is enqueued, and each refused call
+    takes its place in every rank's sequence, so the calls after it match as before."""
     comms = init_local(2, backend="host")
-    comm = comms[0]
     send = np.ones(4, np.float32)
     recv = poison(8, "float32")
-    ops_before = comm._engine.calls
-    message = _untouched(lambda: comm.all_gather(send, poison(7, "float32")), recv)
+    ops_before = [comm._engine.calls for comm in comms]
+
+    def everywhere(call):
+        messages = [_untouched(lambda: call(comm), recv) for comm in comms]
+        assert all(m.split(":")[0] == messages[0].split(":")[0] for m in messages), messages
+        return messages[0]
+    message = everywhere(lambda comm: comm.all_gather(send, poison(7, "float32")))
     assert message.startswith("all_gather:") and "8" in message and "7" in message
-    assert _untouched(lambda: comm.all_gather(send, poison(8, "float64")), recv) \
+    assert everywhere(lambda comm: comm.all_gather(send, poison(8, "float64"))) \
         .startswith("all_gather: sendbuf and recvbuf must have one dtype")
-    assert "root" in _untouched(lambda: comm.broadcast(send, send, 2), recv)
-    assert "op must be one of" in _untouched(lambda: comm.all_reduce(send, send, "xor"), recv)
-    assert "C-contiguous" in _untouched(lambda: comm.all_reduce(np.ones((4, 4))[:, 0],
-                                                                np.ones(4)), recv)
-    assert "complex128" in _untouched(lambda: comm.all_reduce(np.ones(2, complex),
-                                                              np.ones(2, complex)), recv)
-    assert "peer" in _untouched(lambda: comm.send(send, 0), recv)
-    assert "overlap" in _untouched(lambda: comm.all_gather(recv[1:5], recv), recv)
-    assert "must be a numpy" in _untouched(lambda: comm.all_gather([1, 2], recv), recv)
-    assert comm._engine.calls == ops_before
+    assert "root" in everywhere(lambda comm: comm.broadcast(send, send, 2))
+    assert "op must be one of" in everywhere(lambda comm: comm.all_reduce(send, send, "xor"))
+    assert "C-contiguous" in everywhere(lambda comm: comm.all_reduce(np.ones((4, 4))[:, 0],
+                                                                     np.ones(4)))
+    assert "complex128" in everywhere(lambda comm: comm.all_reduce(np.ones(2, complex),
+                                                                   np.ones(2, complex)))
+    assert "peer" in everywhere(lambda comm: comm.send(send, comm.rank))
+    assert "overlap" in everywhere(lambda comm: comm.all_gather(recv[1:5], recv))
+    assert "must be a numpy" in everywhere(lambda comm: comm.all_gather([1, 2], recv))
+    assert [comm._engine.calls for comm in comms] == ops_before
     # the communicator still works afterwards
     check_collective(comms, "all_gather", count=4, dtype="float32", seed=1)
+
+
+def test_a_call_refused_on_one_rank_is_refused_on_its_peers(init_local):
+    """One rank's bad call takes its place: its peer's matching call (made before or
+    after it) raises MismatchError naming the refusal, and the next calls match."""
+    comms = init_local(2, backend="host")
+    out = poison(4, "float32")
+    comms[0].all_reduce(np.ones(4, np.float32), out)  # made first: refused at synchronize
+    with pytest.raises(hoccl.InvalidArgumentError):
+        comms[1].all_reduce(np.ones(4, np.float32), np.ones(4, np.float32), "xor")
+    with pytest.raises(hoccl.MismatchError, match="rank 1 refused this call .*op must be"):
+        comms[0].synchronize()
+    assert is_poison(out).all()
+    with pytest.raises(hoccl.InvalidArgumentError):  # refused first: the peer's comes later
+        comms[0].broadcast(np.ones(3, np.float32), np.ones(3, np.float32), 5)
+    with pytest.raises(hoccl.MismatchError, match="rank 0 refused this call .*root"):
+        comms[1].broadcast(np.ones(3, np.float32), np.ones(3, np.float32), 0)
+    check_collective(comms, "all_reduce", count=5, dtype="float32", seed=2)
 
 
 def test_mismatched_calls_raise_on_every_rank_and_the_communicator_stays_usable(init_local):

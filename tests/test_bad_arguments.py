@@ -148,13 +148,17 @@ def test_roots_and_peers_that_are_not_integers_are_refused(init_local):
 def test_a_bad_stream_names_the_public_call(init_local, stream):
     comms = init_local(2)
     x = np.zeros(4, np.float32)
-    calls = [("all_reduce", lambda: comms[0].all_reduce(x, x, stream=stream)),
-             ("barrier", lambda: comms[0].barrier(stream=stream)),
-             ("send", lambda: comms[0].send(x, 1, stream=stream)),
-             ("broadcast", lambda: comms[1].broadcast(None, x, 0, stream=stream))]
+    # every rank makes each refused call, as a program does (a refused call keeps its
+    # place in every rank's sequence of calls)
+    calls = [("all_reduce", lambda c: c.all_reduce(x, x, stream=stream)),
+             ("barrier", lambda c: c.barrier(stream=stream)),
+             ("send", lambda c: c.send(x, 1 - c.rank, stream=stream)),
+             ("broadcast", lambda c: c.broadcast(x if c.rank == 0 else None, x, 0,
+                                                 stream=stream))]
     for call, make in calls:
-        message = _raises(call, ["stream"], make)
-        assert "resolve_stream" not in message, message
+        for comm in comms:
+            message = _raises(call, ["stream"], lambda: make(comm))
+            assert "resolve_stream" not in message, message
     comms[0].all_reduce(x, x)
     comms[1].all_reduce(x, x)
     mark = comms[0].calls

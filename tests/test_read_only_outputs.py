@@ -1,7 +1,8 @@
 """Read-only memory is never written: every collective refuses a read-only receive buffer
 (numpy writeable=False, np.frombuffer of bytes, a __cuda_array_interface__ exported
 read-only, a torch tensor that requires grad) with InvalidArgumentError before anything
-is enqueued, while read-only send buffers are fine."""
+is enqueued, while read-only send buffers are fine.  Every rank makes each refused call,
+as a program does: a refused call takes its place in every rank's sequence of calls."""
 
 import numpy as np
 import pytest
@@ -27,7 +28,7 @@ CALLS = {
     "all_gather": lambda c, s, r: c.all_gather(s, r),
     "all_reduce": lambda c, s, r: c.all_reduce(s, r),
     "broadcast": lambda c, s, r: c.broadcast(s, r, 0),
-    "recv": lambda c, s, r: c.recv(r, 1),
+    "recv": lambda c, s, r: c.recv(r, 1 - c.rank),
 }
 
 
@@ -39,11 +40,12 @@ def test_read_only_receive_buffers_are_refused_and_nothing_is_enqueued(comms, ca
         recv = np.frombuffer(bytes(4 * size), dtype=np.float32)
     else:
         recv = _read_only(np.zeros(size, np.float32))
-    before = comms[0]._engine.calls
-    with pytest.raises(hoccl.InvalidArgumentError, match="read-only") as info:
-        CALLS[call](comms[0], np.ones(4, np.float32), recv)
-    assert str(info.value).startswith(f"{call}: ")
-    assert comms[0]._engine.calls == before
+    before = [comm._engine.calls for comm in comms]
+    for comm in comms:
+        with pytest.raises(hoccl.InvalidArgumentError, match="read-only") as info:
+            CALLS[call](comm, np.ones(4, np.float32), recv)
+        assert str(info.value).startswith(f"{call}: ")
+    assert [comm._engine.calls for comm in comms] == before
     assert not recv.any()
 
 
@@ -61,6 +63,7 @@ def test_read_only_send_buffers_are_fine(comms):
 def test_a_tensor_that_requires_grad_is_refused_as_an_output(comms):
     torch = pytest.importorskip("torch")
     leaf = torch.zeros(4, requires_grad=True)
-    with pytest.raises(hoccl.InvalidArgumentError, match="requires grad"):
-        comms[0].all_reduce(torch.ones(4), leaf)
+    for comm in comms:
+        with pytest.raises(hoccl.InvalidArgumentError, match="requires grad"):
+            comm.all_reduce(torch.ones(4), leaf)
     assert not leaf.detach().any()

@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # The device machine's session: GPU tests (one process, and mpirun -np 2), then the
-# benchmarks against NCCL.  Usage: bash tools/gpu_run.sh [tests|profile|bench|overlap|compare|torch|fsdp|hier|hierdiag|final|registered|onegpu|validate|dryrun|quickreg|figures-a|figures-b|figures-c|figures-d|figures-direct|figures-wide|direct|caller|placement|fused|levers|tp|all] [pytest args]
+# benchmarks against NCCL.  Usage: bash tools/gpu_run.sh [tests|profile|bench|overlap|compare|torch|fsdp|hier|hierdiag|final|registered|onegpu|validate|dryrun|quickreg|figures-a|figures-b|figures-c|figures-d|figures-direct|figures-wide|direct|caller|placement|fused|levers|tp|groups|hostcost|all] [pytest args]
+# groups: grouped calls (tests/mpi/run_groups.py) and the fuzzer's short run on the cuda
+# backend, 3 ranks sharing the GPU under mpirun (correctness only: no speed there).
+# hostcost: python -m hoccl.bench.host_cost, world 1 beside torch+NCCL, then 2 ranks.
 # torch: the torch.distributed backend's checks, DDP/FSDP2/HSDP training against NCCL (hoccl
 # the default process group, then NCCL), the FSDP2 example on NCCL and on hoccl, and
 # python -m hoccl.bench.train (one process per shape).
@@ -232,6 +235,20 @@ if [ "$what" = quickreg ]; then
   step bench-quick 200 $MPIRUN python3 -m hoccl.bench --sizes 64K,1M \
     --collectives all_gather,all_reduce,reduce_scatter --forms in \
     --libraries hoccl,hoccl-reg,nccl,nccl-zero --graph --out "$OUT/bench-quick"
+fi
+MPIRUN3="mpirun -np 3 -x PYTHONPATH -x NCCL_NVLS_ENABLE -x TORCH_SYMM_MEM_DISABLE_MULTICAST -x NVSHMEM_DISABLE_NVLS"
+if [ "$what" = groups ]; then
+  for mix in random broadcast scatter sums; do
+    step "groups-$mix" 120 $MPIRUN3 python3 tests/mpi/run_groups.py --backend cuda --mix $mix \
+      --groups "${GROUPS_COUNT:-40}" --timeout 60
+  done
+  step fuzz-cuda-3 200 $MPIRUN3 python3 -m hoccl.testing.fuzz --backend cuda \
+    --calls "${FUZZ_CALLS:-600}" --seed "${FUZZ_SEED:-11}" --timeout 60
+fi
+if [ "$what" = hostcost ]; then
+  step host-cost-1 150 python3 -m hoccl.bench.host_cost --out "$OUT/host_cost"
+  step host-cost-2 150 $MPIRUN python3 -m hoccl.bench.host_cost --variants \
+    hoccl-registered,hoccl-plain,hoccl-direct --out "$OUT/host_cost_2"
 fi
 if [ "$what" = onegpu ]; then
   # one GPU: two ranks under mpirun share it (IPC within one device), which runs every

@@ -211,6 +211,19 @@ class Engine:
         with self.lock:
             return [(held.plan, held.prepared.marks) for held in self._unissued.values()]
 
+    def skip(self, pair: Optional[Tuple[int, int]]) -> tuple:
+        """The key of a call this rank refused (its arguments were wrong) and that its peers
+        are told of in its place (``Group.refuse``): the next collective's, or the next of
+        ``pair`` (sender, receiver); its sequence advances as if the call had been made."""
+        with self.lock:
+            if pair:
+                key: tuple = ("pair",) + tuple(pair) + (self._pair_calls.get(pair, 0),)
+                self._pair_calls[pair] = key[-1] + 1
+            else:
+                key = ("coll", self._collectives)
+                self._collectives += 1
+            return key
+
     def _count(self, call: Call) -> None:
         """Advance the sequence ``call``'s key was taken from (``prepare``)."""
         if call.plan.pair:
@@ -414,14 +427,16 @@ class Engine:
         self.preparer.cache.clear()  # bound programs' peer addresses die with the mappings
         self.windows.clear()
 
-    def leave_device(self, leak: bool, peers_done: bool = False) -> None:
-        """Once no peer's lane can write into this rank's memory any more: free this rank's
-        pad and scratch, and close the device if no other communicator uses it (with
-        ``leak``, keep everything; the 8-byte host word stays until the device closes).
-        ``peers_done``: every peer has closed too (or its process is gone), so nobody can
-        write into the pad, not even an abort's poison: it may be reused (``free_pad``)."""
+    def leave_device(self, leak: bool) -> None:
+        """Once no lane, kernel or abort pump of this rank runs any more, and no peer of
+        this process can write into this rank's memory: give back its pad, let go of the
+        peers' pads, free its scratch, ring and host words, and close the device if no
+        other communicator uses it.  With ``leak`` keep everything (stuck work may still
+        write into it)."""
         if not leak:
             self.device.activate()
-            self.device.free_pad(self.pad.address, peers_done)
+            self.pad.release()
             self.memory.free()
+            for word in (self.host_word, self.error_word):
+                self.device.free_host_word(word)
         self.share.leave(leak)

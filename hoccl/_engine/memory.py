@@ -56,8 +56,7 @@ class Memory:
         self.scratch: Tuple[Any, int] = (None, 0)
         #: the direct kernels' double-buffered staging (``plan.RING``): (address, half);
         #: a ring is never freed before close (a peer one call ahead may store into it,
-        #: a graph may replay it: the device frees it), a larger one replaces it for
-        #: later calls
+        #: a graph may replay it), a larger one replaces it for later calls
         self.ring: Tuple[Any, int] = (None, 0)
         self.retired: List[Any] = []
         #: scratch captured into a CUDA graph: kept until the device is left
@@ -88,6 +87,8 @@ class Memory:
         address, half = self.ring
         if half >= nbytes:
             return (address, half), False
+        if address is not None:
+            self.kept.append(address)  # a peer or a graph may still use it: freed at close
         half = max(nbytes, 2 * half, largest, 64 << 10)
         address = self.device.alloc(2 * half)
         self.ring = (address, half)
@@ -111,9 +112,11 @@ class Memory:
         self.retired.clear()
 
     def free(self) -> None:
-        """Free the scratch and every older one (the caller knows nothing uses them)."""
-        for address in self.retired + self.kept + [self.scratch[0]]:
+        """Free the scratch, the ring and every older one (the caller knows nothing uses
+        them: this rank has closed, and so have its peers' calls with it)."""
+        for address in self.retired + self.kept + [self.scratch[0], self.ring[0]]:
             if address is not None:
                 self.device.free(address)
-        self.retired, self.kept, self.scratch = [], [], (None, 0)
+        self.retired, self.kept, self.scratch, self.ring = [], [], (None, 0), (None, 0)
         self.pinned.clear()
+        self._exports.clear()

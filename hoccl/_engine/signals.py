@@ -6,7 +6,7 @@ twins), made once, and the health monitor its words."""
 from __future__ import annotations
 
 import logging
-from typing import Any, List, Optional, Tuple
+from typing import Any, Collection, List, Optional, Tuple
 
 from .._errors import HocclError
 from ..backends._base import Device
@@ -61,7 +61,34 @@ class SignalPad:
         #: lanes wait, and of each direct-kernel slot's block 0 word: the executor's tables
         self.waits: List[Any] = [self.local(slot) for slot in range(2 * self.slots)]
         self.kernel_waits: List[Any] = [self.kernel_local(slot) for slot in range(self.slots)]
+        #: the peers' pads mapped for this rank's writes (``import_peers``), dropped by
+        #: ``release``
+        self._imported: List[Any] = []
         self.connect([self.address] * world_size)
+
+    def export(self) -> Any:
+        """This pad's export descriptor, for the peers' ``import_peers``."""
+        return self.device.export(self.address, 8 * self.words_total)
+
+    def import_peers(self, descriptors: List[Any]) -> None:
+        """Map every peer's pad from its ``export`` (``descriptors[rank]``; this rank's own
+        is not used), held for this rank's writes until ``release``, and ``connect``."""
+        pads = []
+        for peer, descriptor in enumerate(descriptors):
+            if peer == self.rank:
+                pads.append(self.address)
+            else:
+                pads.append(self.device.import_pad(descriptor))
+                self._imported.append(descriptor)
+        self.connect(pads)
+
+    def release(self) -> None:
+        """This rank's lanes, kernels and abort pump have stopped: give its pad back and
+        let go of the peers' (``Device.free_pad``, ``Device.drop_pad``)."""
+        self.device.free_pad(self.address)
+        imported, self._imported = self._imported, []
+        for descriptor in imported:
+            self.device.drop_pad(descriptor)
 
     def connect(self, pads: List[Any]) -> None:
         """``pads[peer]``: the peer's pad as this process addresses it (mapped or direct).
@@ -120,10 +147,10 @@ class SignalPad:
                 return (index // KERNEL_MAX_BLOCKS) // CHANNELS
         return None
 
-    def poison(self, host_word: Any, warn: bool) -> None:
+    def poison(self, host_word: Any, warn: bool, gone: Collection[int] = ()) -> None:
         """The abort value into every own slot, the completion and host words, and the
-        slots this rank writes in every peer's pad (best effort: a dead peer's memory
-        may be gone)."""
+        slots this rank writes in every peer's pad but those of the ``gone`` peers (closed
+        or exited: nobody waits in their pads any more)."""
         own = [(self.local(slot), ABORT_VALUE) for slot in range(self.words_total)]
         own.append((host_word.address, ABORT_VALUE))
         try:
@@ -132,7 +159,7 @@ class SignalPad:
             if warn:
                 log.warning("rank %d abort: could not poison its own pad: %s", self.rank, error)
         for peer in range(self.world_size):
-            if peer == self.rank:
+            if peer == self.rank or peer in gone:
                 continue
             try:
                 mine = [self.rank * CHANNELS + channel for channel in range(CHANNELS)]

@@ -11,7 +11,8 @@ flow one way: Communicator → Group → Engine.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Protocol, Sequence, Tuple
+from typing import (TYPE_CHECKING, Any, Dict, FrozenSet, List, Optional, Protocol, Sequence,
+                    Tuple)
 
 from .._errors import InvalidArgumentError, MismatchError
 from .._mailbox import Notice
@@ -62,6 +63,10 @@ class Group(Protocol):
         """A description of a participant of one of ``calls`` that closed the communicator
         without making that call (it never will), if one did."""
 
+    def gone_peers(self) -> FrozenSet[int]:
+        """The peers known to have closed the communicator or exited: nothing of theirs
+        waits for a signal any more, so an abort's poison skips them."""
+
     def announce(self, kind: str, reason: str) -> None:
         """This rank aborted (``kind``: "diverged" or "aborted", and why): tell the peers,
         whose waits its poison releases, why."""
@@ -85,10 +90,37 @@ class Group(Protocol):
     def settle(self, call: str) -> None:
         """Wait for, and check, every description still due for such calls."""
 
+    def refuse(self, name: str, key: tuple, participants: Sequence[int], reason: str,
+               rank: int) -> None:
+        """Rank ``rank`` refused its call ``name`` of ``key`` (wrong arguments): offer the
+        refusal in its place, so the participants' matching calls are released."""
+
+
+def refused_signature(name: str, reason: str) -> Tuple:
+    """What a rank offers in place of its call ``name`` that it refused (``reason``: its
+    error), so that its peers release their matching calls: no call's signature."""
+    return (("refused", name), ("reason", reason))
+
 
 def _disagreement(call: "Call", rank: int, peer: int, theirs: Tuple) -> str:
+    if theirs and theirs[0][0] == "refused":
+        return (f"{call.name}: rank {peer} refused its matching {theirs[0][1]} "
+                f"({dict(theirs).get('reason', '')}): this rank's call is not run either; "
+                f"the communicator stays usable")
     return (f"{call.name}: rank {rank} called {_describe(call.signature)} but rank {peer} "
             f"called {_describe(theirs)}")
+
+
+def _named(key: tuple) -> str:
+    """A call's key as the user knows it: "collective call 3", "send/recv 2 from rank 0
+    to rank 1", "register"."""
+    if key and key[0] == "coll":
+        return f"collective call {key[1]}"
+    if key and key[0] == "pair":
+        return f"send/recv {key[3]} from rank {key[1]} to rank {key[2]}"
+    if key and key[0] == "agree":
+        return str(key[1])
+    return repr(key)
 
 
 def _silent(call: "Call") -> bool:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 from .._errors import InvalidArgumentError, MismatchError
 from .._mailbox import Notice
@@ -116,6 +116,31 @@ class LocalGroup:
                     member.engine.pending_error = error
         self._progress()  # calls queued behind the refused ones may now run
 
+    def refuse(self, name: str, key: tuple, participants: Sequence[int], reason: str,
+               rank: int) -> None:
+        """Rank ``rank`` refused its call ``name`` of ``key`` (wrong arguments): the
+        participants' matching calls are refused with it, those made already (they raise
+        at their rank's next synchronize) and those to come (at once), so that the
+        ranks' sequences of calls stay aligned."""
+        known = self._refused.get(key)
+        if known is not None and rank in known[1]:  # a peer refused it first
+            known[1].discard(rank)
+            if not known[1]:
+                del self._refused[key]
+            return
+        error = MismatchError(f"{name}: rank {rank} refused this call ({reason}); the "
+                              f"communicator stays usable")
+        group = self._pending.pop(key, {})
+        to_come = set(participants) - set(group) - {rank}
+        if to_come:
+            self._refused[key] = (error, to_come)
+        for peer, member in group.items():
+            self._forget(peer, member)
+            if not member.issued:
+                member.engine.release(member)
+            member.engine.pending_error = error
+        self._progress()
+
     def _forget(self, rank: int, call: "Call") -> None:
         """Take ``call`` out of ``rank``'s queue and order."""
         self._queues[rank] = deque(remaining for remaining in
@@ -211,6 +236,9 @@ class LocalGroup:
                     return f"rank {rank}, which closed the communicator"
         return None
 
+    def gone_peers(self) -> FrozenSet[int]:
+        return frozenset(self._closed)
+
     def announce(self, kind: str, reason: str) -> None:
         """The ranks of this process share every abort, and its reason (``Health.abort``)."""
 
@@ -268,5 +296,5 @@ class LocalGroup:
         self._leak = self._leak or leak
         if len(self._closed) == len(self.monitors):
             for monitor in self.monitors:  # every writer of the pads has closed
-                monitor.engine.leave_device(self._leak, peers_done=True)
+                monitor.engine.leave_device(self._leak)
             self.forget_calls()

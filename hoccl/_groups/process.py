@@ -11,19 +11,22 @@ import pickle
 import socket
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, FrozenSet, List, Optional, Sequence, Tuple
 
-from .._errors import DivergedError, InvalidArgumentError, MismatchError
+from .._errors import AbortedError, DivergedError, InvalidArgumentError, MismatchError
 from .._mailbox import Mailboxes, Notice, made_call, wait_until
 from ..bootstrap import Bootstrap
-from .base import (_ABORTED, _describe, _disagreement, _misplaced, _raise_verdicts,
-                   _silent)
+from .base import (_ABORTED, _describe, _disagreement, _misplaced, _named, _raise_verdicts,
+                   _silent, refused_signature)
 
 if TYPE_CHECKING:
     from .._engine import Call, Engine, PeerBuffer
     from .._health import Health
 
 log = logging.getLogger("hoccl")
+
+#: the third part of a message that stands for a refused call (``ProcessGroup.refuse``)
+_REFUSAL = "refused"
 
 __all__ = ["ProcessGroup"]
 
@@ -46,6 +49,12 @@ class ProcessGroup:
         # per peer, in call order: the calls issued without the peer's description (on
         # registered buffers), whose description is checked when it comes (``check``)
         self._unchecked: List[deque] = [deque() for _ in range(self.world_size)]
+        # the keys of the calls this rank refused (``refuse``): a peer's message for one of
+        # them (its call, or its refusal too) is dropped when it comes
+        self._refused: set = set()
+        #: how many times this rank began to shrink the communicator (``shrink``): each
+        #: attempt's exchanges are told apart from an earlier one's
+        self.shrinks = 0
 
     def local_rank(self) -> int:
         """This rank's index among the ranks on its host."""
@@ -93,14 +102,16 @@ class ProcessGroup:
             wait_until(lambda: any(self._ready(peer) for peer in missing), deadline,
                        lambda: f"{name}: rank {self.rank} waited {self.timeout:g} s for ranks "
                                f"{missing} to call {name}; they never did",
-                       check=lambda: self.mailboxes.check_alive(missing, name))
+                       check=lambda: self._check_peers(missing, name))
             for peer in [peer for peer in missing if self._ready(peer)]:
                 got_key, got, _ = self.mailboxes.receive(peer)
+                if self._stale(got_key):
+                    continue
                 missing.remove(peer)
                 if got_key != key:
-                    raise MismatchError(f"{name}: rank {self.rank} called {name} but rank "
-                                        f"{peer}'s next call was {got_key}: every rank must "
-                                        f"call {name} at the same point")
+                    raise DivergedError(f"{name}: rank {self.rank} called {name} but rank "
+                                        f"{peer}'s next call was {_named(got_key)}: every rank "
+                                        f"must call {name} at the same point; {_ABORTED}")
                 values[peer] = got
         return values
 
@@ -164,6 +175,38 @@ class ProcessGroup:
         self._check_peer(peer)
         return not self._unchecked[peer] and self.mailboxes.ready(peer)
 
+    def _check_peers(self, peers: Sequence[int], call: str) -> None:
+        """The check of a wait for ``peers``' messages: raise if one of them has exited or
+        closed (``Mailboxes.check_alive``), or aborted (DivergedError if its calls had
+        diverged from a peer's, else AbortedError): it will send nothing more."""
+        self.mailboxes.check_alive(peers, call)
+        for peer in peers:
+            notice = self.mailboxes.notice(peer, "abort")
+            if notice is not None:
+                error = DivergedError if notice.kind == "diverged" else AbortedError
+                why = f": {notice.reason}" if notice.reason else ""
+                raise error(f"{call}: rank {self.rank} waited for rank {peer}, which aborted "
+                            f"the communicator{why}")
+
+    def refuse(self, name: str, key: tuple, participants: Sequence[int], reason: str,
+               rank: int) -> None:
+        """This rank refused its call ``name`` of ``key`` (its arguments were wrong): tell
+        every participant in its place, so that their matching calls are released with
+        MismatchError (or, where already issued on registered buffers, end in
+        DivergedError) and the ranks' sequences of calls stay aligned."""
+        deadline = time.monotonic() + self.timeout
+        description = pickle.dumps((refused_signature(name, reason), {}),
+                                   protocol=pickle.HIGHEST_PROTOCOL)
+        self._refused.add(key)
+        for peer in participants:
+            if peer != self.rank:
+                self.mailboxes.send(peer, (key, description, _REFUSAL), deadline, name)
+
+    def _stale(self, key: tuple) -> bool:
+        """Whether a peer's message is for a call this rank refused (its call, or its
+        refusal too): no call of this rank's waits for it."""
+        return key in self._refused
+
     def check(self) -> None:
         """Check every peer's description that has come for a call issued without it;
         raise DivergedError if one differs from what this rank took it to be.  Never
@@ -175,8 +218,10 @@ class ProcessGroup:
     def _check_peer(self, peer: int) -> None:
         pending = self._unchecked[peer]
         while pending and self.mailboxes.ready(peer):
-            key, name, signature, used, prepared = pending.popleft()
             got_key, description, _ = self.mailboxes.receive(peer)
+            if self._stale(got_key):
+                continue
+            key, name, signature, used, prepared = pending.popleft()
             if got_key != key:
                 raise DivergedError(
                     f"{name}: rank {self.rank} ran call {key} on registered buffers, but rank "
@@ -201,7 +246,7 @@ class ProcessGroup:
                        lambda: f"{call}: rank {self.rank} waited {self.timeout:g} s for ranks "
                                f"{waiting} to make the calls it ran on registered buffers; they "
                                f"never did",
-                       check=lambda: self.mailboxes.check_alive(waiting, call))
+                       check=lambda: self._check_peers(waiting, call))
             self.check()
             waiting = [peer for peer in waiting if self._unchecked[peer]]
 
@@ -283,18 +328,25 @@ class ProcessGroup:
                                    f"for ranks {missing} to make the matching call "
                                    f"{first.key}; they never did: a mismatched sequence of "
                                    f"calls or a dead process",
-                           check=lambda: mailboxes.check_alive(missing, first.name))
+                           check=lambda: self._check_peers(missing, first.name))
                 continue
             for peer in arrived:
                 key, description, used = mailboxes.receive(peer)
+                if self._stale(key):
+                    continue
+                if used == _REFUSAL:
+                    used = None
                 keys = expected[peer]
                 if (key not in keys) if len(calls) > 1 else (key != keys[0]):
+                    # the peer's message for another call is taken: neither rank can skip
+                    # its way back to calls that match, so both abort
                     self._discard(calls)
-                    raise MismatchError(
-                        f"{names.get(key, first.name)}: rank {self.rank} made call "
-                        f"{keys[0] if len(calls) == 1 else keys} but rank {peer}'s next call "
-                        f"with it was {key}: the ranks' sequences of calls differ (a cycle of "
-                        f"send/recv must be made inside hoccl.group())")
+                    raise DivergedError(
+                        f"{names.get(key, first.name)}: rank {self.rank} made "
+                        f"{_named(keys[0]) if len(calls) == 1 else [_named(k) for k in keys]} "
+                        f"but rank {peer}'s next call with it was {_named(key)}: the ranks' "
+                        f"sequences of calls differ (a cycle of send/recv must be made inside "
+                        f"hoccl.group()); {_ABORTED}")
                 signature, shared = _described(prepared[key], peer, description)
                 keys.remove(key)
                 if not keys:
@@ -336,6 +388,10 @@ class ProcessGroup:
                             f"this {call.name} (sequence {call.key[1:]}): it never will")
         return None
 
+    def gone_peers(self) -> FrozenSet[int]:
+        return frozenset(peer for peer in range(self.world_size) if peer != self.rank and (
+            self.mailboxes.notice(peer, "close") is not None or not self.mailboxes.alive(peer)))
+
     def announce(self, kind: str, reason: str) -> None:
         self.mailboxes.announce(Notice(kind, reason))
 
@@ -353,11 +409,9 @@ class ProcessGroup:
         # the peers still waiting for this rank learn that it is gone, and which of its
         # calls they may still wait for (all of whose signals it has written)
         self.mailboxes.announce(Notice("closed", made=None if engine.aborted else engine.made()))
-        # the last rank to close knows that no peer can write into its pad any more
-        peers_done = all(self.mailboxes.notice(peer, "close") is not None
-                         or not self.mailboxes.alive(peer)
-                         for peer in range(self.world_size) if peer != self.rank)
-        engine.leave_device(leak, peers_done=peers_done)
+        # the peers that may still write into this rank's pad hold their mapping of it
+        # (``Device.import_pad``): it is reused only once they have let go
+        engine.leave_device(leak)
         self.mailboxes.close()
         self.bootstrap.close()
 

@@ -3,9 +3,10 @@ call run as the phases of its ``hoccl.sched.hierarchical`` plan on the level eng
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import replace
-from typing import Any, Callable, Dict, List, Optional, Tuple, Type, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Type, Union
 
 from .._buffers import Buffer, as_buffer
 from .._errors import AbortedError, HocclError, HocclTimeoutError, InvalidArgumentError
@@ -19,11 +20,12 @@ from ..sched.hierarchical import (Call, Divide, HierarchicalPlan, PipelinedPlan,
                                   verify_pipelined)
 from ..config import ACROSS_HOSTS, Config
 from .arrays import Arrays, framework_array
-from .engine import InterHostEngine, Setup, caller_begin, caller_end
+from .engine import InterHostEngine, Pair, Setup, caller_begin, caller_end
 from .hoccl_engine import HocclEngine
 from .phases import Entry, PhaseRunner, plan_of
 from .hosts import SHARED_SETTINGS, HostReport, agree, intra_host_engine, local_report, refusal
 from .nccl import NcclEngine
+from .pairs import HeldPair, PairGroup
 from .staged import GlooStagedEngine, MpiStagedEngine
 from .topology import SubBootstrap
 from .torch_group import TorchGroupEngine, torch_groups
@@ -75,7 +77,8 @@ class HierarchicalCommunicator(CommunicatorApi):
     The API is ``CommunicatorApi``'s, with the same argument checks as ``Communicator``;
     each call runs the phases of its ``hoccl.sched.hierarchical`` plan.  ``describe()``
     says how the world is split and which engines run where (each host's device kind and
-    engine inside it).  Not inside ``hoccl.group()``."""
+    engine inside it).  Inside ``hoccl.group()`` it takes sends and receives, run
+    together when the group ends (``pairs.py``), and refuses collectives."""
 
     def __init__(self, *, topology: Topology, rank: int, host: Communicator,
                  intra: InterHostEngine, rail: InterHostEngine, world: InterHostEngine,
@@ -103,6 +106,8 @@ class HierarchicalCommunicator(CommunicatorApi):
         device = host.device_handle
         self._runner = (PhaseRunner(host.timeout) if self._blocking else
                         PhaseRunner(host.timeout, device.create_event, device.destroy_event))
+        #: what ``hoccl.group()`` hands this communicator's held sends and receives to
+        self._group = PairGroup(self._batch)
 
     @classmethod
     def connect(cls, *, call: str, backend: str, bootstrap: Bootstrap, topology: Topology,
@@ -350,14 +355,27 @@ class HierarchicalCommunicator(CommunicatorApi):
             raise InvalidArgumentError(
                 f"{name}: scale is not supported across hosts yet; scale the result, or use a "
                 f"communicator within one host")
-        if held_calls() is not None:
-            raise InvalidArgumentError(
-                f"{name}: a communicator across hosts does not take calls inside hoccl.group() "
-                f"(its phases mix engines); make them outside, sends and receives in an order "
-                f"that cannot wait in a cycle")
+        held = held_calls()
+        if held is not None:
+            if shape.collective != "sendrecv":
+                raise InvalidArgumentError(
+                    f"{name}: a communicator across hosts takes only send and recv inside "
+                    f"hoccl.group() (a collective's phases mix engines); make collectives "
+                    f"outside the group")
+            self._hold(name, shape, buffers[name], stream, held)
+            return
         arrays = {key: framework_array(buffer.owner) for key, buffer in buffers.items()
                   if buffer is not None}
         handle = self._stream(name, stream, list(arrays.values()))
+        if shape.collective == "sendrecv":
+            peer = shape.peer if name == "send" else shape.root
+            with self._naming_peers(name, [(name, peer)]):
+                self._plan_run(name, shape, arrays, handle)
+            return
+        self._plan_run(name, shape, arrays, handle)
+
+    def _plan_run(self, name: str, shape: Shape, arrays: Dict[str, Any],
+                  handle: Optional[int]) -> None:
         plan = self._plan(shape)
         self._refuse(name, plan)
         first = next(iter(arrays.values()), None)
@@ -389,6 +407,85 @@ class HierarchicalCommunicator(CommunicatorApi):
             return
         self._runner.sequential([(level, runner(level, steps), None)
                                  for level, steps in plan.program(self.rank)])
+
+    # -- sends and receives inside hoccl.group() (pairs.py) ---------------------------
+    def _hold(self, name: str, shape: Shape, buffer: Optional[Buffer], stream: Any,
+              held: List[Tuple[Any, Any]]) -> None:
+        """Hold a checked send or recv until the group ends; refuse at once a stream other
+        than the one the group's earlier pairs on this communicator took."""
+        assert buffer is not None
+        array = framework_array(buffer.owner)
+        self._stream(name, stream, [array])  # the host backend's refusal of a stream
+        earlier = next((call for comm, call in held if comm is self), None)
+        if earlier is not None and earlier.stream is not stream and earlier.stream != stream:
+            raise InvalidArgumentError(
+                f"{name}: the sends and receives of one hoccl.group() on a communicator "
+                f"across hosts take one stream; this group's first took {earlier.stream!r}, "
+                f"this one {stream!r}")
+        peer = shape.peer if name == "send" else shape.root
+        held.append((self, HeldPair(name, Arrays.of(array).flat(array), peer, stream)))
+
+    def _batch(self, calls: List[HeldPair]) -> None:
+        """A group's held pairs: one batch per level, the levels side by side (pairs.py)."""
+        if not calls:
+            return
+        self._usable("send/recv")
+        handle = self._stream("send/recv", calls[0].stream, [call.array for call in calls])
+        levels: Dict[str, List[Pair]] = {}
+        for call in calls:
+            level = self._pair_level(call.peer)
+            levels.setdefault(level, []).append(
+                (call.kind, call.array, self.topology.index_in(level, call.peer)))
+
+        def runner(level: str, pairs: List[Pair]) -> Callable[[Any, Any], None]:
+            return lambda ready, done: self._batch_level(level, pairs, handle, ready, done)
+        entries: List[Entry] = [(level, runner(level, pairs), None)
+                                for level, pairs in levels.items()]
+        with self._naming_peers("send/recv", [(call.kind, call.peer) for call in calls]):
+            if len(entries) == 1:
+                self._runner.sequential(entries)
+            else:
+                self._runner.pipelined("send/recv", entries)
+
+    def _pair_level(self, peer: int) -> str:
+        """The level whose engine joins this rank and ``peer`` (the plans' rule)."""
+        t = self.topology
+        if t.host_of(peer) == t.host_of(self.rank):
+            return "host"
+        return "rail" if t.local_of(peer) == t.local_of(self.rank) else "world"
+
+    def _batch_level(self, level: str, pairs: List[Pair], handle: Optional[int],
+                     ready: Any, done: Any) -> None:
+        self._usable("send/recv")
+        engine, device = self._levels[level], self._host.device_handle
+        work = handle if handle is None else engine.begin(device, handle, ready)
+        try:
+            engine.batch(pairs, stream=work)
+        except HocclTimeoutError as error:  # a pair left to its engine: no more calls
+            self.abort(f"rank {self.rank}: send/recv: {error}")
+            raise
+        if handle is not None and work is not None:
+            engine.end(device, handle, work, done)
+        if self._blocking:
+            engine.synchronize()
+
+    def _fail(self, calls: List[HeldPair], error: BaseException) -> None:
+        """``hoccl.group()``'s hook for a batch that failed: a pair left in flight has
+        aborted the communicator already (``_batch_level``); anything else left it usable."""
+
+    @contextlib.contextmanager
+    def _naming_peers(self, name: str, pairs: List[Tuple[str, int]]) -> Iterator[None]:
+        """A timeout of sends and receives re-raised naming this rank, its peers and their
+        hosts."""
+        try:
+            yield
+        except HocclTimeoutError as error:
+            def who(rank: int) -> str:
+                host = self.topology.host_of(rank)
+                return f"rank {rank} (host {host}, {self._hosts[host].hostname})"
+            peers = ", ".join(f"{kind} with {who(peer)}" for kind, peer in pairs)
+            raise HocclTimeoutError(f"{name}: {who(self.rank)}, {peers}: not matched within "
+                                    f"{self.timeout:g} s: {error}") from None
 
     def _refuse(self, name: str, plan: Union[HierarchicalPlan, PipelinedPlan]) -> None:
         """Raise, on every rank alike and before any data moves, when a host's engine

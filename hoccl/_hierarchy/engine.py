@@ -4,20 +4,43 @@ An engine moves one level's data: the ``"rail"`` calls (the ranks with one local
 one per host) and the ``"world"`` send/recv of a ``hoccl.sched.hierarchical`` plan, and,
 as ``HocclEngine``, the ``"host"`` calls on the host's hoccl communicator.  Its transfer
 methods mirror hoccl's API (members numbered from 0 in the level's group); ``issue``
-runs one ``Call`` of a plan on them."""
+runs one ``Call`` of a plan on them, ``batch`` a ``hoccl.group()``'s sends and receives
+of the level together."""
 
 from __future__ import annotations
 
 import abc
+from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, List, Optional, Tuple
+from typing import Any, Callable, ClassVar, Hashable, List, Optional, Sequence, Tuple, TypeVar
 
+from .._errors import InvalidArgumentError
 from ..bootstrap import Bootstrap
 from ..comm import Communicator
 from ..config import Config
 from ..sched.hierarchical import Call, Topology
 
-__all__ = ["Setup", "InterHostEngine", "caller_begin", "caller_end"]
+__all__ = ["Setup", "InterHostEngine", "Pair", "caller_begin", "caller_end", "rounds"]
+
+#: one send or receive of a batch: ("send" or "recv", a flat array, the peer's member
+#: number in the level's group)
+Pair = Tuple[str, Any, int]
+T = TypeVar("T")
+
+
+def rounds(items: Sequence[T], key: Callable[[T], Hashable]) -> List[List[T]]:
+    """``items`` in rounds, the k-th holding the k-th item of each ``key`` (a peer and
+    direction): round k of a member matches round k of its peers where both batched the
+    same items."""
+    made: List[List[T]] = []
+    seen: Counter = Counter()
+    for item in items:
+        which = key(item)
+        if seen[which] == len(made):
+            made.append([])
+        made[seen[which]].append(item)
+        seen[which] += 1
+    return made
 
 
 def caller_begin(device: Any, stream: int, ready: Any) -> int:
@@ -122,6 +145,19 @@ class InterHostEngine(abc.ABC):
 
     @abc.abstractmethod
     def barrier(self, *, stream: Any = None) -> None: ...
+
+    def batch(self, pairs: Sequence[Pair], *, stream: Any = None) -> None:
+        """Every send and receive of ``pairs`` in flight together (as inside NCCL's
+        ``ncclGroupStart``/``ncclGroupEnd``): a batch that sends to and receives from one
+        peer, or a ring in either direction, never waits in a cycle.  Done (or enqueued on
+        ``stream``) when it returns.  This form, for an engine without one of its own,
+        takes a batch of one pair only."""
+        if len(pairs) > 1:
+            raise InvalidArgumentError(f"send/recv: the engine {self.label} takes one send or "
+                                       f"receive at a time across hosts; got a batch of "
+                                       f"{len(pairs)}")
+        for kind, array, peer in pairs:
+            getattr(self, kind)(array, peer, stream=stream)
 
     # -- state ------------------------------------------------------------------------
     def synchronize(self) -> None:

@@ -8,7 +8,7 @@ from typing import Any, Callable, List, Sequence, Tuple
 from ..config import environ
 from .._errors import InvalidArgumentError
 from .arrays import torch_stream
-from .engine import InterHostEngine, Setup
+from .engine import InterHostEngine, Pair, Setup
 
 __all__ = ["NcclEngine", "Nccl4pyEngine", "TorchNcclEngine"]
 
@@ -112,6 +112,12 @@ class Nccl4pyEngine(NcclEngine):
     def recv(self, buf: Any, peer: int, *, stream: Any = None) -> None:
         self.comm.recv(buf, peer, stream=stream)
 
+    def batch(self, pairs: Sequence[Pair], *, stream: Any = None) -> None:
+        """The pairs inside one NCCL group (``ncclGroupStart``/``ncclGroupEnd``)."""
+        with self.nccl.group():
+            for kind, array, peer in pairs:
+                getattr(self.comm, kind)(array, peer, stream=stream)
+
     def barrier(self, *, stream: Any = None) -> None:
         """An all_reduce of one element: every member's stream reaches it first."""
         if self._token is None:
@@ -203,6 +209,20 @@ class TorchNcclEngine(NcclEngine):
     def recv(self, buf: Any, peer: int, *, stream: Any = None) -> None:
         self._run(stream, lambda b: self.dist.recv(b, src=self.members[peer], group=self.group),
                   buf)
+
+    def batch(self, pairs: Sequence[Pair], *, stream: Any = None) -> None:
+        """The pairs as one ``batch_isend_irecv`` of the group (one NCCL group)."""
+        if not pairs:
+            return
+
+        def body(*tensors: Any) -> None:
+            operations = [self.dist.P2POp(self.dist.isend if kind == "send" else
+                                          self.dist.irecv, tensor, self.members[peer],
+                                          group=self.group)
+                          for (kind, _, peer), tensor in zip(pairs, tensors)]
+            for work in self.dist.batch_isend_irecv(operations):
+                work.wait()
+        self._run(stream, body, *[array for _, array, _ in pairs])
 
     def barrier(self, *, stream: Any = None) -> None:
         if self._token is None:

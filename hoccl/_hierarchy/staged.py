@@ -48,7 +48,7 @@ from .._mailbox import wait_until
 from ..bootstrap import Bootstrap, MPIBootstrap
 from .arrays import Arrays, address
 from .cma import READ_PART_BYTES, CmaTransport
-from .engine import Setup
+from .engine import Pair, Setup
 from .folding import FoldingEngine, _to_numpy
 from ..backends._segments import shared_bytes
 from .slots import HOST_COPIES, SLOTS, Stager
@@ -85,6 +85,9 @@ class StagedEngine(FoldingEngine):
         self._phase: Optional[Tuple[Any, Any, Any]] = None
         self._broken = ""
         self._aborted = ""
+        #: a batch's pinned memory, one array a pair, and the event of its copies
+        self._batch_pinned: List[np.ndarray] = []
+        self._batch_event: Any = None
 
     @classmethod
     def connect(cls, setup: Setup) -> Tuple["StagedEngine", "StagedEngine"]:
@@ -440,6 +443,65 @@ class StagedEngine(FoldingEngine):
         self._step("recv", stream, buf.shape[0], None, 0, buf, 1,
                    lambda s, r: self.transport.recv(r, peer))
 
+    def batch(self, pairs: Sequence[Pair], *, stream: Any = None) -> None:
+        """Every send and receive of ``pairs`` posted to the transport before any is waited
+        for, so no order of them waits in a cycle; each cut into the chunks a single send
+        or receive takes (one message where no member of the level stages, else
+        ``stage_bytes``), so a batch's pair matches its peer's, batched or not.  A member
+        on a device first copies its sends whole to pinned memory, and its receives in
+        after every transfer is done (copy engines; the copies do not overlap the wire)."""
+        what = "send/recv batch"
+        self._refuse_if_broken(what)
+        pairs = [pair for pair in pairs if pair[1].shape[0]]
+        arrays = [array for _, array, _ in pairs]
+        if not pairs:
+            return
+        on_host = self.direct or self._on_host(arrays)
+        if not on_host and self.device is None:
+            raise InvalidArgumentError(f"{what} across hosts ({self.label}): device arrays on "
+                                       f"a rank without hoccl's cuda backend")
+        device = self.device
+        hosts = ([_to_numpy(array).view(np.uint8) for array in arrays] if on_host else
+                 self._batch_memory([address(array)[1] for array in arrays]))
+        if not on_host:
+            device.activate()
+            work = device.resolve_stream(stream, [])
+            for (kind, array, _), host in zip(pairs, hosts):
+                if kind == "send":
+                    device.copy(work, host.ctypes.data, address(array)[0], host.nbytes)
+            self._batch_waited(device, work, f"{what} (copy out)")
+        requests = []
+        for (kind, array, peer), host in zip(pairs, hosts):
+            width = host.nbytes if self.direct else \
+                max(1, self.stage_bytes // _itemsize(array)) * _itemsize(array)
+            post = self.transport.send if kind == "send" else self.transport.recv
+            requests += [post(host[a:a + width], peer) for a in range(0, host.nbytes, width)]
+        for request in requests:
+            self._transferred(request, what)
+        if not on_host:
+            for (kind, array, _), host in zip(pairs, hosts):
+                if kind == "recv":
+                    device.copy(work, address(array)[0], host.ctypes.data, host.nbytes)
+            self._batch_waited(device, work, f"{what} (copy in)")
+
+    def _batch_memory(self, sizes: List[int]) -> List[np.ndarray]:
+        """Pinned host memory for a batch's pairs (kept for the next batch)."""
+        memory = self._batch_pinned
+        for index, nbytes in enumerate(sizes):
+            if index == len(memory):
+                memory.append(self.pinned(nbytes))
+            elif memory[index].nbytes < nbytes:
+                self.unpinned(memory[index])
+                memory[index] = self.pinned(nbytes)
+        return [memory[index][:nbytes] for index, nbytes in enumerate(sizes)]
+
+    def _batch_waited(self, device: Any, stream: Any, what: str) -> None:
+        """Wait on the host for the work on ``stream`` so far (the batch's copies)."""
+        if self._batch_event is None:
+            self._batch_event = device.create_event()
+        device.record(stream, self._batch_event)
+        self._copied(device, self._batch_event, what)
+
     def barrier(self, *, stream: Any = None) -> None:
         if stream is not None and self.device is not None:
             self.device.synchronize_stream(self.device.resolve_stream(stream, []), self.timeout)
@@ -455,6 +517,12 @@ class StagedEngine(FoldingEngine):
         for stager in self._stagers.values():
             stager.close(self.timeout)
         self._stagers.clear()
+        if self._batch_event is not None:
+            self.device.destroy_event(self._batch_event)
+            self._batch_event = None
+        for memory in self._batch_pinned:
+            self.unpinned(memory)
+        self._batch_pinned.clear()
         if self._phase is not None:
             stream, *events = self._phase
             self.device.synchronize_stream(stream, self.timeout)
@@ -526,9 +594,15 @@ class GlooStagedEngine(StagedEngine):
                 GlooTransport(made[-1], groups[-1], timeout))
 
 
+#: the tag of ``Create_group`` for a part of the MPI world
+_SUB_WORLD = 4242
+
+
 def _mpi_communicator(call: str, bootstrap: Bootstrap, mpi_comm: Any) -> Any:
     """The MPI communicator the engine splits: the bootstrap's own, or ``mpi_comm`` / the
-    world when the bootstrap is not MPI's (its ranks must then be the same)."""
+    world when the bootstrap is not MPI's (its ranks must then be the same), or, for a
+    bootstrap of some of the MPI world's processes (a torch sub-group), a communicator of
+    those processes made from the world."""
     try:
         from mpi4py import MPI
     except ImportError:
@@ -537,6 +611,11 @@ def _mpi_communicator(call: str, bootstrap: Bootstrap, mpi_comm: Any) -> Any:
     if isinstance(bootstrap, MPIBootstrap):
         return bootstrap.mpi
     world = mpi_comm if mpi_comm is not None else MPI.COMM_WORLD
+    if mpi_comm is None and world.Get_size() > bootstrap.world_size:
+        # a part of the MPI world (a torch sub-group): its ranks, in the bootstrap's order
+        ranks = bootstrap.allgather(world.Get_rank())
+        if len(set(ranks)) == len(ranks):
+            return world.Create_group(world.group.Incl(ranks), tag=_SUB_WORLD)
     if world.Get_size() != bootstrap.world_size or world.Get_rank() != bootstrap.rank:
         raise InvalidArgumentError(f"{call}: inter_host='mpi' needs an MPI communicator with the "
                                    f"bootstrap's ranks; MPI has rank {world.Get_rank()} of "

@@ -14,7 +14,7 @@ from .._errors import InvalidArgumentError
 from ..bootstrap import Bootstrap
 from ..sched.hierarchical import Topology
 
-__all__ = ["SubBootstrap", "host_topology"]
+__all__ = ["SubBootstrap", "host_topology", "simulated_local_size"]
 
 
 class SubBootstrap:
@@ -79,3 +79,30 @@ def host_topology(call: str, bootstrap: Bootstrap, local_size: Optional[int]
             f"(mpirun --map-by slot, torchrun) or pass local_size=")
     return Topology(len(order), size), names, "hostname"
 
+
+def simulated_local_size(call: str, global_ranks: Sequence[int]) -> Optional[int]:
+    """The ranks per simulated host of a group of the world's ranks ``global_ranks`` (in
+    group order), under ``HOCCL_LOCAL_SIZE=L``: the world's hosts are its blocks of L
+    consecutive ranks, so the group's ranks [0, 2] of L=2 sit on two hosts of one rank,
+    [0, 1] on one host of two.  None without ``HOCCL_LOCAL_SIZE``, or for the world
+    itself (no ranks given): ``host_topology`` reads it then."""
+    text = environ("HOCCL_LOCAL_SIZE")
+    if not text or not global_ranks:
+        return None
+    try:
+        world_local = int(text)
+    except ValueError:
+        raise InvalidArgumentError(f"{call}: HOCCL_LOCAL_SIZE must be a positive int; got "
+                                   f"{text!r}") from None
+    if world_local < 1:
+        raise InvalidArgumentError(f"{call}: HOCCL_LOCAL_SIZE must be a positive int; got "
+                                   f"{text!r}")
+    hosts = [rank // world_local for rank in global_ranks]
+    order = list(dict.fromkeys(hosts))
+    size = hosts.count(order[0])
+    if hosts != [host for host in order for _ in range(size)]:
+        raise InvalidArgumentError(
+            f"{call}: the group's ranks {list(global_ranks)} sit on the simulated hosts "
+            f"{hosts} (HOCCL_LOCAL_SIZE={world_local}): a group's ranks must be placed in "
+            f"blocks of equal size per host")
+    return size

@@ -12,7 +12,7 @@ import numpy as np
 
 from .._errors import AbortedError, HocclTimeoutError, InvalidArgumentError
 from .arrays import torch_stream
-from .engine import Setup
+from .engine import Pair, Setup
 from .folding import FoldingEngine
 
 __all__ = ["TorchGroupEngine", "torch_groups"]
@@ -87,7 +87,8 @@ class TorchGroupEngine(FoldingEngine):
         else:
             work = body(*tensors)
         try:
-            work.wait(timeout=datetime.timedelta(seconds=self.timeout))
+            for each in work if isinstance(work, list) else [work]:
+                each.wait(timeout=datetime.timedelta(seconds=self.timeout))
         except RuntimeError as error:
             self._broken = f"{what} did not finish: {error}"
             raise HocclTimeoutError(
@@ -137,6 +138,16 @@ class TorchGroupEngine(FoldingEngine):
     def recv(self, buf: Any, peer: int, *, stream: Any = None) -> None:
         self._run("recv", stream, lambda b: self.dist.irecv(b, src=self._global(peer),
                                                             group=self.group), buf)
+
+    def batch(self, pairs: Sequence[Pair], *, stream: Any = None) -> None:
+        """Every pair posted (``isend``/``irecv``) before any is waited for."""
+        def body(*tensors: Any) -> List[Any]:
+            return [self.dist.isend(tensor, dst=self._global(peer), group=self.group)
+                    if kind == "send" else
+                    self.dist.irecv(tensor, src=self._global(peer), group=self.group)
+                    for (kind, _, peer), tensor in zip(pairs, tensors)]
+        if pairs:
+            self._run("send/recv batch", stream, body, *[array for _, array, _ in pairs])
 
     def barrier(self, *, stream: Any = None) -> None:
         """A one-byte all_gather: every member reaches it before any leaves."""

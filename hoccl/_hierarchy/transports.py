@@ -110,7 +110,10 @@ class MpiTransport(Transport):
         return self.comm.Iscatter(send, recv, root=root)
 
     def send(self, buf: np.ndarray, peer: int) -> Any:
-        return self.comm.Isend(buf, dest=peer)
+        """A synchronous-mode send: done once the peer's receive has matched it, so a send
+        whose receive never comes ends in the engine's timeout, as on every other engine
+        (a small standard send would be done at once, buffered by MPI)."""
+        return self.comm.Issend(buf, dest=peer)
 
     def recv(self, buf: np.ndarray, peer: int) -> Any:
         return self.comm.Irecv(buf, source=peer)
@@ -153,7 +156,7 @@ class GlooTransport(Transport):
         import torch.distributed as dist
         self.torch, self.dist, self.group, self.members = torch, dist, group, list(members)
         self.size, self.member = len(self.members), self.members.index(dist.get_rank())
-        self.label = dist.get_backend(group)
+        self.label = _library(torch, dist, group)
 
     def _t(self, array: Optional[np.ndarray]) -> Any:
         return None if array is None else self.torch.from_numpy(array)
@@ -181,25 +184,50 @@ class GlooTransport(Transport):
                                  group=self.group, async_op=True)
 
     def send(self, buf: np.ndarray, peer: int) -> Any:
-        return self._waited("send", self.dist.isend(self._t(buf), dst=self.members[peer],
-                                                    group=self.group))
+        return _Posted("send", self.dist.isend(self._t(buf), dst=self.members[peer],
+                                               group=self.group))
 
     def recv(self, buf: np.ndarray, peer: int) -> Any:
-        return self._waited("recv", self.dist.irecv(self._t(buf), src=self.members[peer],
-                                                    group=self.group))
+        return _Posted("recv", self.dist.irecv(self._t(buf), src=self.members[peer],
+                                               group=self.group))
 
-    def _waited(self, what: str, work: Any) -> Any:
+    def _waited(self, request: "_Posted") -> bool:
+        """Wait for a posted send or receive (gloo tells its end only to ``wait``), at most
+        ``timeout`` seconds: posted first, a batch's sends and receives are all in flight
+        while the first of them is waited for."""
         import datetime
         try:
-            work.wait(timeout=datetime.timedelta(seconds=self.timeout))
+            request.work.wait(timeout=datetime.timedelta(seconds=self.timeout))
         except RuntimeError as error:
-            raise HocclTimeoutError(f"{what} across hosts ({self.label}, member {self.member} "
-                                    f"of {self.size}): not finished within {self.timeout:g} s, "
-                                    f"or failed: {error}") from None
-        return None
+            raise HocclTimeoutError(f"{request.what} across hosts ({self.label}, member "
+                                    f"{self.member} of {self.size}): not finished within "
+                                    f"{self.timeout:g} s, or failed: {error}") from None
+        return True
 
     def barrier(self) -> Any:
         return self.all_gather(np.zeros(1, np.uint8), np.zeros(self.size, np.uint8))
 
     def test(self, request: Any) -> bool:
+        if isinstance(request, _Posted):
+            return self._waited(request)
         return request is None or bool(request.is_completed())
+
+
+def _library(torch: Any, dist: Any, group: Any) -> str:
+    """The library of a torch group: its backend's name, or "gloo" for a gloo backend
+    registered under another name (the groups hoccl's torch backend makes while it
+    connects are gloo's: ``hoccl.torch._mixed``)."""
+    try:
+        backend = (group or dist.group.WORLD)._get_backend(torch.device("cpu"))
+    except (AttributeError, RuntimeError):
+        return dist.get_backend(group)
+    return "gloo" if isinstance(backend, dist.ProcessGroupGloo) else dist.get_backend(group)
+
+
+class _Posted:
+    """A gloo send or receive in flight (``GlooTransport.send``, ``recv``)."""
+
+    __slots__ = ("what", "work")
+
+    def __init__(self, what: str, work: Any):
+        self.what, self.work = what, work

@@ -206,16 +206,30 @@ class Device(abc.ABC):
     def alloc_pad(self, slots: int) -> int:
         """A zeroed array of ``slots`` 64-bit signal slots in device memory; peers map it."""
 
-    def free_pad(self, address: int, writers_done: bool) -> None:
-        """This rank is done with the pad at ``address`` (from ``alloc_pad``).
-        ``writers_done``: no peer can write into it any more either (``Engine.leave_device``
-        says when); without it a backend whose peers write by raw address must keep the
-        pad.  The default frees it (a peer's mapping of device memory keeps it alive)."""
+    def free_pad(self, address: int) -> None:
+        """This rank, and every peer in this process, is done with the pad at ``address``
+        (from ``alloc_pad``).  Peers in other processes may still write into it until they
+        close: they hold their mapping (``import_pad``), and the memory stays theirs to
+        write until they drop it.  The default frees it (a peer's mapping of device
+        memory keeps the memory alive)."""
         self.free(address)
+
+    def import_pad(self, descriptor: Any) -> Any:
+        """Map a peer process's signal pad (``export`` of the pad with its size) for this
+        rank's writes, held until ``drop_pad``: a write into it never lands in memory its
+        owner has released, however late it comes."""
+        return self.import_(descriptor)
+
+    def drop_pad(self, descriptor: Any) -> None:
+        """This rank will write into the peer's pad no more (``import_pad``)."""
 
     @abc.abstractmethod
     def alloc_host_word(self) -> HostWord:
         """A zeroed 64-bit counter in host memory that this device can write."""
+
+    def free_host_word(self, word: HostWord) -> None:
+        """Nothing will write ``word`` any more (its communicator has closed); the
+        device's close frees those not freed before."""
 
     @abc.abstractmethod
     def export(self, address: int, nbytes: int = 0) -> Any:
@@ -274,6 +288,14 @@ class Device(abc.ABC):
                 self.write_value(stream, address, value)
             else:
                 self.wait_value(stream, address, value)
+
+    def fresh(self) -> Optional["Device"]:
+        """A device on the same hardware for a communicator made from an aborted one's
+        survivors (``Communicator.shrink``), or None: borrow this one.  A CUDA device is
+        borrowed (a process imports a peer's buffer once per context, and an abort
+        leaves the context usable); the host backend opens a new one, since an abort
+        drops its streams' queued work for good."""
+        return None
 
     def activate(self) -> None:
         """Make this device current for the calls that follow on this thread (CUDA: its

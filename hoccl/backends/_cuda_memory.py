@@ -125,6 +125,13 @@ class _Memory:
         self._owned.host_words.append(word)
         return word
 
+    def free_host_word(self, word: HostWord) -> None:
+        if isinstance(word, _PinnedWord) and word in self._owned.host_words:
+            self._make_current()
+            self._owned.host_words.remove(word)
+            _call(driver.cuMemFreeHost, word._host_address)
+            word._host_address = 0
+
     def export(self, address: int, nbytes: int = 0) -> CudaIpcDescriptor:
         """``("cuda-ipc", handle, base, size, buffer_id, offset)`` for the allocation
         holding ``address``; the handle of an allocation is made once and cached.

@@ -9,20 +9,31 @@ cross-memory attach) and reaches the piece with plain loads and stores, where
 ``process_vm_readv`` moves 4.5–6.6 GB/s a process on the H200 machine.  A piece outside
 every segment (memory the caller allocated) is moved with cross-memory attach, and so
 is any piece whose segment cannot be mapped.
+
+A segment a peer must be able to write into for as long as it holds it (a host signal
+pad) is mapped with ``HeldSegments``: the mapping holds a shared lock on the file
+(an open-file-description lock, released by the kernel when the mapping's descriptor is
+closed or its process ends), and its owner asks ``held_elsewhere`` before it gives the
+memory to anything else.  A peer's write always lands in its own mapping, never in
+memory the owner has freed, and the owner reuses the segment only once nobody maps it.
 """
 
 from __future__ import annotations
 
 import bisect
+import ctypes
+import fcntl
 import mmap
 import os
+import struct
 import threading
 import weakref
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-__all__ = ["PeerSegments", "shared_bytes", "segment_of", "segment_words", "NO_SEGMENT"]
+__all__ = ["PeerSegments", "HeldSegments", "shared_bytes", "segment_of", "segment_words",
+           "held_elsewhere", "NO_SEGMENT"]
 
 #: an offer's segment words where the piece lies in no segment
 NO_SEGMENT = (0, 0, 0, 0)
@@ -79,6 +90,92 @@ def segment_of(address: int, nbytes: int) -> Tuple[int, int, int, int]:
 def segment_words(piece: np.ndarray) -> Tuple[int, int, int, int]:
     """``segment_of`` the bytes of ``piece``."""
     return segment_of(piece.ctypes.data, piece.nbytes)
+
+
+def _lock_request(kind: int) -> bytes:
+    """A ``struct flock`` of the whole file for ``F_OFD_*`` (``l_pid`` must be 0)."""
+    return struct.pack("hhqqi4x", kind, os.SEEK_SET, 0, 0, 0)
+
+
+def held_elsewhere(piece: np.ndarray) -> bool:
+    """Whether a ``HeldSegments`` mapping (of any process, this one included) holds the
+    segment of ``piece``: its owner must not give that memory to anything else yet."""
+    fd, inode, _, _ = segment_words(piece)
+    if not inode:
+        return False
+    answer = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, _lock_request(fcntl.F_WRLCK))
+    return struct.unpack_from("h", answer)[0] != fcntl.F_UNLCK
+
+
+class _Held:
+    """One peer segment mapped for reading and writing, its file locked shared."""
+
+    def __init__(self, pid: int, fd: int, inode: int, base: int, length: int) -> None:
+        handle = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR)
+        try:
+            if os.fstat(handle).st_ino != inode:
+                raise OSError(f"/proc/{pid}/fd/{fd} is another file now")
+            fcntl.fcntl(handle, fcntl.F_OFD_SETLK, _lock_request(fcntl.F_RDLCK))
+            area = mmap.mmap(handle, length)
+        except BaseException:
+            os.close(handle)
+            raise
+        self._handle, self._area = handle, area
+        self._pin = ctypes.c_char.from_buffer(area)  # the mapping's address, held
+        self.shift = ctypes.addressof(self._pin) - base
+        self.users = 0
+
+    def close(self) -> None:
+        """Unmap, then let go of the lock (so the owner never sees it free while mapped)."""
+        del self._pin
+        self._area.close()
+        os.close(self._handle)
+
+
+class HeldSegments:
+    """Peers' segments this process writes into by address (a host signal pad), each
+    mapped once and held, with a shared lock on its file, until its last user drops it
+    (``drop``) or ``clear``: while any mapping holds it, the owner does not reuse the
+    memory (``held_elsewhere``), and after the owner has let go or exited, this
+    process's writes still land in its own mapping."""
+
+    def __init__(self) -> None:
+        self._held: Dict[Tuple[int, int], _Held] = {}
+        self._lock = threading.Lock()
+
+    def hold(self, pid: int, words: Tuple[int, int, int, int], address: int) -> int:
+        """This process's address of the peer's ``address`` inside the segment ``words``
+        name, mapped (once) and held; raises OSError if it cannot be mapped."""
+        fd, inode, base, length = words
+        if not inode or not base <= address < base + length:
+            raise OSError(f"address {address:#x} of process {pid} lies in no shared segment")
+        with self._lock:
+            held = self._held.get((pid, inode))
+            if held is None:
+                held = self._held[(pid, inode)] = _Held(pid, fd, inode, base, length)
+            held.users += 1
+            return address + held.shift
+
+    def drop(self, pid: int, words: Tuple[int, int, int, int]) -> None:
+        """One user of the peer's segment is done (its writers have stopped)."""
+        key = (pid, words[1])
+        with self._lock:
+            held = self._held.get(key)
+            if held is None:
+                return
+            held.users -= 1
+            if held.users <= 0:
+                del self._held[key]
+                held.close()
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def clear(self) -> None:
+        with self._lock:
+            held, self._held = list(self._held.values()), {}
+        for one in held:
+            one.close()
 
 
 class PeerSegments:

@@ -33,9 +33,11 @@ from ._base import (DIRECT_COPY, DIRECT_REDUCE, DIRECT_SIGNAL, DIRECT_VALUE_BITS
                     Device, DirectProgram, HostWord, check_reduce_extras)
 from ._cross_memory import FOLD_BLOCK_BYTES, RemotePtr, move, remote_reader
 from ._kernels import DIRECT_WORDS, block_range
-from ._segments import NO_SEGMENT, PeerSegments, segment_of, shared_bytes
+from ._host_pads import _PADS, pad_counts, released_pad_writes
+from ._segments import NO_SEGMENT, HeldSegments, PeerSegments, segment_of, shared_bytes
 
-__all__ = ["HostDevice", "HostStream", "RemotePtr", "open_device"]
+__all__ = ["HostDevice", "HostStream", "RemotePtr", "open_device", "released_pad_writes",
+           "pad_counts"]
 
 
 def _reduce_now(output: Any, inputs: Sequence[Any], count: int, dtype: str, op: str,
@@ -81,61 +83,6 @@ def _check_order(address: Any, value: int) -> None:
 _ABANDONED: List[Any] = []  # memory of devices closed with stuck work
 
 
-class _PadPool:
-    """Every signal pad of the process, handed out or free for reuse.
-
-    Peers write into a pad by its raw address: a signal from a peer's lane, a direct
-    kernel's, and the poison of a peer's abort, which the abort's pump writes again every
-    50 ms until that peer closes, from its own process (``process_vm_writev``) or from
-    this one.  A write into memory handed to something else corrupts it (the host
-    backend's first pump wrote into a closed rank's freed pad, and the heap corruption
-    showed in the next communicator's allocation); one into a reused pad reads as an
-    abort of the communicator that has it.  So a pad is reused only once no writer is
-    left: every rank that could write into it has closed (its lanes stopped, its pump
-    stopped, and a closed rank never aborts again) or its process is gone
-    (``Engine.leave_device``).  Until then, and when that cannot be known, it is kept
-    for the life of the process.  Free pads are kept by size, at most ``FREE`` of each:
-    a program that makes groups often reuses the same few, and its memory stays flat."""
-
-    FREE = 64
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._used: Dict[int, np.ndarray] = {}  # by address
-        self._free: Dict[int, List[np.ndarray]] = {}  # by slots
-
-    def take(self, slots: int) -> int:
-        with self._lock:
-            free = self._free.get(slots)
-            array = free.pop() if free else None
-        if array is None:
-            array = np.zeros(slots, dtype=np.uint64)
-        else:
-            array[...] = 0
-        with self._lock:
-            self._used[array.ctypes.data] = array
-        return array.ctypes.data
-
-    def give_back(self, address: int, writers_done: bool) -> None:
-        """Reuse the pad at ``address`` if ``writers_done``, else keep it for good."""
-        if not writers_done:
-            return
-        with self._lock:
-            array = self._used.pop(address, None)
-            if array is not None:
-                free = self._free.setdefault(len(array), [])
-                if len(free) < self.FREE:
-                    free.append(array)
-
-    def counts(self) -> Tuple[int, int]:
-        """(pads handed out or kept, free pads)."""
-        with self._lock:
-            return len(self._used), sum(len(free) for free in self._free.values())
-
-
-_PADS = _PadPool()
-
-
 class _Aborted(Exception):
     """Raised inside a worker when its device was aborted: the item is dropped."""
 
@@ -157,18 +104,22 @@ class HostStream:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def enqueue(self, work) -> None:
+    def enqueue(self, work, marker: bool = False) -> None:
+        """Queue ``work``; a ``marker`` (an event's record) runs even after an item of
+        this stream failed, which skips the rest: the stream is then idle, and teardown
+        can see that it is."""
         with self._idle:
             self._pending += 1
-        self._queue.put(work)
+        self._queue.put((work, marker))
 
     def _run(self) -> None:
         while True:
-            work = self._queue.get()
-            if work is None:
+            item = self._queue.get()
+            if item is None:
                 return
+            work, marker = item
             try:
-                if self.error is None:
+                if self.error is None or marker:
                     if self._jitter:
                         time.sleep(random.random() * self._jitter)
                     work()
@@ -229,6 +180,8 @@ class HostDevice(Device):
         self._memory: Dict[int, np.ndarray] = {}
         #: the peers' segments this device has mapped (``import_``)
         self._peer_segments = PeerSegments(writable=True, hold_live=True)
+        #: the peers' signal pads this device writes into, held while a pad uses them
+        self._peer_pads = HeldSegments()
         self._streams: List[HostStream] = []
         self._default: HostStream | None = None
         self._aborted = threading.Event()
@@ -240,6 +193,9 @@ class HostDevice(Device):
         self._check_signals = environ("HOCCL_HOST_CHECK_SIGNALS") == "1"
         self._jitter = float(environ("HOCCL_HOST_JITTER") or 0)
         host_threads()  # a bad HOCCL_HOST_THREADS raises here, not later on a stream's thread
+
+    def fresh(self) -> "HostDevice":
+        return HostDevice(max_sms=self.max_sms, copy_sms=self.copy_sms)
 
     # -- streams and events ------------------------------------------------------------
     def create_stream(self) -> HostStream:
@@ -278,7 +234,7 @@ class HostDevice(Device):
 
         def reach():
             reached[0] = True
-        stream.enqueue(reach)
+        stream.enqueue(reach, marker=True)
 
     def wait_event(self, stream: HostStream, event: _Event) -> None:
         reached = event.latest
@@ -316,13 +272,36 @@ class HostDevice(Device):
     def alloc_pad(self, slots: int) -> int:
         return _PADS.take(slots)
 
-    def free_pad(self, address: int, writers_done: bool) -> None:
-        _PADS.give_back(address, writers_done)
+    def free_pad(self, address: int) -> None:
+        _PADS.give_back(address)
+
+    def import_pad(self, descriptor: tuple) -> Any:
+        """A peer's pad (``export`` of it with its size), mapped and held until
+        ``drop_pad``: this rank's writes into it never reach memory its owner freed."""
+        kind, pid, address, *words = descriptor
+        if kind != "host":
+            raise InvalidArgumentError(f"import_pad: expected a host descriptor, got {kind!r}")
+        if pid == self._pid:
+            return address
+        try:
+            return self._peer_pads.hold(pid, tuple(words), address)
+        except OSError as error:
+            raise HocclError(f"import_pad: could not map the signal pad of process {pid} "
+                             f"(/proc/{pid}/fd, which needs the permission cross-memory "
+                             f"attach needs): {error}") from None
+
+    def drop_pad(self, descriptor: tuple) -> None:
+        kind, pid, _, *words = descriptor
+        if pid != self._pid:
+            self._peer_pads.drop(pid, tuple(words))
 
     def alloc_host_word(self) -> HostWord:
         array = np.zeros(1, dtype=np.uint64)
         self._memory[array.ctypes.data] = array
         return _HostWord(array)
+
+    def free_host_word(self, word: HostWord) -> None:
+        self._memory.pop(word.address, None)
 
     def export(self, address: int, nbytes: int = 0) -> tuple:
         """``("host", pid, address, *segment)``: the segment's words (``segment_of``)
@@ -350,12 +329,27 @@ class HostDevice(Device):
         """How many of the peers' segments this device has mapped."""
         return len(self._peer_segments)
 
+    @property
+    def held_pads(self) -> int:
+        """How many of the peers' signal pads this device holds mapped (``import_pad``)."""
+        return len(self._peer_pads)
+
+    @property
+    def allocations(self) -> int:
+        """How many allocations of this device (scratch, rings, host words) are live."""
+        return len(self._memory)
+
     def enable_peer_access(self, peer: Device) -> None:
         pass
 
     # -- the primitives ----------------------------------------------------------------
     def copy(self, stream: HostStream, dst: Any, src: Any, nbytes: int) -> None:
-        stream.enqueue(lambda: move(dst, src, nbytes))
+        def run():
+            # after an abort nothing more moves: a peer that let go may have freed ``dst``
+            if self._aborted.is_set() or stream.aborted.is_set():
+                raise _Aborted()
+            move(dst, src, nbytes)
+        stream.enqueue(run)
 
     def local_copy(self, stream: HostStream, dst: Any, src: Any, nbytes: int,
                    sms: Optional[int] = None) -> None:
@@ -532,10 +526,12 @@ class HostDevice(Device):
         self._default = None
         if leak:
             # a stuck stream may still read its pad or a peer's mapped buffer
-            _ABANDONED.append((self._memory, self._peer_segments))
+            _ABANDONED.append((self._memory, self._peer_segments, self._peer_pads))
             self._memory, self._peer_segments = {}, PeerSegments(True, True)
+            self._peer_pads = HeldSegments()
         self._memory.clear()
         self._peer_segments.clear()
+        self._peer_pads.clear()
 
 
 def open_device(ordinal: Any = None, *, max_sms: int, copy_sms: int) -> HostDevice:

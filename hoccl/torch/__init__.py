@@ -37,6 +37,7 @@ import hoccl_autoload
 
 from .. import InvalidArgumentError
 from .._hierarchy import INTER_HOST_ENGINES
+from .._hierarchy.topology import simulated_local_size
 from ..config import SETTINGS, Config
 from ._bootstrap import StoreBootstrap
 from ._fsdp import AllGather, FSDPHooks, ReduceScatter, use_for_fsdp
@@ -44,6 +45,7 @@ from ._launchers import fill_rendezvous_env
 from ._mixed import is_mixed, library_group, making_library_groups, needs_torch_groups
 from ._pool import RegisteredPool
 from ._process_group import ProcessGroupHoccl
+from ._shrinking import use_python_groups
 from ._work import Work
 
 __all__ = ["Options", "ProcessGroupHoccl", "StoreBootstrap", "AllGather", "ReduceScatter",
@@ -153,12 +155,16 @@ def _create(backend_options: Any, pg_options: Any) -> Any:
     if making_library_groups():
         return library_group(store, rank, world_size, timeout)
 
+    # a sub-group's simulated hosts are those of its ranks in the world (HOCCL_LOCAL_SIZE)
+    local_size = simulated_local_size(
+        "new_group", list(getattr(backend_options, "global_ranks_in_group", None) or []))
+
     def connect() -> Tuple[Any, Any]:
         comm = hoccl.init(backend=options.backend,
                           bootstrap=StoreBootstrap(store, rank, world_size),
                           device=_device(options), timeout=timeout.total_seconds() or None,
                           inter_host=options.inter_host, config=options.config,
-                          **dict(options.settings))
+                          local_size=local_size, **dict(options.settings))
         cpu_group = None
         if comm.backend == "cuda" and not (isinstance(comm, hoccl.HierarchicalCommunicator)
                                            and is_mixed(comm)):
@@ -175,5 +181,6 @@ def _create(backend_options: Any, pg_options: Any) -> Any:
 
 
 hoccl_autoload.register()
+use_python_groups(ProcessGroupHoccl)
 if not hoccl_autoload.CREATING and not dist.is_initialized():
     fill_rendezvous_env()

@@ -8,11 +8,13 @@ every held one is issued together when anything needs one of them: a ``wait()``,
 ``is_completed()`` or ``get_future()`` of its Work, or any other call on any hoccl
 process group of this process (which keeps the calls of every group in program order).
 
-The held calls are issued inside ``hoccl.group()``: every rank's batch is matched with
-its peers' batches as a whole, whatever the order of its calls.  A batch goes out in
-rounds, the k-th round holding the k-th call of each (communicator, peer, direction):
-round k of every rank matches round k of its peers, and no round holds two calls of
-one pair and direction (under mpirun such a group does not complete yet).
+The held calls are issued inside ``hoccl.group()``.  Across hosts, one group: the
+communicator posts every pair of it before it waits for any (``hoccl._hierarchy.pairs``),
+so ranks that batch their sends and recvs differently (a pipeline schedule's) never wait
+in a cycle.  Within a host a hoccl group matches its calls with the peers' as a whole, so
+a batch goes out in rounds (``hoccl._hierarchy.engine.rounds``), the k-th round holding
+the k-th call of each (communicator, peer, direction): round k of every rank matches
+round k of its peers where they batched alike.
 
 A recv from any source (``dist.recv(tensor)`` with no ``src``, host backend only) is
 matched through the group's store (``SendCounts``): every send of the torch API adds
@@ -31,13 +33,14 @@ timed out is dropped (the recvs held behind it go on).
 from __future__ import annotations
 
 import time
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence
 
 import torch
 
 import hoccl
 
 from .. import HocclTimeoutError, InvalidArgumentError
+from .._hierarchy.engine import rounds
 from .._mailbox import wait_until
 from ._ops import movable
 from ._work import Launcher, Work, WorkList
@@ -201,24 +204,16 @@ def issue_held() -> None:
                 call.counts.received[call.peer] += 1
         going.append(call)
     _HELD[:0] = staying
-    for round_ in _rounds(going):
+    across = [call for call in going if call.launcher.across_hosts]
+    within = [call for call in going if not call.launcher.across_hosts]
+    batches = ([across] if across else []) + rounds(
+        within, lambda call: (id(call.launcher.comm), call.peer, call.kind))
+    for batch in batches:
         with hoccl.group():
-            for call in round_:
+            for call in batch:
                 call.issue()
     for call in going:
         call.finish()
-
-
-def _rounds(held: List[HeldP2P]) -> List[List[HeldP2P]]:
-    rounds: List[List[HeldP2P]] = []
-    seen: Dict[Tuple[int, Any, str], int] = {}
-    for call in held:
-        key = (id(call.launcher.comm), call.peer, call.kind)
-        index = seen[key] = seen.get(key, -1) + 1
-        if index == len(rounds):
-            rounds.append([])
-        rounds[index].append(call)
-    return rounds
 
 
 def even_splits(call: str, tensor: torch.Tensor, world_size: int) -> List[int]:

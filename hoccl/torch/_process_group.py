@@ -40,6 +40,7 @@ from ._collectives import all_gather_into, reduce_scatter_into
 from ._mixed import is_mixed, library_groups, staged, tensors_of, to_gloo, where
 from ._ops import averaged, movable, one_tensor, premultiply, reducible, reduction
 from ._p2p import HeldP2P, SendCounts, even_splits, exchange, issue_held
+from ._shrinking import shrink
 from ._work import Launcher, WorkList
 
 __all__ = ["ProcessGroupHoccl"]
@@ -80,6 +81,7 @@ class ProcessGroupHoccl(dist.ProcessGroup):
     # what torch asks a backend (``_get_backend`` returns the group itself)
     supports_splitting = False
     supports_coalescing = False
+    supports_shrinking = True
 
     def __init__(self, comm: Any = None, cpu_group: Any = None, store: Any = None, *,
                  connect: Optional[Callable[[], Tuple[Any, Any]]] = None, rank: int = 0,
@@ -96,6 +98,7 @@ class ProcessGroupHoccl(dist.ProcessGroup):
         self.across_hosts = self.mixed = False
         self._coalesced: Optional[List[dist.Work]] = None
         self._group_name = ""
+        self.shrinks = 0  # groups made by ``shrink`` from this one
         if comm is not None:
             self._attach(comm, cpu_group)
 
@@ -168,6 +171,10 @@ class ProcessGroupHoccl(dist.ProcessGroup):
     def abort(self) -> None:
         if self._comm is not None:
             self._comm.abort("torch.distributed aborted the process group")
+
+    def shrink(self, ranks: List[int], flags: int = 0, opts: Any = None) -> "ProcessGroupHoccl":
+        """``dist.shrink_group``'s backend call (``_shrinking.shrink``)."""
+        return shrink(self, ranks, flags, opts)
 
     # -- routing and bookkeeping --------------------------------------------------------
     def _gloo(self, call: str, tensors: Sequence[torch.Tensor]) -> bool:

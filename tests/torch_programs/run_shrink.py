@@ -1,0 +1,151 @@
+"""``dist.shrink_group`` on the hoccl backend (host), one worker of a job started through
+torch's env:// rendezvous on a store no worker hosts (torchrun's agent store:
+``TORCHELASTIC_USE_AGENT_STORE=True``): ``python run_shrink.py --victims R[,R2] --how
+exit|kill [--abort] [--subgroup] --stamps DIR``, with RANK, WORLD_SIZE, MASTER_ADDR and
+MASTER_PORT set.
+
+After three exact all_reduces, the first victim goes: ``exit`` between two calls
+(os._exit), or ``kill``: SIGKILL while a 32 MiB all_reduce of every rank is in flight.
+The others' next call raises; they call ``dist.shrink_group([victim])`` (SHRINK_ABORT
+with ``--abort``) on the default group, or on a group of every rank (``--subgroup``),
+then check 20 all_reduces against numpy (fresh random data, outputs poisoned first) and
+one DDP step against the gradients computed here.  A second victim (a rank of the
+original job) then exits, and the survivors shrink the shrunk group again and check it
+again.  A victim writes the time it goes into ``DIR/victim-R``; each survivor prints
+``rank R: OK detect D s shrink S s first T s ...`` per failure (seconds from the victim's
+going to the error, to shrink_group's return, and to the first exact all_reduce), or
+``rank R: FAILED ...``.
+"""
+
+import argparse
+import os
+import signal
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+import hoccl
+import hoccl.torch
+
+BIG = 8 << 20  # int32 elements: 32 MiB
+
+
+def exact_all_reduce(group, seed):
+    """An all_reduce of fresh random int64 data on ``group``, checked; True if exact."""
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    draw = [torch.randint(-1 << 40, 1 << 40, (3001,), dtype=torch.int64,
+                          generator=torch.Generator().manual_seed(seed * 1000 + peer))
+            for peer in range(size)]
+    tensor = draw[rank].clone()
+    dist.all_reduce(tensor, group=group)
+    return bool(torch.equal(tensor, sum(draw)))
+
+
+def ddp_step_is_right(group, seed):
+    """One DDP step on ``group``: its gradients equal the mean of every rank's, made here."""
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(16, 4)
+    reference = [p.detach().clone() for p in model.parameters()]
+    ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=group)
+    inputs = [torch.randn(8, 16, generator=torch.Generator().manual_seed(seed + peer))
+              for peer in range(size)]
+    ddp(inputs[rank]).square().sum().backward()
+    grads = []
+    for peer in range(size):
+        copy = torch.nn.Linear(16, 4)
+        with torch.no_grad():
+            for mine, value in zip(copy.parameters(), reference):
+                mine.copy_(value)
+        copy(inputs[peer]).square().sum().backward()
+        grads.append([p.grad for p in copy.parameters()])
+    want = [sum(grad[index] for grad in grads) / size for index in range(len(reference))]
+    return all(torch.allclose(p.grad, w, rtol=1e-5, atol=1e-5)
+               for p, w in zip(model.parameters(), want))
+
+
+def go(how, group, stamps, rank):
+    stamp = Path(stamps) / f"victim-{rank}"
+    if how == "kill":
+        big = torch.ones(BIG, dtype=torch.int32)
+        dist.all_reduce(big, group=group, async_op=True)  # in flight when the process dies
+        time.sleep(0.05)
+        stamp.write_text(repr(time.time()))
+        os.kill(os.getpid(), signal.SIGKILL)
+    stamp.write_text(repr(time.time()))
+    os._exit(3)
+
+
+def survive(how, group, stamps, victim, named, flags, seed):
+    """The victim's loss seen from a survivor; (shrunk group, report)."""
+    error = None
+    try:
+        if how == "kill":
+            big = torch.ones(BIG, dtype=torch.int32)
+            dist.all_reduce(big, group=group)
+        for index in range(100):  # the victim goes between two of these
+            exact_all_reduce(group, seed + index)
+    except Exception as caught:  # torch wraps nothing: hoccl's error itself
+        error = caught
+    detected = time.time()
+    if not isinstance(error, (hoccl.PeerDeadError, hoccl.AbortedError)):
+        return None, f"FAILED expected the loss to raise; got {error!r}"
+    shrunk_group = dist.shrink_group([victim], group=group, shrink_flags=flags)
+    shrunk = time.time()
+    first, wrong = None, 0
+    for index in range(20):
+        good = exact_all_reduce(shrunk_group, seed + 500 + index)
+        wrong += not good
+        if good and first is None:
+            first = time.time()
+    wrong += not ddp_step_is_right(shrunk_group, seed)
+    went = float((Path(stamps) / f"victim-{named}").read_text())
+    if wrong or first is None:
+        return shrunk_group, f"FAILED {wrong} of 21 checks wrong on the shrunk group"
+    return shrunk_group, (f"OK detect {detected - went:.3f} s shrink {shrunk - went:.3f} s "
+                          f"first {first - went:.3f} s ({type(error).__name__}; rank "
+                          f"{dist.get_rank(shrunk_group)} of "
+                          f"{dist.get_world_size(shrunk_group)})")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--victims", required=True)
+    parser.add_argument("--how", choices=["exit", "kill"], default="exit")
+    parser.add_argument("--abort", action="store_true")
+    parser.add_argument("--subgroup", action="store_true")
+    parser.add_argument("--stamps", required=True)
+    args = parser.parse_args()
+    victims = [int(rank) for rank in args.victims.split(",")]
+    flags = c10d.SHRINK_ABORT if args.abort else c10d.SHRINK_DEFAULT
+    dist.init_process_group("hoccl", pg_options=hoccl.torch.Options(backend="host"))
+    rank, size = dist.get_rank(), dist.get_world_size()
+    group = dist.new_group(list(range(size))) if args.subgroup else dist.group.WORLD
+    try:
+        if not all(exact_all_reduce(group, seed) for seed in range(3)):
+            print(f"rank {rank}: FAILED the first all_reduces", flush=True)
+        if rank == victims[0]:
+            go(args.how, group, args.stamps, rank)
+        shrunk, report = survive(args.how, group, args.stamps, victims[0], victims[0],
+                                 flags, 1000)
+        print(f"rank {rank}: {report}", flush=True)
+        if len(victims) > 1 and shrunk is not None:
+            second = [r for r in range(size) if r != victims[0]].index(victims[1])
+            if rank == victims[1]:
+                go("exit", shrunk, args.stamps, rank)
+            shrunk, report = survive("exit", shrunk, args.stamps, second, victims[1], flags,
+                                     3000)
+            print(f"rank {rank}: second {report}", flush=True)
+        if shrunk is not None:
+            dist.barrier(group=shrunk)  # every survivor has printed before any ends
+    except Exception:
+        print(f"rank {rank}: FAILED {traceback.format_exc()}", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
