@@ -235,3 +235,14 @@ def test_dlpack_devices_that_are_not_two_ints_are_refused(device):
 def test_dlpack_exports_that_are_not_capsules_are_refused(capsule):
     _refused("all_reduce", "sendbuf", _Producer((1, 0), capsule), "__dlpack__() returned a",
              "expected a DLPack capsule")
+
+
+def test_an_array_interface_alone_is_refused_whatever_it_says():
+    """``__array_interface__`` (numpy's host protocol) is read only through numpy: an
+    object that has nothing else is refused, a null pointer or a negative shape
+    included, and never dereferenced."""
+    for data, shape in (((0, False), (5,)), ((GOOD_ADDRESS, False), (-5,)),
+                        ((GOOD_ADDRESS, False), (1 << 62, 1 << 62))):
+        described = type("Host", (), {"__array_interface__": {
+            "shape": shape, "typestr": "<f4", "data": data, "version": 3}})()
+        _refused("all_reduce", "sendbuf", described, "must be a numpy array", "got Host")

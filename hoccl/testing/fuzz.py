@@ -38,6 +38,7 @@ from typing import Any, Counter, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from .._dtypes import NAMES, numpy_dtype
+from ..config import environ
 from ..backends._kernels import MAX_INPUTS
 from . import (IN_PLACE_FORMS, POISON_BITS, ArrayModule, _COUNTS, _in_place_buffers,
                array_module_for, assert_exact, expected, is_poison, poison, random_array)
@@ -369,6 +370,9 @@ class Runner:
         prepared = [self._prepare(comms, call, [self.seed, index, position, color],
                                   registered=color == 0)
                     for position, call in enumerate(step.calls)]
+        if self.backend != "host":  # the inputs' copies to the GPUs ran on other streams
+            for comm in comms:
+                ArrayModule("cupy").synchronize(comm.device)
         # the children of a split use their default streams
         streams = self.streams if color == 0 else {comm.rank: [None] * 3 for comm in comms}
         if step.grouped:
@@ -416,7 +420,10 @@ class Runner:
         buffers = {}
         for comm in comms:
             r = comm.rank
-            slab = self.slabs.get(r) if registered and call.registered else None
+            # a slab is uint8 of the backend's array module: cupy on GPUs has no bfloat16
+            in_slab = registered and call.registered and (
+                self.backend == "host" or call.dtype != "bfloat16")
+            slab = self.slabs.get(r) if in_slab else None
             largest = max(send_count, recv_count) * itemsize
             offset = slab.take(largest) if slab else None
 
@@ -490,11 +497,12 @@ def _under_mpi() -> bool:
 
 
 def replay_command(seed: int, world_size: int, calls: int, settings: Settings,
-                   mpi: bool) -> str:
+                   mpi: bool, backend: str = "host") -> str:
     """The command that runs the same program again."""
-    flags = " ".join([f"--calls {calls}", f"--seed {seed}"] + settings.flags())
+    flags = " ".join([f"--calls {calls}", f"--seed {seed}"] + settings.flags()
+                     + ([f"--backend {backend}"] if backend != "host" else []))
     if mpi:
-        hosts = os.environ.get("HOCCL_LOCAL_SIZE")
+        hosts = environ("HOCCL_LOCAL_SIZE")
         return (f"{f'HOCCL_LOCAL_SIZE={hosts} ' if hosts else ''}mpiexec -n {world_size} "
                 f"python -m hoccl.testing.fuzz {flags}")
     return f"python -m hoccl.testing.fuzz --ranks {world_size} {flags}"
@@ -563,13 +571,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="corrupt every output before it is checked (the checker must fail)")
     args = parser.parse_args(argv)
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
+    mpi = _under_mpi()
     flat = not args.hierarchical
     settings = Settings(max_count=args.max_count, dtypes=tuple(args.dtypes.split(",")),
                         registered=flat and not args.no_registered,
-                        splits=flat and not args.no_splits, rings=flat and not args.no_rings,
+                        # GPU ranks of one process split only with HOCCL_SPLIT_CUDA
+                        splits=flat and not args.no_splits and (mpi or args.backend == "host"),
+                        rings=flat and not args.no_rings,
                         grouped_collectives=flat and not args.no_grouped_collectives,
                         streams=flat and not args.no_streams, scales=flat and not args.no_scales)
-    mpi = _under_mpi()
     if mpi:
         from mpi4py import MPI
         rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
@@ -578,7 +588,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if rank == 0:
         print(f"hoccl fuzz: seed {seed}, {size} ranks "
               f"({'one a process' if mpi else 'init_local'}), {args.calls} calls per rank; "
-              f"replay: {replay_command(seed, size, args.calls, settings, mpi)}", flush=True)
+              f"replay: {replay_command(seed, size, args.calls, settings, mpi, args.backend)}",
+              flush=True)
     init = {"backend": args.backend, "timeout": args.timeout}
     if mpi:
         report = run_process(seed, args.calls, settings, fault=args.fault, **init)
