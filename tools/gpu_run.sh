@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # The device machine's session: GPU tests (one process, and mpirun -np 2), then the
-# benchmarks against NCCL.  Usage: bash tools/gpu_run.sh [tests|profile|bench|overlap|compare|torch|fsdp|hier|hierdiag|final|registered|onegpu|validate|dryrun|quickreg|figures-a|figures-b|figures-c|figures-d|figures-direct|figures-wide|direct|caller|placement|fused|levers|tp|groups|hostcost|all] [pytest args]
+# benchmarks against NCCL.  Usage: bash tools/gpu_run.sh [tests|profile|bench|overlap|compare|torch|fsdp|hier|hierdiag|final|registered|onegpu|validate|dryrun|quickreg|figures-a|figures-b|figures-c|figures-d|figures-direct|figures-wide|direct|caller|placement|fused|levers|tp|groups|hostcost|verify|all] [pytest args]
 # groups: grouped calls (tests/mpi/run_groups.py) and the fuzzer's short run on the cuda
 # backend, 3 ranks sharing the GPU under mpirun (correctness only: no speed there).
 # hostcost: python -m hoccl.bench.host_cost, world 1 beside torch+NCCL, then 2 ranks.
+# verify: one GPU's correctness checks of the cuda paths: the host cost, grouped calls and
+# the fuzzer (3 ranks), the GPU tier in one process, run_checks under mpirun with 2 and 3
+# ranks, the mixed job across simulated hosts.
 # torch: the torch.distributed backend's checks, DDP/FSDP2/HSDP training against NCCL (hoccl
 # the default process group, then NCCL), the FSDP2 example on NCCL and on hoccl, and
 # python -m hoccl.bench.train (one process per shape).
@@ -244,6 +247,19 @@ if [ "$what" = groups ]; then
   done
   step fuzz-cuda-3 200 $MPIRUN3 python3 -m hoccl.testing.fuzz --backend cuda \
     --calls "${FUZZ_CALLS:-600}" --seed "${FUZZ_SEED:-11}" --timeout 60
+fi
+if [ "$what" = verify ]; then
+  step host-cost-1 100 python3 -m hoccl.bench.host_cost --bursts 10 --out "$OUT/host_cost"
+  for mix in random broadcast scatter; do
+    step "groups-$mix" 60 $MPIRUN3 python3 tests/mpi/run_groups.py --backend cuda --mix $mix \
+      --groups 24 --timeout 40
+  done
+  step fuzz-cuda-3 90 $MPIRUN3 python3 -m hoccl.testing.fuzz --backend cuda \
+    --calls "${FUZZ_CALLS:-300}" --seed "${FUZZ_SEED:-11}" --timeout 40
+  step gpu-mpirun 70 $MPIRUN python3 tests/mpi/run_checks.py --backend cuda --counts 0,1,17,100003
+  step gpu-mpirun-3 70 $MPIRUN3 python3 tests/mpi/run_checks.py --backend cuda --counts 0,17,100003
+  step mixed-job 70 mpirun -np 4 -x PYTHONPATH -x NCCL_NVLS_ENABLE python3 tests/mpi/run_mixed_job.py
+  step gpu-local 150 python3 -m pytest -q -x -p no:cacheprovider --timeout=90 tests/gpu "$@"
 fi
 if [ "$what" = hostcost ]; then
   step host-cost-1 150 python3 -m hoccl.bench.host_cost --out "$OUT/host_cost"
