@@ -274,7 +274,10 @@ class ArrayModule:
             array.set(values)
         else:
             import torch
-            array.copy_(torch.from_numpy(values))
+            if str(values.dtype) == "bfloat16":  # torch takes no ml_dtypes array: its bits
+                array.view(torch.int16).copy_(torch.from_numpy(values.view(np.int16)))
+            else:
+                array.copy_(torch.from_numpy(values))
 
     def to_numpy(self, array: Any, dtype: str) -> np.ndarray:
         if self.kind in ("numpy", "shared"):
