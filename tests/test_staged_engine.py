@@ -4,7 +4,9 @@ device whose copies run only when the engine waits for an event recorded after t
 (``LazyDevice``: a copy the engine forgot to wait for is missing, not early), and a
 transport of two members in one process (``Wire``); every copy and the reductions by
 hoccl's rule (``FoldingEngine``) bit for bit against numpy, outputs poisoned first.
-The fold of a reduction is enqueued on the caller's stream, as on a GPU."""
+The fold of a reduction is enqueued on the caller's stream, as on a GPU.  Batches of
+sends and receives (``BatchingStagedEngine``) both ways at once, staged, mixed and
+direct, in chunks."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ import pytest
 from hoccl._dtypes import reduce_arrays
 from hoccl._errors import AbortedError, HocclError
 from hoccl._hierarchy.folding import fold
-from hoccl._hierarchy.staged import StagedEngine, Transport
+from hoccl._hierarchy.staged import BatchingStagedEngine, StagedEngine, Transport
 from hoccl.testing import poison, random_array
 
 SIZE = 2
@@ -431,3 +433,40 @@ def test_a_copy_in_never_overtakes_the_work_before_it():
     for m in range(SIZE):
         _same("what the caller read", old[m], seen[m])
         _same("all_gather", np.concatenate(data), recv[m])
+
+
+class BatchingOnLazyDevice(BatchingStagedEngine, StagedOnLazyDevice):
+    """A staged member that takes batches of sends and receives."""
+
+
+class BatchingOnHost(BatchingStagedEngine, StagedOnHost):
+    """A member in host memory that takes batches of sends and receives."""
+
+
+@pytest.mark.parametrize("stage_bytes", [6, 64, 1 << 20])
+@pytest.mark.parametrize("members", ["device", "mixed", "direct"])
+def test_a_batch_of_sends_and_receives_both_ways_matches_numpy(stage_bytes, members):
+    """Each member sends the other two arrays (13 int32, 5 bfloat16) and receives two, in
+    one batch each, in orders of their own: every receive holds the peer's bytes, the
+    staged member's copies out and in ordered by their events (``LazyDevice``)."""
+    rng = np.random.default_rng()
+    wire = Wire()
+    kinds = [BatchingOnHost if members == "direct" or (members == "mixed" and m == 0)
+             else BatchingOnLazyDevice for m in range(SIZE)]
+    engines = [kind(WireTransport(wire, m), LazyDevice(), 10.0, stage_bytes,
+                    members == "direct") for m, kind in enumerate(kinds)]
+    shapes = [(13, "int32"), (5, "bfloat16"), (0, "int32")]
+    sent = [[random_array(rng, count, dtype) for count, dtype in shapes] for _ in range(SIZE)]
+    got = [[poison(count, dtype) for count, dtype in shapes] for _ in range(SIZE)]
+    # member 0 sends first, member 1 receives first: the k-th post of one matches the k-th
+    # of the other
+    pairs = [[step for k in range(len(shapes)) for step in
+              (("send", sent[0][k], 1), ("recv", got[0][k], 1))],
+             [step for k in range(len(shapes)) for step in
+              (("recv", got[1][k], 0), ("send", sent[1][k], 0))]]
+    _both(engines, lambda m, engine: engine.batch(pairs[m], stream=engine.handle))
+    for m in range(SIZE):
+        for k in range(len(shapes)):
+            _same(f"member {m} receive {k}", sent[1 - m][k], got[m][k])
+    for engine in engines:
+        engine.close()

@@ -15,6 +15,9 @@ each library's median round as its time, and every round's time as ``rounds_us``
 GPU that other processes share, one loop's time drifts by ±10 %, and libraries that
 run the same path would otherwise differ by as much.  Results are checked in the first
 round; a library that fails there is recorded once and left out of the later rounds.
+
+Across hosts (collectives and point to point, beside gloo on the same tensors):
+``python -m hoccl.bench.mixed``.
 """
 
 from __future__ import annotations

@@ -231,8 +231,7 @@ def exchange(launcher: Launcher, call: str, receives: Sequence[torch.Tensor],
     """An all_to_all whose chunks may differ in size: chunk ``p`` of ``sends`` to rank p,
     into chunk ``r`` of rank p's ``receives``; the own chunk by a local copy on the
     current stream, every other non-empty one by a send/recv pair, all issued as one
-    batch (across hosts, where there is no batch, one pair after another:
-    ``_in_pair_order``)."""
+    batch (across hosts too: ``hoccl._hierarchy.pairs``)."""
     rank, world_size = launcher.comm.rank, launcher.comm.world_size
     for send, receive in zip(sends, receives):
         if send.dtype != receive.dtype:
@@ -243,8 +242,6 @@ def exchange(launcher: Launcher, call: str, receives: Sequence[torch.Tensor],
         raise InvalidArgumentError(f"{call}: this rank sends itself {own_send.numel()} "
                                    f"elements but receives {own_receive.numel()}")
     own_receive.copy_(own_send.view_as(own_receive))
-    if launcher.across_hosts:
-        return _in_pair_order(launcher, receives, sends, outputs, async_op)
     works: List[Any] = []
     for peer in range(world_size):
         if peer == rank:
@@ -258,23 +255,3 @@ def exchange(launcher: Launcher, call: str, receives: Sequence[torch.Tensor],
         work.wait()
     return work
 
-
-def _in_pair_order(launcher: Launcher, receives: Sequence[torch.Tensor],
-                   sends: Sequence[torch.Tensor], outputs: List[torch.Tensor],
-                   async_op: bool) -> Any:
-    """``exchange``'s pairs one at a time, in one order every rank agrees on: the pairs
-    (low, high) in order, the lower rank sending first.  The first pair not yet done has
-    both its ranks at it, so the exchange never waits in a cycle."""
-    comm = launcher.comm
-
-    def issue(stream: Any) -> None:
-        for low in range(comm.world_size):
-            for high in range(low + 1, comm.world_size):
-                if comm.rank not in (low, high):
-                    continue
-                peer = high if comm.rank == low else low
-                steps = [("send", sends[peer]), ("recv", receives[peer])]
-                for kind, chunk in steps if comm.rank == low else steps[::-1]:
-                    if chunk.numel():
-                        getattr(comm, kind)(movable(chunk), peer, stream=stream)
-    return launcher.run(issue, outputs, [*sends, *receives], async_op)
