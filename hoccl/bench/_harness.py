@@ -9,7 +9,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast")
 #: forms each collective is measured in
@@ -40,9 +40,14 @@ def fill_defaults(args: Any, quick: Dict[str, Any], full: Dict[str, Any]) -> Any
 
 
 def parse_size(text: str) -> int:
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    text = text.strip().upper().rstrip("B")
-    return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
+    """Bytes from ``"4M"``, ``"64KiB"``, ``"1.5G"`` or ``"1024"``: binary units, as
+    nccl-tests reads them (humanfriendly's ``parse_size``)."""
+    import humanfriendly
+    try:
+        return humanfriendly.parse_size(str(text), binary=True)
+    except humanfriendly.InvalidSize:
+        raise ValueError(f"{text!r} is not a size (bytes, or a number ending in K, M or G)") \
+            from None
 
 
 def human(nbytes: int) -> str:
@@ -62,6 +67,8 @@ class Ranks:
     mpi: Any = None  # mpi4py communicator, or None
     devices: List[int] = field(default_factory=list)
     backend: str = "cuda"
+    #: prints the leader's lines where not ``print`` (above a progress bar)
+    write: Optional[Callable[[str], None]] = None
 
     def device(self, index: int) -> str:
         """The torch device of local rank ``index``'s buffers."""
@@ -98,7 +105,11 @@ class Ranks:
         return self.mpi.allreduce(value, op=MPI.SUM)
 
     def say(self, *args) -> None:
-        if self.leader:
+        if not self.leader:
+            return
+        if self.write is not None:
+            self.write(" ".join(map(str, args)))
+        else:
             print(*args, flush=True)
 
 
@@ -165,14 +176,19 @@ def metadata(command: List[str]) -> Dict[str, Any]:
     return info
 
 
-def report(result: Dict[str, Any], folder: str, stem: str, text: str) -> None:
-    """Write ``stem``.json and ``stem``.md into ``folder`` and print the table."""
+def report(result: Dict[str, Any], folder: str, stem: str, text: str,
+           echo: bool = True) -> None:
+    """Write ``stem``.json and ``stem``.md into ``folder`` (each whole or not at all:
+    written beside, then renamed) and print the table unless not ``echo``."""
     os.makedirs(folder, exist_ok=True)
-    with open(os.path.join(folder, f"{stem}.json"), "w") as handle:
-        json.dump(result, handle, indent=1, default=str)
-    with open(os.path.join(folder, f"{stem}.md"), "w") as handle:
-        handle.write(text + "\n")
-    print(text)
+    for suffix, content in ((".json", json.dumps(result, indent=1, default=str)),
+                            (".md", text + "\n")):
+        path = os.path.join(folder, stem + suffix)
+        with open(path + ".part", "w") as handle:
+            handle.write(content)
+        os.replace(path + ".part", path)
+    if echo:
+        print(text)
 
 
 # -- libraries -------------------------------------------------------------------------------
