@@ -118,11 +118,12 @@ def require(program: str, local: int, backend: str = "cuda") -> None:
     torch.distributed, the arrays), visible CUDA GPUs (unless ``backend`` is "host"),
     mpi4py unless ``local``; not matplotlib (without it the plots are skipped)."""
     import importlib.util
+    extras = {"torch": "torch", "mpi4py": "mpi"}
     missing = [name for name in ("torch",) + (() if local else ("mpi4py",))
                if importlib.util.find_spec(name) is None]
     if missing:
         sys.exit(f"{program}: needs {', '.join(missing)}; install them with "
-                 f"pip install 'hoccl[bench]'")
+                 f"pip install 'hoccl[{','.join(extras[name] for name in missing)}]'")
     if backend == "host":
         return
     from ..backends import cuda_device_count
