@@ -58,6 +58,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from . import _beside
+from ._progress import Progress
 from ._dtypes import numpy_dtype
 from .bench._harness import Ranks, human, parse_size
 from .sched._path_model import excluded_paths
@@ -358,33 +359,6 @@ def refine(results: Dict[str, List[Measurement]],
 
 
 # -- the sweep ---------------------------------------------------------------------------------
-class Progress:
-    """A tqdm bar of the candidates on rank 0's stderr, with the time used of the budget;
-    lines said meanwhile go above it."""
-
-    def __init__(self, leader: bool, total: int, budget: float):
-        from tqdm import tqdm
-        self.leader, self.budget, self.start = leader, budget, time.monotonic()
-        self.bar = tqdm(total=total, unit="candidate", disable=not leader, file=sys.stderr,
-                        dynamic_ncols=True, bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} "
-                        "{postfix}")
-
-    def elapsed(self) -> float:
-        return time.monotonic() - self.start
-
-    def step(self, what: str, count: int = 1) -> None:
-        self.bar.set_postfix_str(f"{self.elapsed():.1f}/{self.budget:g} s  {what}",
-                                 refresh=False)
-        self.bar.update(count)
-
-    def say(self, text: str) -> None:
-        if self.leader:
-            self.bar.write(text, file=sys.stderr)
-
-    def close(self) -> None:
-        self.bar.close()
-
-
 def sweep(ranks: Ranks, args: argparse.Namespace, budget: float, arrays: Any = None,
           compute: Optional[_beside.Compute] = None
           ) -> Tuple[Dict[str, List[Measurement]], Dict[str, int]]:
@@ -405,7 +379,7 @@ def sweep(ranks: Ranks, args: argparse.Namespace, budget: float, arrays: Any = N
         collective, size, n, dtype, itemsize)), chunk_bytes,
         _SMS_BESIDE if compute is not None else (), excluded)
         for size in sizes for collective in collectives}
-    progress = Progress(ranks.leader, sum(map(len, plan.values())), budget)
+    progress = Progress(ranks.leader, sum(map(len, plan.values())), "candidate", budget)
     if excluded:
         progress.say(f"{_PROGRAM}: not timed here: {', '.join(excluded)} "
                      f"({ranks.comms[0]._engine.machine['ranks_per_gpu']} ranks per GPU)")

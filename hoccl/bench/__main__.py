@@ -27,14 +27,14 @@ round; a library that fails there is recorded once and left out of the later rou
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib.util
 import os
 import statistics
 import sys
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from ._harness import (COLLECTIVES, FORMS, Ranks, bus_factor, count_wrong, human, libraries,
+from .._progress import Progress
+from ._harness import (COLLECTIVES, FORMS, bus_factor, count_wrong, human, libraries,
                        make_buffers, metadata, parse_size, report, require, setup_ranks,
                        time_graph, time_loop)
 
@@ -146,28 +146,17 @@ def sweep(args: argparse.Namespace, written: Optional[Callable[[Dict[str, Any]],
               f"{', '.join(lib.name for lib in libs)}"
               + (f", median of {args.rounds} rounds" if args.rounds > 1 else ""))
     points = points_of(args)
-    with progress_bar(ranks, len(points)) as bar:
-        for collective, form, nbytes in points:
-            bar.set_postfix_str(f"{collective} {form} {human(nbytes)}", refresh=False)
-            records += measure(args, ranks, libs, collective, form, nbytes, dtype, streams)
-            bar.update()
-            if written is not None and ranks.leader:
-                written(result)
-    return result, ranks.leader
-
-
-@contextlib.contextmanager
-def progress_bar(ranks: Ranks, total: int) -> Iterator[Any]:
-    """A tqdm bar of the points on the reporting rank's stderr; the rows ``ranks.say``
-    prints meanwhile go above it."""
-    from tqdm import tqdm
-    with tqdm(total=total, unit="size", disable=not ranks.leader, file=sys.stderr,
-              dynamic_ncols=True, leave=False) as bar:
-        ranks.write = tqdm.write
+    with Progress(ranks.leader, len(points), "size") as progress:
+        ranks.write = lambda text: progress.say(text, file=sys.stdout)
         try:
-            yield bar
+            for collective, form, nbytes in points:
+                records += measure(args, ranks, libs, collective, form, nbytes, dtype, streams)
+                progress.step(f"{collective} {form} {human(nbytes)}")
+                if written is not None and ranks.leader:
+                    written(result)
         finally:
             ranks.write = None
+    return result, ranks.leader
 
 
 def measure(args, ranks, libs, collective, form, nbytes, dtype, streams) -> List[Dict[str, Any]]:

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import os
-import platform
 import sys
 import time
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from ._report import metadata, report
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast")
 #: forms each collective is measured in
@@ -146,50 +145,6 @@ def setup_ranks(local: int, backend: str = "cuda", **options) -> Ranks:
     assert comm.device is not None
     torch.cuda.set_device(comm.device)
     return Ranks([comm], comm.world_size, MPI.COMM_WORLD, [comm.device])
-
-
-def metadata(command: List[str]) -> Dict[str, Any]:
-    import torch
-    info = {"command": " ".join(command), "date": datetime.now(timezone.utc).isoformat(),
-            "host": platform.node(), "python": sys.version.split()[0],
-            "torch": torch.__version__, "gpus": torch.cuda.device_count(),
-            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"}
-    try:
-        info["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
-    except Exception as error:  # report, do not fail the benchmark
-        info["nccl"] = f"unknown ({error})"
-    try:
-        from cuda.bindings import driver
-        info["cuda_driver"] = driver.cuDriverGetVersion()[1]
-        import cuda.bindings
-        info["cuda_bindings"] = cuda.bindings.__version__
-    except Exception as error:
-        info["cuda_driver"] = f"unknown ({error})"
-    try:
-        import subprocess
-        info["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version",
-                                         "--format=csv,noheader"], capture_output=True,
-                                        text=True, timeout=20).stdout.split()[0]
-    except Exception as error:
-        info["driver"] = f"unknown ({error})"
-    import hoccl
-    info["hoccl"] = hoccl.__version__
-    return info
-
-
-def report(result: Dict[str, Any], folder: str, stem: str, text: str,
-           echo: bool = True) -> None:
-    """Write ``stem``.json and ``stem``.md into ``folder`` (each whole or not at all:
-    written beside, then renamed) and print the table unless not ``echo``."""
-    os.makedirs(folder, exist_ok=True)
-    for suffix, content in ((".json", json.dumps(result, indent=1, default=str)),
-                            (".md", text + "\n")):
-        path = os.path.join(folder, stem + suffix)
-        with open(path + ".part", "w") as handle:
-            handle.write(content)
-        os.replace(path + ".part", path)
-    if echo:
-        print(text)
 
 
 # -- libraries -------------------------------------------------------------------------------
