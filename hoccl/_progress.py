@@ -19,7 +19,7 @@ class Progress:
         self.leader, self.budget, self.start = leader, budget, time.monotonic()
         self.bar = tqdm(total=total, unit=unit, disable=not leader, file=sys.stderr,
                         dynamic_ncols=True,
-                        bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} {postfix}")
+                        bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt}{postfix}")
 
     def elapsed(self) -> float:
         return time.monotonic() - self.start
