@@ -242,7 +242,6 @@ def host_threads() -> int:
 def _parse(call: str, variable: str, name: str, text: str) -> Any:
     """A setting's value from its variable's text: a number (sizes may end in K, M or G),
     a switch (1/0, true/false, on/off) or a word, by the field's default."""
-    import humanfriendly
     default = _DEFAULTS[name]
     lowered = text.strip().lower()
     if name in ("verify_plans", "fuse_sums"):
@@ -258,10 +257,9 @@ def _parse(call: str, variable: str, name: str, text: str) -> Any:
     try:
         if name == "timeout":
             return float(lowered)
-        if lowered.lstrip("+-").isdigit():
-            return int(lowered)
-        return humanfriendly.parse_size(lowered, binary=True)
-    except (ValueError, humanfriendly.InvalidSize):
+        scale = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}.get(lowered[-1:], 1)
+        return int(lowered[:-1] if scale > 1 else lowered) * scale
+    except ValueError:
         kind = "a number of seconds" if name == "timeout" else "an int (K, M, G allowed)"
         raise InvalidArgumentError(f"{call}: {variable} must be {kind}; got {text!r} "
                                    f"(default {default!r})") from None

@@ -60,7 +60,7 @@ import numpy as np
 from . import _beside
 from ._progress import Progress
 from ._dtypes import numpy_dtype
-from .bench._harness import Ranks, human, parse_size
+from .bench._harness import Ranks, human, parse_size, require_installed
 from .sched._path_model import excluded_paths
 from .sched.algorithms import Shape
 from .sched.select import ANY_SIZE, Row, Table, candidates, path_options, rows_from, size_of
@@ -551,6 +551,7 @@ def rows_summary(table: Table, where: str) -> List[str]:
 def main(argv: Optional[Sequence[str]] = None, arrays: Any = None) -> int:
     """Tune, write the table on rank 0; 0, or 2 when a candidate computed a wrong result.
     ``arrays``: the ``hoccl.testing.ArrayModule`` the checks use (tests plant faults)."""
+    require_installed(_PROGRAM, ("tqdm", "humanfriendly"))
     args = arguments(argv)
     import hoccl
     from . import tuning

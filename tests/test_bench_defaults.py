@@ -85,3 +85,13 @@ def test_the_command_with_no_option_measures_every_size_and_writes_its_files(tmp
     assert all(r["wrong"] == 0 for r in records), [r for r in records if r["wrong"]]
     assert (tmp_path / "results" / "bench" / "bench.md").read_text().count("\n## ") == 9
     assert "63/63" in result.stderr
+
+
+def test_a_missing_package_is_named_in_one_line_with_how_to_install_it():
+    from hoccl.bench._harness import require_installed
+    require_installed("python -m hoccl.tune", ("tqdm", "humanfriendly"))  # both installed
+    with pytest.raises(SystemExit) as stopped:
+        require_installed("python -m hoccl.tune", ("tqdm", "hoccl_no_such_package", "torch"))
+    expected = "python -m hoccl.tune: needs hoccl_no_such_package; install them with pip " \
+               "install hoccl_no_such_package"
+    assert str(stopped.value) == expected

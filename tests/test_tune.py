@@ -74,7 +74,7 @@ def test_the_tuned_table_parses_and_covers_every_measured_size(tuned):
         "hoccl": hoccl.__version__}
     _assert_covers(table, 64 << 10)
     assert f"rows written to {path}" in output
-    assert re.search(r"100%\|[^|]*\| (\d+)/\1 ", output), output[-2000:]  # the bar's end
+    assert re.search(r"100%\|[^|]*\| (\d+)/\1\b", output), output[-2000:]  # the bar's end
     assert output.index(f"the table goes to {path}") < output.index("all_gather")
 
 

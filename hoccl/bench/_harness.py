@@ -6,7 +6,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from ._report import metadata, report
 
@@ -112,17 +112,26 @@ class Ranks:
             print(*args, flush=True)
 
 
+def require_installed(program: str, names: Sequence[str]) -> None:
+    """Exit with one line naming the packages of ``names`` that are missing and how to
+    install them (on a machine that installed hoccl without its dependencies)."""
+    import importlib.util
+    how = {"torch": "'hoccl[torch]'", "mpi4py": "'hoccl[mpi]'"}
+    # an imported module is there (humanfriendly's module object has no __spec__)
+    missing = [name for name in names
+               if name not in sys.modules and importlib.util.find_spec(name) is None]
+    if missing:
+        sys.exit(f"{program}: needs {', '.join(missing)}; install them with pip install "
+                 + " ".join(how.get(name, name) for name in missing))
+
+
 def require(program: str, local: int, backend: str = "cuda") -> None:
     """Exit with one line naming what is missing and how to get it: torch (NCCL through
-    torch.distributed, the arrays), visible CUDA GPUs (unless ``backend`` is "host"),
-    mpi4py unless ``local``; not matplotlib (without it the plots are skipped)."""
-    import importlib.util
-    extras = {"torch": "torch", "mpi4py": "mpi"}
-    missing = [name for name in ("torch",) + (() if local else ("mpi4py",))
-               if importlib.util.find_spec(name) is None]
-    if missing:
-        sys.exit(f"{program}: needs {', '.join(missing)}; install them with "
-                 f"pip install 'hoccl[{','.join(extras[name] for name in missing)}]'")
+    torch.distributed, the arrays), tqdm and humanfriendly (the progress bar, sizes),
+    visible CUDA GPUs (unless ``backend`` is "host"), mpi4py unless ``local``; not
+    matplotlib (without it the plots are skipped)."""
+    require_installed(program, ("torch", "tqdm", "humanfriendly")
+                      + (() if local else ("mpi4py",)))
     if backend == "host":
         return
     from ..backends import cuda_device_count
