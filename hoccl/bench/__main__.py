@@ -97,7 +97,8 @@ def arguments(argv=None) -> argparse.Namespace:
                         help="host: CPU tensors on hoccl's host backend, hoccl only, timed "
                              "by the host's clock (a check of this program without GPUs; "
                              "its times say nothing about a GPU)")
-    parser.add_argument("--out", default="results/bench", help="folder for JSON and PNG")
+    parser.add_argument("--out", default="results/bench",
+                        help="folder for the JSON, the Markdown table and the PNG plots")
     args = parser.parse_args(argv)
     for name, value in BACKEND_DEFAULTS[args.backend].items():
         if getattr(args, name) is None:
@@ -133,6 +134,9 @@ def sweep(args: argparse.Namespace, written: Optional[Callable[[Dict[str, Any]],
     import torch
     ranks = setup_ranks(args.local, backend=args.backend, max_sms=args.max_sms,
                         chunk_bytes=parse_size(args.chunk_bytes))
+    files = "JSON, table and plots" if importlib.util.find_spec("matplotlib") else "JSON and table"
+    ranks.say(f"# hoccl.bench: {len(points_of(args))} sizes to measure; {files} go to "
+              f"{args.out}/ as they come")
     dtype = getattr(torch, args.dtype)
     libs = libraries(ranks, args.libraries.split(","))
     # a dedicated stream per rank for every library (NCCL's copy-engine mode refuses the
@@ -305,9 +309,6 @@ def plots(result: Dict[str, Any], folder: str) -> List[str]:
 def main(argv=None) -> None:
     args = arguments(argv)
     require("python -m hoccl.bench", args.local, args.backend)
-    files = "JSON, table and plots" if importlib.util.find_spec("matplotlib") else "JSON and table"
-    print(f"# hoccl.bench: {len(points_of(args))} sizes to measure; {files} go to {args.out}/ "
-          f"as they come", flush=True)
 
     def written(result: Dict[str, Any]) -> None:
         report(result, args.out, "bench", table(result), echo=False)
