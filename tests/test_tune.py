@@ -9,10 +9,12 @@ import os
 import re
 import subprocess
 import sys
+import types
 
 import pytest
 
 import hoccl
+import hoccl._progress
 from hoccl import InvalidArgumentError, tune, tuning
 from hoccl.bench._harness import Ranks
 from hoccl.sched.select import MACHINE_KEYS, Table, TableError, choose, size_of
@@ -211,7 +213,9 @@ def test_the_budget_is_kept_candidate_by_candidate(tmp_path, monkeypatch, capsys
     the smaller sizes predict: the tuner starts no candidate that would end past the
     budget, and leaves the size it could not finish to the defaults."""
     clock = [0.0]
-    monkeypatch.setattr(tune.time, "monotonic", lambda: clock[0])
+    planted = types.SimpleNamespace(monotonic=lambda: clock[0])
+    monkeypatch.setattr(tune, "time", planted)  # the tuner's clock and its bar's, only
+    monkeypatch.setattr(hoccl._progress, "time", planted)
 
     def measure(ranks, args, shape, candidate, *rest, **options):
         clock[0] += 0.1 if size_of(shape) <= 16 << 10 else 2.0
