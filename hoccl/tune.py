@@ -58,8 +58,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from . import _beside
+from ._progress import Progress
 from ._dtypes import numpy_dtype
-from .bench._harness import Ranks, human, parse_size
+from .bench._harness import Ranks, human, parse_size, require_installed
 from .sched._path_model import excluded_paths
 from .sched.algorithms import Shape
 from .sched.select import ANY_SIZE, Row, Table, candidates, path_options, rows_from, size_of
@@ -99,7 +100,8 @@ def arguments(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--dtype", default="float32",
                         help="element type of the measured calls (float32, int32, ...)")
     parser.add_argument("--budget", type=float, default=120.0, metavar="SECONDS",
-                        help="total time; sizes that would exceed it are skipped")
+                        help="total time; no candidate starts that would end past it, and the sizes "
+                             "it leaves out keep the defaults")
     parser.add_argument("--samples", type=int, default=5,
                         help="timed samples per candidate (the median counts)")
     parser.add_argument("--sample-seconds", type=float, default=0.01,
@@ -357,34 +359,6 @@ def refine(results: Dict[str, List[Measurement]],
 
 
 # -- the sweep ---------------------------------------------------------------------------------
-class Progress:
-    """A text bar on rank 0's stderr."""
-
-    def __init__(self, leader: bool, total: int, budget: float):
-        self.leader, self.total, self.budget = leader, total, budget
-        self.done, self.start = 0, time.monotonic()
-        self.tty = sys.stderr.isatty()
-
-    def elapsed(self) -> float:
-        return time.monotonic() - self.start
-
-    def step(self, what: str, count: int = 1) -> None:
-        self.done += count
-        if not self.leader:
-            return
-        width = 30
-        filled = width * self.done // max(1, self.total)
-        line = (f"[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} "
-                f"{self.elapsed():5.1f}/{self.budget:g} s  {what}")
-        sys.stderr.write(("\r" + line.ljust(100)) if self.tty else line + "\n")
-        sys.stderr.flush()
-
-    def say(self, text: str) -> None:
-        if self.leader:
-            sys.stderr.write(("\n" if self.tty else "") + text + "\n")
-            sys.stderr.flush()
-
-
 def sweep(ranks: Ranks, args: argparse.Namespace, budget: float, arrays: Any = None,
           compute: Optional[_beside.Compute] = None
           ) -> Tuple[Dict[str, List[Measurement]], Dict[str, int]]:
@@ -405,7 +379,7 @@ def sweep(ranks: Ranks, args: argparse.Namespace, budget: float, arrays: Any = N
         collective, size, n, dtype, itemsize)), chunk_bytes,
         _SMS_BESIDE if compute is not None else (), excluded)
         for size in sizes for collective in collectives}
-    progress = Progress(ranks.leader, sum(map(len, plan.values())), budget)
+    progress = Progress(ranks.leader, sum(map(len, plan.values())), "candidate", budget)
     if excluded:
         progress.say(f"{_PROGRAM}: not timed here: {', '.join(excluded)} "
                      f"({ranks.comms[0]._engine.machine['ranks_per_gpu']} ranks per GPU)")
@@ -433,18 +407,34 @@ def sweep(ranks: Ranks, args: argparse.Namespace, budget: float, arrays: Any = N
                 continue
             shape = shape_at(collective, size, n, dtype, itemsize)
             started = time.monotonic()
+            measured: List[Measurement] = []
             for candidate in plan[collective, size]:
+                # the next candidate takes about what the ones before it at this size took;
+                # a size the budget cuts short is left to the defaults, not chosen among
+                # some of its candidates (a collective's smallest size is always measured)
+                if spent and measured and agreed(ranks, progress.elapsed() + (
+                        time.monotonic() - started) / len(measured) > budget):
+                    break
                 force(ranks, base, candidate, shape)
                 seed += 1
                 began = time.monotonic()
                 found = measure(ranks, args, shape, candidate, seed, arrays, compute)
                 found.spent = time.monotonic() - began
-                results[collective].append(found)
+                measured.append(found)
                 if found.verdict:
                     progress.say(f"{_PROGRAM}: {collective} {human(found.size)} "
                                  f"{candidate.label}: {found.verdict.upper()}, not chosen: "
                                  f"{found.error}")
                 progress.step(f"{collective} {human(found.size)} {candidate.label}")
+            if len(measured) < len(plan[collective, size]):
+                skipped[collective] = size
+                progress.say(f"{_PROGRAM}: {collective} from {human(size)} up skipped: its "
+                             f"candidates would pass the budget of {budget:g} s "
+                             f"({progress.elapsed():.1f} s used); those sizes keep the defaults")
+                progress.step(f"{collective} {human(size)} skipped",
+                              len(plan[collective, size]) - len(measured))
+                continue
+            results[collective] += measured
             cost[collective].append(time.monotonic() - started)
 
     def again(one: Measurement) -> Measurement:
@@ -457,6 +447,7 @@ def sweep(ranks: Ranks, args: argparse.Namespace, budget: float, arrays: Any = N
         agreed(ranks, progress.elapsed() + predicted <= budget)))
     for comm in ranks.comms:
         comm.set_options(**base)
+    progress.close()
     progress.say(f"{_PROGRAM}: measured in {progress.elapsed():.1f} s ({added} timings "
                  f"again of candidates within {CLOSE:.0%} of their size's fastest)")
     return results, skipped
@@ -560,6 +551,7 @@ def rows_summary(table: Table, where: str) -> List[str]:
 def main(argv: Optional[Sequence[str]] = None, arrays: Any = None) -> int:
     """Tune, write the table on rank 0; 0, or 2 when a candidate computed a wrong result.
     ``arrays``: the ``hoccl.testing.ArrayModule`` the checks use (tests plant faults)."""
+    require_installed(_PROGRAM, ("tqdm", "humanfriendly"))
     args = arguments(argv)
     import hoccl
     from . import tuning
@@ -570,6 +562,11 @@ def main(argv: Optional[Sequence[str]] = None, arrays: Any = None) -> int:
         command = " ".join([_PROGRAM] + list(sys.argv[1:] if argv is None else argv))
         run = (f"{datetime.now(timezone.utc).strftime('%Y-%m-%dT%H:%M:%SZ')} `{command}` "
                f"({launch}, hoccl {hoccl.__version__})")
+        output = Path(args.output) if args.output else \
+            tuning.cache_dir() / tuning.table_name(machine)
+        if ranks.leader:
+            print(f"{_PROGRAM}: tuning for about {args.budget:g} s; the table goes to "
+                  f"{output}", flush=True)
         started = time.monotonic()
         share = 0.5 if args.beside_compute else 1.0
         sweeps: List[Sweep] = [((), *sweep(ranks, args, args.budget * share, arrays))]
@@ -581,8 +578,6 @@ def main(argv: Optional[Sequence[str]] = None, arrays: Any = None) -> int:
                     for measured in results.values() for one in measured)
         if ranks.leader:
             table = table_of(machine, sweeps, run)
-            output = Path(args.output) if args.output else \
-                tuning.cache_dir() / tuning.table_name(machine)
             output.parent.mkdir(parents=True, exist_ok=True)
             output.write_text(table.to_json())
             lines = [line for traits, results, _ in reversed(sweeps)

@@ -24,6 +24,20 @@ def test_main_job_checks_every_collective_on_four_host_ranks():
     assert failed == 0 and passed >= 100, last
 
 
+def test_the_notebook_walkthrough_runs_without_a_gpu_on_the_host_backend():
+    """The README sends users without a GPU to this walkthrough: every cell runs (each
+    checks its result), on GPUs where two are visible, else on the host backend."""
+    from hoccl.backends import cuda_device_count
+    result = _run(EXAMPLES / "jupyter_quickstart.py", timeout=120)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    lines = result.stdout.strip().splitlines()
+    where = "2 GPUs" if cuda_device_count() >= 2 else "the host backend"
+    assert lines[-1] == f"walkthrough finished on {where}", lines[-5:]
+    assert any(line.startswith("HocclTimeoutError: synchronize: rank 0's all_reduce")
+               and "ranks [1] have not made the matching call" in line for line in lines)
+    assert "rank 1 received [0 1 2 3 4 5 6 7]" in lines
+
+
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch not installed")
 def test_sharded_training_matches_one_device():
     result = _run(EXAMPLES / "torch_fsdp_style.py", "--backend", "host")

@@ -303,3 +303,21 @@ def test_the_ddp_script_on_hoccl_under_srun_matches_gloo(gloos_losses):
     assert code == 0, output[-4000:]
     assert "world_size=2 launcher variables RANK=0 LOCAL_RANK=0" in output, output[-4000:]
     assert _losses(output) == gloos_losses
+
+
+def test_without_python_hostlist_slurms_scontrol_expands_the_list(tmp_path, monkeypatch):
+    """A stand-in ``scontrol`` on PATH prints one host per line, as Slurm's does; its
+    output is the list, and a refusal is a ValueError naming the list."""
+    scontrol = tmp_path / "scontrol"
+    scontrol.write_text('#!/bin/sh\n[ "$1 $2" = "show hostnames" ] || exit 3\n'
+                        'case "$3" in bad*) echo "Invalid hostlist" >&2; exit 1;; esac\n'
+                        'printf "%s-a\\n%s-b\\n" "$3" "$3"\n')
+    scontrol.chmod(0o755)
+    monkeypatch.setitem(sys.modules, "hostlist", None)  # python-hostlist not installed
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    assert expand_nodelist("n[1-2]") == ["n[1-2]-a", "n[1-2]-b"]
+    with pytest.raises(ValueError, match="scontrol refused 'bad"):
+        expand_nodelist("bad[")
+    monkeypatch.setenv("PATH", "/nonexistent")
+    with pytest.raises(RuntimeError, match=r"pip install 'hoccl\[slurm\]'"):
+        expand_nodelist("n[1-2]")

@@ -6,12 +6,15 @@ of another machine is refused or logged, never followed; the same under mpiexec.
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
+import types
 
 import pytest
 
 import hoccl
+import hoccl._progress
 from hoccl import InvalidArgumentError, tune, tuning
 from hoccl.bench._harness import Ranks
 from hoccl.sched.select import MACHINE_KEYS, Table, TableError, choose, size_of
@@ -73,7 +76,8 @@ def test_the_tuned_table_parses_and_covers_every_measured_size(tuned):
         "hoccl": hoccl.__version__}
     _assert_covers(table, 64 << 10)
     assert f"rows written to {path}" in output
-    assert "[" + "#" * 30 + "]" in output  # the progress bar reached its end
+    assert re.search(r"100%\|[^|]*\| (\d+)/\1\b", output), output[-2000:]  # the bar's end
+    assert output.index(f"the table goes to {path}") < output.index("all_gather")
 
 
 def test_init_loads_the_tuned_table_and_every_collective_stays_exact(tuned, monkeypatch):
@@ -202,6 +206,32 @@ def test_sizes_past_the_budget_are_skipped_and_left_to_the_defaults(tmp_path, ca
     assert "skipped by the budget" in table.note and "broadcast from 16K" in table.note
     assert table.row_for("broadcast", 4096) is not None
     assert table.row_for("broadcast", 16 << 10) is None  # the defaults
+
+
+def test_the_budget_is_kept_candidate_by_candidate(tmp_path, monkeypatch, capsys):
+    """Measurements take 0.1 s of a planted clock up to 16 KiB and 2 s above, more than
+    the smaller sizes predict: the tuner starts no candidate that would end past the
+    budget, and leaves the size it could not finish to the defaults."""
+    clock = [0.0]
+    planted = types.SimpleNamespace(monotonic=lambda: clock[0])
+    monkeypatch.setattr(tune, "time", planted)  # the tuner's clock and its bar's, only
+    monkeypatch.setattr(hoccl._progress, "time", planted)
+
+    def measure(ranks, args, shape, candidate, *rest, **options):
+        clock[0] += 0.1 if size_of(shape) <= 16 << 10 else 2.0
+        return tune.Measurement(shape.collective, size_of(shape), candidate, 1e-3,
+                                shape=shape)
+    monkeypatch.setattr(tune, "measure", measure)
+    output = tmp_path / "table.json"
+    argv = ["--local", "2", "--backend", "host", "--collectives", "all_reduce",
+            "--max-bytes", "1M", "--budget", "10", "--output", str(output)]
+    assert tune.main(argv) == 0
+    assert 8.0 < clock[0] <= 10.0
+    err = capsys.readouterr().err
+    assert "all_reduce from 64K up skipped: its candidates would pass the budget" in err
+    table = Table.from_json(output.read_text())
+    assert table.row_for("all_reduce", 16 << 10) is not None
+    assert table.row_for("all_reduce", 64 << 10) is None
 
 
 def _found(path, size, seconds=1.0, chunk=None):

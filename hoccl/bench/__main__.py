@@ -3,11 +3,18 @@
   mpirun -np 2 python -m hoccl.bench                     # hoccl, NCCL (torch.distributed,
                                                           # nccl4py) and NCCL's zero-SM mode
   python -m hoccl.bench --local 2                         # one process, hoccl only
+  python -m hoccl.bench --local 2 --backend host          # no GPU: hoccl's host backend
   mpirun -np 2 python -m hoccl.bench --rounds 3          # each library's median of 3 rounds
 
 Prints one table per collective (time in µs, algbw and busbw in GB/s = 1e9 B/s,
 #wrong elements after a checked run), the ratio of hoccl's busbw to the best NCCL
-figure of the same size and form, and writes JSON and PNG plots to --out.
+figure of the same size and form, and writes JSON, the Markdown table and PNG plots (with
+the bench extra, matplotlib) to --out.  The JSON and the table are rewritten after every
+size, so a run stopped halfway leaves what it measured.
+
+The defaults depend on the backend: on cuda every library up to 1 GiB; on host (CPU
+tensors, timed by the host's clock) hoccl alone up to 4 MiB, a run of well under a minute
+on 2 cores.  --libraries and --max-bytes override them.
 
 Each (collective, form, size) times every library's loop of calls in turn.  With
 --rounds R it does so R times (libraries A, B, C, then A, B, C again, ...) and records
@@ -23,16 +30,28 @@ Across hosts (collectives and point to point, beside gloo on the same tensors):
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import statistics
 import sys
-from typing import Any, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from .._progress import Progress
 from ._harness import (COLLECTIVES, FORMS, bus_factor, count_wrong, human, libraries,
                        make_buffers, metadata, parse_size, report, require, setup_ranks,
                        time_graph, time_loop)
 
-__all__ = ["main", "sweep", "table", "plots"]
+__all__ = ["main", "sweep", "table", "plots", "BACKEND_DEFAULTS"]
+
+#: what --libraries and --max-bytes are on each backend when not given: the GPU-only
+#: variants (SM caps, the own block's route) and NCCL mean nothing on the host backend, and
+#: its sizes stop where a CPU's memory copies stop saying more
+BACKEND_DEFAULTS = {
+    "cuda": {"libraries": "hoccl,hoccl-peer,hoccl+copy_sms=8,hoccl+max_sms=32,nccl,nccl4py,"
+                          "nccl-zero",
+             "max_bytes": "1G"},
+    "host": {"libraries": "hoccl", "max_bytes": "4M"},
+}
 
 
 def arguments(argv=None) -> argparse.Namespace:
@@ -43,10 +62,10 @@ def arguments(argv=None) -> argparse.Namespace:
                              "rank per mpirun process")
     parser.add_argument("--collectives", default=",".join(COLLECTIVES),
                         help="comma-separated subset of %(default)s")
-    parser.add_argument("--libraries",
-                        default="hoccl,hoccl-peer,hoccl+copy_sms=8,hoccl+max_sms=32,nccl,nccl4py,"
-                                "nccl-zero",
-                        help="comma-separated: hoccl (default options), hoccl-auto (each "
+    parser.add_argument("--libraries", default=None,
+                        help="default: " + "; ".join(f"{backend}: {values['libraries']}" for
+                                                     backend, values in BACKEND_DEFAULTS.items())
+                             + ". Comma-separated: hoccl (default options), hoccl-auto (each "
                              "call's path from the machine's tuning table, nothing set), "
                              "hoccl-peer / hoccl-local "
                              "(out-of-place own block through the peer / on capped SMs), any "
@@ -55,7 +74,10 @@ def arguments(argv=None) -> argparse.Namespace:
                              "(torch.distributed), "
                              "nccl4py, nccl-zero (NCCL CTA policy ZERO, symmetric windows)")
     parser.add_argument("--min-bytes", default="1K", help="smallest size (nccl-tests' size)")
-    parser.add_argument("--max-bytes", default="1G", help="largest size")
+    parser.add_argument("--max-bytes", default=None,
+                        help="largest size (default: " + ", ".join(
+                            f"{values['max_bytes']} on {backend}"
+                            for backend, values in BACKEND_DEFAULTS.items()) + ")")
     parser.add_argument("--factor", type=int, default=4, help="size multiplier between rows")
     parser.add_argument("--sizes", default="", help="explicit comma-separated sizes (e.g. "
                         "1M,16M,256M,1G); overrides --min-bytes/--max-bytes/--factor")
@@ -78,8 +100,12 @@ def arguments(argv=None) -> argparse.Namespace:
                         help="host: CPU tensors on hoccl's host backend, hoccl only, timed "
                              "by the host's clock (a check of this program without GPUs; "
                              "its times say nothing about a GPU)")
-    parser.add_argument("--out", default="results/bench", help="folder for JSON and PNG")
+    parser.add_argument("--out", default="results/bench",
+                        help="folder for the JSON, the Markdown table and the PNG plots")
     args = parser.parse_args(argv)
+    for name, value in BACKEND_DEFAULTS[args.backend].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1; got {args.rounds}")
     if args.graph and args.backend != "cuda":
@@ -87,36 +113,57 @@ def arguments(argv=None) -> argparse.Namespace:
     return args
 
 
-def sweep(args: argparse.Namespace):
-    """Returns (result, whether this process reports)."""
-    import torch
-    ranks = setup_ranks(args.local, backend=args.backend, max_sms=args.max_sms,
-                        chunk_bytes=parse_size(args.chunk_bytes))
-    dtype = getattr(torch, args.dtype)
-    libs = libraries(ranks, args.libraries.split(","))
+def sizes_of(args: argparse.Namespace) -> List[int]:
+    """The sizes a run measures: --sizes, else --min-bytes to --max-bytes by --factor."""
+    if args.sizes:
+        return [parse_size(text) for text in args.sizes.split(",")]
     sizes, size = [], parse_size(args.min_bytes)
     while size <= parse_size(args.max_bytes):
         sizes.append(size)
         size *= args.factor
-    if args.sizes:
-        sizes = [parse_size(text) for text in args.sizes.split(",")]
+    return sizes
+
+
+def points_of(args: argparse.Namespace) -> List[Tuple[str, str, int]]:
+    """Every (collective, form, size) a run measures, in the order it measures them."""
     forms = args.forms.split(",")
+    return [(collective, form, nbytes) for collective in args.collectives.split(",")
+            for form in FORMS[collective] if form in forms for nbytes in sizes_of(args)]
+
+
+def sweep(args: argparse.Namespace, written: Optional[Callable[[Dict[str, Any]], None]] = None):
+    """Returns (result, whether this process reports).  ``written(result)`` is called
+    with the result so far after every (collective, form, size) on the reporting rank."""
+    import torch
+    ranks = setup_ranks(args.local, backend=args.backend, max_sms=args.max_sms,
+                        chunk_bytes=parse_size(args.chunk_bytes))
+    files = "JSON, table and plots" if importlib.util.find_spec("matplotlib") else "JSON and table"
+    ranks.say(f"# hoccl.bench: {len(points_of(args))} sizes to measure; {files} go to "
+              f"{args.out}/ as they come")
+    dtype = getattr(torch, args.dtype)
+    libs = libraries(ranks, args.libraries.split(","))
     # a dedicated stream per rank for every library (NCCL's copy-engine mode refuses the
     # legacy default stream); the host backend takes none
     streams = ([torch.cuda.Stream(device=device) for device in ranks.devices]
                if ranks.backend == "cuda" else [None] * len(ranks.comms))
     records: List[Dict[str, Any]] = []
+    result = {"meta": metadata(sys.argv), "world_size": ranks.world_size, "dtype": args.dtype,
+              "backend": args.backend, "rounds": args.rounds, "records": records}
     ranks.say(f"# hoccl.bench: {ranks.world_size} ranks, {args.dtype}, libraries "
               f"{', '.join(lib.name for lib in libs)}"
               + (f", median of {args.rounds} rounds" if args.rounds > 1 else ""))
-    for collective in args.collectives.split(","):
-        for form in FORMS[collective]:
-            if form not in forms:
-                continue
-            for nbytes in sizes:
+    points = points_of(args)
+    with Progress(ranks.leader, len(points), "size") as progress:
+        ranks.write = lambda text: progress.say(text, file=sys.stdout)
+        try:
+            for collective, form, nbytes in points:
                 records += measure(args, ranks, libs, collective, form, nbytes, dtype, streams)
-    return ({"meta": metadata(sys.argv), "world_size": ranks.world_size, "dtype": args.dtype,
-             "backend": args.backend, "rounds": args.rounds, "records": records}, ranks.leader)
+                progress.step(f"{collective} {form} {human(nbytes)}")
+                if written is not None and ranks.leader:
+                    written(result)
+        finally:
+            ranks.write = None
+    return result, ranks.leader
 
 
 def measure(args, ranks, libs, collective, form, nbytes, dtype, streams) -> List[Dict[str, Any]]:
@@ -265,14 +312,20 @@ def plots(result: Dict[str, Any], folder: str) -> List[str]:
 def main(argv=None) -> None:
     args = arguments(argv)
     require("python -m hoccl.bench", args.local, args.backend)
-    result, leader = sweep(args)
+
+    def written(result: Dict[str, Any]) -> None:
+        report(result, args.out, "bench", table(result), echo=False)
+    try:
+        result, leader = sweep(args, written)
+    except KeyboardInterrupt:
+        sys.exit(f"python -m hoccl.bench: stopped; what was measured is in {args.out}/")
     if leader:
         report(result, args.out, "bench", table(result))
         try:
             for path in plots(result, args.out):
                 print("wrote", path)
-        except ImportError as error:
-            print(f"# plots skipped: {error}")
+        except ImportError:
+            print("# plots skipped: matplotlib is not installed (pip install 'hoccl[bench]')")
 
 
 if __name__ == "__main__":

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import os
-import platform
 import sys
 import time
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+from ._report import metadata, report
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast")
 #: forms each collective is measured in
@@ -40,9 +39,14 @@ def fill_defaults(args: Any, quick: Dict[str, Any], full: Dict[str, Any]) -> Any
 
 
 def parse_size(text: str) -> int:
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    text = text.strip().upper().rstrip("B")
-    return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
+    """Bytes from ``"4M"``, ``"64KiB"``, ``"1.5G"`` or ``"1024"``: binary units, as
+    nccl-tests reads them (humanfriendly's ``parse_size``)."""
+    import humanfriendly
+    try:
+        return humanfriendly.parse_size(str(text), binary=True)
+    except humanfriendly.InvalidSize:
+        raise ValueError(f"{text!r} is not a size (bytes, or a number ending in K, M or G)") \
+            from None
 
 
 def human(nbytes: int) -> str:
@@ -62,6 +66,8 @@ class Ranks:
     mpi: Any = None  # mpi4py communicator, or None
     devices: List[int] = field(default_factory=list)
     backend: str = "cuda"
+    #: prints the leader's lines where not ``print`` (above a progress bar)
+    write: Optional[Callable[[str], None]] = None
 
     def device(self, index: int) -> str:
         """The torch device of local rank ``index``'s buffers."""
@@ -98,20 +104,34 @@ class Ranks:
         return self.mpi.allreduce(value, op=MPI.SUM)
 
     def say(self, *args) -> None:
-        if self.leader:
+        if not self.leader:
+            return
+        if self.write is not None:
+            self.write(" ".join(map(str, args)))
+        else:
             print(*args, flush=True)
+
+
+def require_installed(program: str, names: Sequence[str]) -> None:
+    """Exit with one line naming the packages of ``names`` that are missing and how to
+    install them (on a machine that installed hoccl without its dependencies)."""
+    import importlib.util
+    how = {"torch": "'hoccl[torch]'", "mpi4py": "'hoccl[mpi]'"}
+    # an imported module is there (humanfriendly's module object has no __spec__)
+    missing = [name for name in names
+               if name not in sys.modules and importlib.util.find_spec(name) is None]
+    if missing:
+        sys.exit(f"{program}: needs {', '.join(missing)}; install them with pip install "
+                 + " ".join(how.get(name, name) for name in missing))
 
 
 def require(program: str, local: int, backend: str = "cuda") -> None:
     """Exit with one line naming what is missing and how to get it: torch (NCCL through
-    torch.distributed, the arrays), visible CUDA GPUs (unless ``backend`` is "host"),
-    mpi4py unless ``local``; not matplotlib (without it the plots are skipped)."""
-    import importlib.util
-    missing = [name for name in ("torch",) + (() if local else ("mpi4py",))
-               if importlib.util.find_spec(name) is None]
-    if missing:
-        sys.exit(f"{program}: needs {', '.join(missing)}; install them with "
-                 f"pip install 'hoccl[bench]'")
+    torch.distributed, the arrays), tqdm and humanfriendly (the progress bar, sizes),
+    visible CUDA GPUs (unless ``backend`` is "host"), mpi4py unless ``local``; not
+    matplotlib (without it the plots are skipped)."""
+    require_installed(program, ("torch", "tqdm", "humanfriendly")
+                      + (() if local else ("mpi4py",)))
     if backend == "host":
         return
     from ..backends import cuda_device_count
@@ -134,45 +154,6 @@ def setup_ranks(local: int, backend: str = "cuda", **options) -> Ranks:
     assert comm.device is not None
     torch.cuda.set_device(comm.device)
     return Ranks([comm], comm.world_size, MPI.COMM_WORLD, [comm.device])
-
-
-def metadata(command: List[str]) -> Dict[str, Any]:
-    import torch
-    info = {"command": " ".join(command), "date": datetime.now(timezone.utc).isoformat(),
-            "host": platform.node(), "python": sys.version.split()[0],
-            "torch": torch.__version__, "gpus": torch.cuda.device_count(),
-            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"}
-    try:
-        info["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
-    except Exception as error:  # report, do not fail the benchmark
-        info["nccl"] = f"unknown ({error})"
-    try:
-        from cuda.bindings import driver
-        info["cuda_driver"] = driver.cuDriverGetVersion()[1]
-        import cuda.bindings
-        info["cuda_bindings"] = cuda.bindings.__version__
-    except Exception as error:
-        info["cuda_driver"] = f"unknown ({error})"
-    try:
-        import subprocess
-        info["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version",
-                                         "--format=csv,noheader"], capture_output=True,
-                                        text=True, timeout=20).stdout.split()[0]
-    except Exception as error:
-        info["driver"] = f"unknown ({error})"
-    import hoccl
-    info["hoccl"] = hoccl.__version__
-    return info
-
-
-def report(result: Dict[str, Any], folder: str, stem: str, text: str) -> None:
-    """Write ``stem``.json and ``stem``.md into ``folder`` and print the table."""
-    os.makedirs(folder, exist_ok=True)
-    with open(os.path.join(folder, f"{stem}.json"), "w") as handle:
-        json.dump(result, handle, indent=1, default=str)
-    with open(os.path.join(folder, f"{stem}.md"), "w") as handle:
-        handle.write(text + "\n")
-    print(text)
 
 
 # -- libraries -------------------------------------------------------------------------------

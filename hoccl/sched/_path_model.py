@@ -51,21 +51,21 @@ class PathCost:
     source: str
 
 
-_SESSION7 = ("results/h200x2/session7/figures-a/bench-small.log (2 x H200, NVLink, bf16, "
+_TWO_H200 = ("results/h200x2/session7/figures-a/bench-small.log (2 x H200, NVLink, bf16, "
              "in place, in CUDA graphs)")
 #: 2 × H200 over NVLink: conservative constants per path
 NVLINK: Mapping[str, PathCost] = {
-    # reduce_scatter 8 KiB 30.6 µs, all_reduce 43.4 µs (session 7); 205 GB/s, the lowest
+    # reduce_scatter 8 KiB 30.6 µs, all_reduce 43.4 µs (2 × H200); 205 GB/s, the lowest
     # of hoccl's 1 GiB copy-engine figures (reduce_scatter on 8 SMs)
     "push": PathCost(30.6, 12.8, 205e3, ANY_SIZE,
-                     f"{_SESSION7}; 1 GiB reduce_scatter 205 GB/s "
+                     f"{_TWO_H200}; 1 GiB reduce_scatter 205 GB/s "
                      f"(docs/results/h200x2-2026-11-30.md)"),
     # reduce_scatter 8 KiB 18.3 µs, all_reduce 31.7 µs; 16 MiB reduce_scatter 76.7 µs:
-    # 8.4 MB in 58.4 µs, 144 GB/s (session 7)
-    "pull": PathCost(18.3, 13.4, 144e3, 16 << 20, _SESSION7),
-    # all_reduce 8 KiB 30.6 µs; 16 MiB 123.2 µs: 16.8 MB in 92.6 µs, 181 GB/s (session 7)
-    "one_shot": PathCost(30.6, 0.0, 181e3, 16 << 20, _SESSION7),
-    # 7.6 µs for a 64 KiB all_reduce on one H200 (loopback, results/h200/session9): twice
+    # 8.4 MB in 58.4 µs, 144 GB/s (2 × H200)
+    "pull": PathCost(18.3, 13.4, 144e3, 16 << 20, _TWO_H200),
+    # all_reduce 8 KiB 30.6 µs; 16 MiB 123.2 µs: 16.8 MB in 92.6 µs, 181 GB/s (2 × H200)
+    "one_shot": PathCost(30.6, 0.0, 181e3, 16 << 20, _TWO_H200),
+    # 7.6 µs for a 64 KiB all_reduce on one H200 (loopback, docs/results/one-gpu.md): twice
     # that over NVLink, never measured there, and 100 GB/s, below every copy path;
     # measured up to 1 MiB
     "direct": PathCost(15.2, 0.0, 100e3, 1 << 20,

@@ -29,7 +29,7 @@ try:
     import torch
     import torch.distributed as dist
 except ImportError as error:  # pragma: no cover - exercised only without torch
-    raise ImportError("hoccl.torch needs PyTorch (>= 2.9): pip install 'hoccl[torch]'") from error
+    raise ImportError("hoccl.torch needs PyTorch (>= 2.11): pip install 'hoccl[torch]'") from error
 
 import hoccl
 

@@ -31,7 +31,9 @@ import importlib.util
 import logging
 import os
 import re
+import shutil
 import socket
+import subprocess
 from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, MutableMapping, NamedTuple, Optional, Tuple
 
@@ -176,55 +178,40 @@ def slurm_port(job_id: int, step_id: int = 0) -> int:
     return SLURM_PORTS.start + (job_id * 97 + step_id) % len(SLURM_PORTS)
 
 
-_GROUP = re.compile(r"\[([^\]]*)\]")
+_TASKS = re.compile(r"^(\d+)(?:\(x(\d+)\))?$")
 
 
 def expand_nodelist(nodelist: str) -> List[str]:
     """Slurm's compressed host list as host names, in order: ``"node[01-03,07],login"``
     is node01, node02, node03, node07, login (zero padding kept; several bracket groups
-    in one name multiply out)."""
-    hosts: List[str] = []
-    for name in _split_top_level(nodelist):
-        hosts.extend(_expand_name(name))
+    in one name multiply out).  python-hostlist expands it (``pip install
+    'hoccl[slurm]'``); without it, SLURM's own ``scontrol show hostnames`` does."""
+    try:
+        import hostlist
+    except ImportError:
+        hosts = _scontrol_hostnames(nodelist)
+    else:
+        try:
+            hosts = hostlist.expand_hostlist(nodelist, allow_duplicates=True)
+        except hostlist.BadHostlist as error:
+            raise ValueError(f"expand_nodelist: {nodelist!r} is not a Slurm host list "
+                             f"({error})") from None
     if not hosts:
         raise ValueError(f"expand_nodelist: no host in {nodelist!r}")
     return hosts
 
 
-def _split_top_level(nodelist: str) -> List[str]:
-    """Split at the commas outside brackets."""
-    names, depth, start = [], 0, 0
-    for index, char in enumerate(nodelist):
-        if char == "[":
-            depth += 1
-        elif char == "]":
-            depth -= 1
-        elif char == "," and depth == 0:
-            names.append(nodelist[start:index])
-            start = index + 1
-    names.append(nodelist[start:])
-    return [name.strip() for name in names if name.strip()]
-
-
-def _expand_name(name: str) -> List[str]:
-    match = _GROUP.search(name)
-    if match is None:
-        return [name]
-    prefix, rest = name[:match.start()], name[match.end():]
-    tails = _expand_name(rest)
-    expanded: List[str] = []
-    for part in match.group(1).split(","):
-        low, _, high = part.partition("-")
-        if not low.isdigit() or (high and not high.isdigit()):
-            raise ValueError(f"expand_nodelist: {part!r} in {name!r} is not a number or a "
-                             f"range of numbers")
-        width = len(low)
-        for number in range(int(low), int(high or low) + 1):
-            expanded.extend(f"{prefix}{number:0{width}d}{tail}" for tail in tails)
-    return expanded
-
-
-_TASKS = re.compile(r"^(\d+)(?:\(x(\d+)\))?$")
+def _scontrol_hostnames(nodelist: str) -> List[str]:
+    scontrol = shutil.which("scontrol")
+    if scontrol is None:
+        raise RuntimeError(f"expand_nodelist: expanding {nodelist!r} needs python-hostlist "
+                           f"(pip install 'hoccl[slurm]') or Slurm's scontrol on PATH")
+    result = subprocess.run([scontrol, "show", "hostnames", nodelist], capture_output=True,
+                            text=True, timeout=30)
+    if result.returncode != 0:
+        raise ValueError(f"expand_nodelist: scontrol refused {nodelist!r}: "
+                         f"{result.stderr.strip()}")
+    return result.stdout.split()
 
 
 def tasks_per_node(text: str) -> List[int]:
