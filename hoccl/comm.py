@@ -19,7 +19,6 @@ import atexit
 import contextlib
 import dataclasses
 import logging
-import numbers
 import weakref
 from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
@@ -446,15 +445,15 @@ class Communicator(CommunicatorApi):
         engine = self._engine
         if engine.closed or engine.aborted:
             return
+        pair: Optional[Tuple[int, int]] = None
+        participants: Sequence[int] = range(self.world_size)
         if name in ("send", "recv"):
-            if isinstance(peer, bool) or not isinstance(peer, numbers.Integral) \
-                    or not 0 <= int(peer) < self.world_size or int(peer) == self.rank:
+            try:
+                other = check.rank(name, "peer", peer, self.world_size, other_than=self.rank)
+            except InvalidArgumentError:
                 return
-            pair: Optional[Tuple[int, int]] = ((self.rank, int(peer)) if name == "send"
-                                               else (int(peer), self.rank))
-            participants: Sequence[int] = pair
-        else:
-            pair, participants = None, range(self.world_size)
+            pair = (self.rank, other) if name == "send" else (other, self.rank)
+            participants = pair
         key = engine.skip(pair)
         try:
             self._group.refuse(name, key, participants, str(error), self.rank)

@@ -56,7 +56,7 @@ def arguments(argv=None) -> argparse.Namespace:
     return args
 
 
-def measure(call: Callable[[], None], sync: Callable[[], None], burst: int,
+def measure(call: Callable[[], Any], sync: Callable[[], Any], burst: int,
             bursts: int) -> Dict[str, float]:
     """Host µs per call: the median and the least burst by the wall clock, and the median
     by the process's CPU time."""
@@ -126,16 +126,8 @@ def _hoccl_rows(comm: Any, args: argparse.Namespace, collectives: List[str], cou
         comm.set_options(kernel_bytes=kernel_bytes)
         for collective in collectives:
             send, recv = _buffers(collective, count, n, make)
-            if collective == "all_gather":
-                def call(send=send, recv=recv):
-                    comm.all_gather(send, recv)
-            elif collective == "all_reduce":
-                def call(send=send, recv=recv):
-                    comm.all_reduce(send, recv)
-            else:
-                def call(send=send, recv=recv):
-                    comm.reduce_scatter(send, recv)
-            figure = measure(call, sync, args.burst, args.bursts)
+            method = getattr(comm, collective)
+            figure = measure(lambda: method(send, recv), sync, args.burst, args.bursts)
             rows.append({"variant": variant, "collective": collective, "world": n,
                          "rank": comm.rank, **figure})
     comm.set_options(kernel_bytes=0)
@@ -158,16 +150,11 @@ def _nccl_rows(args: argparse.Namespace, collectives: List[str], count: int
             send, recv = _buffers(collective, count, 1,
                                   lambda elements: torch.zeros(elements, dtype=dtype,
                                                                device=device))
-            if collective == "all_gather":
-                def call(send=send, recv=recv):
-                    dist.all_gather_into_tensor(recv, send)
-            elif collective == "all_reduce":
-                def call(recv=recv):
-                    dist.all_reduce(recv)
-            else:
-                def call(send=send, recv=recv):
-                    dist.reduce_scatter_tensor(recv, send)
-            figure = measure(call, torch.cuda.synchronize, args.burst, args.bursts)
+            calls = {"all_gather": lambda: dist.all_gather_into_tensor(recv, send),
+                     "all_reduce": lambda: dist.all_reduce(recv),
+                     "reduce_scatter": lambda: dist.reduce_scatter_tensor(recv, send)}
+            figure = measure(calls[collective], torch.cuda.synchronize, args.burst,
+                             args.bursts)
             rows.append({"variant": "nccl", "collective": collective, "world": 1, "rank": 0,
                          **figure})
     finally:
@@ -225,9 +212,13 @@ def main(argv=None) -> int:
         torch.cuda.set_device(comm.device)
     rows = _hoccl_rows(comm, args, collectives, count, variants)
     world = comm.world_size
-    everyone = comm._group.bootstrap.allgather(rows) if world > 1 else [rows]
     rank = comm.rank
     comm.close()
+    if world > 1:  # one rank per process: under mpirun
+        from mpi4py import MPI
+        everyone = MPI.COMM_WORLD.allgather(rows)
+    else:
+        everyone = [rows]
     if rank != 0:
         return 0
     rows = [row for ranks_rows in everyone for row in ranks_rows]
