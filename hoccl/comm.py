@@ -402,8 +402,9 @@ class Communicator(CommunicatorApi):
 
     def _run(self, name: str, shape: Shape, buffers: Dict[str, Optional[Buffer]],
                stream: Any) -> None:
-        """Prepare (may fail: nothing enqueued; a repeat finds its prepared call), enqueue,
-        then hand to the group — now, or at the end of the enclosing ``hoccl.group()``."""
+        """Prepare (may fail: nothing enqueued; a repeat finds its prepared call), then
+        submit to the engine, which enqueues it and has the group match it — now, or at
+        the end of the enclosing ``hoccl.group()``."""
         engine = self._engine
         call = engine.prepare(name, shape, buffers, stream, exported=self._group.exported)
         self._usable(name)  # the watchdog may have aborted meanwhile

@@ -155,9 +155,24 @@ class Engine(Issuing):
         self.tuning, self.tuning_origin = table, origin
 
     def configure(self, config: Any) -> None:
-        """Take ``config``'s settings (a ``hoccl.Config``) for later calls."""
+        """Take ``config``'s settings (a ``hoccl.Config``) for later calls: a change of
+        options empties the cache, one of fused sums too (bound programs hold them)."""
         with self.lock:
-            self.preparer.configure(config)
+            self.sms.max_sms = config.max_sms
+            self.sms.copy_sms = config.copy_sms or self.sms.copy_sms
+            if config.fuse_sums != self.sms.fuse_sums:
+                self.sms.fuse_sums = bool(config.fuse_sums)
+                self.forget_programs()  # bound programs hold the fused launches, or not
+            self.verify_plans = config.verify_plans
+            if config.plan_options != self.options or config.given != self.given:
+                self.options = config.plan_options
+                self.given = config.given
+                self.preparer.cache.clear()  # every shape is planned afresh
+
+    def new_layout(self) -> None:
+        """What prepared calls depend on changed (``layout_epoch``): those made before are
+        made afresh."""
+        self.layout_epoch += 1
 
     def learn(self, peers_of_calls: Any) -> None:
         """The peers' buffers of matched calls (each call's ``peers``): their scratch and

@@ -88,7 +88,7 @@ def _changed_options(options: Options) -> tuple:
 
 class Prepares(CallEngine, Protocol):
     """What the preparer reads of its engine (``Engine``; the engine of the calls it
-    makes), and the settings and layout count it changes (``configure``, ``_prepared``)."""
+    makes), and how it tells it that the layout changed."""
 
     rank: int
     world_size: int
@@ -104,8 +104,8 @@ class Prepares(CallEngine, Protocol):
     tuning: Optional[Table]
     layout_epoch: int
 
-    def forget_programs(self) -> None:
-        """Prepare and bind every call afresh from now on."""
+    def new_layout(self) -> None:
+        """What prepared calls depend on changed: those made before are made afresh."""
 
 
 class Preparer:
@@ -119,21 +119,6 @@ class Preparer:
         #: each peer's reduction scratch and ring as last described by the peer (``learn``)
         self.peer_scratch: Dict[int, PeerBuffer] = {}
         self.peer_ring: Dict[int, PeerBuffer] = {}
-
-    def configure(self, config: Any) -> None:
-        """Take ``config``'s settings (a ``hoccl.Config``) for later calls: a change of
-        options empties the cache, one of fused sums too (bound programs hold them)."""
-        engine = self.engine
-        engine.sms.max_sms = config.max_sms
-        engine.sms.copy_sms = config.copy_sms or engine.sms.copy_sms
-        if config.fuse_sums != engine.sms.fuse_sums:
-            engine.sms.fuse_sums = bool(config.fuse_sums)
-            engine.forget_programs()  # bound programs hold the fused launches, or not
-        engine.verify_plans = config.verify_plans
-        if config.plan_options != engine.options or config.given != engine.given:
-            engine.options = config.plan_options
-            engine.given = config.given
-            self.cache.clear()  # every shape is planned afresh
 
     def choice(self, shape: Shape, registered: Optional[bool] = None,
                captured: Optional[bool] = None) -> Choice:
@@ -262,7 +247,7 @@ class Preparer:
                 sizes[buffer_name] = buffer.nbytes
                 changed = False
             if changed:
-                engine.layout_epoch += 1  # calls prepared on the old allocation are made anew
+                engine.new_layout()  # calls prepared on the old allocation are made anew
         fast: Optional[Peers] = None
         exports: Tuple[str, ...] = ()
         if exported:
@@ -474,4 +459,4 @@ class Preparer:
                             and buffer.nbytes <= known.nbytes):
                         continue  # the same allocation, known to be at least this large
                     table[peer] = buffer
-                    self.engine.layout_epoch += 1
+                    self.engine.new_layout()
