@@ -26,7 +26,8 @@ from ._hierarchy import INTER_HOST_ENGINES, HierarchicalCommunicator, host_topol
 from ._hierarchy.hosts import backend_for, host_config
 from .bootstrap import Bootstrap, MPIBootstrap
 from .comm import Communicator, group, group_end, group_start
-from ._windows import Window, empty, host_empty
+from ._arrays import empty, host_empty
+from ._windows import Window
 
 __all__ = ["init", "init_local", "split_local", "shrink_local", "Config", "Communicator", "CommunicatorApi",
            "HierarchicalCommunicator",

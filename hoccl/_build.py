@@ -47,16 +47,15 @@ def make_engine(config: Config, rank: int, world_size: int, share: DeviceShare,
     engine = Engine(rank=rank, world_size=world_size, share=share, options=config.plan_options,
                     verify_plans=config.verify_plans, owns_device=owns_device,
                     sms=SmCaps(config.max_sms, config.copy_sms or default_copy_sms(world_size),
-                               True if config.fuse_sums is None else config.fuse_sums))
-    engine.given = config.given
+                               True if config.fuse_sums is None else config.fuse_sums),
+                    given=config.given)
     return engine
 
 
 def _use_table(engines: Sequence[Engine], machine: Dict[str, Any],
                found: Tuple[Optional[Table], str]) -> None:
     for engine in engines:
-        engine.machine = machine
-        engine.tuning, engine.tuning_origin = found
+        engine.use_table(machine, *found)
 
 
 def connect_local(shares: Sequence[DeviceShare], config: Config, owns_devices: bool

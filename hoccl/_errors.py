@@ -53,3 +53,11 @@ class PeerClosedError(PeerDeadError):
     """A rank waited for a call that a peer will never make: the peer closed the
     communicator (its process may still run).  A ``PeerDeadError``, so that code which
     handles a lost peer handles both."""
+
+
+def fatal(error: BaseException) -> bool:
+    """Whether handing calls over failed for good (the communicator is aborted): a plain
+    mismatch released the calls and the communicator stays usable; a divergence (an
+    earlier registered call ran differently) or anything else leaves nothing to match
+    up."""
+    return isinstance(error, DivergedError) or not isinstance(error, MismatchError)

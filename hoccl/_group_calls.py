@@ -7,22 +7,33 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from typing import TYPE_CHECKING, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Protocol, Sequence, Tuple
 
-from ._errors import DivergedError, HocclError, InvalidArgumentError, MismatchError
+from ._engine import Call, Matcher
+from ._errors import DivergedError, HocclError, InvalidArgumentError, MismatchError, fatal
 
-if TYPE_CHECKING:
-    from ._engine import Call
-    from .comm import Communicator
-
-__all__ = ["group", "group_start", "group_end", "held_calls", "hand_over", "fatal"]
+__all__ = ["group", "group_start", "group_end", "held_calls", "hand_over", "fatal", "Holder"]
 
 log = logging.getLogger("hoccl")
 
 _GROUPS = threading.local()
 
 
-def held_calls() -> Optional[List[Tuple["Communicator", "Call"]]]:
+class Holder(Protocol):
+    """A communicator whose calls a group holds (``hoccl.Communicator``, or one across
+    hosts, whose held calls are its pairs): its group matches them at the group's end,
+    and ``_fail`` aborts it when that fails for good.  Only one whose group is not
+    ``exported`` has an engine whose callers ``group_end`` fences."""
+
+    @property
+    def _group(self) -> Matcher:
+        """What matches its calls with the peers'."""
+
+    def _fail(self, calls: List[Any], error: BaseException) -> None:
+        """Matching ``calls`` failed for good: abort the communicator."""
+
+
+def held_calls() -> Optional[List[Tuple[Holder, Any]]]:
     return getattr(_GROUPS, "calls", None) if getattr(_GROUPS, "depth", 0) else None
 
 
@@ -49,12 +60,12 @@ def group_end() -> None:
     if depth > 1:
         return
     held, _GROUPS.calls = _GROUPS.calls, []
-    batches: Dict[int, Tuple["Communicator", List["Call"]]] = {}
+    batches: Dict[int, Tuple[Holder, List[Call]]] = {}
     for comm, call in held:
         batches.setdefault(id(comm), (comm, []))[1].append(call)
     for comm, calls in batches.values():
         if not comm._group.exported:  # a process group fences them as it issues them
-            comm._engine.fence_callers(calls)
+            calls[0].engine.fence_callers(calls)
     if batches:
         hand_over(list(batches.values()))
 
@@ -91,15 +102,15 @@ def group() -> Iterator[None]:
 _ABANDONED = (("abandoned", "the body of its hoccl.group() raised"),)
 
 
-def hand_over(batches: Sequence[Tuple["Communicator", List["Call"]]]) -> None:
+def hand_over(batches: Sequence[Tuple[Holder, List[Call]]]) -> None:
     """Offer every batch to its group, then complete each: no batch's completion can
     wait for a peer's offer that is queued behind it.  A mismatch has already
     released the calls (the callers' streams go on, the outputs are not written) and
     the communicator stays usable; any other failure aborts it."""
     failures: List[BaseException] = []
 
-    def attempt(comm: "Communicator", step: Callable[[List["Call"]], None],
-                calls: List["Call"]) -> bool:
+    def attempt(comm: Holder, step: Callable[[List[Call]], None],
+                calls: List[Call]) -> bool:
         try:
             step(calls)
             return True
@@ -116,11 +127,3 @@ def hand_over(batches: Sequence[Tuple["Communicator", List["Call"]]]) -> None:
         attempt(comm, comm._group.complete, calls)
     if failures:
         raise failures[0]
-
-
-def fatal(error: BaseException) -> bool:
-    """Whether handing calls over failed for good (the communicator is aborted): a plain
-    mismatch released the calls and the communicator stays usable; a divergence (an
-    earlier registered call ran differently) or anything else leaves nothing to match
-    up."""
-    return isinstance(error, DivergedError) or not isinstance(error, MismatchError)

@@ -12,19 +12,17 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Callable, List, Optional
+from typing import Callable, FrozenSet, List, Optional, Protocol, Sequence
 
 from ._engine import Call, Engine
 from ._errors import (AbortedError, DivergedError, HocclError, HocclTimeoutError,
                       PeerClosedError, PeerDeadError)
+from ._mailbox import Notice
 from .backends._base import DIRECT_VALUE_BITS
 from .sched.algorithms import KERNEL_MAX_BLOCKS
 from .sched.plan import Wait
 
-if TYPE_CHECKING:
-    from ._groups import Group
-
-__all__ = ["Health"]
+__all__ = ["Health", "Peers"]
 
 log = logging.getLogger("hoccl")
 
@@ -36,6 +34,35 @@ _DEAD_PEER_GRACE = 1.0
 _ABORT_NOTICE_WAIT = 0.5
 
 
+class Peers(Protocol):
+    """What the monitor asks of its rank's group about the peers (``hoccl._groups.Group``
+    offers it: the group sits above the monitor, which never imports it)."""
+
+    exported: bool
+    world_size: int
+
+    def siblings(self, health: "Health") -> List["Health"]:
+        """The monitors of the other ranks of this process."""
+
+    def forget_calls(self) -> None:
+        """After an abort: no held call will ever be issued."""
+
+    def dead_peer(self) -> Optional[str]:
+        """A description of a peer whose process is gone, if one is."""
+
+    def closed_peer(self, calls: Sequence[Call]) -> Optional[str]:
+        """A participant of one of ``calls`` that closed without making it, if one did."""
+
+    def gone_peers(self) -> FrozenSet[int]:
+        """The peers known to have closed the communicator or exited."""
+
+    def announce(self, kind: str, reason: str) -> None:
+        """Tell the peers why this rank aborted."""
+
+    def peer_abort(self, peer: int) -> Optional[Notice]:
+        """Why ``peer`` aborted, if it has said."""
+
+
 class Health:
     """One rank's monitor, over its engine and its group (``group.siblings``: the monitors
     of the other ranks of this process, ``init_local``: an abort of one rank is an abort
@@ -44,7 +71,7 @@ class Health:
     device, and an abort of this rank is an abort of them (and of theirs) too; an abort
     of a child leaves its parent alone."""
 
-    def __init__(self, engine: Engine, timeout: float, group: "Group"):
+    def __init__(self, engine: Engine, timeout: float, group: Peers):
         self.engine = engine
         self.timeout = timeout
         self._group = group
@@ -95,7 +122,7 @@ class Health:
             delay = min(delay * 2 + 2e-6, 1e-3)
         self.check(call)
         engine.finish()
-        error, engine.pending_error = engine.pending_error, None
+        error = engine.take_pending_error()
         if error is not None:
             raise error
 
@@ -160,7 +187,7 @@ class Health:
             if self.engine.aborted or self.engine.closed:
                 return
             self._peer_death = reason
-            self.engine.abort_error = error
+            self.engine.raise_later(error)
         self.abort(reason)
 
     def check(self, call: str) -> None:

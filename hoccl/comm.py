@@ -1,16 +1,17 @@
 """The Communicator: hoccl's communicator of ranks on one host.
 
 ``CommunicatorApi`` (``hoccl._api``) checks a collective's arguments and hands it to
-``_run``, which here hands it to the rank's engine and group::
+``_run``, which here hands it to the rank's engine, the one place that drives a call::
 
     call = engine.prepare(...)   # plan, caller's stream, exports: may raise, enqueues nothing
-    engine.enqueue(call)         # number it; in one process, fence the caller's stream now
-    group.submit([call])         # match with the peers' calls, then engine.issue (which
-                                 # maps the peers' buffers, then fences across processes)
+    engine.submit(call)          # enqueue it (in one process, fence the caller's stream
+                                 # now), have the group match it with the peers' calls,
+                                 # then issue it (``Engine.issue``: maps the peers' buffers,
+                                 # then fences across processes) → Executor → Device
 
-Inside ``hoccl.group()`` (``hoccl._group_calls``) the submission waits for the outermost
-``group_end``, where every held call is offered to its peers first and matched after,
-so cycles of calls cannot block each other.
+Inside ``hoccl.group()`` (``hoccl._group_calls``) ``submit`` only enqueues: the matching
+waits for the outermost ``group_end``, where every held call is offered to its peers
+first and matched after, so cycles of calls cannot block each other.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from ._buffers import Buffer, as_buffer
 from ._engine import Call, Engine
 from ._errors import (AbortedError, DivergedError, HocclError, HocclTimeoutError,
                       InvalidArgumentError, PeerDeadError)
-from ._group_calls import fatal, group, group_end, group_start, held_calls
+from ._group_calls import group, group_end, group_start, held_calls
 from ._groups import _ABORTED, Group, _describe
 from ._health import Health
 from .bootstrap import end_of_job
@@ -66,6 +67,7 @@ class Communicator(CommunicatorApi):
         self.backend: str = engine.device.backend
         #: CUDA ordinal of this rank's GPU (None on the host backend)
         self.device: Optional[int] = engine.device.ordinal
+        engine.attach(group, self._fail)  # the engine drives its calls through the group
         _OPEN.add(self)
 
     # -- state ------------------------------------------------------------------------------
@@ -329,8 +331,7 @@ class Communicator(CommunicatorApi):
             self._closing(lambda: self._health.synchronize("close", poll=self._group.check))
         if not engine.aborted:  # the peers' descriptions of calls run on registered buffers
             self._closing(lambda: self._group.settle("close"))
-        with engine.lock:
-            engine.closed = True
+        engine.mark_closed()
         self._health.stop()
         # after an abort, a caller stream held by the user's work may still reach this
         # rank's fences (and its lanes then run on): never free memory it will touch.
@@ -400,8 +401,9 @@ class Communicator(CommunicatorApi):
 
     def _run(self, name: str, shape: Shape, buffers: Dict[str, Optional[Buffer]],
                stream: Any) -> None:
-        """Prepare (may fail: nothing enqueued; a repeat finds its prepared call), enqueue,
-        then hand to the group — now, or at the end of the enclosing ``hoccl.group()``."""
+        """Prepare (may fail: nothing enqueued; a repeat finds its prepared call), then
+        submit to the engine, which enqueues it and has the group match it — now, or at
+        the end of the enclosing ``hoccl.group()``."""
         engine = self._engine
         call = engine.prepare(name, shape, buffers, stream, exported=self._group.exported)
         self._usable(name)  # the watchdog may have aborted meanwhile
@@ -409,33 +411,12 @@ class Communicator(CommunicatorApi):
         if call.captured and held is not None:
             raise InvalidArgumentError(f"{name}: a call captured into a CUDA graph cannot be "
                                        f"inside hoccl.group() yet")
-        # across processes a call returns once issued: its caller is fenced then, after the
-        # peers' buffers are mapped (``Engine.issue``), or a direct kernel's or one-lane
-        # plan's steps go on the caller's stream itself (captured: one graph node); a call
-        # held until every rank made it (one process), or a repeat bound for peers told
-        # without asking (it maps nothing), has its caller fenced now
-        exported = self._group.exported
-        if held is None and exported and (
-                call.prepared.direct or (call.plan.lanes == 1 and not call.captured)):
-            call.on_caller = True
-        engine.enqueue(call, fence=held is None and (
-            not exported or call.prepared.bound_without_asking))
         self._health.start_watchdog()
         if log.isEnabledFor(logging.DEBUG):
             log.debug("rank %d %s %s key=%s", self.rank, name, shape, call.key)
+        engine.submit(call, grouped=held is not None)
         if held is not None:
             held.append((self, call))
-            return
-        calls = [call]  # offered and completed at once, as ``hand_over`` does for a group
-        try:
-            self._group.post(calls)
-            self._group.complete(calls)
-        except BaseException as error:
-            if isinstance(error, InvalidArgumentError):
-                error.made = True  # type: ignore[attr-defined]  # the peers know of it
-            if fatal(error):
-                self._fail(calls, error)
-            raise
 
     def _refused_call(self, name: str, peer: Any, error: InvalidArgumentError) -> None:
         """``name`` raised ``error`` before it was made: take its place in this rank's

@@ -8,20 +8,17 @@ This package stands outside ``hoccl`` because torch calls it in every process th
 imports torch: it imports neither hoccl (140 ms) nor hoccl.torch, whose import fills
 the rendezvous variables from mpirun's or srun's and may initialise MPI.  hoccl.torch
 is imported by the creator, when the first hoccl group is made (its rendezvous done,
-so that import then leaves the environment alone: ``CREATING``).
+so that import then leaves the environment alone: ``_backend.creating``).
 """
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
-__all__ = ["register", "CREATING"]
+from . import _backend
+from ._backend import BACKEND
 
-#: the name under which torch.distributed knows the backend
-BACKEND = "hoccl"
-#: True while the creator imports hoccl.torch
-CREATING = False
+__all__ = ["register", "BACKEND"]
 
 
 def register() -> None:
@@ -32,19 +29,11 @@ def register() -> None:
     half made, and a failure here would fail ``import torch`` itself.  Where
     torch.distributed is not loaded yet, or not built, ``import hoccl.torch`` registers
     the backend instead."""
-    distributed = sys.modules.get("torch.distributed")
-    backend = getattr(distributed, "Backend", None)
-    if backend is None or hasattr(backend, BACKEND.upper()):
-        return
-    backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu", "cuda"])
+    _backend.register(_create)
 
 
 def _create(backend_options: Any, pg_options: Any) -> Any:
     """torch.distributed's creator: hoccl.torch's, imported now."""
-    global CREATING
-    CREATING = True
-    try:
+    with _backend.creating():
         from hoccl.torch import _create as create
-    finally:
-        CREATING = False
     return create(backend_options, pg_options)

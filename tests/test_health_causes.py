@@ -39,6 +39,7 @@ def _waiting_rank(aborts):
                              abort_reason="", unfinished=lambda: ["all_reduce"],
                              device=SimpleNamespace(failure=lambda: None),
                              pad=SimpleNamespace(aborted_by=lambda: None))
+    engine.raise_later = lambda error: setattr(engine, "abort_error", error)
     health = Health(engine, timeout=5.0, group=_Group(aborts))
 
     def abort(reason, kind="aborted"):

@@ -1,19 +1,22 @@
-"""A call of one rank (``Call``), what it tells its peers of a buffer (``PeerBuffer``),
-and the small helpers the engine's stages share."""
+"""A call of one rank (``Call``), its prepared part (``PreparedCall``, and the part
+every call of its shape shares, ``ShapePlan``: ``prepared`` makes and caches them), what
+it tells its peers of a buffer (``PeerBuffer``), what the engine asks of the group that
+matches its calls (``Matcher``) and the group of a call's engine (``CallEngine``), and
+the small helpers the engine's stages share."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Protocol, Sequence, Tuple
 
+from .._errors import HocclError
+from ..sched import Shape
 from ..sched.plan import Plan
 
-if TYPE_CHECKING:
-    from .engine import Engine
-    from .prepared import PreparedCall
-
-__all__ = ["PeerBuffer", "Call", "SYMMETRIC", "digest", "callers_of", "stream_key"]
+__all__ = ["PeerBuffer", "Peers", "ShapePlan", "PreparedCall", "Call", "CallEngine", "Matcher",
+           "SYMMETRIC", "digest", "callers_of", "stream_key"]
 
 
 class PeerBuffer(NamedTuple):
@@ -23,6 +26,65 @@ class PeerBuffer(NamedTuple):
     tuple: it crosses processes in every call's message, and pickles as cheaply as one."""
     where: Any
     nbytes: int
+
+
+#: the peers' buffers of a call: peer -> buffer name -> what the peer told
+Peers = Dict[int, Dict[str, PeerBuffer]]
+
+
+@dataclass(eq=False, slots=True)
+class ShapePlan:
+    """What every call of one shape has in common on this rank, whatever its buffers."""
+    shape: Shape
+    plan: Plan
+    signature: tuple           # what every participant must agree on
+    buffers: Tuple[Tuple[str, int], ...]  # (name, bytes the plan uses) of each non-empty buffer
+    shared: Tuple[str, ...]    # the names of those that peers' steps touch
+    #: bytes the plan reaches into each peer's buffer, by (peer, name): the bounds check
+    reach: Dict[Tuple[int, str], int]
+    marks: int                 # events its program records (``Executor.reserve``)
+    compiled: Tuple[tuple, ...]  # this rank's eager program (``Executor.compile``)
+    #: its reductions' SM cap from the tuning table's row (None: the communicator's)
+    max_sms: Optional[int] = None
+
+
+@dataclass(eq=False, slots=True)
+class PreparedCall:
+    """One call shape on one set of this rank's buffers, ready to be issued."""
+    part: ShapePlan
+    plan: Plan
+    direct: int                # the plan's direct-kernel blocks (``Plan.kernel_blocks``), or 0
+    signature: tuple
+    captured: bool
+    local: Dict[str, Any]      # buffer name -> address on this rank
+    sizes: Dict[str, int]      # buffer name -> bytes it holds
+    #: what the peers are told of this rank's buffers; the names in ``exports`` are
+    #: exported afresh on every call (unregistered buffers across processes: only the
+    #: device can tell a reallocation at the same address)
+    shared: Dict[str, PeerBuffer]
+    exports: Tuple[str, ...]
+    fast: Optional[Peers]      # the peers' buffers told without asking, or None
+    #: ``(name, where)`` of every peer buffer in ``fast``, by peer: what the group tells
+    #: each peer this rank took its buffers to be
+    used: Optional[Dict[int, tuple]]
+    compiled: Tuple[tuple, ...]
+    marks: int                 # events its program records (``Executor.reserve``)
+    digest: int                # a direct kernel's signature digest (0: none)
+    epoch: int                 # ``Engine.layout_epoch`` when it was made
+    #: the bound program, and the peers' buffers it was bound for
+    program: Optional[Tuple[tuple, ...]] = None
+    bound_to: Any = None
+    #: the group's pickled description of the call, and the ``shared`` it describes
+    description: Optional[Tuple[Dict[str, PeerBuffer], bytes]] = None
+    #: each peer's last description of its matching call, and what it decoded to
+    received: Dict[int, Tuple[bytes, Any]] = dataclasses.field(default_factory=dict)
+    loaded: bool = False       # its direct kernel is loaded (``Executor.load``)
+
+    @property
+    def bound_without_asking(self) -> bool:
+        """Whether it is bound already for the peers' buffers told without asking: issuing
+        it again maps nothing, so its caller may be fenced before it is issued."""
+        return self.fast is not None and self.bound_to is self.fast and self.program is not None
 
 
 @dataclass(eq=False, slots=True)  # slots: built on every call, and half the cost to build
@@ -38,8 +100,8 @@ class Call:
     shared: Dict[str, PeerBuffer]  # what the peers need of this rank's buffers
     keepalive: Tuple[Any, ...]
     caller: Any                # the caller's stream
-    engine: "Engine"
-    prepared: "PreparedCall"
+    engine: "CallEngine"
+    prepared: PreparedCall
     value: int = 0             # this rank's call number: its entry and completion value
     issued: bool = False
     #: whether the caller's stream waits for the call yet (``enqueue``, ``fence_callers``)
@@ -57,6 +119,45 @@ class Call:
     #: the peers' buffers as this rank can tell them without asking (registered windows,
     #: see ``hoccl._windows``): the call may be issued at once; None if it cannot
     fast: Optional[Dict[int, Dict[str, PeerBuffer]]] = None
+
+
+class CallEngine(Protocol):
+    """What a call's engine (``Engine``) offers the group that matches the call."""
+
+    rank: int
+
+    def issue(self, calls: Sequence[Call], imported: bool) -> None:
+        """Enqueue the steps of ``calls``, their peers' buffers in ``call.peers``."""
+
+    def release(self, call: Call) -> None:
+        """Complete ``call`` without running it."""
+
+    def fence_callers(self, calls: Sequence[Call]) -> None:
+        """Make every caller stream of ``calls`` wait for the last of them."""
+
+    def fail_later(self, error: HocclError) -> None:
+        """The rank's next synchronize raises ``error``."""
+
+    def learn(self, peers_of_calls: Any) -> None:
+        """Remember the peers' scratch and rings told in these calls' ``peers``."""
+
+    def count_issued_fast(self, calls: int) -> None:
+        """``calls`` were issued without asking the peers."""
+
+
+class Matcher(Protocol):
+    """What the engine hands its calls to for matching (``hoccl._groups.Group``): it
+    matches them with the peers' calls and issues them (``Engine.issue``), or releases
+    them and raises."""
+
+    #: peers live in other processes: buffers travel as export descriptors
+    exported: bool
+
+    def post(self, calls: Sequence[Call]) -> None:
+        """Offer ``calls`` (one rank's, in call order) to the other participants."""
+
+    def complete(self, calls: Sequence[Call]) -> None:
+        """Match the posted ``calls`` with the participants' and issue them."""
 
 
 #: the collectives whose every rank plays the same part, so that a peer's buffer of a name

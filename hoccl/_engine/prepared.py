@@ -23,8 +23,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections import OrderedDict
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Dict, Optional, Set, Tuple
+from typing import Any, Dict, FrozenSet, Optional, Protocol, Set, Tuple
 
 from .._buffers import Buffer
 from .._errors import InvalidArgumentError, MismatchError
@@ -34,19 +33,21 @@ from ..sched import Options, Shape, build_plan, verify
 from ..sched.plan import RING, Plan
 from ..sched.replay import replay_problem
 from ..sched.select import Choice, choose, size_of
-from .calls import SYMMETRIC, Call, PeerBuffer, digest
+from ..backends._base import SmCaps
+from ..p2p import Executor
+from ..sched.select import Table
+from .._windows import Windows
+from .calls import (SYMMETRIC, Call, CallEngine, PeerBuffer, Peers, PreparedCall, ShapePlan,
+                    digest)
+from .memory import Memory
+from .sequences import Sequences
 
-if TYPE_CHECKING:
-    from .engine import Engine
-
-__all__ = ["PREPARED_CALLS", "CallCache", "ShapePlan", "PreparedCall", "Preparer"]
+__all__ = ["PREPARED_CALLS", "CallCache", "Preparer", "Prepares"]
 
 log = logging.getLogger("hoccl")
 
 #: the most entries an engine's ``CallCache`` holds (shapes and prepared calls)
 PREPARED_CALLS = 1024
-
-Peers = Dict[int, Dict[str, PeerBuffer]]
 
 
 class CallCache:
@@ -78,61 +79,6 @@ class CallCache:
         return len(self._entries)
 
 
-@dataclass(eq=False, slots=True)
-class ShapePlan:
-    """What every call of one shape has in common on this rank, whatever its buffers."""
-    shape: Shape
-    plan: Plan
-    signature: tuple           # what every participant must agree on
-    buffers: Tuple[Tuple[str, int], ...]  # (name, bytes the plan uses) of each non-empty buffer
-    shared: Tuple[str, ...]    # the names of those that peers' steps touch
-    #: bytes the plan reaches into each peer's buffer, by (peer, name): the bounds check
-    reach: Dict[Tuple[int, str], int]
-    marks: int                 # events its program records (``Executor.reserve``)
-    compiled: Tuple[tuple, ...]  # this rank's eager program (``Executor.compile``)
-    #: its reductions' SM cap from the tuning table's row (None: the communicator's)
-    max_sms: Optional[int] = None
-
-
-@dataclass(eq=False, slots=True)
-class PreparedCall:
-    """One call shape on one set of this rank's buffers, ready to be issued."""
-    part: ShapePlan
-    plan: Plan
-    direct: int                # the plan's direct-kernel blocks (``Plan.kernel_blocks``), or 0
-    signature: tuple
-    captured: bool
-    local: Dict[str, Any]      # buffer name -> address on this rank
-    sizes: Dict[str, int]      # buffer name -> bytes it holds
-    #: what the peers are told of this rank's buffers; the names in ``exports`` are
-    #: exported afresh on every call (unregistered buffers across processes: only the
-    #: device can tell a reallocation at the same address)
-    shared: Dict[str, PeerBuffer]
-    exports: Tuple[str, ...]
-    fast: Optional[Peers]      # the peers' buffers told without asking, or None
-    #: ``(name, where)`` of every peer buffer in ``fast``, by peer: what the group tells
-    #: each peer this rank took its buffers to be
-    used: Optional[Dict[int, tuple]]
-    compiled: Tuple[tuple, ...]
-    marks: int                 # events its program records (``Executor.reserve``)
-    digest: int                # a direct kernel's signature digest (0: none)
-    epoch: int                 # ``Engine.layout_epoch`` when it was made
-    #: the bound program, and the peers' buffers it was bound for
-    program: Optional[Tuple[tuple, ...]] = None
-    bound_to: Any = None
-    #: the group's pickled description of the call, and the ``shared`` it describes
-    description: Optional[Tuple[Dict[str, PeerBuffer], bytes]] = None
-    #: each peer's last description of its matching call, and what it decoded to
-    received: Dict[int, Tuple[bytes, Any]] = dataclasses.field(default_factory=dict)
-    loaded: bool = False       # its direct kernel is loaded (``Executor.load``)
-
-    @property
-    def bound_without_asking(self) -> bool:
-        """Whether it is bound already for the peers' buffers told without asking: issuing
-        it again maps nothing, so its caller may be fenced before it is issued."""
-        return self.fast is not None and self.bound_to is self.fast and self.program is not None
-
-
 def _changed_options(options: Options) -> tuple:
     """The planning options that differ from the defaults, as (name, value) pairs."""
     default = Options()
@@ -140,10 +86,32 @@ def _changed_options(options: Options) -> tuple:
                  if getattr(options, spec.name) != getattr(default, spec.name))
 
 
+class Prepares(CallEngine, Protocol):
+    """What the preparer reads of its engine (``Engine``; the engine of the calls it
+    makes), and how it tells it that the layout changed."""
+
+    rank: int
+    world_size: int
+    device: Any
+    executor: Executor
+    memory: Memory
+    windows: Windows
+    sequences: Sequences
+    sms: SmCaps
+    options: Options
+    given: FrozenSet[str]
+    verify_plans: bool
+    tuning: Optional[Table]
+    layout_epoch: int
+
+    def new_layout(self) -> None:
+        """What prepared calls depend on changed: those made before are made afresh."""
+
+
 class Preparer:
     """Makes an engine's prepared calls and keeps them in its cache."""
 
-    def __init__(self, engine: "Engine"):
+    def __init__(self, engine: Prepares):
         self.engine = engine
         self.cache = CallCache()
         self.reused = 0  # calls that found their prepared call in the cache
@@ -151,21 +119,6 @@ class Preparer:
         #: each peer's reduction scratch and ring as last described by the peer (``learn``)
         self.peer_scratch: Dict[int, PeerBuffer] = {}
         self.peer_ring: Dict[int, PeerBuffer] = {}
-
-    def configure(self, config: Any) -> None:
-        """Take ``config``'s settings (a ``hoccl.Config``) for later calls: a change of
-        options empties the cache, one of fused sums too (bound programs hold them)."""
-        engine = self.engine
-        engine.sms.max_sms = config.max_sms
-        engine.sms.copy_sms = config.copy_sms or engine.sms.copy_sms
-        if config.fuse_sums != engine.sms.fuse_sums:
-            engine.sms.fuse_sums = bool(config.fuse_sums)
-            engine.forget_programs()  # bound programs hold the fused launches, or not
-        engine.verify_plans = config.verify_plans
-        if config.plan_options != engine.options or config.given != engine.given:
-            engine.options = config.plan_options
-            engine.given = config.given
-            self.cache.clear()  # every shape is planned afresh
 
     def choice(self, shape: Shape, registered: Optional[bool] = None,
                captured: Optional[bool] = None) -> Choice:
@@ -204,10 +157,7 @@ class Preparer:
             prepared = self.prepare(shape, buffers, False, exported)
             shared = self.shared_of(prepared) if prepared.exports else prepared.shared
         plan = prepared.plan
-        if plan.pair:
-            key: tuple = ("pair",) + plan.pair + (engine._pair_calls.get(plan.pair, 0),)
-        else:
-            key = ("coll", engine._collectives)
+        key = engine.sequences.key(plan)
         call = Call(name, plan, key, prepared.signature, prepared.local, shared, arrays, caller,
                     engine, prepared)
         call.fast = prepared.fast
@@ -297,7 +247,7 @@ class Preparer:
                 sizes[buffer_name] = buffer.nbytes
                 changed = False
             if changed:
-                engine.layout_epoch += 1  # calls prepared on the old allocation are made anew
+                engine.new_layout()  # calls prepared on the old allocation are made anew
         fast: Optional[Peers] = None
         exports: Tuple[str, ...] = ()
         if exported:
@@ -509,4 +459,4 @@ class Preparer:
                             and buffer.nbytes <= known.nbytes):
                         continue  # the same allocation, known to be at least this large
                     table[peer] = buffer
-                    self.engine.layout_epoch += 1
+                    self.engine.new_layout()

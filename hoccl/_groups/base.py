@@ -1,11 +1,13 @@
 """Call matching: what every ``Group`` offers, and what its two kinds share.
 
-A ``Group`` takes each rank's enqueued calls (``Engine.enqueue`` has already fenced
-the caller's stream), matches them with the other participants' calls, checks that
-every participant agrees on what the call is, and hands each matched call to its
-rank's engine (``Engine.issue``) — or, on a disagreement, completes every
-participant's call unrun (``Engine.release``) and raises ``MismatchError``.  Calls
-flow one way: Communicator → Group → Engine.
+A ``Group`` takes each rank's enqueued calls from its engine (``Engine.submit``, or
+``group_end`` for a ``hoccl.group()``'s; ``Engine.enqueue`` has already fenced the
+caller's stream), matches them with the other participants' calls, checks that every
+participant agrees on what the call is, and hands each matched call back to its rank's
+engine (``Engine.issue``) — or, on a disagreement, completes every participant's call
+unrun (``Engine.release``) and raises ``MismatchError``.  It talks to an engine only
+through its methods (``hoccl._engine.CallEngine`` for a call's engine).  A call flows
+Communicator → Engine.submit → Group → Engine.issue.
 """
 
 from __future__ import annotations

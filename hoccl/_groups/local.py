@@ -113,7 +113,7 @@ class LocalGroup:
                 if not member.issued:
                     member.engine.release(member)
                 if member not in calls:
-                    member.engine.pending_error = error
+                    member.engine.fail_later(error)
         self._progress()  # calls queued behind the refused ones may now run
 
     def refuse(self, name: str, key: tuple, participants: Sequence[int], reason: str,
@@ -138,7 +138,7 @@ class LocalGroup:
             self._forget(peer, member)
             if not member.issued:
                 member.engine.release(member)
-            member.engine.pending_error = error
+            member.engine.fail_later(error)
         self._progress()
 
     def _forget(self, rank: int, call: "Call") -> None:
@@ -251,12 +251,12 @@ class LocalGroup:
         recorded."""
         if verdict is not None:
             raise InvalidArgumentError(f"register: rank {engine.rank}: {verdict}")
-        return engine.windows.add(buffer.address, buffer.nbytes, buffer.owner, None, None)
+        return engine.add_window(buffer.address, buffer.nbytes, buffer.owner, None, None)
 
     def deregister(self, engine: "Engine", window: Any, verdict: Optional[str]) -> None:
         if verdict is not None:
             raise InvalidArgumentError(f"deregister: rank {engine.rank}: {verdict}")
-        engine.windows.remove(window)
+        engine.remove_window(window)
 
     def check(self) -> None:
         """Every call is matched before it is issued."""

@@ -134,7 +134,7 @@ class ProcessGroup:
                                     f"communicator is aborted") from None
             for call in calls:
                 self._expect(call)
-            engine.issued_fast += len(calls)
+            engine.count_issued_fast(len(calls))
             return
         received = self._receive(calls, time.monotonic() + self.timeout)
         problem: Optional[str] = None
@@ -155,7 +155,7 @@ class ProcessGroup:
             theirs = received[call.key]
             call.peers = {peer: theirs[peer][1] for peer in call.plan.participants
                           if peer != self.rank}
-        engine.preparer.learn(call.peers for call in calls)
+        engine.learn(call.peers for call in calls)
         engine.issue(calls, imported=True)
 
     # -- calls issued without the peers' descriptions ---------------------------------
@@ -277,11 +277,8 @@ class ProcessGroup:
             for descriptor in held:
                 engine.device.drop_import(descriptor)
             raise
-        engine.layout_epoch += 1
-        window = engine.windows.add(buffer.address, buffer.nbytes, buffer.owner, bases,
-                                    [size for _, _, _, size in values])
-        window.imports = held
-        return window
+        return engine.add_window(buffer.address, buffer.nbytes, buffer.owner, bases,
+                                 [size for _, _, _, size in values], held)
 
     def deregister(self, engine: "Engine", window: Any, verdict: Optional[str]) -> None:
         """Every rank drops its window of one index (once this rank's calls have finished,

@@ -248,7 +248,7 @@ class ArrayModule:
         if self.kind == "numpy":
             return np.ascontiguousarray(data).copy()
         if self.kind == "shared":
-            from .._windows import host_empty
+            from .._arrays import host_empty
             array = host_empty(data.shape, data.dtype)
             array[...] = data
             return array

@@ -33,7 +33,7 @@ except ImportError as error:  # pragma: no cover - exercised only without torch
 
 import hoccl
 
-import hoccl_autoload
+from hoccl_autoload._backend import BACKEND, is_creating, register
 
 from .. import InvalidArgumentError
 from .._hierarchy import INTER_HOST_ENGINES
@@ -51,9 +51,6 @@ from ._work import Work
 __all__ = ["Options", "ProcessGroupHoccl", "StoreBootstrap", "AllGather", "ReduceScatter",
            "Work", "use_for_fsdp", "FSDPHooks", "RegisteredPool", "communicator", "empty",
            "fill_rendezvous_env", "BACKEND"]
-
-#: the name under which torch.distributed knows the backend
-BACKEND = hoccl_autoload.BACKEND
 
 #: the ``hoccl.Config`` settings a group's options may give (the timeout is torch's)
 _SETTINGS = tuple(name for name in SETTINGS if name != "timeout")
@@ -180,7 +177,7 @@ def _create(backend_options: Any, pg_options: Any) -> Any:
     return ProcessGroupHoccl(*connect(), store)
 
 
-hoccl_autoload.register()
+register(_create)
 use_python_groups(ProcessGroupHoccl)
-if not hoccl_autoload.CREATING and not dist.is_initialized():
+if not is_creating() and not dist.is_initialized():
     fill_rendezvous_env()
