@@ -27,7 +27,7 @@ from .backends._base import SmCaps
 from ._groups import LocalGroup, ProcessGroup
 from ._groups.survivors import MailboxBootstrap
 from .bootstrap import Bootstrap
-from .comm import Builders, Communicator
+from .comm import _Builders, Communicator
 from .config import Config, default_copy_sms, environ
 from .sched.select import Table
 from .tuning import load_table, machine_of, shared_table
@@ -370,4 +370,4 @@ def shrink_local(parents: Sequence[Communicator], exclude: Any, wait: bool,
 
 
 #: what every communicator built here makes its children and survivors with
-_BUILDERS = Builders(split=split, shrink=shrink)
+_BUILDERS = _Builders(split=split, shrink=shrink)

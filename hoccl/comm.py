@@ -46,7 +46,7 @@ _DRAIN_SECONDS = 10.0
 _KEPT: List[Any] = []  # buffers of calls still queued behind a stuck stream at close
 
 
-class Builders(NamedTuple):
+class _Builders(NamedTuple):
     """What makes a communicator's children (``split``) and its survivors' communicator
     (``shrink``): the builder's functions, handed in by the builder that made it, so
     that this module never imports the builder."""
@@ -57,7 +57,7 @@ class Builders(NamedTuple):
 class Communicator(CommunicatorApi):
     """One rank of a group.  Create with ``hoccl.init`` or ``hoccl.init_local``."""
 
-    def __init__(self, *, engine: Engine, group: Group, health: Health, builders: "Builders"):
+    def __init__(self, *, engine: Engine, group: Group, health: Health, builders: "_Builders"):
         self._engine = engine
         self._group = group
         self._health = health
