@@ -34,8 +34,9 @@ _Method = TypeVar("_Method", bound=Callable[..., None])
 
 def _refusable(method: _Method) -> _Method:
     """A call whose wrong arguments raise InvalidArgumentError before it is made: its
-    peers are told in its place (``_refuse``), so that their matching calls end too and
-    every rank's sequence of calls stays aligned."""
+    peers are told in its place (``_refused_call``), so that their matching calls end too
+    and every rank's sequence of calls stays aligned.  The error is named after the public
+    call (a helper below the API, the device's ``resolve_stream``, names its own)."""
     name = method.__name__
 
     @functools.wraps(method)
@@ -46,7 +47,10 @@ def _refusable(method: _Method) -> _Method:
             if not getattr(error, "made", False):
                 peer = kwargs.get("peer", args[1] if len(args) > 1 else None)
                 self._refused_call(name, peer, error)
-            raise
+            named = check.renamed(name, error)
+            if named is error:
+                raise
+            raise named from None
     return call  # type: ignore[return-value]
 
 
@@ -230,7 +234,7 @@ class CommunicatorApi(abc.ABC):
         in_place = check.in_place(name, self.rank, send, recv,
                                   recv.block(self.rank, send.count), send)
         shape = self._shape(name, send, in_place=in_place)
-        self._issue(name, shape, {"send": send, "recv": recv}, stream)
+        self._run(name, shape, {"send": send, "recv": recv}, stream)
 
     @_refusable
     def reduce_scatter(self, sendbuf: Any, recvbuf: Any, op: Any = "sum", *,
@@ -250,7 +254,7 @@ class CommunicatorApi(abc.ABC):
         in_place = check.in_place(name, self.rank, send, recv,
                                   send.block(self.rank, recv.count), recv)
         shape = self._shape(name, recv, op=op, in_place=in_place, scale=factor)
-        self._issue(name, shape, {"send": send, "recv": recv}, stream)
+        self._run(name, shape, {"send": send, "recv": recv}, stream)
 
     @_refusable
     def all_reduce(self, sendbuf: Any, recvbuf: Any, op: Any = "sum", *,
@@ -264,7 +268,7 @@ class CommunicatorApi(abc.ABC):
         check.same_shape(name, send, recv)
         in_place = check.in_place(name, self.rank, send, recv, recv, send)
         shape = self._shape(name, send, op=op, in_place=in_place, scale=factor)
-        self._issue(name, shape, {"send": send, "recv": recv}, stream)
+        self._run(name, shape, {"send": send, "recv": recv}, stream)
 
     @_refusable
     def all_to_all(self, sendbuf: Any, recvbuf: Any, *, stream: Any = None) -> None:
@@ -277,7 +281,7 @@ class CommunicatorApi(abc.ABC):
                                        f"{self.world_size}; got {send.count}")
         check.disjoint(name, send, recv)
         shape = self._shape(name, send, count=send.count // self.world_size)
-        self._issue(name, shape, {"send": send, "recv": recv}, stream)
+        self._run(name, shape, {"send": send, "recv": recv}, stream)
 
     @_refusable
     def broadcast(self, sendbuf: Any, recvbuf: Any, root: int, *, stream: Any = None) -> None:
@@ -293,7 +297,7 @@ class CommunicatorApi(abc.ABC):
             check.same_shape(name, send, recv)
             in_place = check.in_place(name, self.rank, send, recv, recv, send)
         shape = self._shape(name, recv, root=root, in_place=in_place)
-        self._issue(name, shape, {"send": send, "recv": recv}, stream)
+        self._run(name, shape, {"send": send, "recv": recv}, stream)
 
     @_refusable
     def reduce(self, sendbuf: Any, recvbuf: Any, root: int, op: Any = "sum", *,
@@ -313,7 +317,7 @@ class CommunicatorApi(abc.ABC):
         factor = check.scale(name, scale, op, send.dtype)
         shape = self._shape(name, send, op=op, root=root, in_place=in_place,
                             scale=factor)
-        self._issue(name, shape, {"send": send, "recv": recv}, stream)
+        self._run(name, shape, {"send": send, "recv": recv}, stream)
 
     @_refusable
     def gather(self, sendbuf: Any, recvbuf: Any, root: int, *, stream: Any = None) -> None:
@@ -348,7 +352,7 @@ class CommunicatorApi(abc.ABC):
             in_place = check.in_place(name, self.rank, send, recv,
                                       large.block(root, small.count), small)
         shape = self._shape(name, small, root=root, in_place=in_place)
-        self._issue(name, shape, {"send": send, "recv": recv}, stream)
+        self._run(name, shape, {"send": send, "recv": recv}, stream)
 
     @_refusable
     def send(self, buf: Any, peer: int, *, stream: Any = None) -> None:
@@ -368,19 +372,7 @@ class CommunicatorApi(abc.ABC):
         """Work enqueued on ``stream`` after the barrier starts only after every rank's
         stream reached its barrier.  Zero SMs, no data."""
         self._usable("barrier")
-        self._issue("barrier", Shape("barrier", self.world_size, 0), {}, stream)
-
-    def _issue(self, name: str, shape: Shape, buffers: Dict[str, Optional[Buffer]],
-               stream: Any) -> None:
-        """``_run``, its argument errors named after the public call (the device resolves
-        ``stream`` and names its own method)."""
-        try:
-            self._run(name, shape, buffers, stream)
-        except InvalidArgumentError as error:
-            named = check.renamed(name, error)
-            if named is error:
-                raise
-            raise named from None
+        self._run("barrier", Shape("barrier", self.world_size, 0), {}, stream)
 
     # -- argument checks -------------------------------------------------------------
     def _buffers(self, name: str, optional: Tuple[str, ...] = (),
@@ -413,4 +405,4 @@ class CommunicatorApi(abc.ABC):
         sender, receiver = (self.rank, peer) if name == "send" else (peer, self.rank)
         shape = Shape("sendrecv", self.world_size, buffer.count, buffer.dtype, buffer.itemsize,
                       root=sender, peer=receiver)
-        self._issue(name, shape, {name: buffer}, stream)
+        self._run(name, shape, {name: buffer}, stream)

@@ -103,18 +103,27 @@ class LocalGroup:
         """Nothing of the refused calls runs: every participant's matching call completes
         unrun; ranks that made theirs earlier learn of it at their next synchronize."""
         for call in calls:
-            group = self._pending.pop(call.key, {})
-            group[call.engine.rank] = call
-            to_come = set(call.plan.participants) - set(group)
-            if to_come:
-                self._refused[call.key] = (error, to_come)
-            for rank, member in group.items():
-                self._forget(rank, member)
-                if not member.issued:
-                    member.engine.release(member)
-                if member not in calls:
-                    member.engine.fail_later(error)
+            self._refuse_key(call.key, call.plan.participants, error, {call.engine.rank},
+                             {call.engine.rank: call}, calls)
         self._progress()  # calls queued behind the refused ones may now run
+
+    def _refuse_key(self, key: tuple, participants: Sequence[int], error: MismatchError,
+                    come: set, own: Dict[int, "Call"], raised: Sequence["Call"] = ()) -> None:
+        """Refuse the call of ``key``: every participant's call made already completes
+        unrun (``own``: those of the refusing ranks; the others, and none of ``raised``,
+        raise at their rank's next synchronize), and the participants not yet come
+        (neither in ``come`` nor made) are refused when they make it."""
+        group = self._pending.pop(key, {})
+        group.update(own)
+        to_come = set(participants) - set(group) - come
+        if to_come:
+            self._refused[key] = (error, to_come)
+        for rank, member in group.items():
+            self._forget(rank, member)
+            if not member.issued:
+                member.engine.release(member)
+            if member not in raised:
+                member.engine.fail_later(error)
 
     def refuse(self, name: str, key: tuple, participants: Sequence[int], reason: str,
                rank: int) -> None:
@@ -130,15 +139,7 @@ class LocalGroup:
             return
         error = MismatchError(f"{name}: rank {rank} refused this call ({reason}); the "
                               f"communicator stays usable")
-        group = self._pending.pop(key, {})
-        to_come = set(participants) - set(group) - {rank}
-        if to_come:
-            self._refused[key] = (error, to_come)
-        for peer, member in group.items():
-            self._forget(peer, member)
-            if not member.issued:
-                member.engine.release(member)
-            member.engine.fail_later(error)
+        self._refuse_key(key, participants, error, {rank}, {})
         self._progress()
 
     def _forget(self, rank: int, call: "Call") -> None:
