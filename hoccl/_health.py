@@ -305,7 +305,9 @@ class Health:
 
     # -- diagnosis --------------------------------------------------------------------------
     def diagnose(self, call: str) -> str:
-        """What the oldest unfinished call is waiting for, read from this rank's pad."""
+        """What the unfinished calls are waiting for, read from this rank's pad: the first
+        of them (oldest first) with a peer's signal missing, else whether each caller's
+        stream reached its call (its entry event) and where the completion word stands."""
         engine = self.engine
         pending = engine.unfinished()
         if not pending:
@@ -321,36 +323,71 @@ class Health:
         aborted = engine.pad.aborted_by()
         if aborted is not None:
             return f"{head}: rank {aborted} aborted the communicator"
-        missing, peers = [], set()
-        blocks = oldest.plan.kernel_blocks
-        if blocks:  # a direct kernel: its own slots' words (all written by any kernel),
-            # values over its epoch
+        for waiting in pending:  # a group's calls finish together: any of them may wait
             try:
-                epoch = engine.device.peek(engine.pad.kernel_counter, 1)[0]
-                for step in oldest.plan.programs[self.rank]:
-                    if not isinstance(step, Wait):
-                        continue
-                    have = min(engine.device.peek(engine.pad.kernel_local(step.slot),
-                                                  KERNEL_MAX_BLOCKS))
-                    need = (epoch << DIRECT_VALUE_BITS) + step.value
-                    if have < need:
-                        peer, channel = engine.pad.describe(step.slot)
-                        peers.add(peer)
-                        missing.append(f"rank {peer} {channel} (direct kernel: have {have}, "
-                                       f"need {need})")
+                missing, peers = self._missing(waiting, words)
             except HocclError as error:
                 return f"{head}; the direct kernel's slots could not be read: {error}"
-        for step in () if blocks else oldest.plan.programs[self.rank]:
-            if isinstance(step, Wait) and words[step.slot] < oldest.base + step.value:
+            if missing:
+                which = "" if waiting is oldest else (
+                    f"; its {waiting.name} (call {waiting.value}, issued with it) waits for "
+                    f"them")
+                return (f"{head}: signals missing from peers {sorted(peers)}{which}: "
+                        + "; ".join(missing))
+        return f"{head}: every signal from the peers arrived; {self._stuck(pending, words)}"
+
+    def _missing(self, waiting: Call, words: List[int]):
+        """(descriptions, peers) of the signals ``waiting``'s program waits for in vain."""
+        engine = self.engine
+        missing, peers = [], set()
+        blocks = waiting.plan.kernel_blocks
+        if blocks:  # a direct kernel: its own slots' words (all written by any kernel),
+            # values over its epoch
+            epoch = engine.device.peek(engine.pad.kernel_counter, 1)[0]
+            for step in waiting.plan.programs[self.rank]:
+                if not isinstance(step, Wait):
+                    continue
+                have = min(engine.device.peek(engine.pad.kernel_local(step.slot),
+                                              KERNEL_MAX_BLOCKS))
+                need = (epoch << DIRECT_VALUE_BITS) + step.value
+                if have < need:
+                    peer, channel = engine.pad.describe(step.slot)
+                    peers.add(peer)
+                    missing.append(f"rank {peer} {channel} (direct kernel: have {have}, "
+                                   f"need {need})")
+            return missing, peers
+        for step in waiting.plan.programs[self.rank]:
+            if isinstance(step, Wait) and words[step.slot] < waiting.base + step.value:
                 peer, channel = engine.pad.describe(step.slot)
                 peers.add(peer)
                 missing.append(f"rank {peer} {channel} (have {words[step.slot]}, need "
-                               f"{oldest.base + step.value})")
-        if not missing:
-            return (f"{head}: every signal from the peers arrived; the caller's stream never "
-                    f"reached the call (work enqueued on it earlier is stuck), or the copies "
-                    f"or reductions did not finish")
-        return f"{head}: signals missing from peers {sorted(peers)}: " + "; ".join(missing)
+                               f"{waiting.base + step.value})")
+        return missing, peers
+
+    def _stuck(self, pending: Sequence[Call], words: List[int]) -> str:
+        """Where the calls whose signals all came stand: the callers' streams that have not
+        reached their calls, and the completion word against the calls' values."""
+        engine = self.engine
+        behind = []
+        for waiting in pending:
+            entry = waiting.entry
+            try:
+                reached = entry is None or engine.device.done(entry)
+            except HocclError:
+                reached = True
+            if not reached:
+                behind.append(f"{waiting.name} (call {waiting.value})")
+        try:
+            completion = engine.device.peek(engine.pad.completion, 1)[0]
+        except HocclError:
+            completion = None
+        values = f"calls {pending[0].value}..{pending[-1].value}"
+        if behind:
+            return (f"the caller's stream never reached {', '.join(behind)} (work enqueued "
+                    f"on it earlier is stuck); completion word {completion}, {values}")
+        return (f"every caller's stream reached its call: the lanes' copies, reductions or "
+                f"their wait for an earlier call's completion did not finish (completion "
+                f"word {completion}, {values}, host word {engine.completed})")
 
     # -- the watchdog ---------------------------------------------------------------------
     def start_watchdog(self) -> None:

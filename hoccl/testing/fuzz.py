@@ -362,9 +362,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--no-grouped-collectives", action="store_true",
                         help="groups hold send/recv rings only, no collectives")
     parser.add_argument("--timeout", type=float, default=120.0)
+    parser.add_argument("--dump-stacks-after", type=float, default=0.0,
+                        help="print every thread's stack once after this many seconds "
+                             "(a run that hangs shows where it waits; 0: never)")
     parser.add_argument("--fault", choices=("flip",), default=None,
                         help="corrupt every output before it is checked (the checker must fail)")
     args = parser.parse_args(argv)
+    if args.dump_stacks_after > 0:
+        import faulthandler
+        faulthandler.dump_traceback_later(args.dump_stacks_after, exit=False)
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
     mpi = _under_mpi()
     flat = not args.hierarchical
@@ -394,6 +400,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         label = f"{size} ranks"
     for line in summary(report, label):
         print(line, flush=True)
+    if args.dump_stacks_after > 0:
+        import faulthandler
+        faulthandler.cancel_dump_traceback_later()
     return 0 if report.ok else 1
 
 

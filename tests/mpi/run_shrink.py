@@ -1,5 +1,7 @@
-"""Going on without a lost rank: ``Communicator.shrink`` under mpirun (host backend):
-``python run_shrink.py SCENARIO --victims R[,R2] --stamps DIR [--no-wait]``.
+"""Going on without a lost rank: ``Communicator.shrink`` under mpirun:
+``python run_shrink.py SCENARIO --victims R[,R2] --stamps DIR [--no-wait] [--backend B]``
+(``--backend``: host, the default, or cuda: the ranks' arrays on their GPU, which
+they may share).
 
 After an exact all_reduce every rank made, the first victim (a rank of ``hoccl.init()``'s
 communicator) goes, as SCENARIO says:
@@ -37,6 +39,7 @@ import numpy as np
 from mpi4py import MPI
 
 import hoccl
+from hoccl.testing import array_module_for
 
 BIG = 8 << 20  # int64 elements: 64 MiB
 
@@ -47,25 +50,34 @@ def exact_all_reduce(comm, seed, count=4099):
     data = rng.integers(-1 << 40, 1 << 40, count)
     want = sum(np.random.default_rng([seed, peer]).integers(-1 << 40, 1 << 40, count)
                for peer in range(comm.world_size))
-    out = np.full(count, np.iinfo(np.int64).min)
-    comm.all_reduce(data, out)
+    out = on_device(comm, np.full(count, np.iinfo(np.int64).min))
+    comm.all_reduce(on_device(comm, data), out)
     comm.synchronize()
-    return bool(np.array_equal(out, want))
+    return bool(np.array_equal(from_device(comm, out), want))
 
 
 def exact_broadcast(comm, seed, root):
     data = np.random.default_rng(seed).integers(0, 1 << 62, 777)
-    out = np.full(777, -1)
-    comm.broadcast(data if comm.rank == root else None, out, root)
+    out = on_device(comm, np.full(777, -1))
+    comm.broadcast(on_device(comm, data) if comm.rank == root else None, out, root)
     comm.synchronize()
-    return bool(np.array_equal(out, data))
+    return bool(np.array_equal(from_device(comm, out), data))
+
+
+def on_device(comm, data):
+    """``data`` (int64) where ``comm``'s backend takes it: numpy, or cupy on its GPU."""
+    return array_module_for(comm.backend, "int64").asarray(data, comm.device)
+
+
+def from_device(comm, array):
+    return array_module_for(comm.backend, "int64").to_numpy(array, "int64")
 
 
 def go(comm, how, stamps, rank):
     """This rank is the victim: go as ``how`` says."""
     stamp = Path(stamps) / f"victim-{rank}"
     if how == "killed":
-        big = np.ones(BIG, np.int64)
+        big = on_device(comm, np.ones(BIG, np.int64))
         comm.all_reduce(big, big)  # issued (every rank made it); its copies run on
         time.sleep(0.05)
         stamp.write_text(repr(time.time()))
@@ -78,7 +90,8 @@ def go(comm, how, stamps, rank):
     if how == "excluded":
         stamp.write_text(repr(time.time()))
         try:
-            comm.all_reduce(np.ones(16), np.zeros(16))  # the others never make it
+            comm.all_reduce(on_device(comm, np.ones(16, np.int64)),
+                            on_device(comm, np.zeros(16, np.int64)))  # the others never make it
             comm.synchronize()
             return "FAILED the call nobody else made returned"
         except hoccl.AbortedError as error:
@@ -94,7 +107,7 @@ def survive(comm, how, stamps, victim, wait, seed, named):
     ``named`` of ``hoccl.init()``), the checks; the new communicator and a report."""
     error = None
     if how == "killed":
-        big = np.ones(BIG, np.int64)
+        big = on_device(comm, np.ones(BIG, np.int64))
         try:
             comm.all_reduce(big, big)
             comm.synchronize()
@@ -140,12 +153,13 @@ def main():
     parser.add_argument("--victims", required=True)
     parser.add_argument("--stamps", required=True)
     parser.add_argument("--no-wait", action="store_true")
+    parser.add_argument("--backend", default="host")
     args = parser.parse_args()
     victims = [int(rank) for rank in args.victims.split(",")]
     # MPICH's mpiexec (-disable-auto-cleanup) tells the other ranks of a rank's failure
     # with SIGUSR1, whose default action would end them too
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
-    comm = hoccl.init(backend="host")
+    comm = hoccl.init(backend=args.backend)
     rank = comm.rank
     if not exact_all_reduce(comm, 1):
         print(f"rank {rank}: FAILED the first all_reduce", flush=True)
