@@ -63,11 +63,20 @@ def group_end() -> None:
     batches: Dict[int, Tuple[Holder, List[Call]]] = {}
     for comm, call in held:
         batches.setdefault(id(comm), (comm, []))[1].append(call)
-    for comm, calls in batches.values():
-        if not comm._group.exported:  # a process group fences them as it issues them
-            calls[0].engine.fence_callers(calls)
-    if batches:
+    if not batches:
+        return
+    try:
         hand_over(list(batches.values()))
+    finally:
+        # a call issued during the hand-over had its callers fenced by the issue, after
+        # its lanes' steps (``Executor.issue``: a caller's wait enqueued before them can
+        # hold them behind it on a GPU's hardware queue); the rest (a process group
+        # fences its calls as it issues them; in one process, calls still held for ranks
+        # that have not made theirs, or released) are fenced now
+        for comm, calls in batches.values():
+            unfenced = [call for call in calls if not call.fenced]
+            if unfenced and not comm._group.exported:
+                calls[0].engine.fence_callers(unfenced)
 
 
 @contextlib.contextmanager

@@ -203,6 +203,9 @@ ENVIRONMENT: Dict[str, str] = {
                            "highest",
     "HOCCL_HOST_JITTER": "host backend, for tests: at most this many seconds of sleep "
                          "before each item of a host stream",
+    "HOCCL_HOST_QUEUES": "host backend, for tests: the streams of a rank share this many "
+                         "in-order workers, as a GPU's streams share its hardware queues "
+                         "(CUDA_DEVICE_MAX_CONNECTIONS); 0: a worker each",
     "HOCCL_HOST_CHECK_SIGNALS": "host backend, for tests: 1 checks that no signal lowers "
                                 "its word",
     "HOCCL_HOST_THREADS": "the most threads a host fold or copy of many MiB is split over "

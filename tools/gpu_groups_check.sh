@@ -4,8 +4,8 @@
 #   bash tools/gpu_groups_check.sh bisect    # the fuzzer's seed-11 group, each option off
 #                                            # in turn, then the groups' mixes, shrink and
 #                                            # the mixed job
-#   bash tools/gpu_groups_check.sh confirm   # the fuzzer at 300 calls (seeds 11, 5, 23),
-#                                            # the groups' mixes, shrink, the mixed job
+#   bash tools/gpu_groups_check.sh confirm   # the fuzzer at 300 calls (seeds 11, 5, 23 on
+#                                            # 3 ranks, seed 5 on 4) and the groups' mixes
 # Logs go to $OUT (default ./gpu-out), all of them into $OUT/logs.tgz; a summary is printed
 # last.  Independent steps run side by side (correctness only: ranks share one GPU).
 set -u
@@ -59,7 +59,19 @@ d = open_device(0, max_sms=4, copy_sms=4); d._kernels(); print('kernels compiled
   for seed in 11 5 23; do
     fuzz "fuzz-300-seed$seed" 150 -- --calls 300 --seed $seed --timeout 40 &
   done
+  step fuzz4-300-seed5 150 mpirun -np 4 -x PYTHONPATH -x NCCL_NVLS_ENABLE python3 -m hoccl.testing.fuzz \
+    --backend cuda --calls 300 --seed 5 --timeout 40 &
+  for mix in random broadcast scatter sums; do
+    step "groups-$mix" 120 $MPI3 python3 tests/mpi/run_groups.py --backend cuda --mix $mix \
+      --groups 24 --timeout 40 &
+  done
   wait
+  tar -czf "$OUT/logs.tgz" -C "$OUT" logs
+  for log in "$OUT"/logs/*.log; do
+    printf '== %s: %s\n' "$(basename "$log" .log)" "$(tail -n 1 "$log")"
+    grep -E "hoccl fuzz rank|^rank [0-9]+:|error:" "$log" | cut -c1-300 | head -n 8
+  done
+  exit 0
 fi
 for mix in random broadcast scatter; do
   step "groups-$mix" 120 $MPI3 python3 tests/mpi/run_groups.py --backend cuda --mix $mix \

@@ -87,22 +87,54 @@ class _Aborted(Exception):
     """Raised inside a worker when its device was aborted: the item is dropped."""
 
 
-class HostStream:
-    """An in-order queue of work run by one worker thread (a host "stream")."""
+class _Queue:
+    """An in-order queue of work and the worker thread that runs it: one per host stream,
+    or shared by several (``HOCCL_HOST_QUEUES``), as a GPU's streams share its hardware
+    queues."""
 
-    def __init__(self, device: "HostDevice", name: str, jitter: float = 0.0):
+    def __init__(self, name: str):
+        self._items: "queue.SimpleQueue" = queue.SimpleQueue()
+        self.users = 0  # the streams that feed it
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def put(self, stream: "HostStream", work, marker: bool) -> None:
+        self._items.put((stream, work, marker))
+
+    def _run(self) -> None:
+        while True:
+            item = self._items.get()
+            if item is None:
+                return
+            stream, work, marker = item
+            stream._run_item(work, marker)
+
+    def close(self, join: bool = True) -> None:
+        self._items.put(None)
+        if join:
+            self._thread.join(timeout=5)
+
+
+class HostStream:
+    """An in-order queue of work run by a worker thread (a host "stream").  With
+    ``HOCCL_HOST_QUEUES`` several streams share one worker, in order of enqueueing across
+    them: a wait on one of them holds the others' later work too, as a GPU's stream that
+    shares a hardware queue (``CUDA_DEVICE_MAX_CONNECTIONS``) is held behind another
+    stream's wait."""
+
+    def __init__(self, device: "HostDevice", name: str, jitter: float = 0.0,
+                 shared: "Optional[_Queue]" = None):
         self._device = device
         #: ``HOCCL_HOST_JITTER``: at most this many seconds of sleep before each item, so
         #: that the streams of a rank interleave in orders a loaded machine would rarely show
         self._jitter = jitter
-        self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._worker = shared if shared is not None else _Queue(name)
+        self._worker.users += 1
         self._idle = threading.Condition()
         self._pending = 0
         self.error: BaseException | None = None
         #: set by ``HostDevice.abort``: queued waits of this stream give up, writes are dropped
         self.aborted = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
 
     def enqueue(self, work, marker: bool = False) -> None:
         """Queue ``work``; a ``marker`` (an event's record) runs even after an item of
@@ -110,27 +142,22 @@ class HostStream:
         can see that it is."""
         with self._idle:
             self._pending += 1
-        self._queue.put((work, marker))
+        self._worker.put(self, work, marker)
 
-    def _run(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            work, marker = item
-            try:
-                if self.error is None or marker:
-                    if self._jitter:
-                        time.sleep(random.random() * self._jitter)
-                    work()
-            except _Aborted:
-                pass
-            except BaseException as error:  # surfaced by synchronize
-                self.error = error
-            with self._idle:
-                self._pending -= 1
-                if self._pending == 0:
-                    self._idle.notify_all()
+    def _run_item(self, work, marker: bool) -> None:
+        try:
+            if self.error is None or marker:
+                if self._jitter:
+                    time.sleep(random.random() * self._jitter)
+                work()
+        except _Aborted:
+            pass
+        except BaseException as error:  # surfaced by synchronize
+            self.error = error
+        with self._idle:
+            self._pending -= 1
+            if self._pending == 0:
+                self._idle.notify_all()
 
     def synchronize(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -146,9 +173,10 @@ class HostStream:
                              f"{self.error!r}") from self.error
 
     def close(self, join: bool = True) -> None:
-        self._queue.put(None)
-        if join:
-            self._thread.join(timeout=5)
+        """Stop its worker, once no other stream feeds it."""
+        self._worker.users -= 1
+        if self._worker.users == 0:
+            self._worker.close(join)
 
 
 class _Event:
@@ -192,6 +220,11 @@ class HostDevice(Device):
         #: word (``_check_order``)
         self._check_signals = environ("HOCCL_HOST_CHECK_SIGNALS") == "1"
         self._jitter = float(environ("HOCCL_HOST_JITTER") or 0)
+        #: ``HOCCL_HOST_QUEUES=K``: the streams share K workers, in creation order (0: a
+        #: worker each); the workers made so far
+        self._queue_count = int(environ("HOCCL_HOST_QUEUES") or 0)
+        self._queues: Dict[int, _Queue] = {}
+        self._made = 0
         host_threads()  # a bad HOCCL_HOST_THREADS raises here, not later on a stream's thread
 
     def fresh(self) -> "HostDevice":
@@ -199,7 +232,15 @@ class HostDevice(Device):
 
     # -- streams and events ------------------------------------------------------------
     def create_stream(self) -> HostStream:
-        stream = HostStream(self, f"hoccl-host-lane-{len(self._streams)}", self._jitter)
+        name = f"hoccl-host-lane-{len(self._streams)}"
+        shared = None
+        if self._queue_count > 0:
+            index = self._made % self._queue_count
+            shared = self._queues.get(index)
+            if shared is None or not shared.users:  # closed with its last stream
+                shared = self._queues[index] = _Queue(f"hoccl-host-queue-{index}")
+        self._made += 1
+        stream = HostStream(self, name, self._jitter, shared)
         self._streams.append(stream)
         return stream
 

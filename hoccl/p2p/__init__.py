@@ -192,8 +192,10 @@ class Executor:
         keep their call order (a later call's value is never overwritten by an earlier
         call's, which the peer would then wait past for ever) and completion values grow.
 
-        ``fence``: caller streams to make wait for ``value`` first (calls enqueued without
-        a fence, once what they need is known), after creating every lane and event that
+        ``fence``: caller streams to make wait for ``value`` (calls enqueued without a
+        fence, once what they need is known), once every step that leads to its write is
+        enqueued (a GPU's hardware queue would hold the lanes' steps behind a caller's
+        wait enqueued before them), after creating every lane and event that
         ``reserve`` (``(plan, marks)`` of every call not yet issued) will take: a caller
         must never wait while a driver call that may synchronize the context runs.
 
@@ -285,8 +287,6 @@ class Executor:
         if needs is not None:  # see ``reserve``
             streams.ensure_lanes(needs[0])
             streams.reserve_events(needs[1])
-        for caller in fence:
-            streams.fence_out(caller, value)
         if isinstance(lanes, int):
             if callers is not None:
                 streams.ensure_capture_lanes(total)
@@ -370,6 +370,13 @@ class Executor:
                 pending[0].extend(streams.completion_writes(value))
             if pending[0]:
                 device.memops(lanes[0], pending[0])
+            # the callers wait for the completion value only now, after every step that
+            # leads to its write: a GPU runs its streams' work through a few hardware
+            # queues in the order it was enqueued, and a caller's wait enqueued before a
+            # lane's steps can hold those steps behind it (the lane shares its queue), so
+            # that the value it waits for is never written
+            for caller in fence:
+                streams.fence_out(caller, value)
             if callers is not None:
                 end = marks[(-2, 0)] = streams.event()
                 device.record(lanes[0], end)
