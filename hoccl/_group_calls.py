@@ -74,8 +74,10 @@ def group_end() -> None:
         # fences its calls as it issues them; in one process, calls still held for ranks
         # that have not made theirs, or released) are fenced now
         for comm, calls in batches.values():
+            if comm._group.exported:
+                continue
             unfenced = [call for call in calls if not call.fenced]
-            if unfenced and not comm._group.exported:
+            if unfenced:
                 calls[0].engine.fence_callers(unfenced)
 
 
