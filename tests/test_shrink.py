@@ -67,6 +67,7 @@ def test_survivors_shrink_and_go_on_exactly(ranks, scenario, victims, flags):
     ("dead", ["2+3"], [1]),        # a whole host: one host is left, a flat communicator
     ("dead", ["0+1"], [1]),        # the first host
     ("closed", ["2"], [3]),
+    ("excluded", ["2"], [3]),      # alive, left out: its call ends with AbortedError
     ("dead", ["3", "1"], [3, 2]),  # two failures, one after the other, across hosts
     ("dead", ["2+3", "1"], [1, 1]),
 ])

@@ -11,12 +11,12 @@ with ``--abort``) on the default group, or on a group of every rank (``--subgrou
 then check 20 all_reduces against numpy (fresh random data, outputs poisoned first),
 and three SGD steps of DDP and of FSDP2 (``fully_shard`` on a mesh of the shrunk group)
 against the same steps taken in this process alone: each step's loss and the final
-parameters (float64).  Under ``HOCCL_LOCAL_SIZE`` the group spans simulated hosts.  A second victim (a rank of the
-original job) then exits, and the survivors shrink the shrunk group again and check it
-again.  A victim writes the time it goes into ``DIR/victim-R``; each survivor prints
-``rank R: OK detect D s shrink S s first T s ...`` per failure (seconds from the victim's
-going to the error, to shrink_group's return, and to the first exact all_reduce), or
-``rank R: FAILED ...``.
+parameters (float64).  Under ``HOCCL_LOCAL_SIZE`` the group spans simulated hosts.  A
+second victim (a rank of the original job) then exits, and the survivors shrink the
+shrunk group again and check it again.  A victim writes the time it goes into
+``DIR/victim-R``; each survivor prints ``rank R: OK detect D s shrink S s first T s ...``
+per failure (seconds from the victim's going to the error, to shrink_group's return, and
+to the first exact all_reduce), or ``rank R: FAILED ...``.
 """
 
 import argparse
