@@ -157,9 +157,13 @@ class CommunicatorApi(abc.ABC):
         dies or closes meanwhile makes the others raise PeerDeadError or
         PeerClosedError (shrink again, excluding it too); a rank that gets another's
         ``exclude`` and finds it different raises MismatchError (one left waiting for a
-        rank that disagreed raises when that rank closes, or at the timeout).  The new communicator can shrink again, not
-        split.  ``init_local`` ranks shrink together (``hoccl.shrink_local``); a
-        communicator across hosts cannot shrink yet.  Not inside ``hoccl.group()``.
+        rank that disagreed raises when that rank closes, or at the timeout).  The new
+        communicator can shrink again, not split.  ``init_local`` ranks shrink together
+        (``hoccl.shrink_local``).  Across simulated hosts (``inter_host="hoccl"``) the
+        survivors get a communicator across their hosts, or a ``Communicator`` when one
+        host is left; where they are not as many on every host, each counts as a host
+        of its own.  Communicators between real hosts (MPI, gloo, NCCL, torch groups
+        inside hosts) refuse to shrink.  Not inside ``hoccl.group()``.
         docs/troubleshooting.md ("Going on after a lost rank") has an example."""
         if held_calls() is not None:
             raise InvalidArgumentError("shrink: not inside hoccl.group(); shrink after it")

@@ -1,7 +1,8 @@
 """Going on without lost ranks: ``Communicator.shrink`` under mpiexec (a rank that died
-between calls, was killed mid-call, closed, or is left out while alive; twice in a row)
-and ``hoccl.shrink_local``: the survivors' new communicator is exact, the parent is left
-aborted, and bad requests raise naming the call."""
+between calls, was killed mid-call, closed, or is left out while alive; twice in a row;
+a rank or a whole host of simulated hosts) and ``hoccl.shrink_local``: the survivors'
+new communicator is exact, the parent is left aborted, and bad requests raise naming
+the call."""
 
 import os
 import subprocess
@@ -22,14 +23,15 @@ PROGRAM = Path(__file__).parent / "mpi" / "run_shrink.py"
 SURVIVE = ["sh", "-c", 'trap "" USR1; "$@"; exit 0', "sh"]
 
 
-def _shrink_job(ranks, scenario, victims, *flags):
+def _shrink_job(ranks, scenario, victims, *flags, env=None):
     mpiexec = _mpiexec()
     with tempfile.TemporaryDirectory() as stamps:
         command = [mpiexec, *keep_going_flags(mpiexec), "-n", str(ranks), *SURVIVE,
                    sys.executable, str(PROGRAM), scenario, "--victims",
                    ",".join(map(str, victims)), "--stamps", stamps, *flags]
         result = subprocess.run(command, capture_output=True, text=True, timeout=240,
-                                env={**os.environ, **MPI_ENV}, start_new_session=True)
+                                env={**os.environ, **MPI_ENV, **(env or {})},
+                                start_new_session=True)
     return result.stdout + result.stderr
 
 
@@ -55,6 +57,46 @@ def test_survivors_shrink_and_go_on_exactly(ranks, scenario, victims, flags):
             assert f"rank {rank}: second OK detect" in output, output[-4000:]
     if scenario in ("closed", "excluded"):
         assert f"rank {victims[0]}: OK" in output, output[-4000:]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("scenario,victims,hosts", [
+    ("dead", ["0"], [3]),          # the first rank: the hosts keep 1 and 2 ranks, 3 hosts of 1
+    ("dead", ["3"], [3]),          # the last
+    ("dead", ["1"], [3]),          # one in the middle
+    ("dead", ["2+3"], [1]),        # a whole host: one host is left, a flat communicator
+    ("dead", ["0+1"], [1]),        # the first host
+    ("closed", ["2"], [3]),
+    ("excluded", ["2"], [3]),      # alive, left out: its call ends with AbortedError
+    ("dead", ["3", "1"], [3, 2]),  # two failures, one after the other, across hosts
+    ("dead", ["2+3", "1"], [1, 1]),
+])
+def test_survivors_of_simulated_hosts_shrink_across_hosts_and_go_on_exactly(scenario, victims,
+                                                                           hosts):
+    """4 ranks on 2 simulated hosts (inter_host 'hoccl'): after a lost rank or host the
+    survivors' 20 all_reduces and a broadcast are exact, across the hosts that are left
+    (a flat communicator when one is), and so after a second failure."""
+    output = _shrink_job(4, scenario, victims, env={"HOCCL_LOCAL_SIZE": "2"})
+    assert "FAILED" not in output, output[-4000:]
+    gone = [int(rank) for rank in victims[0].split("+")]
+    for rank in [rank for rank in range(4) if rank not in gone]:
+        assert f"rank {rank}: OK detect" in output, output[-4000:]
+        assert f"on {hosts[0]} hosts)" in output.split(f"rank {rank}: OK detect")[1].split(
+            "\n")[0], output[-4000:]
+        if len(victims) > 1 and rank != int(victims[1]):
+            assert f"rank {rank}: second OK detect" in output, output[-4000:]
+            assert f"on {hosts[1]} hosts)" in output.split(
+                f"rank {rank}: second OK detect")[1].split("\n")[0], output[-4000:]
+
+
+def test_the_survivors_hosts_keep_their_ranks_or_each_survivor_is_a_host():
+    from hoccl._hierarchy.shrinking import survivors_topology
+    from hoccl.sched.hierarchical import Topology
+    two_by_two = Topology(2, 2)
+    assert survivors_topology(two_by_two, [0, 1]) == Topology(1, 2)
+    assert survivors_topology(two_by_two, [0, 1, 2]) == Topology(3, 1)
+    assert survivors_topology(Topology(3, 2), [0, 1, 4, 5]) == Topology(2, 2)
+    assert survivors_topology(Topology(3, 2), [0, 2, 4]) == Topology(3, 1)
 
 
 def _all_reduce_is_exact(comms, seed):
@@ -161,9 +203,15 @@ def test_shrink_of_an_init_local_rank_points_to_shrink_local(init_local):
         comms[0].shrink([1])
 
 
-def test_a_communicator_across_hosts_refuses_to_shrink_saying_so():
+def test_a_communicator_across_real_hosts_refuses_to_shrink_saying_so():
     from hoccl._hierarchy import HierarchicalCommunicator
     across = object.__new__(HierarchicalCommunicator)  # no hosts needed: nothing is touched
+    across._closed, across.rank, across.world_size = False, 0, 4
+    across.topology, across.inter_host, across._hosts = None, "mpi", []
+    across._levels = {"world": object()}
     with pytest.raises(hoccl.InvalidArgumentError,
-                       match=r"^shrink: not supported across hosts yet \(HierarchicalCommunicator\)"):
+                       match=r"^shrink: not supported across hosts that meet through 'mpi'.*"
+                             r"inter_host='hoccl'"):
         across.shrink([1])
+    with pytest.raises(hoccl.InvalidArgumentError, match=r"^shrink: exclude must name"):
+        across.shrink([4])

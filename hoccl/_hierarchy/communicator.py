@@ -24,6 +24,7 @@ from .hoccl_engine import HocclEngine
 from .phases import Entry, PhaseRunner, plan_of
 from .hosts import SHARED_SETTINGS, HostReport, agree, intra_host_engine, local_report, refusal
 from .nccl import NcclEngine
+from .shrinking import shrink
 from .pairs import PairCalls, PairGroup
 from .staged import GlooStagedEngine, MpiStagedEngine
 from .topology import SubBootstrap
@@ -266,6 +267,9 @@ class HierarchicalCommunicator(PairCalls, CommunicatorApi):
         raise InvalidArgumentError("split: not supported across hosts yet (a "
                                    "HierarchicalCommunicator); split the MPI communicator "
                                    "and call hoccl.init(mpi_comm=...) on each part instead")
+
+    def _shrink(self, exclude: Any, wait: bool, settings: Dict[str, Any]) -> CommunicatorApi:
+        return shrink(self, exclude, wait, settings)
 
     def register(self, array: Any) -> Any:
         """Not offered yet across hosts (the inter-host engines have registrations of

@@ -38,6 +38,10 @@ class SubBootstrap:
     def barrier(self) -> None:
         self.parent.barrier()
 
+    def peer_lost(self, description: str) -> None:
+        """Tell the parent (an MPI job is aborted at exit, ``MPIBootstrap.peer_lost``)."""
+        getattr(self.parent, "peer_lost", lambda gone: None)(description)
+
     def close(self) -> None:
         """The parent belongs to the hierarchical communicator."""
 

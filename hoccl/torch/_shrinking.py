@@ -7,7 +7,10 @@ hoccl's is, is no C++ backend: ``init_process_group`` takes such a group as the 
 group itself, and so, once ``use_python_groups`` has run, does ``shrink_group``.  It also
 names the ranks the new group keeps by their global ranks (torch 2.13 filters the
 group's global ranks by the excluded *group* ranks, which differ once a subgroup has
-been shrunk: its second shrink would register the wrong ranks).  Both apply to hoccl's
+been shrunk: its second shrink would register the wrong ranks), and, for the default
+group, numbers the global ranks as the new group does (``dist.get_rank()`` is the new
+group's rank; torch 2.13 keeps the old numbers, where DeviceMesh and FSDP2 would not
+find this rank).  All three apply to hoccl's
 groups only; any other backend's shrink goes the way torch made it."""
 
 from __future__ import annotations
@@ -79,7 +82,14 @@ def use_python_groups(kind: Any) -> None:
             ranks = c10d.get_process_group_ranks(group_info["process_group"])
             # group ranks -> global ranks
             excluded_ranks_set = {ranks[rank] for rank in excluded_ranks_set}
-        return finalize(group_info, excluded_ranks_set, new_backend)
+        new_group = finalize(group_info, excluded_ranks_set, new_backend)
+        if isinstance(new_backend, kind) and group_info["is_default_group"]:
+            # the default group numbers the world: dist.get_rank() is its rank now, so the
+            # global ranks are the new group's (torch keeps the old numbers, and a
+            # DeviceMesh of the group would miss this rank)
+            c10d._world.pg_group_ranks[new_group] = {rank: rank
+                                                     for rank in range(new_group.size())}
+        return new_group
     create.hoccl = True  # type: ignore[attr-defined]
     c10d._create_shrunk_process_group = create
     c10d._finalize_shrunk_group = finalize_group

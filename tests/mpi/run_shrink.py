@@ -1,10 +1,11 @@
 """Going on without a lost rank: ``Communicator.shrink`` under mpirun:
-``python run_shrink.py SCENARIO --victims R[,R2] --stamps DIR [--no-wait] [--backend B]``
-(``--backend``: host, the default, or cuda: the ranks' arrays on their GPU, which
-they may share).
+``python run_shrink.py SCENARIO --victims R[+R...][,R2] --stamps DIR [--no-wait]
+[--backend B]`` (``--backend``: host, the default, or cuda: the ranks' arrays on their
+GPU, which they may share); under ``HOCCL_LOCAL_SIZE`` the communicator spans simulated
+hosts.
 
 After an exact all_reduce every rank made, the first victim (a rank of ``hoccl.init()``'s
-communicator) goes, as SCENARIO says:
+communicator; ``R+R...``: several at once, a whole host) goes, as SCENARIO says:
 
 dead      it exits (os._exit) between two calls;
 killed    it is killed (SIGKILL) while a 64 MiB all_reduce of every rank is in flight
@@ -21,8 +22,9 @@ With a second victim, that rank (numbered as in ``hoccl.init()``) then exits in 
 the survivors shrink the shrunk communicator again, and check it again.
 
 A victim writes the time it goes (``time.time()``) into ``DIR/victim-R``; each survivor
-prints ``rank R: OK detect D s shrink S s first T s`` per failure, from the victim's
-time to the error, to the new communicator, and to its first exact all_reduce; or
+prints ``rank R: OK detect D s shrink S s first T s (...; rank r of n on h hosts)`` per failure,
+from the victim's time (the earliest) to the error, to the new communicator, and to its
+first exact all_reduce; or
 ``rank R: FAILED ...``.  A job that lost a process ends with MPI_Abort at exit (hoccl's
 ``end_of_job``): its exit status is not 0.
 """
@@ -102,8 +104,8 @@ def go(comm, how, stamps, rank):
     os._exit(3)
 
 
-def survive(comm, how, stamps, victim, wait, seed, named):
-    """One failure seen from a survivor: the error, the shrink excluding ``victim`` (rank
+def survive(comm, how, stamps, victims, wait, seed, named):
+    """One failure seen from a survivor: the error, the shrink excluding ``victims`` (ranks
     ``named`` of ``hoccl.init()``), the checks; the new communicator and a report."""
     error = None
     if how == "killed":
@@ -123,7 +125,7 @@ def survive(comm, how, stamps, victim, wait, seed, named):
     if how != "excluded" and not isinstance(error, (hoccl.PeerDeadError, hoccl.PeerClosedError,
                                                     hoccl.AbortedError)):
         return None, f"FAILED expected the victim's loss to raise; got {error!r}"
-    child = comm.shrink([victim], wait=wait)
+    child = comm.shrink(victims, wait=wait)
     shrunk = time.time()
     first = None
     wrong = 0
@@ -134,17 +136,27 @@ def survive(comm, how, stamps, victim, wait, seed, named):
             first = time.time()
     wrong += not exact_broadcast(child, seed + 200, root=child.world_size - 1)
     comm.close()
-    for _ in range(100):  # the victim's time is written before it goes
-        path = Path(stamps) / f"victim-{named}"
-        if path.exists() and path.read_text():
-            break
-        time.sleep(0.05)
-    went = float(path.read_text())
+    went = min(_stamp(stamps, rank) for rank in named)
     if wrong or first is None:
         return child, f"FAILED {wrong} of 21 checks wrong on the shrunk communicator"
     return child, (f"OK detect {detected - went:.3f} s shrink {shrunk - went:.3f} s first "
                    f"{first - went:.3f} s ({type(error).__name__ if error else 'none'}; "
-                   f"rank {child.rank} of {child.world_size})")
+                   f"rank {child.rank} of {child.world_size} on {_hosts(child)} hosts)")
+
+
+def _stamp(stamps, rank):
+    """The time victim ``rank`` went (written before it goes)."""
+    path = Path(stamps) / f"victim-{rank}"
+    for _ in range(100):
+        if path.exists() and path.read_text():
+            break
+        time.sleep(0.05)
+    return float(path.read_text())
+
+
+def _hosts(comm):
+    topology = getattr(comm, "topology", None)
+    return 1 if topology is None else topology.hosts
 
 
 def main():
@@ -155,7 +167,9 @@ def main():
     parser.add_argument("--no-wait", action="store_true")
     parser.add_argument("--backend", default="host")
     args = parser.parse_args()
-    victims = [int(rank) for rank in args.victims.split(",")]
+    first, *later = args.victims.split(",")
+    together = [int(rank) for rank in first.split("+")]
+    victims = [together[0]] + [int(rank) for rank in later]
     # MPICH's mpiexec (-disable-auto-cleanup) tells the other ranks of a rank's failure
     # with SIGUSR1, whose default action would end them too
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
@@ -166,18 +180,18 @@ def main():
     MPI.COMM_WORLD.Barrier()
     wait = not args.no_wait and args.scenario != "excluded"
     try:
-        if rank == victims[0]:
+        if rank in together:
             print(f"rank {rank}: {go(comm, args.scenario, args.stamps, rank)}", flush=True)
             return
-        child, report = survive(comm, args.scenario, args.stamps, victims[0], wait, 1000,
-                                victims[0])
+        child, report = survive(comm, args.scenario, args.stamps, together, wait, 1000,
+                                together)
         print(f"rank {rank}: {report}", flush=True)
         if len(victims) > 1 and child is not None:
-            second = [r for r in range(comm.world_size) if r != victims[0]].index(victims[1])
+            second = [r for r in range(comm.world_size) if r not in together].index(victims[1])
             if rank == victims[1]:
                 go(child, "dead", args.stamps, rank)
-            grandchild, report = survive(child, "dead", args.stamps, second, wait, 5000,
-                                        victims[1])
+            grandchild, report = survive(child, "dead", args.stamps, [second], wait, 5000,
+                                        [victims[1]])
             print(f"rank {rank}: second {report}", flush=True)
             child = grandchild
         if child is not None:

@@ -8,13 +8,15 @@ After three exact all_reduces, the first victim goes: ``exit`` between two calls
 (os._exit), or ``kill``: SIGKILL while a 32 MiB all_reduce of every rank is in flight.
 The others' next call raises; they call ``dist.shrink_group([victim])`` (SHRINK_ABORT
 with ``--abort``) on the default group, or on a group of every rank (``--subgroup``),
-then check 20 all_reduces against numpy (fresh random data, outputs poisoned first) and
-one DDP step against the gradients computed here.  A second victim (a rank of the
-original job) then exits, and the survivors shrink the shrunk group again and check it
-again.  A victim writes the time it goes into ``DIR/victim-R``; each survivor prints
-``rank R: OK detect D s shrink S s first T s ...`` per failure (seconds from the victim's
-going to the error, to shrink_group's return, and to the first exact all_reduce), or
-``rank R: FAILED ...``.
+then check 20 all_reduces against numpy (fresh random data, outputs poisoned first),
+and three SGD steps of DDP and of FSDP2 (``fully_shard`` on a mesh of the shrunk group)
+against the same steps taken in this process alone: each step's loss and the final
+parameters (float64).  Under ``HOCCL_LOCAL_SIZE`` the group spans simulated hosts.  A
+second victim (a rank of the original job) then exits, and the survivors shrink the
+shrunk group again and check it again.  A victim writes the time it goes into
+``DIR/victim-R``; each survivor prints ``rank R: OK detect D s shrink S s first T s ...``
+per failure (seconds from the victim's going to the error, to shrink_group's return, and
+to the first exact all_reduce), or ``rank R: FAILED ...``.
 """
 
 import argparse
@@ -32,6 +34,7 @@ import hoccl
 import hoccl.torch
 
 BIG = 8 << 20  # int32 elements: 32 MiB
+STEPS = 3  # SGD steps of DDP and of FSDP2 on a shrunk group
 
 
 def exact_all_reduce(group, seed):
@@ -45,27 +48,74 @@ def exact_all_reduce(group, seed):
     return bool(torch.equal(tensor, sum(draw)))
 
 
-def ddp_step_is_right(group, seed):
-    """One DDP step on ``group``: its gradients equal the mean of every rank's, made here."""
-    rank, size = dist.get_rank(group), dist.get_world_size(group)
+def make_model(seed):
     torch.manual_seed(seed)
-    model = torch.nn.Linear(16, 4)
-    reference = [p.detach().clone() for p in model.parameters()]
-    ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=group)
-    inputs = [torch.randn(8, 16, generator=torch.Generator().manual_seed(seed + peer))
-              for peer in range(size)]
-    ddp(inputs[rank]).square().sum().backward()
-    grads = []
-    for peer in range(size):
-        copy = torch.nn.Linear(16, 4)
-        with torch.no_grad():
-            for mine, value in zip(copy.parameters(), reference):
-                mine.copy_(value)
-        copy(inputs[peer]).square().sum().backward()
-        grads.append([p.grad for p in copy.parameters()])
-    want = [sum(grad[index] for grad in grads) / size for index in range(len(reference))]
-    return all(torch.allclose(p.grad, w, rtol=1e-5, atol=1e-5)
-               for p, w in zip(model.parameters(), want))
+    return torch.nn.Sequential(torch.nn.Linear(13, 24), torch.nn.Tanh(),
+                               torch.nn.Linear(24, 3)).double()
+
+
+def batch(seed, peer):
+    generator = torch.Generator().manual_seed(seed * 100 + peer)
+    return (torch.randn(6, 13, generator=generator, dtype=torch.float64),
+            torch.randn(6, 3, generator=generator, dtype=torch.float64))
+
+
+def loss_of(model, inputs, targets):
+    return (model(inputs) - targets).pow(2).mean()
+
+
+def reference(seed, size):
+    """The steps every configuration takes, in this process alone: SGD on the mean of the
+    ranks' losses (DDP and FSDP2 average the ranks' gradients); each step's loss per rank
+    and the final parameters."""
+    model = make_model(seed)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for step in range(STEPS):
+        each = [loss_of(model, *batch(seed + step, peer)) for peer in range(size)]
+        (sum(each) / size).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append([loss.item() for loss in each])
+    return losses, [p.detach().clone() for p in model.parameters()]
+
+
+def training_is_right(group, seed):
+    """DDP and FSDP2 (``fully_shard`` on a mesh of ``group``) take STEPS SGD steps on
+    ``group``: each step's loss and the final parameters equal ``reference``'s (float64;
+    the sums differ from the reference's only in their order).  The names of the
+    configurations that differ."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    want_losses, want_parameters = reference(seed, size)
+    ddp = torch.nn.parallel.DistributedDataParallel(make_model(seed), process_group=group)
+    sharded = make_model(seed)
+    mesh = DeviceMesh.from_group(group, "cpu")
+    for layer in sharded:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(sharded, mesh=mesh)
+    wrong = []
+    for name, model in (("DDP", ddp), ("FSDP2", sharded)):
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses = []
+        for step in range(STEPS):
+            loss = loss_of(model, *batch(seed + step, rank))
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        parameters = [(p.full_tensor() if isinstance(p, DTensor) else p).detach()
+                      for p in model.parameters()]
+        close = all(abs(got - want[rank]) <= 1e-12 * max(1.0, abs(want[rank]))
+                    for got, want in zip(losses, want_losses))
+        close = close and all(torch.allclose(got, want, rtol=1e-12, atol=1e-14)
+                              for got, want in zip(parameters, want_parameters))
+        if not close:
+            wrong.append(name)
+    return wrong
 
 
 def go(how, group, stamps, rank):
@@ -102,10 +152,11 @@ def survive(how, group, stamps, victim, named, flags, seed):
         wrong += not good
         if good and first is None:
             first = time.time()
-    wrong += not ddp_step_is_right(shrunk_group, seed)
+    training = training_is_right(shrunk_group, seed)
     went = float((Path(stamps) / f"victim-{named}").read_text())
-    if wrong or first is None:
-        return shrunk_group, f"FAILED {wrong} of 21 checks wrong on the shrunk group"
+    if wrong or first is None or training:
+        return shrunk_group, (f"FAILED {wrong} of 20 all_reduces wrong on the shrunk group; "
+                              f"training differs from the reference: {training}")
     return shrunk_group, (f"OK detect {detected - went:.3f} s shrink {shrunk - went:.3f} s "
                           f"first {first - went:.3f} s ({type(error).__name__}; rank "
                           f"{dist.get_rank(shrunk_group)} of "
