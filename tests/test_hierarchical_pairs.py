@@ -5,8 +5,7 @@ dtype, counts 0, 1 and odd, and 64 MiB + 4 bytes once per engine family, bit for
 into poisoned arrays, on every engine between hosts CI runs (MPI with cross-memory
 reads and without, gloo, hoccl) and with a torch gloo group inside a host; a send whose
 receive never comes times out naming both ranks and their hosts; the checker fails on a
-planted bit flip.  Plus, in one process, the rounds of hoccl's own engine and the
-simulated hosts of a sub-group's ranks."""
+planted bit flip.  Plus, in one process, the simulated hosts of a sub-group's ranks."""
 
 import os
 import subprocess
@@ -16,7 +15,6 @@ from pathlib import Path
 import pytest
 
 import hoccl
-from hoccl._hierarchy.engine import rounds
 from hoccl._hierarchy.topology import simulated_local_size
 from test_mpi import MPI_ENV, _mpiexec
 
@@ -88,14 +86,6 @@ def test_the_checker_fails_on_a_flipped_bit():
     assert code != 0, output[-4000:]
     assert "pairs rank 1: 0 passed, 4 failed" in output, output[-4000:]
     assert "pairs rank 0: 4 passed, 0 failed" in output, output[-4000:]
-
-
-def test_rounds_hold_one_pair_per_peer_and_direction_in_order():
-    pairs = [("send", "a", 1), ("send", "b", 1), ("recv", "c", 1), ("send", "d", 2),
-             ("recv", "e", 1), ("send", "f", 1)]
-    made = rounds(pairs, lambda pair: (pair[0], pair[2]))
-    assert [[array for _, array, _ in made_round] for made_round in made] == [
-        ["a", "c", "d"], ["b", "e"], ["f"]]
 
 
 @pytest.mark.parametrize("ranks,told", [([0, 2], 1), ([1, 3], 1), ([0, 1], 2), ([2, 3], 2),

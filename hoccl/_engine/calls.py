@@ -126,6 +126,10 @@ class CallEngine(Protocol):
 
     rank: int
 
+    @property
+    def completed(self) -> int:
+        """The completion value of the latest finished call."""
+
     def issue(self, calls: Sequence[Call], imported: bool) -> None:
         """Enqueue the steps of ``calls``, their peers' buffers in ``call.peers``."""
 

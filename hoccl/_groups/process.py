@@ -13,11 +13,13 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Any, Dict, FrozenSet, List, Optional, Sequence, Tuple
 
-from .._errors import AbortedError, DivergedError, InvalidArgumentError, MismatchError
+from .._errors import (AbortedError, DivergedError, HocclTimeoutError, InvalidArgumentError,
+                       MismatchError)
 from .._mailbox import Mailboxes, Notice, made_call, wait_until
 from ..bootstrap import Bootstrap
-from .base import (_ABORTED, _describe, _disagreement, _misplaced, _named, _raise_verdicts,
-                   _silent, refused_signature)
+from .base import (_ABORTED, _describe, _misplaced, _named, _raise_verdicts, _silent,
+                   refused_signature)
+from .matching import Early, Matching, is_pair
 
 if TYPE_CHECKING:
     from .._engine import Call, Engine, PeerBuffer
@@ -27,6 +29,9 @@ log = logging.getLogger("hoccl")
 
 #: the third part of a message that stands for a refused call (``ProcessGroup.refuse``)
 _REFUSAL = "refused"
+#: how long a group whose first calls are matched waits for more of its peers' messages
+#: before it issues those alone (a peer's messages of one group come within microseconds)
+_GRACE = 0.005
 
 __all__ = ["ProcessGroup"]
 
@@ -52,6 +57,8 @@ class ProcessGroup:
         # the keys of the calls this rank refused (``refuse``): a peer's message for one of
         # them (its call, or its refusal too) is dropped when it comes
         self._refused: set = set()
+        #: the peers' messages for sends and receives this rank has not made yet
+        self._early = Early()
         #: how many times this rank began to shrink the communicator (``shrink``): each
         #: attempt's exchanges are told apart from an earlier one's
         self.shrinks = 0
@@ -75,7 +82,7 @@ class ProcessGroup:
         for call in calls:
             if _silent(call):
                 continue
-            description = self._description(call)
+            description = _description(call)
             # issued without asking: what this rank took each peer's buffers to be, for the
             # peer to check before it issues its own (``_misplaced``)
             used = call.prepared.used if fast else None
@@ -117,7 +124,11 @@ class ProcessGroup:
 
     def complete(self, calls: Sequence["Call"]) -> None:
         """Receive every participant's message, check they agree, then issue — or release
-        every call and raise if any participant disagrees.
+        every call not issued yet and raise if any participant disagrees.  The calls go
+        out in call order: a group's collectives together once all are matched; where a
+        send or recv waits for its peer, the calls matched before it go out first
+        (``hoccl._groups.matching``), so that ranks that batch their sends and receives
+        differently do not wait for each other in a cycle.
 
         Calls that can tell their peers' buffers without asking (registered buffers,
         ``Call.fast``) are issued at once; the peers' messages for them are checked when
@@ -136,27 +147,48 @@ class ProcessGroup:
                 self._expect(call)
             engine.count_issued_fast(len(calls))
             return
-        received = self._receive(calls, time.monotonic() + self.timeout)
-        problem: Optional[str] = None
-        diverged: Optional[str] = None
-        for call in calls:
-            for peer, (signature, _, used) in received[call.key].items():
-                if signature != call.signature and problem is None:
-                    problem = _disagreement(call, self.rank, peer, signature)
-                if used is not None and diverged is None:
-                    diverged = _misplaced(call.name, peer, self.rank, used, call.shared)
-        if diverged is not None:  # the peer ran its call already
-            self._discard(calls)
-            raise DivergedError(diverged)
-        if problem is not None:
-            self._discard(calls)
-            raise MismatchError(problem)
-        for call in calls:
-            theirs = received[call.key]
+        matching = Matching(calls, self.rank)
+        deadline = time.monotonic() + self.timeout
+        for call in calls:  # the peers' messages that came before this rank's calls
+            early = self._early.take(call.key)
+            if early is not None:
+                self._take(matching, *early)
+        while matching.waiting:
+            ready = matching.ready()
+            if ready and len(ready) < len(matching.waiting) and self._receive(
+                    matching, deadline, grace=time.monotonic() + _GRACE):
+                continue  # the peers' messages of a whole group come together: take them
+            if ready:
+                self._issue(matching, ready, deadline)
+            else:
+                self._receive(matching, deadline)
+
+    def _issue(self, matching: Matching, ready: List["Call"], deadline: float) -> None:
+        """Issue ``ready`` (matched, the first of the calls still waiting) if their
+        participants agree; else release every waiting call and raise (once the messages
+        of the calls still waiting that are not sends or receives have come: the ranks'
+        sequences of collectives stay aligned)."""
+        problem, diverged = matching.disagreement(ready, self.rank)
+        if diverged is not None or problem is not None:
+            while matching.missing(pairs=False):
+                self._receive(matching, deadline)
+            self._discard(matching.waiting)
+            # a diverged peer ran its call already
+            raise DivergedError(diverged) if diverged is not None else MismatchError(problem)
+        for call in ready:
+            theirs = matching.received[call.key]
             call.peers = {peer: theirs[peer][1] for peer in call.plan.participants
                           if peer != self.rank}
-        engine.learn(call.peers for call in calls)
-        engine.issue(calls, imported=True)
+        engine = ready[0].engine
+        if matching.issued:
+            matching.wait_issued(self.rank, self.timeout, deadline, self._check_peers)
+        engine.learn(call.peers for call in ready)
+        matching.issued += len(ready)
+        try:
+            engine.issue(ready, imported=True)
+        except MismatchError:  # ``ready`` is released; so are the calls after it
+            self._discard(matching.waiting)
+            raise
 
     # -- calls issued without the peers' descriptions ---------------------------------
     def _expect(self, call: "Call") -> None:
@@ -288,68 +320,56 @@ class ProcessGroup:
         _raise_verdicts("deregister", values)
         engine.forget_window(window)
 
-    @staticmethod
-    def _description(call: "Call") -> bytes:
-        """``(call.signature, call.shared)`` pickled.  A repeated call (the same prepared
-        call and the same descriptors) sends the bytes of the previous one."""
-        prepared = call.prepared
-        known = prepared.description
-        if known is None or known[0] != call.shared:
-            known = prepared.description = (call.shared, pickle.dumps(
-                (call.signature, call.shared), protocol=pickle.HIGHEST_PROTOCOL))
-        return known[1]
-
-    def _receive(self, calls: Sequence["Call"], deadline: float
-                 ) -> Dict[tuple, Dict[int, Tuple[tuple, Dict[str, "PeerBuffer"], Any]]]:
-        """Every participant's message for each of ``calls``.  One call alone: each peer's
-        next message must be for it (the ranks' sequences of calls must agree).  Several
-        (a group): each peer's messages may come in any order, but must be exactly the
-        group's calls with that peer."""
-        expected: Dict[int, List[tuple]] = {}
-        for call in calls:
-            for peer in call.plan.participants:
-                if peer != self.rank:
-                    expected.setdefault(peer, []).append(call.key)
-        received: Dict[tuple, Dict[int, Tuple[tuple, Dict[str, "PeerBuffer"], Any]]] = {
-            call.key: {} for call in calls}
-        names = {call.key: call.name for call in calls}
-        prepared = {call.key: call.prepared for call in calls}
-        first = calls[0]
-        mailboxes = self.mailboxes
-        while expected:
-            missing = sorted(expected)
+    def _receive(self, matching: Matching, deadline: float,
+                 grace: Optional[float] = None) -> bool:
+        """Take every message come so far from the peers ``matching`` waits for; if none
+        has come, wait (bounded by ``deadline``) until one does, or with a ``grace``
+        (an earlier deadline) until then only; whether one came.  A message for a send or
+        recv this rank has not made yet is kept for it (``Early``); one for any other call
+        than the next this rank expects means the ranks' sequences of calls differ."""
+        missing = matching.missing()
+        if not missing:
+            return False
+        arrived = [peer for peer in missing if self._ready(peer)]
+        if not arrived and grace is not None:
+            try:
+                wait_until(lambda: any(self._ready(peer) for peer in missing), grace, str)
+            except HocclTimeoutError:
+                return False
             arrived = [peer for peer in missing if self._ready(peer)]
-            if not arrived:
-                wait_until(lambda: any(self._ready(peer) for peer in missing), deadline,
-                           lambda: f"{first.name}: rank {self.rank} waited {self.timeout:g} s "
-                                   f"for ranks {missing} to make the matching call "
-                                   f"{first.key}; they never did: a mismatched sequence of "
-                                   f"calls or a dead process",
-                           check=lambda: self._check_peers(missing, first.name))
-                continue
-            for peer in arrived:
-                key, description, used = mailboxes.receive(peer)
+        if not arrived:
+            first = matching.waiting[0]
+            wait_until(lambda: any(self._ready(peer) for peer in missing), deadline,
+                       lambda: matching.unmatched(self.rank, self.host, self.timeout, missing,
+                                                  self._early.from_peers(missing)),
+                       check=lambda: self._check_peers(missing, first.name))
+            arrived = [peer for peer in missing if self._ready(peer)]
+        for peer in arrived:
+            while peer in matching.missing() and self._ready(peer):
+                message = self.mailboxes.receive(peer)
+                key = message[0]
                 if self._stale(key):
                     continue
-                if used == _REFUSAL:
-                    used = None
-                keys = expected[peer]
-                if (key not in keys) if len(calls) > 1 else (key != keys[0]):
+                if matching.expects(peer, key):
+                    self._take(matching, peer, message)
+                elif is_pair(key):
+                    self._early.keep(peer, message)
+                else:
                     # the peer's message for another call is taken: neither rank can skip
                     # its way back to calls that match, so both abort
-                    self._discard(calls)
+                    keys = matching.expected_of(peer)
+                    self._discard(matching.waiting)
                     raise DivergedError(
-                        f"{names.get(key, first.name)}: rank {self.rank} made "
-                        f"{_named(keys[0]) if len(calls) == 1 else [_named(k) for k in keys]} "
-                        f"but rank {peer}'s next call with it was {_named(key)}: the ranks' "
-                        f"sequences of calls differ (a cycle of send/recv must be made inside "
-                        f"hoccl.group()); {_ABORTED}")
-                signature, shared = _described(prepared[key], peer, description)
-                keys.remove(key)
-                if not keys:
-                    del expected[peer]
-                received[key][peer] = (signature, shared, used)
-        return received
+                        f"{matching.names.get(key, matching.waiting[0].name)}: rank "
+                        f"{self.rank} made {[_named(k) for k in keys]} but rank {peer}'s next "
+                        f"call with it was {_named(key)}: the ranks' sequences of calls "
+                        f"differ; {_ABORTED}")
+        return True
+
+    def _take(self, matching: Matching, peer: int, message: tuple) -> None:
+        key, description, used = message
+        signature, shared = _described(matching.prepared[key], peer, description)
+        matching.take(peer, key, signature, shared, None if used == _REFUSAL else used)
 
     def _discard(self, calls: Sequence["Call"]) -> None:
         for call in calls:
@@ -362,7 +382,8 @@ class ProcessGroup:
         return []  # one rank per process: peers learn of an abort from their pads
 
     def forget_calls(self) -> None:
-        """Nothing is held between calls."""
+        """Nothing is held between calls; the peers' early messages go."""
+        self._early.clear()
 
     def waiting_for(self, call: "Call") -> List[int]:
         return []
@@ -411,6 +432,17 @@ class ProcessGroup:
         engine.leave_device(leak)
         self.mailboxes.close()
         self.bootstrap.close()
+
+
+def _description(call: "Call") -> bytes:
+    """``(call.signature, call.shared)`` pickled.  A repeated call (the same prepared
+    call and the same descriptors) sends the bytes of the previous one."""
+    prepared = call.prepared
+    known = prepared.description
+    if known is None or known[0] != call.shared:
+        known = prepared.description = (call.shared, pickle.dumps(
+            (call.signature, call.shared), protocol=pickle.HIGHEST_PROTOCOL))
+    return known[1]
 
 
 def _described(prepared: Any, peer: int, description: bytes

@@ -10,9 +10,8 @@ of the level together."""
 from __future__ import annotations
 
 import abc
-from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Hashable, List, Optional, Sequence, Tuple, TypeVar
+from typing import Any, Callable, ClassVar, List, Optional, Sequence, Tuple
 
 from .._errors import InvalidArgumentError
 from ..bootstrap import Bootstrap
@@ -20,27 +19,11 @@ from ..comm import Communicator
 from ..config import Config
 from ..sched.hierarchical import Call, Topology
 
-__all__ = ["Setup", "InterHostEngine", "Pair", "caller_begin", "caller_end", "rounds"]
+__all__ = ["Setup", "InterHostEngine", "Pair", "caller_begin", "caller_end"]
 
 #: one send or receive of a batch: ("send" or "recv", a flat array, the peer's member
 #: number in the level's group)
 Pair = Tuple[str, Any, int]
-T = TypeVar("T")
-
-
-def rounds(items: Sequence[T], key: Callable[[T], Hashable]) -> List[List[T]]:
-    """``items`` in rounds, the k-th holding the k-th item of each ``key`` (a peer and
-    direction): round k of a member matches round k of its peers where both batched the
-    same items."""
-    made: List[List[T]] = []
-    seen: Counter = Counter()
-    for item in items:
-        which = key(item)
-        if seen[which] == len(made):
-            made.append([])
-        made[seen[which]].append(item)
-        seen[which] += 1
-    return made
 
 
 def caller_begin(device: Any, stream: int, ready: Any) -> int:

@@ -8,7 +8,7 @@ from typing import Any, List, Sequence, Tuple
 from .._errors import InvalidArgumentError
 from .._group_calls import group
 from ..comm import Communicator
-from .engine import InterHostEngine, Pair, Setup, rounds
+from .engine import InterHostEngine, Pair, Setup
 from .topology import SubBootstrap
 
 __all__ = ["HocclEngine"]
@@ -78,17 +78,13 @@ class HocclEngine(InterHostEngine):
         self.comm.barrier(stream=stream)
 
     def batch(self, pairs: Sequence[Pair], *, stream: Any = None) -> None:
-        """The pairs in ``hoccl.group()`` s, a round at a time (``rounds``).  A hoccl group
-        issues its calls once every peer has made the matching ones, and a peer's calls
-        with this rank must be exactly the group's: rounds keep one pair per peer and
-        direction in each, so peers that batch their pairs differently still match
-        where each round's pairs are ready on both sides (a pipeline's forward sends
-        and backward receives), though not always (unlike the engines between hosts,
-        which post every pair at once)."""
-        for made in rounds(pairs, lambda pair: (pair[0], pair[2])):
-            with group():
-                for kind, array, peer in made:
-                    getattr(self.comm, kind)(array, peer, stream=stream)
+        """The pairs in one ``hoccl.group()``: a hoccl group matches its sends and
+        receives call by call and issues each, in call order, once it and those before it
+        are matched (``hoccl._groups.matching``), so peers that batch their pairs
+        differently still match."""
+        with group():
+            for kind, array, peer in pairs:
+                getattr(self.comm, kind)(array, peer, stream=stream)
 
     def synchronize(self) -> None:
         self.comm.synchronize()

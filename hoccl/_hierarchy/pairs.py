@@ -18,8 +18,8 @@ moves its bytes on that host's engine, one along a rail on the rail engine.
 The pairs of several communicators in one group run one communicator's batch after
 another (``hoccl.group()`` completes each communicator's calls in turn).  Between ranks
 on one host (and on ``inter_host="hoccl"``) the engine is a hoccl communicator, whose
-groups match a rank's calls with a peer as a whole: there a batch goes out in rounds
-(``HocclEngine.batch``), and ranks must batch their pairs alike.
+groups match sends and receives call by call (``hoccl._groups.matching``): there too
+ranks may batch their pairs differently.
 
 The calls of one group on one communicator take one stream (or None on the host
 backend): the batch is ordered after the work on it so far, and the work enqueued on it

@@ -11,10 +11,8 @@ process group of this process (which keeps the calls of every group in program o
 The held calls are issued inside ``hoccl.group()``.  Across hosts, one group: the
 communicator posts every pair of it before it waits for any (``hoccl._hierarchy.pairs``),
 so ranks that batch their sends and recvs differently (a pipeline schedule's) never wait
-in a cycle.  Within a host a hoccl group matches its calls with the peers' as a whole, so
-a batch goes out in rounds (``hoccl._hierarchy.engine.rounds``), the k-th round holding
-the k-th call of each (communicator, peer, direction): round k of every rank matches
-round k of its peers where they batched alike.
+in a cycle.  Within a host a hoccl group matches its sends and recvs call by call and
+issues them in call order as they match (``hoccl._groups.matching``), to the same end.
 
 A recv from any source (``dist.recv(tensor)`` with no ``src``, host backend only) is
 matched through the group's store (``SendCounts``): every send of the torch API adds
@@ -40,7 +38,6 @@ import torch
 import hoccl
 
 from .. import HocclTimeoutError, InvalidArgumentError
-from .._hierarchy.engine import rounds
 from .._mailbox import wait_until
 from ._ops import movable
 from ._work import Launcher, Work, WorkList
@@ -204,14 +201,9 @@ def issue_held() -> None:
                 call.counts.received[call.peer] += 1
         going.append(call)
     _HELD[:0] = staying
-    across = [call for call in going if call.launcher.across_hosts]
-    within = [call for call in going if not call.launcher.across_hosts]
-    batches = ([across] if across else []) + rounds(
-        within, lambda call: (id(call.launcher.comm), call.peer, call.kind))
-    for batch in batches:
-        with hoccl.group():
-            for call in batch:
-                call.issue()
+    with hoccl.group():
+        for call in going:
+            call.issue()
     for call in going:
         call.finish()
 

@@ -5,8 +5,9 @@ hosts, under mpiexec::
     HOCCL_LOCAL_SIZE=2 mpiexec -n 4 python tests/torch_programs/run_pipeline.py --mesh
 
 Every schedule of torch's (``SCHEDULES``: one stage per rank, two per rank in loops, or
-in a V) runs one step of a model of small Linear+Tanh stages, 4 microbatches, on the
-hoccl process group and again on a gloo group: each rank's gradients of its stages and
+in a V) runs one step of a model of small Linear+Tanh stages, 4 microbatches (one per
+stage where there are more), on the hoccl process group and again on a gloo group: each
+rank's gradients of its stages and
 the last stage's losses must equal a single-process reference (the same stages, one
 microbatch after another, gradients summed and divided by the microbatches as the
 schedules scale them) within ``TOLERANCE``, and gloo's bit for bit.  A gradient the
@@ -48,6 +49,12 @@ from common import rank_and_world
 
 RANK, WORLD = rank_and_world()
 WIDTH, BATCH, MICROBATCHES = 16, 8, 4
+
+
+def microbatches(stages: int) -> int:
+    """A step's microbatches: ``MICROBATCHES``, or one per stage where there are more
+    stages (DualPipeV takes no fewer; ``BATCH`` rows hold up to 8)."""
+    return max(MICROBATCHES, stages)
 #: gradients and losses against the single-process reference: the stages compute what it
 #: computes, in the same order, except where a schedule splits a backward in two
 TOLERANCE = 1e-5
@@ -90,14 +97,15 @@ def reference(stages: list, x: torch.Tensor, y: torch.Tensor) -> tuple:
     backward; gradients summed, then divided by the microbatches."""
     stages = copy.deepcopy(stages)
     losses = []
-    for xm, ym in zip(x.chunk(MICROBATCHES), y.chunk(MICROBATCHES)):
+    count = microbatches(len(stages))
+    for xm, ym in zip(x.chunk(count), y.chunk(count)):
         out = xm
         for stage in stages:
             out = stage(out)
         loss = loss_fn(out, ym)
         loss.backward()
         losses.append(loss.detach())
-    grads = [[p.grad / MICROBATCHES for p in stage.parameters()] for stage in stages]
+    grads = [[p.grad / count for p in stage.parameters()] for stage in stages]
     return losses, grads
 
 
@@ -116,7 +124,7 @@ def run_schedule(name: str, group, device: torch.device, seed: int) -> tuple:
         stages.append(pipelining.PipelineStage(module, index, count, device, group=group))
     schedule_class = getattr(pipelining, class_name)
     schedule = schedule_class(stages if per_rank > 1 else stages[0],
-                              n_microbatches=MICROBATCHES, loss_fn=loss_fn)
+                              n_microbatches=microbatches(count), loss_fn=loss_fn)
     x, y = inputs(seed)
     args = (x.to(device),) if 0 in mine else ()
     last = count - 1 in mine
@@ -157,7 +165,7 @@ def check_schedule(name: str, hoccl_group, gloo_group, device: torch.device,
             assert difference <= TOLERANCE, f"{what}: {difference:.3g} from the reference"
             worst = max(worst, difference)
     if losses or want_losses and gloo_losses:
-        assert len(losses) == MICROBATCHES == len(gloo_losses), \
+        assert len(losses) == microbatches(pp * per_rank) == len(gloo_losses), \
             f"{name}: {len(losses)} losses on hoccl, {len(gloo_losses)} on gloo"
         for k, (got, gloo, want) in enumerate(zip(losses, gloo_losses, want_losses)):
             assert (torch.equal(got, gloo) if exact else
@@ -205,8 +213,10 @@ def check_mesh(device: torch.device) -> dict:
     gloo_mesh = init_device_mesh("cpu", shape, mesh_dim_names=("pp", "dp"),
                                  backend_override={"pp": "gloo", "dp": "gloo"})
     pp_comm = hoccl.torch.communicator(mesh.get_group("pp"))
-    assert isinstance(pp_comm, hoccl.HierarchicalCommunicator) or WORLD == 2, \
-        f"mesh: the pp group {pp_comm!r} is not across hosts"
+    # pp joins the halves of the world: across hosts unless one host holds every rank
+    across = int(os.environ.get("HOCCL_LOCAL_SIZE", WORLD)) < WORLD
+    assert isinstance(pp_comm, hoccl.HierarchicalCommunicator) == across, \
+        f"mesh: the pp group {pp_comm!r} {'is not' if across else 'is'} across hosts"
     losses, parameters = train_mesh(mesh, device)
     gloo_losses, gloo_parameters = train_mesh(gloo_mesh, torch.device("cpu"))
     assert len(losses) == len(gloo_losses), f"mesh: {len(losses)} losses, gloo {len(gloo_losses)}"
