@@ -375,6 +375,10 @@ class Health:
         with engine.lock:
             if engine.closed or engine.aborted:
                 return False
+        try:
+            self._group.flush_stale()
+        except HocclError as error:  # the calls' own waits say what went wrong
+            log.debug("rank %d watchdog: folds not sent: %s", self.rank, error)
         pending = engine.unfinished()
         if not pending:
             return True

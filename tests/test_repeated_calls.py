@@ -1,6 +1,8 @@
 """A call repeated on arguments that resolve alike skips the argument checks
 (``hoccl._repeats``) and stays exact; its mismatches still raise on every rank
-(``tests/mpi/run_repeated_arguments.py``, in one process and under mpiexec)."""
+(``tests/mpi/run_repeated_arguments.py``, in one process and under mpiexec).  Under
+mpiexec, repeats on registered buffers send no message from the call (``folds``), and a
+diverged repeat still raises DivergedError on every rank."""
 
 import os
 import subprocess
@@ -33,7 +35,7 @@ def test_repeated_calls_in_one_process(case, ranks):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("case", ["exact", "mismatch"])
+@pytest.mark.parametrize("case", ["exact", "mismatch", "folds"])
 @pytest.mark.parametrize("ranks", [2, 3])
 def test_repeated_calls_under_mpiexec(case, ranks):
     returncode, output = _run([_mpiexec(), "-n", str(ranks), sys.executable, str(SCRIPT), case])

@@ -92,6 +92,10 @@ class Group(Protocol):
     def settle(self, call: str) -> None:
         """Wait for, and check, every description still due for such calls."""
 
+    def flush_stale(self) -> None:
+        """Send the folds of calls issued without asking that have waited long enough
+        (``hoccl._groups.folds``): the watchdog's part, for a rank that stopped calling."""
+
     def refuse(self, name: str, key: tuple, participants: Sequence[int], reason: str,
                rank: int) -> None:
         """Rank ``rank`` refused its call ``name`` of ``key`` (wrong arguments): offer the

@@ -9,6 +9,7 @@ import logging
 import os
 import pickle
 import socket
+import threading
 import time
 from collections import deque
 from typing import TYPE_CHECKING, Any, Dict, FrozenSet, List, Optional, Sequence, Tuple
@@ -18,6 +19,7 @@ from .._mailbox import Mailboxes, Notice, made_call, wait_until
 from ..bootstrap import Bootstrap
 from .base import (_ABORTED, _describe, _disagreement, _misplaced, _named, _raise_verdicts,
                    _silent, refused_signature)
+from .folds import DIGEST, FOLD_SECONDS, Due, Folds, view
 
 if TYPE_CHECKING:
     from .._engine import Call, Engine, PeerBuffer
@@ -49,6 +51,12 @@ class ProcessGroup:
         # per peer, in call order: the calls issued without the peer's description (on
         # registered buffers), whose description is checked when it comes (``check``)
         self._unchecked: List[deque] = [deque() for _ in range(self.world_size)]
+        # per peer: this rank's calls issued without asking and not sent (``folds``), and
+        # the peer's digest of its own, being compared with this rank's records
+        self._folds = Folds(self.world_size)
+        self._due: List[Optional[Due]] = [None] * self.world_size
+        # sends come from the caller's thread and, for a fold gone stale, the watchdog's
+        self._sending = threading.Lock()
         # the keys of the calls this rank refused (``refuse``): a peer's message for one of
         # them (its call, or its refusal too) is dropped when it comes
         self._refused: set = set()
@@ -68,22 +76,59 @@ class ProcessGroup:
     def post(self, calls: Sequence["Call"]) -> None:
         """Send (key, description) of each call to its participants: the description is
         its signature and shared buffers, pickled once per distinct description
-        (``_description``)."""
+        (``_description``).  A call issued without asking whose description a peer has
+        had already is folded instead (``hoccl._groups.folds``)."""
         self.check()
         deadline = time.monotonic() + self.timeout
         fast = all(call.fast is not None for call in calls)  # as ``complete`` decides
         for call in calls:
             if _silent(call):
                 continue
-            description = self._description(call)
+            prepared = call.prepared
             # issued without asking: what this rank took each peer's buffers to be, for the
             # peer to check before it issues its own (``_misplaced``)
-            used = call.prepared.used if fast else None
+            used = prepared.used if fast else None
+            description = None
             for peer in call.plan.participants:
-                if peer != self.rank:
-                    self.mailboxes.send(peer, (call.key, description,
-                                               used[peer] if used else None),
-                                        deadline, call.name)
+                if peer == self.rank:
+                    continue
+                if used is not None and peer in prepared.told:
+                    with self._sending:
+                        full = self._folds.add(peer, call.key, view(prepared, self.rank, peer))
+                    if full:
+                        self._flush(peer, deadline, call.name)
+                    continue
+                if description is None:
+                    description = self._description(call)
+                self._send(peer, (call.key, description, used[peer] if used else None),
+                           deadline, call.name)
+                if used is not None:
+                    prepared.told.add(peer)
+
+    def _send(self, peer: int, message: tuple, deadline: float, call: str) -> None:
+        """``message`` to ``peer``, after the digest of this rank's fold with it: the peer
+        checks what was folded before it takes anything sent after."""
+        with self._sending:
+            payload = self._folds.take(peer)
+            if payload is not None:
+                self.mailboxes.send(peer, (DIGEST, None, payload), deadline, call)
+            self.mailboxes.send(peer, message, deadline, call)
+
+    def _flush(self, peer: int, deadline: float, call: str) -> None:
+        with self._sending:
+            payload = self._folds.take(peer)
+            if payload is not None:
+                self.mailboxes.send(peer, (DIGEST, None, payload), deadline, call)
+
+    def flush(self, older_than: float = 0.0) -> None:
+        """Send the digest of every fold (first folded at least ``older_than`` s ago)."""
+        deadline = time.monotonic() + self.timeout
+        for peer in self._folds.peers(older_than):
+            self._flush(peer, deadline, "flush")
+
+    def flush_stale(self) -> None:
+        """The watchdog's part: send the folds of a rank that stopped calling."""
+        self.flush(FOLD_SECONDS)
 
     def agree(self, name: str, value: Any) -> List[Any]:
         """Every rank's ``value`` for a collective step that is not a call (``split``'s
@@ -94,7 +139,7 @@ class ProcessGroup:
         key = ("agree", name)
         for peer in range(self.world_size):
             if peer != self.rank:
-                self.mailboxes.send(peer, (key, value, None), deadline, name)
+                self._send(peer, (key, value, None), deadline, name)
         values: List[Any] = [None] * self.world_size
         values[self.rank] = value
         missing = [peer for peer in range(self.world_size) if peer != self.rank]
@@ -104,9 +149,10 @@ class ProcessGroup:
                                f"{missing} to call {name}; they never did",
                        check=lambda: self._check_peers(missing, name))
             for peer in [peer for peer in missing if self._ready(peer)]:
-                got_key, got, _ = self.mailboxes.receive(peer)
+                got_key, got, payload = self.mailboxes.receive(peer)
                 if self._stale(got_key):
                     continue
+                self._refuse_digest(peer, got_key, payload, name)
                 missing.remove(peer)
                 if got_key != key:
                     raise DivergedError(f"{name}: rank {self.rank} called {name} but rank "
@@ -173,7 +219,20 @@ class ProcessGroup:
         """Whether ``peer``'s next message for a call still to be matched has come (the
         checks of calls issued without it are taken first)."""
         self._check_peer(peer)
+        due = self._due[peer]
+        if due is not None:  # the peer folded calls that this rank makes otherwise
+            self._refuse_digest(peer, DIGEST, (due.left, b"", due.first, due.last), "call")
         return not self._unchecked[peer] and self.mailboxes.ready(peer)
+
+    def _refuse_digest(self, peer: int, key: tuple, payload: Any, call: str) -> None:
+        """A digest where this rank waits for a call's message: the peer ran calls on
+        registered buffers, without asking, that this rank did not make so."""
+        if key == DIGEST:
+            calls, _, first, last = payload
+            raise DivergedError(
+                f"{call}: rank {peer} ran {calls} call(s) ({first} to {last}) on registered "
+                f"buffers without asking, but rank {self.rank} made them otherwise (its "
+                f"buffers of them are not in its windows, or it made other calls); {_ABORTED}")
 
     def _check_peers(self, peers: Sequence[int], call: str) -> None:
         """The check of a wait for ``peers``' messages: raise if one of them has exited or
@@ -200,7 +259,7 @@ class ProcessGroup:
         self._refused.add(key)
         for peer in participants:
             if peer != self.rank:
-                self.mailboxes.send(peer, (key, description, _REFUSAL), deadline, name)
+                self._send(peer, (key, description, _REFUSAL), deadline, name)
 
     def _stale(self, key: tuple) -> bool:
         """Whether a peer's message is for a call this rank refused (its call, or its
@@ -208,8 +267,8 @@ class ProcessGroup:
         return key in self._refused
 
     def check(self) -> None:
-        """Check every peer's description that has come for a call issued without it;
-        raise DivergedError if one differs from what this rank took it to be.  Never
+        """Check every peer's description or digest that has come for calls issued without
+        it; raise DivergedError if one differs from what this rank took it to be.  Never
         waits."""
         for peer in range(self.world_size):
             if self._unchecked[peer]:
@@ -217,9 +276,14 @@ class ProcessGroup:
 
     def _check_peer(self, peer: int) -> None:
         pending = self._unchecked[peer]
+        self._compare(peer)
         while pending and self.mailboxes.ready(peer):
-            got_key, description, _ = self.mailboxes.receive(peer)
+            got_key, description, payload = self.mailboxes.receive(peer)
             if self._stale(got_key):
+                continue
+            if got_key == DIGEST:
+                self._due[peer] = Due(payload)
+                self._compare(peer)
                 continue
             key, name, signature, used, prepared = pending.popleft()
             if got_key != key:
@@ -236,9 +300,24 @@ class ProcessGroup:
             if problem is not None:
                 raise DivergedError(problem)
 
+    def _compare(self, peer: int) -> None:
+        """Fold this rank's records of its calls with ``peer`` into the peer's digest that
+        came (``Due``); raise DivergedError once it covers them all and differs."""
+        due = self._due[peer]
+        if due is None:
+            return
+        problem = due.feed(self._unchecked[peer], self.rank, peer)
+        if problem == "":
+            return
+        self._due[peer] = None
+        if problem is not None:
+            raise DivergedError(f"{problem}; {_ABORTED}")
+
     def settle(self, call: str) -> None:
-        """Wait (bounded by the timeout and the peers' liveness) for the descriptions of
-        every call issued without them, and check them (``check``)."""
+        """Send this rank's folds, then wait (bounded by the timeout and the peers'
+        liveness) for the descriptions or digests of every call issued without them, and
+        check them (``check``)."""
+        self.flush()
         deadline = time.monotonic() + self.timeout
         waiting = [peer for peer in range(self.world_size) if self._unchecked[peer]]
         while waiting:
@@ -331,6 +410,7 @@ class ProcessGroup:
                 key, description, used = mailboxes.receive(peer)
                 if self._stale(key):
                     continue
+                self._refuse_digest(peer, key, used, first.name)
                 if used == _REFUSAL:
                     used = None
                 keys = expected[peer]
@@ -403,6 +483,7 @@ class ProcessGroup:
         (or its parent) still uses it (keep them, with ``leak``), then the mailboxes and
         the bootstrap."""
         self._unchecked = [deque() for _ in range(self.world_size)]
+        self._due = [None] * self.world_size
         # the peers still waiting for this rank learn that it is gone, and which of its
         # calls they may still wait for (all of whose signals it has written)
         self.mailboxes.announce(Notice("closed", made=None if engine.aborted else engine.made()))

@@ -11,6 +11,10 @@ exact     all_gather, reduce_scatter and all_reduce (in place and out of place),
 mismatch  after two calls of an all_reduce, rank 1's third uses buffers of another
           size while the others repeat theirs: every rank raises MismatchError, and the
           communicator stays usable (5 exact all_reduces after)
+folds     (one rank a process) 50 repeats of an all_reduce on registered buffers, exact,
+          send no message from the calls themselves (their checks are folded,
+          ``hoccl._groups.folds``, and go as one digest at each synchronize); then rank 1's next repeat sums with max where the
+          others sum with sum: every rank's synchronize raises DivergedError
 
 Each rank prints ``rank R: CASE ok ...`` or ``rank R: FAILED ...``; exits 1 on a failure.
 """
@@ -134,9 +138,51 @@ def mismatch(comms, rng) -> str:
     return "MismatchError on every rank, usable after"
 
 
+def folds(comms, rng) -> str:
+    import threading
+
+    from hoccl._mailbox import Mailboxes
+    (comm,) = comms
+    n = comm.world_size
+    sent = []
+    calling = [False]
+    original = Mailboxes.send
+
+    def counting(self, *args, **kwargs):  # a call's own sends (not synchronize's)
+        if calling[0] and threading.current_thread() is threading.main_thread():
+            sent.append(args[1][0])
+        return original(self, *args, **kwargs)
+
+    Mailboxes.send = counting
+    send, recv = hoccl.empty(1000, "float32", comm), hoccl.empty(1000, "float32", comm)
+    for repeat in range(52):
+        if repeat == 2:
+            sent.clear()  # the first calls tell the peers their descriptions
+        data = [random_array(rng, 1000, "float32") for _ in range(n)]
+        send[:] = data[comm.rank]
+        recv[:] = poison(1000, "float32")
+        calling[0] = True
+        comm.all_reduce(send, recv)
+        calling[0] = False
+        if repeat % 10 == 9:
+            comm.synchronize()
+            _close(f"registered all_reduce repeat {repeat}", np.sum(data, 0, dtype=np.float32),
+                   recv)
+    if sent:
+        raise AssertionError(f"50 repeated calls sent {len(sent)} message(s): {sent[:5]}")
+    comm.all_reduce(send, recv, "max" if comm.rank == 1 else "sum")
+    try:
+        comm.synchronize()
+    except hoccl.DivergedError as error:
+        if not comm.aborted:
+            raise AssertionError(f"DivergedError but not aborted: {error}")
+        return f"no message from 50 repeats; DivergedError: {str(error)[:100]}"
+    raise AssertionError("a diverged repeat on registered buffers raised nothing")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("case", choices=("exact", "mismatch"))
+    parser.add_argument("case", choices=("exact", "mismatch", "folds"))
     parser.add_argument("--local", type=int, default=0)
     args = parser.parse_args()
     comms = (hoccl.init_local(args.local, backend="host", timeout=20) if args.local
@@ -144,14 +190,17 @@ def main() -> int:
     # every process draws the data of every rank alike (each checks its own ranks' results)
     rng = np.random.default_rng(comms[0].world_size)
     try:
-        seen = {"exact": exact, "mismatch": mismatch}[args.case](comms, rng)
+        seen = {"exact": exact, "mismatch": mismatch, "folds": folds}[args.case](comms, rng)
     except AssertionError as error:
         for comm in comms:
             print(f"rank {comm.rank}: FAILED {args.case}: {error}", flush=True)
         return 1
     for comm in comms:
         print(f"rank {comm.rank}: {args.case} ok: {seen}", flush=True)
-        comm.close()
+        try:
+            comm.close()
+        except hoccl.HocclError as error:  # an aborted communicator may say why again
+            print(f"rank {comm.rank}: close: {error}", flush=True)
     return 0
 
 
