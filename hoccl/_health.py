@@ -62,6 +62,9 @@ class Peers(Protocol):
     def peer_abort(self, peer: int) -> Optional[Notice]:
         """Why ``peer`` aborted, if it has said."""
 
+    def flush_stale(self) -> None:
+        """Send the folds of calls issued without asking that waited long enough."""
+
 
 class Health:
     """One rank's monitor, over its engine and its group (``group.siblings``: the monitors

@@ -78,7 +78,7 @@ class Repeats:
         if pending is None:
             return
         key, args, kwargs = pending
-        roles = []
+        roles: list = []
         for role, buffer in buffers.items():
             if buffer is None:
                 roles.append((role, None, None))

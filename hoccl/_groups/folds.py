@@ -27,13 +27,20 @@ from __future__ import annotations
 
 import hashlib
 import pickle
+import threading
 import time
 from collections import deque
-from typing import Any, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence, Tuple
 
+from .._errors import DivergedError
+from .._mailbox import Mailboxes, wait_until
 from ..sched.plan import RING
+from .base import _ABORTED, _describe, _described, _misplaced, _silent
 
-__all__ = ["FOLD_CALLS", "FOLD_SECONDS", "DIGEST", "view", "Folds", "Due"]
+if TYPE_CHECKING:
+    from .._engine import Call
+
+__all__ = ["FOLD_CALLS", "FOLD_SECONDS", "DIGEST", "view", "Folds", "Due", "Unasked"]
 
 #: the most calls a fold holds before it goes as a digest
 FOLD_CALLS = 256
@@ -134,3 +141,145 @@ class Due:
                 f"ran calls {self.first} to {self.last} ({', '.join(self.names)}) on "
                 f"registered buffers, and disagree on one of them: its arguments, or where "
                 f"a rank's buffers are in its windows")
+
+
+class Unasked:
+    """A process group's checks of the calls it issued without asking (``ProcessGroup``):
+    the peers' descriptions and digests of them, and this rank's folds.  What it uses of
+    its group is named below."""
+
+    rank: int
+    world_size: int
+    timeout: float
+    mailboxes: Mailboxes
+    #: per peer, in call order: this rank's calls issued without the peer's description,
+    #: each checked when the peer's description or digest comes
+    _unchecked: List[deque]
+    _folds: Folds
+    _due: List[Optional[Due]]
+    _sending: threading.Lock
+
+    #: whether a peer's message is for a call this rank refused; the check of a wait for
+    #: peers (alive, not aborted)
+    _stale: Callable[[tuple], bool]
+    _check_peers: Callable[[Sequence[int], str], None]
+
+    def _send(self, peer: int, message: tuple, deadline: float, call: str) -> None:
+        """``message`` to ``peer``, after the digest of this rank's fold with it: the peer
+        checks what was folded before it takes anything sent after."""
+        with self._sending:
+            payload = self._folds.take(peer)
+            if payload is not None:
+                self.mailboxes.send(peer, (DIGEST, None, payload), deadline, call)
+            self.mailboxes.send(peer, message, deadline, call)
+
+    def _flush(self, peer: int, deadline: float, call: str) -> None:
+        with self._sending:
+            payload = self._folds.take(peer)
+            if payload is not None:
+                self.mailboxes.send(peer, (DIGEST, None, payload), deadline, call)
+
+    def flush(self, older_than: float = 0.0) -> None:
+        """Send the digest of every fold (first folded at least ``older_than`` s ago)."""
+        deadline = time.monotonic() + self.timeout
+        for peer in self._folds.peers(older_than):
+            self._flush(peer, deadline, "flush")
+
+    def flush_stale(self) -> None:
+        """The watchdog's part: send the folds of a rank that stopped calling."""
+        self.flush(FOLD_SECONDS)
+
+    def _expect(self, call: "Call") -> None:
+        """``call`` was issued without its peers' descriptions: check them when they come."""
+        if _silent(call):
+            return
+        used = call.prepared.used
+        assert used is not None and call.peers is call.fast, "issued without asking"
+        for peer, took in used.items():
+            self._unchecked[peer].append((call.key, call.name, call.signature, took,
+                                          call.prepared))
+
+    def _ready(self, peer: int) -> bool:
+        """Whether ``peer``'s next message for a call still to be matched has come (the
+        checks of calls issued without it are taken first)."""
+        self._check_peer(peer)
+        due = self._due[peer]
+        if due is not None:  # the peer folded calls that this rank makes otherwise
+            self._refuse_digest(peer, DIGEST, (due.left, b"", due.first, due.last), "call")
+        return not self._unchecked[peer] and self.mailboxes.ready(peer)
+
+    def _refuse_digest(self, peer: int, key: tuple, payload: Any, call: str) -> None:
+        """A digest where this rank waits for a call's message: the peer ran calls on
+        registered buffers, without asking, that this rank did not make so."""
+        if key == DIGEST:
+            calls, _, first, last = payload
+            raise DivergedError(
+                f"{call}: rank {peer} ran {calls} call(s) ({first} to {last}) on registered "
+                f"buffers without asking, but rank {self.rank} made them otherwise (its "
+                f"buffers of them are not in its windows, or it made other calls); {_ABORTED}")
+
+    def check(self) -> None:
+        """Check every peer's description or digest that has come for calls issued without
+        it; raise DivergedError if one differs from what this rank took it to be.  Never
+        waits."""
+        for peer in range(self.world_size):
+            if self._unchecked[peer]:
+                self._check_peer(peer)
+
+    def _check_peer(self, peer: int) -> None:
+        pending = self._unchecked[peer]
+        self._compare(peer)
+        while pending and self.mailboxes.ready(peer):
+            got_key, description, payload = self.mailboxes.receive(peer)
+            if self._stale(got_key):
+                continue
+            if got_key == DIGEST:
+                self._due[peer] = Due(payload)
+                self._compare(peer)
+                continue
+            key, name, signature, used, prepared = pending.popleft()
+            if got_key != key:
+                raise DivergedError(
+                    f"{name}: rank {self.rank} ran call {key} on registered buffers, but rank "
+                    f"{peer}'s call was {got_key}: the ranks' sequences of calls differ; "
+                    f"{_ABORTED}")
+            theirs, shared = _described(prepared, peer, description)
+            if theirs != signature:
+                raise DivergedError(
+                    f"{name}: rank {self.rank} ran {_describe(signature)} on registered "
+                    f"buffers, but rank {peer} called {_describe(theirs)}; {_ABORTED}")
+            problem = _misplaced(name, self.rank, peer, used, shared)
+            if problem is not None:
+                raise DivergedError(problem)
+
+    def _compare(self, peer: int) -> None:
+        """Fold this rank's records of its calls with ``peer`` into the peer's digest that
+        came (``Due``); raise DivergedError once it covers them all and differs."""
+        due = self._due[peer]
+        if due is None:
+            return
+        problem = due.feed(self._unchecked[peer], self.rank, peer)
+        if problem == "":
+            return
+        self._due[peer] = None
+        if problem is not None:
+            raise DivergedError(f"{problem}; {_ABORTED}")
+
+    def settle(self, call: str) -> None:
+        """Send this rank's folds, then wait (bounded by the timeout and the peers'
+        liveness) for the descriptions or digests of every call issued without them, and
+        check them (``check``)."""
+        self.flush()
+        deadline = time.monotonic() + self.timeout
+        waiting = [peer for peer in range(self.world_size) if self._unchecked[peer]]
+        while waiting:
+            wait_until(lambda: any(self.mailboxes.ready(peer) for peer in waiting), deadline,
+                       lambda: f"{call}: rank {self.rank} waited {self.timeout:g} s for ranks "
+                               f"{waiting} to make the calls it ran on registered buffers; they "
+                               f"never did",
+                       check=lambda: self._check_peers(waiting, call))
+            self.check()
+            waiting = [peer for peer in waiting if self._unchecked[peer]]
+        for peer, due in enumerate(self._due):
+            if due is not None:  # the peer folded more calls than this rank made
+                self._refuse_digest(peer, DIGEST, (due.left, b"", due.first, due.last), call)

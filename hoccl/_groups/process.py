@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Any, Dict, FrozenSet, List, Optional, Sequence
 from .._errors import AbortedError, DivergedError, InvalidArgumentError, MismatchError
 from .._mailbox import Mailboxes, Notice, made_call, wait_until
 from ..bootstrap import Bootstrap
-from .base import (_ABORTED, _describe, _disagreement, _misplaced, _named, _raise_verdicts,
+from .base import (_ABORTED, _described, _disagreement, _misplaced, _named, _raise_verdicts,
                    _silent, refused_signature)
-from .folds import DIGEST, FOLD_SECONDS, Due, Folds, view
+from .folds import Due, Folds, Unasked, view
 
 if TYPE_CHECKING:
     from .._engine import Call, Engine, PeerBuffer
@@ -33,7 +33,7 @@ _REFUSAL = "refused"
 __all__ = ["ProcessGroup"]
 
 
-class ProcessGroup:
+class ProcessGroup(Unasked):
     """One rank per process, on one host."""
 
     exported = True
@@ -104,31 +104,6 @@ class ProcessGroup:
                            deadline, call.name)
                 if used is not None:
                     prepared.told.add(peer)
-
-    def _send(self, peer: int, message: tuple, deadline: float, call: str) -> None:
-        """``message`` to ``peer``, after the digest of this rank's fold with it: the peer
-        checks what was folded before it takes anything sent after."""
-        with self._sending:
-            payload = self._folds.take(peer)
-            if payload is not None:
-                self.mailboxes.send(peer, (DIGEST, None, payload), deadline, call)
-            self.mailboxes.send(peer, message, deadline, call)
-
-    def _flush(self, peer: int, deadline: float, call: str) -> None:
-        with self._sending:
-            payload = self._folds.take(peer)
-            if payload is not None:
-                self.mailboxes.send(peer, (DIGEST, None, payload), deadline, call)
-
-    def flush(self, older_than: float = 0.0) -> None:
-        """Send the digest of every fold (first folded at least ``older_than`` s ago)."""
-        deadline = time.monotonic() + self.timeout
-        for peer in self._folds.peers(older_than):
-            self._flush(peer, deadline, "flush")
-
-    def flush_stale(self) -> None:
-        """The watchdog's part: send the folds of a rank that stopped calling."""
-        self.flush(FOLD_SECONDS)
 
     def agree(self, name: str, value: Any) -> List[Any]:
         """Every rank's ``value`` for a collective step that is not a call (``split``'s
@@ -204,36 +179,6 @@ class ProcessGroup:
         engine.learn(call.peers for call in calls)
         engine.issue(calls, imported=True)
 
-    # -- calls issued without the peers' descriptions ---------------------------------
-    def _expect(self, call: "Call") -> None:
-        """``call`` was issued without its peers' descriptions: check them when they come."""
-        if _silent(call):
-            return
-        used = call.prepared.used
-        assert used is not None and call.peers is call.fast, "issued without asking"
-        for peer, took in used.items():
-            self._unchecked[peer].append((call.key, call.name, call.signature, took,
-                                          call.prepared))
-
-    def _ready(self, peer: int) -> bool:
-        """Whether ``peer``'s next message for a call still to be matched has come (the
-        checks of calls issued without it are taken first)."""
-        self._check_peer(peer)
-        due = self._due[peer]
-        if due is not None:  # the peer folded calls that this rank makes otherwise
-            self._refuse_digest(peer, DIGEST, (due.left, b"", due.first, due.last), "call")
-        return not self._unchecked[peer] and self.mailboxes.ready(peer)
-
-    def _refuse_digest(self, peer: int, key: tuple, payload: Any, call: str) -> None:
-        """A digest where this rank waits for a call's message: the peer ran calls on
-        registered buffers, without asking, that this rank did not make so."""
-        if key == DIGEST:
-            calls, _, first, last = payload
-            raise DivergedError(
-                f"{call}: rank {peer} ran {calls} call(s) ({first} to {last}) on registered "
-                f"buffers without asking, but rank {self.rank} made them otherwise (its "
-                f"buffers of them are not in its windows, or it made other calls); {_ABORTED}")
-
     def _check_peers(self, peers: Sequence[int], call: str) -> None:
         """The check of a wait for ``peers``' messages: raise if one of them has exited or
         closed (``Mailboxes.check_alive``), or aborted (DivergedError if its calls had
@@ -265,69 +210,6 @@ class ProcessGroup:
         """Whether a peer's message is for a call this rank refused (its call, or its
         refusal too): no call of this rank's waits for it."""
         return key in self._refused
-
-    def check(self) -> None:
-        """Check every peer's description or digest that has come for calls issued without
-        it; raise DivergedError if one differs from what this rank took it to be.  Never
-        waits."""
-        for peer in range(self.world_size):
-            if self._unchecked[peer]:
-                self._check_peer(peer)
-
-    def _check_peer(self, peer: int) -> None:
-        pending = self._unchecked[peer]
-        self._compare(peer)
-        while pending and self.mailboxes.ready(peer):
-            got_key, description, payload = self.mailboxes.receive(peer)
-            if self._stale(got_key):
-                continue
-            if got_key == DIGEST:
-                self._due[peer] = Due(payload)
-                self._compare(peer)
-                continue
-            key, name, signature, used, prepared = pending.popleft()
-            if got_key != key:
-                raise DivergedError(
-                    f"{name}: rank {self.rank} ran call {key} on registered buffers, but rank "
-                    f"{peer}'s call was {got_key}: the ranks' sequences of calls differ; "
-                    f"{_ABORTED}")
-            theirs, shared = _described(prepared, peer, description)
-            if theirs != signature:
-                raise DivergedError(
-                    f"{name}: rank {self.rank} ran {_describe(signature)} on registered "
-                    f"buffers, but rank {peer} called {_describe(theirs)}; {_ABORTED}")
-            problem = _misplaced(name, self.rank, peer, used, shared)
-            if problem is not None:
-                raise DivergedError(problem)
-
-    def _compare(self, peer: int) -> None:
-        """Fold this rank's records of its calls with ``peer`` into the peer's digest that
-        came (``Due``); raise DivergedError once it covers them all and differs."""
-        due = self._due[peer]
-        if due is None:
-            return
-        problem = due.feed(self._unchecked[peer], self.rank, peer)
-        if problem == "":
-            return
-        self._due[peer] = None
-        if problem is not None:
-            raise DivergedError(f"{problem}; {_ABORTED}")
-
-    def settle(self, call: str) -> None:
-        """Send this rank's folds, then wait (bounded by the timeout and the peers'
-        liveness) for the descriptions or digests of every call issued without them, and
-        check them (``check``)."""
-        self.flush()
-        deadline = time.monotonic() + self.timeout
-        waiting = [peer for peer in range(self.world_size) if self._unchecked[peer]]
-        while waiting:
-            wait_until(lambda: any(self.mailboxes.ready(peer) for peer in waiting), deadline,
-                       lambda: f"{call}: rank {self.rank} waited {self.timeout:g} s for ranks "
-                               f"{waiting} to make the calls it ran on registered buffers; they "
-                               f"never did",
-                       check=lambda: self._check_peers(waiting, call))
-            self.check()
-            waiting = [peer for peer in waiting if self._unchecked[peer]]
 
     # -- registration -----------------------------------------------------------------
     def register(self, engine: "Engine", buffer: Any, verdict: Optional[str]) -> Any:
@@ -493,14 +375,3 @@ class ProcessGroup:
         self.mailboxes.close()
         self.bootstrap.close()
 
-
-def _described(prepared: Any, peer: int, description: bytes
-               ) -> Tuple[tuple, Dict[str, "PeerBuffer"]]:
-    """``peer``'s ``(signature, shared)`` from its description of a call matched with
-    ``prepared``.  Equal bytes are equal contents, so a repeated description (the peer's
-    same call on the same buffers) is unpickled once and its objects reused (the engine
-    then finds the prepared call's bound program by them)."""
-    known = prepared.received.get(peer)
-    if known is None or known[0] != description:
-        known = prepared.received[peer] = (description, pickle.loads(description))
-    return known[1]
