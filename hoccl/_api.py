@@ -20,6 +20,7 @@ from . import _validate as check
 from ._buffers import Buffer, as_buffer
 from ._errors import InvalidArgumentError
 from ._group_calls import held_calls
+from ._repeats import Repeats
 from .sched import Shape
 
 __all__ = ["CommunicatorApi"]
@@ -36,13 +37,28 @@ def _refusable(method: _Method) -> _Method:
     """A call whose wrong arguments raise InvalidArgumentError before it is made: its
     peers are told in its place (``_refused_call``), so that their matching calls end too
     and every rank's sequence of calls stays aligned.  The error is named after the public
-    call (a helper below the API, the device's ``resolve_stream``, names its own)."""
+    call (a helper below the API, the device's ``resolve_stream``, names its own).
+
+    A call whose arguments were checked before (``hoccl._repeats``) goes straight to
+    ``_run`` with what those checks made of them; the others are checked in full, and
+    ``_run`` keeps what their checks made (``Repeats.remember``)."""
     name = method.__name__
 
     @functools.wraps(method)
     def call(self: "CommunicatorApi", *args: Any, **kwargs: Any) -> None:
+        repeats = self._repeats
         try:
-            method(self, *args, **kwargs)
+            key = repeats.key(name, args, kwargs)
+            found = None if key is None else repeats.take(key, args, kwargs)
+            if found is not None:  # checked before: the same checks would pass again
+                self._usable(name)
+                self._run(name, found[0], found[1], kwargs.get("stream"))
+                return
+            repeats.pending = None if key is None else (key, args, kwargs)
+            try:
+                method(self, *args, **kwargs)
+            finally:
+                repeats.pending = None
         except InvalidArgumentError as error:
             if not getattr(error, "made", False):
                 peer = kwargs.get("peer", args[1] if len(args) > 1 else None)
@@ -74,7 +90,17 @@ class CommunicatorApi(abc.ABC):
     def _run(self, name: str, shape: Shape, buffers: Dict[str, Optional[Buffer]],
              stream: Any) -> None:
         """Run the checked call ``name`` of ``shape`` on ``buffers`` (by role: "send",
-        "recv", or "send"/"recv" alone for send and recv; None where a rank has none)."""
+        "recv", or "send"/"recv" alone for send and recv; None where a rank has none).
+        First ``self._repeats.remember(shape, buffers)``: the call's repeats skip the
+        checks."""
+
+    @property
+    def _repeats(self) -> Repeats:
+        """The calls checked so far, by their arguments (``hoccl._repeats``)."""
+        repeats = self.__dict__.get("_repeat_cache")
+        if repeats is None:
+            repeats = self.__dict__["_repeat_cache"] = Repeats()
+        return repeats
 
     def _refused_call(self, name: str, peer: Any, error: InvalidArgumentError) -> None:
         """This rank's call ``name`` (``peer``: a send's or recv's) raised ``error`` before

@@ -41,7 +41,7 @@ from . import _dtypes
 from ._dtypes import BOOL, ITEMSIZE, NAMES
 from ._errors import InvalidArgumentError
 
-__all__ = ["Buffer", "as_buffer", "integer", "integers", "ADDRESS_END"]
+__all__ = ["Buffer", "as_buffer", "repeat_key", "integer", "integers", "ADDRESS_END"]
 
 
 class Buffer:
@@ -102,6 +102,27 @@ def as_buffer(call: str, name: str, array: Any, *, writable: bool = True,
     raise InvalidArgumentError(f"{call}: {name} must be a numpy array, a torch tensor, or an "
                                f"object with __cuda_array_interface__ or __dlpack__; got "
                                f"{type(array).__name__}")
+
+
+def repeat_key(array: Any) -> Any:
+    """What ``as_buffer`` decides ``array``'s Buffer from, as a hashable key, read cheaply:
+    two arrays of one key resolve alike (the same address, count, dtype and device, the
+    same verdicts), so a call repeated on such arrays needs no resolution
+    (``hoccl._api``).  None where the array's answer could change without its key
+    changing (a torch tensor that requires grad: grad mode decides) or where the kind is
+    not read cheaply (array interfaces, DLPack): those calls resolve every time."""
+    kind = type(array)
+    if kind is np.ndarray:
+        flags = array.flags
+        return (kind, array.__array_interface__["data"][0], array.size, array.dtype,
+                flags.c_contiguous, flags.writeable)
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(array, torch.Tensor):
+        if array.requires_grad:
+            return None
+        return (torch.Tensor, array.data_ptr(), array.numel(), array.dtype, array.device,
+                array.layout, array.is_contiguous())
+    return None
 
 
 def _from_torch(call: str, name: str, tensor: Any, torch: Any, writable: bool,

@@ -62,6 +62,9 @@ class Peers(Protocol):
     def peer_abort(self, peer: int) -> Optional[Notice]:
         """Why ``peer`` aborted, if it has said."""
 
+    def flush_stale(self) -> None:
+        """Send the folds of calls issued without asking that waited long enough."""
+
 
 class Health:
     """One rank's monitor, over its engine and its group (``group.siblings``: the monitors
@@ -412,6 +415,10 @@ class Health:
         with engine.lock:
             if engine.closed or engine.aborted:
                 return False
+        try:
+            self._group.flush_stale()
+        except HocclError as error:  # the calls' own waits say what went wrong
+            log.debug("rank %d watchdog: folds not sent: %s", self.rank, error)
         pending = engine.unfinished()
         if not pending:
             return True

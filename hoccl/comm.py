@@ -404,6 +404,7 @@ class Communicator(CommunicatorApi):
         """Prepare (may fail: nothing enqueued; a repeat finds its prepared call), then
         submit to the engine, which enqueues it and has the group match it — now, or at
         the end of the enclosing ``hoccl.group()``."""
+        self._repeats.remember(shape, buffers)
         engine = self._engine
         call = engine.prepare(name, shape, buffers, stream, exported=self._group.exported)
         self._usable(name)  # the watchdog may have aborted meanwhile

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, NamedTuple, Optional, Protocol, Sequence, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Protocol, Sequence, Set, Tuple
 
 from .._errors import HocclError
 from ..sched import Shape
@@ -79,6 +79,12 @@ class PreparedCall:
     #: each peer's last description of its matching call, and what it decoded to
     received: Dict[int, Tuple[bytes, Any]] = dataclasses.field(default_factory=dict)
     loaded: bool = False       # its direct kernel is loaded (``Executor.load``)
+    #: the peers that have this call's description (issued without asking): its repeats
+    #: with them are folded, not sent (``hoccl._groups.folds``)
+    told: Set[int] = dataclasses.field(default_factory=set)
+    #: by peer: what this rank and the peer must agree on in each of its calls
+    #: (``hoccl._groups.folds.view``)
+    views: Dict[int, bytes] = dataclasses.field(default_factory=dict)
 
     @property
     def bound_without_asking(self) -> bool:

@@ -13,6 +13,7 @@ Communicator → Engine.submit → Group → Engine.issue.
 from __future__ import annotations
 
 import logging
+import pickle
 from typing import (TYPE_CHECKING, Any, Dict, FrozenSet, List, Optional, Protocol, Sequence,
                     Tuple)
 
@@ -91,6 +92,10 @@ class Group(Protocol):
 
     def settle(self, call: str) -> None:
         """Wait for, and check, every description still due for such calls."""
+
+    def flush_stale(self) -> None:
+        """Send the folds of calls issued without asking that have waited long enough
+        (``hoccl._groups.folds``): the watchdog's part, for a rank that stopped calling."""
 
     def refuse(self, name: str, key: tuple, participants: Sequence[int], reason: str,
                rank: int) -> None:
@@ -181,3 +186,15 @@ def _raise_verdicts(call: str, values: List[Any]) -> None:
         raise MismatchError(f"{call}: the ranks name different windows "
                             f"({[value[0] for value in values]}): every rank must register "
                             f"and deregister its buffers in the same order")
+
+
+def _described(prepared: Any, peer: int, description: bytes
+               ) -> Tuple[tuple, Dict[str, "PeerBuffer"]]:
+    """``peer``'s ``(signature, shared)`` from its description of a call matched with
+    ``prepared``.  Equal bytes are equal contents, so a repeated description (the peer's
+    same call on the same buffers) is unpickled once and its objects reused (the engine
+    then finds the prepared call's bound program by them)."""
+    known = prepared.received.get(peer)
+    if known is None or known[0] != description:
+        known = prepared.received[peer] = (description, pickle.loads(description))
+    return known[1]

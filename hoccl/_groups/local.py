@@ -265,6 +265,9 @@ class LocalGroup:
     def settle(self, call: str) -> None:
         """Every call is matched before it is issued."""
 
+    def flush_stale(self) -> None:
+        """Every call is matched before it is issued: nothing is folded."""
+
     def _progress(self) -> None:
         """Issue, for every rank, the batches at the head of its queue whose calls every
         participant has made."""

@@ -9,20 +9,22 @@ import logging
 import os
 import pickle
 import socket
+import threading
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Any, Dict, FrozenSet, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, FrozenSet, List, Optional, Sequence
 
 from .._errors import (AbortedError, DivergedError, HocclTimeoutError, InvalidArgumentError,
                        MismatchError)
 from .._mailbox import Mailboxes, Notice, made_call, wait_until
 from ..bootstrap import Bootstrap
-from .base import (_ABORTED, _describe, _misplaced, _named, _raise_verdicts, _silent,
+from .base import (_ABORTED, _described, _named, _raise_verdicts, _silent,
                    refused_signature)
+from .folds import Due, Folds, Unasked, view
 from .matching import Early, Matching, is_pair
 
 if TYPE_CHECKING:
-    from .._engine import Call, Engine, PeerBuffer
+    from .._engine import Call, Engine
     from .._health import Health
 
 log = logging.getLogger("hoccl")
@@ -36,7 +38,7 @@ _GRACE = 0.005
 __all__ = ["ProcessGroup"]
 
 
-class ProcessGroup:
+class ProcessGroup(Unasked):
     """One rank per process, on one host."""
 
     exported = True
@@ -54,6 +56,12 @@ class ProcessGroup:
         # per peer, in call order: the calls issued without the peer's description (on
         # registered buffers), whose description is checked when it comes (``check``)
         self._unchecked: List[deque] = [deque() for _ in range(self.world_size)]
+        # per peer: this rank's calls issued without asking and not sent (``folds``), and
+        # the peer's digest of its own, being compared with this rank's records
+        self._folds = Folds(self.world_size)
+        self._due: List[Optional[Due]] = [None] * self.world_size
+        # sends come from the caller's thread and, for a fold gone stale, the watchdog's
+        self._sending = threading.Lock()
         # the keys of the calls this rank refused (``refuse``): a peer's message for one of
         # them (its call, or its refusal too) is dropped when it comes
         self._refused: set = set()
@@ -75,22 +83,34 @@ class ProcessGroup:
     def post(self, calls: Sequence["Call"]) -> None:
         """Send (key, description) of each call to its participants: the description is
         its signature and shared buffers, pickled once per distinct description
-        (``_description``)."""
+        (``_description``).  A call issued without asking whose description a peer has
+        had already is folded instead (``hoccl._groups.folds``)."""
         self.check()
         deadline = time.monotonic() + self.timeout
         fast = all(call.fast is not None for call in calls)  # as ``complete`` decides
         for call in calls:
             if _silent(call):
                 continue
-            description = _description(call)
+            prepared = call.prepared
             # issued without asking: what this rank took each peer's buffers to be, for the
             # peer to check before it issues its own (``_misplaced``)
-            used = call.prepared.used if fast else None
+            used = prepared.used if fast else None
+            description = None
             for peer in call.plan.participants:
-                if peer != self.rank:
-                    self.mailboxes.send(peer, (call.key, description,
-                                               used[peer] if used else None),
-                                        deadline, call.name)
+                if peer == self.rank:
+                    continue
+                if used is not None and peer in prepared.told:
+                    with self._sending:
+                        full = self._folds.add(peer, call.key, view(prepared, self.rank, peer))
+                    if full:
+                        self._flush(peer, deadline, call.name)
+                    continue
+                if description is None:
+                    description = _description(call)
+                self._send(peer, (call.key, description, used[peer] if used else None),
+                           deadline, call.name)
+                if used is not None:
+                    prepared.told.add(peer)
 
     def agree(self, name: str, value: Any) -> List[Any]:
         """Every rank's ``value`` for a collective step that is not a call (``split``'s
@@ -101,7 +121,7 @@ class ProcessGroup:
         key = ("agree", name)
         for peer in range(self.world_size):
             if peer != self.rank:
-                self.mailboxes.send(peer, (key, value, None), deadline, name)
+                self._send(peer, (key, value, None), deadline, name)
         values: List[Any] = [None] * self.world_size
         values[self.rank] = value
         missing = [peer for peer in range(self.world_size) if peer != self.rank]
@@ -111,9 +131,10 @@ class ProcessGroup:
                                f"{missing} to call {name}; they never did",
                        check=lambda: self._check_peers(missing, name))
             for peer in [peer for peer in missing if self._ready(peer)]:
-                got_key, got, _ = self.mailboxes.receive(peer)
+                got_key, got, payload = self.mailboxes.receive(peer)
                 if self._stale(got_key):
                     continue
+                self._refuse_digest(peer, got_key, payload, name)
                 missing.remove(peer)
                 if got_key != key:
                     raise DivergedError(f"{name}: rank {self.rank} called {name} but rank "
@@ -190,23 +211,6 @@ class ProcessGroup:
             self._discard(matching.waiting)
             raise
 
-    # -- calls issued without the peers' descriptions ---------------------------------
-    def _expect(self, call: "Call") -> None:
-        """``call`` was issued without its peers' descriptions: check them when they come."""
-        if _silent(call):
-            return
-        used = call.prepared.used
-        assert used is not None and call.peers is call.fast, "issued without asking"
-        for peer, took in used.items():
-            self._unchecked[peer].append((call.key, call.name, call.signature, took,
-                                          call.prepared))
-
-    def _ready(self, peer: int) -> bool:
-        """Whether ``peer``'s next message for a call still to be matched has come (the
-        checks of calls issued without it are taken first)."""
-        self._check_peer(peer)
-        return not self._unchecked[peer] and self.mailboxes.ready(peer)
-
     def _check_peers(self, peers: Sequence[int], call: str) -> None:
         """The check of a wait for ``peers``' messages: raise if one of them has exited or
         closed (``Mailboxes.check_alive``), or aborted (DivergedError if its calls had
@@ -232,55 +236,12 @@ class ProcessGroup:
         self._refused.add(key)
         for peer in participants:
             if peer != self.rank:
-                self.mailboxes.send(peer, (key, description, _REFUSAL), deadline, name)
+                self._send(peer, (key, description, _REFUSAL), deadline, name)
 
     def _stale(self, key: tuple) -> bool:
         """Whether a peer's message is for a call this rank refused (its call, or its
         refusal too): no call of this rank's waits for it."""
         return key in self._refused
-
-    def check(self) -> None:
-        """Check every peer's description that has come for a call issued without it;
-        raise DivergedError if one differs from what this rank took it to be.  Never
-        waits."""
-        for peer in range(self.world_size):
-            if self._unchecked[peer]:
-                self._check_peer(peer)
-
-    def _check_peer(self, peer: int) -> None:
-        pending = self._unchecked[peer]
-        while pending and self.mailboxes.ready(peer):
-            got_key, description, _ = self.mailboxes.receive(peer)
-            if self._stale(got_key):
-                continue
-            key, name, signature, used, prepared = pending.popleft()
-            if got_key != key:
-                raise DivergedError(
-                    f"{name}: rank {self.rank} ran call {key} on registered buffers, but rank "
-                    f"{peer}'s call was {got_key}: the ranks' sequences of calls differ; "
-                    f"{_ABORTED}")
-            theirs, shared = _described(prepared, peer, description)
-            if theirs != signature:
-                raise DivergedError(
-                    f"{name}: rank {self.rank} ran {_describe(signature)} on registered "
-                    f"buffers, but rank {peer} called {_describe(theirs)}; {_ABORTED}")
-            problem = _misplaced(name, self.rank, peer, used, shared)
-            if problem is not None:
-                raise DivergedError(problem)
-
-    def settle(self, call: str) -> None:
-        """Wait (bounded by the timeout and the peers' liveness) for the descriptions of
-        every call issued without them, and check them (``check``)."""
-        deadline = time.monotonic() + self.timeout
-        waiting = [peer for peer in range(self.world_size) if self._unchecked[peer]]
-        while waiting:
-            wait_until(lambda: any(self.mailboxes.ready(peer) for peer in waiting), deadline,
-                       lambda: f"{call}: rank {self.rank} waited {self.timeout:g} s for ranks "
-                               f"{waiting} to make the calls it ran on registered buffers; they "
-                               f"never did",
-                       check=lambda: self._check_peers(waiting, call))
-            self.check()
-            waiting = [peer for peer in waiting if self._unchecked[peer]]
 
     # -- registration -----------------------------------------------------------------
     def register(self, engine: "Engine", buffer: Any, verdict: Optional[str]) -> Any:
@@ -350,6 +311,7 @@ class ProcessGroup:
                 key = message[0]
                 if self._stale(key):
                     continue
+                self._refuse_digest(peer, key, message[2], matching.waiting[0].name)
                 if matching.expects(peer, key):
                     self._take(matching, peer, message)
                 elif is_pair(key):
@@ -424,6 +386,7 @@ class ProcessGroup:
         (or its parent) still uses it (keep them, with ``leak``), then the mailboxes and
         the bootstrap."""
         self._unchecked = [deque() for _ in range(self.world_size)]
+        self._due = [None] * self.world_size
         # the peers still waiting for this rank learn that it is gone, and which of its
         # calls they may still wait for (all of whose signals it has written)
         self.mailboxes.announce(Notice("closed", made=None if engine.aborted else engine.made()))
@@ -444,14 +407,3 @@ def _description(call: "Call") -> bytes:
             (call.signature, call.shared), protocol=pickle.HIGHEST_PROTOCOL))
     return known[1]
 
-
-def _described(prepared: Any, peer: int, description: bytes
-               ) -> Tuple[tuple, Dict[str, "PeerBuffer"]]:
-    """``peer``'s ``(signature, shared)`` from its description of a call matched with
-    ``prepared``.  Equal bytes are equal contents, so a repeated description (the peer's
-    same call on the same buffers) is unpickled once and its objects reused (the engine
-    then finds the prepared call's bound program by them)."""
-    known = prepared.received.get(peer)
-    if known is None or known[0] != description:
-        known = prepared.received[peer] = (description, pickle.loads(description))
-    return known[1]

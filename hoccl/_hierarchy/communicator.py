@@ -353,6 +353,7 @@ class HierarchicalCommunicator(PairCalls, CommunicatorApi):
                stream: Any) -> None:
         """Run ``shape``'s hierarchical plan on this rank's arrays (every argument has been
         checked by ``CommunicatorApi``)."""
+        self._repeats.remember(shape, buffers)
         if shape.scale is not None:
             raise InvalidArgumentError(
                 f"{name}: scale is not supported across hosts yet; scale the result, or use a "

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from typing import Any, Callable, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from cuda.bindings import driver
 
@@ -16,6 +16,9 @@ from . import _kernels
 from ._base import DTYPES, OPS, DirectProgram, check_reduce_extras
 from ._cuda_driver import _ACTIVE, _call
 from ._cuda_structs import _ChunkArgs, _CopyArgs, _pack_direct, _ReduceArgs
+
+#: the most argument lists of ``reduce`` a device keeps launches for (``_reduce_launches``)
+_REDUCE_LAUNCHES = 256
 
 
 def _function(module: Any, name: str) -> Any:
@@ -73,6 +76,8 @@ class _SmWork:
     _owned: Any
     _kernel_lock: threading.Lock
     _make_current: Callable[[], None]
+    #: a ``reduce`` argument list -> its launches (``_reduce_launches_of``), oldest first out
+    _reduce_launches: Dict[tuple, List[tuple]]
 
     def _kernels(self) -> _Kernels:
         kernels = self._owned.kernels
@@ -166,6 +171,28 @@ class _SmWork:
         first launch, the inputs equal to ``output`` are moved to the front, so that the
         first launch reads them (``_kernels.reduce_launches``).
         """
+        key = (int(output), tuple(int(address) for address in inputs), count, dtype, op,
+               divisor, self.max_sms if sms is None else sms, scale)
+        launches = self._reduce_launches.get(key)
+        if launches is None:
+            launches = self._reduce_launches_of(output, inputs, count, dtype, op, divisor, sms,
+                                                scale)
+            if len(self._reduce_launches) >= _REDUCE_LAUNCHES:
+                del self._reduce_launches[next(iter(self._reduce_launches))]
+            self._reduce_launches[key] = launches
+        if launches:
+            self._make_current()
+        for function, blocks, threads, parameters, _ in launches:
+            _call(driver.cuLaunchKernel, function, blocks, 1, 1, threads, 1, 1, 0, stream,
+                  ctypes.addressof(parameters), 0)
+
+    def _reduce_launches_of(self, output: Any, inputs: Sequence[Any], count: int, dtype: str,
+                            op: str, divisor: Optional[int], sms: Optional[int],
+                            scale: Optional[float]) -> List[tuple]:
+        """The launches of one ``reduce`` (its arguments checked): (function, blocks,
+        threads, parameter array, the argument struct it points to) each.  Kept per
+        argument list (``_reduce_launches``): a repeated call's sums launch without
+        building their structs again (the driver copies them at each launch)."""
         if dtype not in _ITEMSIZE:
             raise InvalidArgumentError(f"reduce: expected dtype in {DTYPES}, got {dtype!r}")
         if op not in OPS:
@@ -176,7 +203,7 @@ class _SmWork:
         if divisor is None:
             divisor = len(inputs)
         if not count:
-            return
+            return []
         itemsize = _ITEMSIZE[dtype]
         output = int(output)
         inputs = [int(address) for address in inputs]
@@ -187,13 +214,16 @@ class _SmWork:
                 f"got {', '.join(f'{address:#x}' for address in misaligned)}")
         launches = _kernels.reduce_launches(output, inputs)
         kernels = self._kernels()
-        self._make_current()
         last = len(launches) - 1
+        built = []
         for index, launch_inputs in enumerate(launches):
             kernel_op = "sum" if op == "avg" and index < last else op
-            self._launch_reduce(kernels.reduce[dtype, kernel_op], stream, output, launch_inputs,
-                                count, itemsize, divisor, self.max_sms if sms is None else sms,
-                                scale if index == last else None)
+            args, blocks, threads = self._reduce_arguments(
+                output, launch_inputs, count, itemsize, divisor,
+                self.max_sms if sms is None else sms, scale if index == last else None)
+            parameters = (ctypes.c_void_p * 1)(ctypes.addressof(args))
+            built.append((kernels.reduce[dtype, kernel_op], blocks, threads, parameters, args))
+        return built
 
     def reduce_chunks(self, stream: Any, flags: Sequence[Any], value: int, output: Any,
                       inputs: Sequence[Any], count: int, last_count: int, chunks: int,

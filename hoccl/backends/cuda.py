@@ -193,6 +193,8 @@ class CudaDevice(_SmWork, _Memory, Device):
         self._called: set = set()      # import keys a call mapped (kept until close)
         self._holds: dict = {}         # import key -> windows holding it (hold_import)
         self._memop_params: dict = {}  # (kind, address) -> CUstreamBatchMemOpParams
+        self._reduce_launches = {}     # a reduce's arguments -> its launches (_SmWork)
+        self._streams: dict = {}       # a raw stream handle -> its CUstream (resolve_stream)
 
         def attribute(name: str) -> int:
             return _call(driver.cuDeviceGetAttribute, getattr(driver.CUdevice_attribute, name),
@@ -295,7 +297,9 @@ class CudaDevice(_SmWork, _Memory, Device):
             framework = array_framework(arrays)
             if framework == "torch":
                 torch = sys.modules["torch"]
-                return driver.CUstream(torch.cuda.current_stream(self.ordinal).cuda_stream)
+                raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # no Stream object
+                return self._stream_of(raw(self.ordinal) if raw is not None else
+                                       torch.cuda.current_stream(self.ordinal).cuda_stream)
             if framework == "cupy":
                 cupy = sys.modules["cupy"]
                 with cupy.cuda.Device(self.ordinal):
@@ -303,7 +307,17 @@ class CudaDevice(_SmWork, _Memory, Device):
             return driver.CUstream(driver.CU_STREAM_LEGACY)
         if isinstance(stream, driver.CUstream):
             return stream
-        return driver.CUstream(stream_handle(stream))
+        return self._stream_of(stream_handle(stream))
+
+    def _stream_of(self, handle: int) -> Any:
+        """The ``CUstream`` of a raw handle, made once per handle (a caller's stream is
+        usually one of a few; building the object costs more than finding it)."""
+        stream = self._streams.get(handle)
+        if stream is None:
+            if len(self._streams) >= 64:
+                self._streams.clear()
+            stream = self._streams[handle] = driver.CUstream(handle)
+        return stream
 
     def capturing(self, stream: Any) -> bool:
         status = _call(driver.cuStreamIsCapturing, stream)

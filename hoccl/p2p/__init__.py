@@ -9,7 +9,7 @@ three stages, the first two kept by the caller's prepared call (``hoccl._engine`
                                      to addresses through the rank's SignalPad's tables
                                      (own slots for waits, the peers' pads for signals)
     executor.issue(items, value)     the call's signal base added to every value, the
-                                     steps enqueued in one pass (``_enqueue``: from there
+                                     steps enqueued in one pass (``issue``: from there
                                      only the stream manager and the device are called)
 
 Stream memory operations are buffered per lane and flushed as one batched call before
@@ -172,13 +172,38 @@ class Executor:
         writes none); ``after``: a completion value the caller's stream must reach first
         (the previous call's, when this stream is not yet ordered after it), so that
         completion values keep growing in call order."""
+        device = self.device
         if program and program[0][0] == _DIRECT:
             ((_, _, direct),) = program
             if after:
-                self.device.wait_value(caller, self.streams.completion, after)
-            self.device.direct(caller, direct, value)
+                device.wait_value(caller, self.streams.completion, after)
+            device.direct(caller, direct, value)
             return
-        self._enqueue([(None, program, base, None)], {None: 0}, [caller], value, after)
+        # one stream, no lanes to fork or join: the steps in order, memory operations
+        # gathered until the next other step (as ``issue`` does on each lane)
+        pending = self.streams.reach(after)
+        marks: Dict[Any, Any] = {}
+        write, wait = MemOp.WRITE, MemOp.WAIT
+        try:
+            for kind, _, arg in program:
+                if kind == _SIGNAL:
+                    pending.append((write, arg[0], base + arg[1]))
+                elif kind == _WAIT:
+                    pending.append((wait, arg[0], base + arg[1]))
+                elif kind == _RESET:
+                    pending.append((write, arg, 0))
+                else:
+                    if pending:
+                        device.memops(caller, pending)
+                        pending = []
+                    self._step(caller, kind, arg, base, marks, 0, True)
+            if value:
+                pending.extend(self.streams.completion_writes(value))
+            if pending:
+                device.memops(caller, pending)
+        finally:
+            for event in marks.values():
+                self.streams.release(event)
 
     def issue(self, items: Sequence[Tuple[Plan, Tuple[tuple, ...], int, Any]],
               value: int, callers: Optional[Sequence[Any]] = None, after: int = 0,
@@ -212,88 +237,29 @@ class Executor:
         (``cuMemcpyBatchAsync`` cannot be captured), no completion value is written (a
         replay is not a call the host counts), and the exit is an event every caller's
         stream waits for: the lanes join the capture back, as a graph needs.
+
+        The one pass down: from here only the stream manager's and the device's methods
+        are called.  A lane's memory operations are kept until its next other step and go
+        as one batched call (``cuStreamBatchMemOp`` keeps their order); independent copies
+        go as one batched call, except in a capture (``cuMemcpyBatchAsync`` cannot be
+        captured).
         """
         firsts, total = _families(plan for plan, _, _, _ in items)
         needs = _needs(reserve) if fence else None
-        self._enqueue(items, firsts, total, value, after, callers, fence, needs)
-
-    def load(self, plan: Plan) -> None:
-        """Have ``plan``'s direct kernel loaded (before any caller waits for its call)."""
-        if plan.kernel_blocks:  # the device loads each kernel once
-            self.device.prepare_direct(*direct_kind(plan))
-
-    def reserve(self, plans: Iterable[Tuple[Plan, int]], captured: bool = False) -> None:
-        """Create now every lane and event that issuing ``plans`` (each ``(plan, marks)``:
-        ``marks_of`` its program) together will take (``captured``: the capture lanes).
-
-        Called before a caller's stream is fenced: creating a stream (or an event) may
-        synchronize the context, and once a caller's stream waits for a call that is not
-        yet issued, such a driver call would wait for itself (FSDP2's first backward
-        reduce-scatter, which needs a second lane, hung so)."""
-        total, events = _needs(plans)
-        if captured:
-            self.streams.ensure_capture_lanes(total)
-        else:
-            self.streams.ensure_lanes(total)
-        self.streams.reserve_events(events)
-
-    def _after_family(self, lanes: Any, pending: List[list], first: int, used: int, span: int,
-                      marks: Dict[Any, Any], item: int) -> None:
-        """Make lanes ``first .. first + span`` wait until the ``used`` lanes from ``first``
-        that earlier plans of the family took have run every step so far: the next plan
-        of a family (a ``hoccl.group()`` of collectives, or of sends in one direction)
-        runs as if called alone after them.  Side by side, a later plan's signals
-        (larger values into the same slots) would release the earlier plan's waits too
-        soon on the peers, and its copies into the shared scratch would overwrite what
-        an earlier lane still reads::
-
-            lane first   ─ plan A ─┬─ wait ── record ──┬─ plan B
-            lane first+1 ─ plan A ─ record ─┘           └─ wait ── plan B
-        """
         device, streams = self.device, self.streams
-        _flush(device, lanes, pending, first)  # its own steps stay before the waits
-        for lane_index in range(first + 1, first + used):
-            _flush(device, lanes, pending, lane_index)
-            joined = marks[(-3, item, lane_index)] = streams.event()
-            device.record(lanes[lane_index], joined)
-            device.wait_event(lanes[first], joined)
-        if span > 1:
-            released = marks[(-3, item, first)] = streams.event()
-            device.record(lanes[first], released)
-            for lane_index in range(first + 1, first + span):
-                _flush(device, lanes, pending, lane_index)
-                device.wait_event(lanes[lane_index], released)
-
-    def _enqueue(self, items: Sequence[Tuple[Any, Tuple[tuple, ...], int, Any]],
-                 firsts: Dict[Any, int], lanes: Any, value: int, after: int,
-                 callers: Optional[Sequence[Any]] = None, fence: Sequence[Any] = (),
-                 needs: Optional[Tuple[int, int]] = None) -> None:
-        """Enqueue ``items``' bound programs on ``lanes`` (the caller's stream, or a number
-        of this rank's lanes: the capture lanes with ``callers``), each family from its
-        first lane (``firsts``), each item's lanes after its entry event, signal values
-        offset by its base; then join the lanes into lane 0 and write ``value``
-        (``issue`` says the rest).  The one pass down: from here only the stream
-        manager's and the device's methods are called.  A lane's memory operations are
-        kept until its next other step and go as one batched call (``cuStreamBatchMemOp``
-        keeps their order); independent copies go as one batched call, except in a
-        capture (``cuMemcpyBatchAsync`` cannot be captured)."""
-        device, streams = self.device, self.streams
-        total = lanes if isinstance(lanes, int) else len(lanes)
         pending: List[list] = [[] for _ in range(total)]
         marks: Dict[Any, Any] = {}
-        sms = self.sms
         batch = callers is None
         write, wait = MemOp.WRITE, MemOp.WAIT
         if needs is not None:  # see ``reserve``
             streams.ensure_lanes(needs[0])
             streams.reserve_events(needs[1])
-        if isinstance(lanes, int):
-            if callers is not None:
-                streams.ensure_capture_lanes(total)
-                lanes = streams.capture_lanes
-            else:
-                streams.ensure_lanes(total)  # made by ``reserve`` already, unless skipped
-                lanes = streams.lanes
+        if callers is not None:
+            streams.ensure_capture_lanes(total)
+            lanes = streams.capture_lanes
+        else:
+            streams.ensure_lanes(total)  # made by ``reserve`` already, unless skipped
+            lanes = streams.lanes
         start = streams.reach(0 if callers is not None else after)
         if start:
             for waiting in pending:
@@ -330,33 +296,7 @@ class Executor:
                     if pending[lane_index]:
                         device.memops(lane, pending[lane_index])
                         pending[lane_index] = []
-                    if kind == _COPY:
-                        if len(arg) == 1 or not batch:
-                            for copy in arg:
-                                device.copy(lane, *copy)
-                        else:
-                            device.copy_batch(lane, arg)
-                    elif kind == _LOCAL_COPY:
-                        for dst, src, nbytes in arg:
-                            device.local_copy(lane, dst, src, nbytes, sms.copy_sms)
-                    elif kind == _REDUCE:
-                        inputs, output, count, dtype, op, scale, cap = arg
-                        device.reduce(lane, output, inputs, count, dtype, op,
-                                      sms=cap or sms.max_sms, scale=scale)
-                    elif kind == _CHUNKS:
-                        self.fused_launches += 1
-                        flags, chunk_value, inputs, output, count, last_count, chunks, stride, \
-                            dtype, op, scale, cap = arg
-                        device.reduce_chunks(lane, flags, base + chunk_value, output, inputs,
-                                             count, last_count, chunks, stride, dtype, op,
-                                             sms=cap or sms.max_sms, scale=scale)
-                    elif kind == _MARK:
-                        event = marks[(item, arg)] = streams.event()
-                        device.record(lane, event)
-                    elif kind == _AFTER:
-                        device.wait_event(lane, marks[(item, arg)])
-                    else:  # _DIRECT
-                        device.direct(lane, arg)
+                    self._step(lane, kind, arg, base, marks, item, batch)
             # join: lane 0 continues only after every other lane's last step
             for lane_index in range(1, total):
                 for index in (lane_index, 0):
@@ -386,6 +326,86 @@ class Executor:
             for event in marks.values():
                 streams.release(event)
 
+    def load(self, plan: Plan) -> None:
+        """Have ``plan``'s direct kernel loaded (before any caller waits for its call)."""
+        if plan.kernel_blocks:  # the device loads each kernel once
+            self.device.prepare_direct(*direct_kind(plan))
+
+    def reserve(self, plans: Iterable[Tuple[Plan, int]], captured: bool = False) -> None:
+        """Create now every lane and event that issuing ``plans`` (each ``(plan, marks)``:
+        ``marks_of`` its program) together will take (``captured``: the capture lanes).
+
+        Called before a caller's stream is fenced: creating a stream (or an event) may
+        synchronize the context, and once a caller's stream waits for a call that is not
+        yet issued, such a driver call would wait for itself (FSDP2's first backward
+        reduce-scatter, which needs a second lane, hung so)."""
+        total, events = _needs(plans)
+        if captured:
+            self.streams.ensure_capture_lanes(total)
+        else:
+            self.streams.ensure_lanes(total)
+        self.streams.reserve_events(events)
+
+    def _step(self, lane: Any, kind: int, arg: Any, base: int, marks: Dict[Any, Any],
+              item: int, batch: bool) -> None:
+        """One step other than a memory operation on ``lane`` (``item``: its plan's index
+        among the issued ones, which names its marks; ``batch``: independent copies may
+        go as one batched call)."""
+        device, sms = self.device, self.sms
+        if kind == _COPY:
+            if len(arg) == 1 or not batch:
+                for copy in arg:
+                    device.copy(lane, *copy)
+            else:
+                device.copy_batch(lane, arg)
+        elif kind == _LOCAL_COPY:
+            for dst, src, nbytes in arg:
+                device.local_copy(lane, dst, src, nbytes, sms.copy_sms)
+        elif kind == _REDUCE:
+            inputs, output, count, dtype, op, scale, cap = arg
+            device.reduce(lane, output, inputs, count, dtype, op, sms=cap or sms.max_sms,
+                          scale=scale)
+        elif kind == _CHUNKS:
+            self.fused_launches += 1
+            flags, chunk_value, inputs, output, count, last_count, chunks, stride, dtype, op, \
+                scale, cap = arg
+            device.reduce_chunks(lane, flags, base + chunk_value, output, inputs, count,
+                                 last_count, chunks, stride, dtype, op, sms=cap or sms.max_sms,
+                                 scale=scale)
+        elif kind == _MARK:
+            event = marks[(item, arg)] = self.streams.event()
+            device.record(lane, event)
+        elif kind == _AFTER:
+            device.wait_event(lane, marks[(item, arg)])
+        else:  # _DIRECT
+            device.direct(lane, arg)
+
+    def _after_family(self, lanes: Any, pending: List[list], first: int, used: int, span: int,
+                      marks: Dict[Any, Any], item: int) -> None:
+        """Make lanes ``first .. first + span`` wait until the ``used`` lanes from ``first``
+        that earlier plans of the family took have run every step so far: the next plan
+        of a family (a ``hoccl.group()`` of collectives, or of sends in one direction)
+        runs as if called alone after them.  Side by side, a later plan's signals
+        (larger values into the same slots) would release the earlier plan's waits too
+        soon on the peers, and its copies into the shared scratch would overwrite what
+        an earlier lane still reads::
+
+            lane first   ─ plan A ─┬─ wait ── record ──┬─ plan B
+            lane first+1 ─ plan A ─ record ─┘           └─ wait ── plan B
+        """
+        device, streams = self.device, self.streams
+        _flush(device, lanes, pending, first)  # its own steps stay before the waits
+        for lane_index in range(first + 1, first + used):
+            _flush(device, lanes, pending, lane_index)
+            joined = marks[(-3, item, lane_index)] = streams.event()
+            device.record(lanes[lane_index], joined)
+            device.wait_event(lanes[first], joined)
+        if span > 1:
+            released = marks[(-3, item, first)] = streams.event()
+            device.record(lanes[first], released)
+            for lane_index in range(first + 1, first + span):
+                _flush(device, lanes, pending, lane_index)
+                device.wait_event(lanes[lane_index], released)
 
 def _flush(device: Any, lanes: Any, pending: List[list], lane_index: int) -> None:
     """Issue ``lane_index``'s buffered memory operations (before an event or a copy)."""
