@@ -39,7 +39,8 @@ class Repeats:
 
     def __init__(self, size: int = REPEATS):
         self.size = size
-        #: key -> (shape, ((buffer name, Buffer, where its array is among the arguments)))
+        #: key -> (shape, ((buffer name, (address, count, dtype, device), where its array is
+        #: among the arguments)))
         self._entries: Dict[tuple, Tuple[Shape, tuple]] = {}
         #: (key, args, kwargs) of the call being checked now (``remember`` keeps what its
         #: checks made of it)
@@ -86,7 +87,9 @@ class Repeats:
             where = _where(buffer.owner, args, kwargs)
             if where is None:  # not one of the arguments: resolve every time
                 return
-            roles.append((role, buffer, where))
+            # the numbers only: an entry must not keep the first call's array alive
+            roles.append((role, (buffer.address, buffer.count, buffer.dtype, buffer.device),
+                          where))
         if len(self._entries) >= self.size:
             del self._entries[next(iter(self._entries))]
         self._entries[key] = (shape, tuple(roles))
@@ -105,8 +108,7 @@ class Repeats:
                 buffers[role] = None
             else:
                 array = args[where] if isinstance(where, int) else kwargs[where]
-                buffers[role] = Buffer(buffer.address, buffer.count, buffer.dtype,
-                                       buffer.device, array)
+                buffers[role] = Buffer(*buffer, array)
         self.hits += 1
         return shape, buffers
 

@@ -91,3 +91,19 @@ def test_changed_arguments_are_checked_again():
         assert comm._repeats.hits == 1
     finally:
         comm.close()
+
+
+def test_a_kept_argument_list_holds_no_array():
+    import gc
+    import weakref
+    (comm,) = hoccl.init_local(1, backend="host")
+    try:
+        send, recv = np.ones(16, np.float32), np.zeros(16, np.float32)
+        comm.all_reduce(send, recv)
+        comm.synchronize()
+        gone = weakref.ref(send)
+        del send
+        gc.collect()
+        assert gone() is None, "the repeat cache keeps the call's array alive"
+    finally:
+        comm.close()
