@@ -337,7 +337,7 @@ class Health:
                     f"them")
                 return (f"{head}: signals missing from peers {sorted(peers)}{which}: "
                         + "; ".join(missing))
-        return f"{head}: every signal from the peers arrived; {self._stuck(pending, words)}"
+        return f"{head}: every signal from the peers arrived; {_stuck(self.engine, pending)}"
 
     def _missing(self, waiting: Call, words: List[int]):
         """(descriptions, peers) of the signals ``waiting``'s program waits for in vain."""
@@ -366,31 +366,6 @@ class Health:
                 missing.append(f"rank {peer} {channel} (have {words[step.slot]}, need "
                                f"{waiting.base + step.value})")
         return missing, peers
-
-    def _stuck(self, pending: Sequence[Call], words: List[int]) -> str:
-        """Where the calls whose signals all came stand: the callers' streams that have not
-        reached their calls, and the completion word against the calls' values."""
-        engine = self.engine
-        behind = []
-        for waiting in pending:
-            entry = waiting.entry
-            try:
-                reached = entry is None or engine.device.done(entry)
-            except HocclError:
-                reached = True
-            if not reached:
-                behind.append(f"{waiting.name} (call {waiting.value})")
-        try:
-            completion = engine.device.peek(engine.pad.completion, 1)[0]
-        except HocclError:
-            completion = None
-        values = f"calls {pending[0].value}..{pending[-1].value}"
-        if behind:
-            return (f"the caller's stream never reached {', '.join(behind)} (work enqueued "
-                    f"on it earlier is stuck); completion word {completion}, {values}")
-        return (f"every caller's stream reached its call: the lanes' copies, reductions or "
-                f"their wait for an earlier call's completion did not finish (completion "
-                f"word {completion}, {values}, host word {engine.completed})")
 
     # -- the watchdog ---------------------------------------------------------------------
     def start_watchdog(self) -> None:
@@ -473,3 +448,27 @@ class Health:
             if thread is not None and thread is not threading.current_thread():
                 thread.join(timeout=5)
 
+
+def _stuck(engine: Engine, pending: Sequence[Call]) -> str:
+    """Where the calls whose signals all came stand: the callers' streams that have not
+    reached their calls, and the completion word against the calls' values."""
+    behind = []
+    for waiting in pending:
+        entry = waiting.entry
+        try:
+            reached = entry is None or engine.device.done(entry)
+        except HocclError:
+            reached = True
+        if not reached:
+            behind.append(f"{waiting.name} (call {waiting.value})")
+    try:
+        completion = engine.device.peek(engine.pad.completion, 1)[0]
+    except HocclError:
+        completion = None
+    values = f"calls {pending[0].value}..{pending[-1].value}"
+    if behind:
+        return (f"the caller's stream never reached {', '.join(behind)} (work enqueued "
+                f"on it earlier is stuck); completion word {completion}, {values}")
+    return (f"every caller's stream reached its call: the lanes' copies, reductions or "
+            f"their wait for an earlier call's completion did not finish (completion "
+            f"word {completion}, {values}, host word {engine.completed})")

@@ -184,7 +184,7 @@ def test_back_to_back_calls_with_one_rank_running_ahead(monkeypatch, collective)
                 else:
                     comm.broadcast(send, recv, 0)
             if call == 0:  # rank 1's lane exists now
-                slow.add(comms[1]._engine.streams.lanes[0]._thread)
+                slow.add(comms[1]._engine.streams.lanes[0]._worker._thread)
         for comm in comms:
             comm.synchronize()
         for call in range(calls):

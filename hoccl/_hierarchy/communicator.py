@@ -351,8 +351,7 @@ class HierarchicalCommunicator(PairCalls, CommunicatorApi):
 
     def _run(self, name: str, shape: Shape, buffers: Dict[str, Optional[Buffer]],
                stream: Any) -> None:
-        """Run ``shape``'s hierarchical plan on this rank's arrays (every argument has been
-        checked by ``CommunicatorApi``)."""
+        """Run ``shape``'s hierarchical plan on this rank's (checked) arrays."""
         self._repeats.remember(shape, buffers)
         if shape.scale is not None:
             raise InvalidArgumentError(
