@@ -280,6 +280,3 @@ class Unasked:
                        check=lambda: self._check_peers(waiting, call))
             self.check()
             waiting = [peer for peer in waiting if self._unchecked[peer]]
-        for peer, due in enumerate(self._due):
-            if due is not None:  # the peer folded more calls than this rank made
-                self._refuse_digest(peer, DIGEST, (due.left, b"", due.first, due.last), call)
