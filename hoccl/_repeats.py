@@ -108,7 +108,8 @@ class Repeats:
                 buffers[role] = None
             else:
                 array = args[where] if isinstance(where, int) else kwargs[where]
-                buffers[role] = Buffer(*buffer, array)
+                address, count, dtype, device = buffer
+                buffers[role] = Buffer(address, count, dtype, device, array)
         self.hits += 1
         return shape, buffers
 
