@@ -27,7 +27,7 @@ def test_the_host_backend_defaults_to_hoccl_alone_up_to_4_mib():
     sizes = bench.sizes_of(args)
     assert sizes[0] == 1 << 10 and sizes[-1] == 4 << 20 and len(sizes) == 7
     forms = sum(len(forms) for forms in bench.FORMS.values())
-    assert len(bench.points_of(args)) == forms * len(sizes) == 63
+    assert len(bench.points_of(args)) == forms * len(sizes) == 70
 
 
 def test_the_cuda_backend_keeps_every_library_up_to_1_gib():
@@ -73,18 +73,18 @@ def test_without_matplotlib_one_line_says_how_to_get_the_plots(monkeypatch, tmp_
 
 
 def test_the_command_with_no_option_measures_every_size_and_writes_its_files(tmp_path):
-    """The README's benchmark command on the host backend, as a user runs it: 63 sizes,
+    """The README's benchmark command on the host backend, as a user runs it: 70 sizes,
     every result checked, the JSON and table written, a progress bar on stderr."""
     result = subprocess.run([sys.executable, "-m", "hoccl.bench", *HOST], cwd=tmp_path,
                             capture_output=True, text=True, timeout=600,
                             env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     records = json.loads((tmp_path / "results" / "bench" / "bench.json").read_text())["records"]
-    assert len(records) == 63 and {r["library"] for r in records} == {"hoccl"}
+    assert len(records) == 70 and {r["library"] for r in records} == {"hoccl"}
     assert max(r["bytes"] for r in records) == 4 << 20
     assert all(r["wrong"] == 0 for r in records), [r for r in records if r["wrong"]]
-    assert (tmp_path / "results" / "bench" / "bench.md").read_text().count("\n## ") == 9
-    assert "63/63" in result.stderr
+    assert (tmp_path / "results" / "bench" / "bench.md").read_text().count("\n## ") == 10
+    assert "70/70" in result.stderr
 
 
 def test_a_missing_package_is_named_in_one_line_with_how_to_install_it():
@@ -95,3 +95,39 @@ def test_a_missing_package_is_named_in_one_line_with_how_to_install_it():
     expected = "python -m hoccl.tune: needs hoccl_no_such_package; install them with pip " \
                "install hoccl_no_such_package"
     assert str(stopped.value) == expected
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("local_size", [1, 2])
+def test_across_hosts_every_call_runs_beside_gloo_and_is_checked(tmp_path, local_size):
+    """Simulated hosts under mpiexec (2 ranks a host apart, or 4 ranks as 2 hosts of 2):
+    the defaults add gloo on the same tensors; sendrecv crosses hosts; every record
+    checked, none wrong, and the table has the hoccl / gloo column."""
+    from test_torch import launch
+    ranks = 2 * local_size
+    code, output = launch(ranks, "-m", "hoccl.bench", "--backend", "host", "--collectives",
+                          "sendrecv,all_reduce,all_gather", "--sizes", "1K,64K",
+                          "--time-budget", "0.001", "--warmup", "0", "--out", tmp_path,
+                          env={"HOCCL_LOCAL_SIZE": str(local_size)}, timeout=300)
+    assert code == 0, output[-6000:]
+    result = json.loads((tmp_path / "bench.json").read_text())
+    assert result["world_size"] == ranks and result["local_size"] == local_size
+    records = result["records"]
+    for record in records:
+        assert "error" not in record and record["wrong"] == 0, record
+    measured = {(r["collective"], r["form"], r["bytes"], r["library"]) for r in records}
+    for nbytes in (1 << 10, 64 << 10):
+        assert {("sendrecv", "out", nbytes, "hoccl"), ("sendrecv", "out", nbytes, "gloo"),
+                ("all_reduce", "in", nbytes, "gloo"), ("all_gather", "out", nbytes, "gloo"),
+                ("all_reduce", "out", nbytes, "hoccl")} <= measured
+    table = (tmp_path / "bench.md").read_text()
+    assert "## sendrecv (out-of-place)" in table and "hoccl / gloo |" in table
+
+
+def test_a_sendrecv_pairs_the_same_local_rank_on_neighbouring_hosts():
+    from hoccl.bench._harness import Ranks
+    across = Ranks([], 6, None, [], "host", local_size=2)
+    assert [across.pair(rank) for rank in range(6)] == [
+        (2, 4), (3, 5), (4, 0), (5, 1), (0, 2), (1, 3)]
+    flat = Ranks([], 3, None, [], "host", local_size=3)
+    assert [flat.pair(rank) for rank in range(3)] == [(1, 2), (2, 0), (0, 1)]

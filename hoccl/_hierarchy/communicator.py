@@ -212,6 +212,10 @@ class HierarchicalCommunicator(PairCalls, CommunicatorApi):
         return self._host.copy_sms
 
     @property
+    def fuse_sums(self) -> bool:
+        return self._host.fuse_sums
+
+    @property
     def aborted(self) -> bool:
         return bool(self._aborted_reason) or self._host.aborted
 

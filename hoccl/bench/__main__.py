@@ -23,7 +23,15 @@ GPU that other processes share, one loop's time drifts by ±10 %, and libraries 
 run the same path would otherwise differ by as much.  Results are checked in the first
 round; a library that fails there is recorded once and left out of the later rounds.
 
-Across hosts (collectives and point to point, beside gloo on the same tensors):
+``sendrecv`` is point to point: every rank sends its tensor to the next rank and receives
+the previous rank's in one ``hoccl.group()`` (across hosts: the same local rank on the
+next host and the one before).  Across hosts (``HOCCL_LOCAL_SIZE`` or real hosts under
+mpirun) the default libraries add ``gloo`` (torch.distributed's gloo on the same tensors)
+and the table a column hoccl / gloo:
+
+  HOCCL_LOCAL_SIZE=1 mpirun -np 2 python -m hoccl.bench --backend host
+
+On a job whose ranks are on different devices (GPU and CPU ranks as simulated hosts):
 ``python -m hoccl.bench.mixed``.
 """
 
@@ -103,6 +111,8 @@ def arguments(argv=None) -> argparse.Namespace:
     parser.add_argument("--out", default="results/bench",
                         help="folder for the JSON, the Markdown table and the PNG plots")
     args = parser.parse_args(argv)
+    #: libraries left to the defaults: a job across hosts adds gloo to them
+    args.default_libraries = args.libraries is None
     for name, value in BACKEND_DEFAULTS[args.backend].items():
         if getattr(args, name) is None:
             setattr(args, name, value)
@@ -141,13 +151,18 @@ def sweep(args: argparse.Namespace, written: Optional[Callable[[Dict[str, Any]],
     ranks.say(f"# hoccl.bench: {len(points_of(args))} sizes to measure; {files} go to "
               f"{args.out}/ as they come")
     dtype = getattr(torch, args.dtype)
-    libs = libraries(ranks, args.libraries.split(","))
+    wanted = args.libraries.split(",")
+    if getattr(args, "default_libraries", False) and ranks.local_size < ranks.world_size \
+            and ranks.mpi is not None:
+        wanted.append("gloo")  # across hosts, beside the library every torch job has
+    libs = libraries(ranks, wanted)
     # a dedicated stream per rank for every library (NCCL's copy-engine mode refuses the
     # legacy default stream); the host backend takes none
     streams = ([torch.cuda.Stream(device=device) for device in ranks.devices]
                if ranks.backend == "cuda" else [None] * len(ranks.comms))
     records: List[Dict[str, Any]] = []
-    result = {"meta": metadata(sys.argv), "world_size": ranks.world_size, "dtype": args.dtype,
+    result = {"meta": metadata(sys.argv), "world_size": ranks.world_size,
+              "local_size": ranks.local_size or ranks.world_size, "dtype": args.dtype,
               "backend": args.backend, "rounds": args.rounds, "records": records}
     ranks.say(f"# hoccl.bench: {ranks.world_size} ranks, {args.dtype}, libraries "
               f"{', '.join(lib.name for lib in libs)}"
@@ -261,8 +276,10 @@ def table(result: Dict[str, Any]) -> str:
         names = list(dict.fromkeys(r["library"] for r in rows))
         lines.append(f"\n## {collective} ({'in-place' if form == 'in' else 'out-of-place'}), "
                      f"busbw GB/s (time us), {result['world_size']} ranks {result['dtype']}")
-        header = "| size | " + " | ".join(names) + " | hoccl / best NCCL |"
-        lines += [header, "|" + "---|" * (len(names) + 2)]
+        gloo = "gloo" in names
+        header = "| size | " + " | ".join(names) + " | hoccl / best NCCL |" + (
+            " hoccl / gloo |" if gloo else "")
+        lines += [header, "|" + "---|" * (len(names) + 2 + gloo)]
         for nbytes in sorted({r["bytes"] for r in rows}):
             by_name = {r["library"]: r for r in rows if r["bytes"] == nbytes}
             cells = []
@@ -274,6 +291,10 @@ def table(result: Dict[str, Any]) -> str:
             nccl = [r["busbw"] for name, r in by_name.items() if name.startswith("nccl")]
             ratio = (f"{by_name['hoccl']['busbw'] / max(nccl):.2f}x"
                      if nccl and "hoccl" in by_name else "")  # default options vs best NCCL
+            if gloo:
+                over = (f"{by_name['hoccl']['busbw'] / by_name['gloo']['busbw']:.2f}x"
+                        if "hoccl" in by_name and "gloo" in by_name else "")
+                ratio += f" | {over}"
             lines.append(f"| {human(nbytes)} | " + " | ".join(cells) + f" | {ratio} |")
     return "\n".join(lines)
 

@@ -10,15 +10,17 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from ._report import metadata, report
 
-COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast")
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast",
+               "sendrecv")
 #: forms each collective is measured in
 FORMS = {"all_gather": ("out", "in"), "reduce_scatter": ("out", "in"),
-         "all_reduce": ("out", "in"), "all_to_all": ("out",), "broadcast": ("out", "in")}
+         "all_reduce": ("out", "in"), "all_to_all": ("out",), "broadcast": ("out", "in"),
+         "sendrecv": ("out",)}
 #: the root of the benchmarks' broadcasts
 ROOT = 0
 
 __all__ = ["COLLECTIVES", "FORMS", "Ranks", "Library", "Hoccl", "HocclAuto", "TorchNccl",
-           "Nccl4py", "libraries",
+           "Nccl4py", "Gloo", "libraries",
            "setup_ranks", "make_buffers", "count_wrong", "time_loop", "bus_factor", "parse_size",
            "human", "metadata", "report"]
 
@@ -66,8 +68,18 @@ class Ranks:
     mpi: Any = None  # mpi4py communicator, or None
     devices: List[int] = field(default_factory=list)
     backend: str = "cuda"
+    #: ranks per host (the world where every rank is on one host): a sendrecv goes to the
+    #: same local rank on the next host
+    local_size: int = 0
     #: prints the leader's lines where not ``print`` (above a progress bar)
     write: Optional[Callable[[str], None]] = None
+
+    def pair(self, rank: int) -> Tuple[int, int]:
+        """(the rank ``rank``'s sendrecv sends to, the rank it receives from): the same local
+        rank on the next host and on the one before, across hosts; else the next and the
+        previous rank."""
+        step = self.local_size if 0 < self.local_size < self.world_size else 1
+        return (rank + step) % self.world_size, (rank - step) % self.world_size
 
     def device(self, index: int) -> str:
         """The torch device of local rank ``index``'s buffers."""
@@ -149,11 +161,14 @@ def setup_ranks(local: int, backend: str = "cuda", **options) -> Ranks:
         return Ranks(comms, local, None, list(range(local)), backend)
     from mpi4py import MPI
     comm = hoccl.init(backend=backend, **options)
+    topology = getattr(comm, "topology", None)  # a communicator across hosts has one
+    local_size = topology.local_size if topology is not None else comm.world_size
     if backend == "host":
-        return Ranks([comm], comm.world_size, MPI.COMM_WORLD, [], backend)
+        return Ranks([comm], comm.world_size, MPI.COMM_WORLD, [], backend, local_size)
     assert comm.device is not None
     torch.cuda.set_device(comm.device)
-    return Ranks([comm], comm.world_size, MPI.COMM_WORLD, [comm.device])
+    return Ranks([comm], comm.world_size, MPI.COMM_WORLD, [comm.device],
+                 local_size=local_size)
 
 
 # -- libraries -------------------------------------------------------------------------------
@@ -183,6 +198,11 @@ class Library:
 
     def run(self, rank_index: int, collective: str, send: Any, recv: Any, stream: Any) -> None:
         raise NotImplementedError
+
+    def run_ranks(self, collective: str, buffers: Sequence[Any], stream_of: Any) -> None:
+        """One call on every local rank: (send, recv, _) of ``buffers`` per rank."""
+        for index, (send, recv, _) in enumerate(buffers):
+            self.run(index, collective, send, recv, stream_of(index))
 
 
 class Hoccl(Library):
@@ -256,9 +276,24 @@ class Hoccl(Library):
             comm.deregister(tensor)
         self.windows.clear()
 
+    def run_ranks(self, collective: str, buffers: Sequence[Any], stream_of: Any) -> None:
+        if collective != "sendrecv":
+            return super().run_ranks(collective, buffers, stream_of)
+        import hoccl
+        # one group for every local rank's send and receive: a process driving several
+        # ranks cannot wait for one rank's receive before the next rank's send is made
+        with hoccl.group():
+            for index, (send, recv, _) in enumerate(buffers):
+                comm = self.ranks.comms[index]
+                to, source = self.ranks.pair(comm.rank)
+                comm.send(send, to, stream=stream_of(index))
+                comm.recv(recv, source, stream=stream_of(index))
+
     def run(self, rank_index, collective, send, recv, stream):
         comm = self.ranks.comms[rank_index]
-        if collective in ("reduce_scatter", "all_reduce"):
+        if collective == "sendrecv":
+            self.run_ranks(collective, [(send, recv, None)], lambda index: stream)
+        elif collective in ("reduce_scatter", "all_reduce"):
             getattr(comm, collective)(send, recv, "sum", stream=stream)
         elif collective == "broadcast":
             comm.broadcast(send, recv, ROOT, stream=stream)
@@ -323,24 +358,92 @@ class TorchNccl(Library):
             dist.init_process_group("nccl", rank=ranks.mpi.rank, world_size=ranks.world_size,
                                     device_id=torch.device(f"cuda:{ranks.devices[0]}"))
 
+        # its group: the default one, or its own where another library made the default
+        self.group = (None if dist.get_backend() == "nccl" else
+                      torch_group(ranks, "nccl"))
+
     def supports(self, collective, form):
         # torch's all_reduce and broadcast are in place only
         return not (collective in ("all_reduce", "broadcast") and form == "out")
 
     def run(self, rank_index, collective, send, recv, stream):
         import torch
-        dist = self.dist
         with torch.cuda.stream(stream):
-            if collective == "all_gather":
-                dist.all_gather_into_tensor(recv, send)
-            elif collective == "reduce_scatter":
-                dist.reduce_scatter_tensor(recv, send)
-            elif collective == "all_reduce":
-                dist.all_reduce(recv)
-            elif collective == "broadcast":
-                dist.broadcast(recv, src=ROOT)
-            else:
-                dist.all_to_all_single(recv, send)
+            torch_call(self.dist, self.group, self.ranks, collective, send, recv)
+
+
+def torch_group(ranks: Ranks, backend: str) -> Any:
+    """A torch.distributed group of ``backend`` over every rank: the default group, made
+    here from the MPI ranks where there is none yet, else a new group (every rank makes
+    the libraries in the same order, so every rank makes the same groups)."""
+    import torch.distributed as dist
+    if dist.is_initialized():
+        return dist.new_group(backend=backend)
+    port = None
+    if ranks.mpi.rank == 0:  # a port nobody listens on, chosen by the system
+        import socket
+        with socket.socket() as probe:
+            probe.bind(("", 0))
+            port = probe.getsockname()[1]
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ["MASTER_PORT"] = str(ranks.mpi.bcast(port))
+    dist.init_process_group(backend, rank=ranks.mpi.rank, world_size=ranks.world_size)
+    return None
+
+
+def torch_call(dist: Any, group: Any, ranks: Ranks, collective: str, send: Any,
+               recv: Any) -> None:
+    """One call of ``collective`` through torch.distributed on ``group``; each returns
+    when its work is enqueued (NCCL) or done (gloo)."""
+    if collective == "sendrecv":
+        to, source = ranks.pair(ranks.mpi.rank)
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, to, group),
+                                        dist.P2POp(dist.irecv, recv, source, group)])
+        for work in works:
+            work.wait()
+    elif collective == "all_gather":
+        dist.all_gather_into_tensor(recv, send, group=group)
+    elif collective == "reduce_scatter":
+        dist.reduce_scatter_tensor(recv, send, group=group)
+    elif collective == "all_reduce":
+        dist.all_reduce(recv, group=group)
+    elif collective == "broadcast":
+        dist.broadcast(recv, src=ROOT, group=group)
+    else:
+        dist.all_to_all_single(recv, send, group=group)
+
+
+class Gloo(Library):
+    """gloo through torch.distributed, on the same tensors: the CPU library a job has
+    wherever torch is.  On GPU tensors its sends and receives go through host copies
+    (gloo's point to point takes host memory only), counted in its time."""
+    name = "gloo"
+    sms = "none (the host's CPUs)"
+
+    def __init__(self, ranks: Ranks):
+        import torch.distributed as dist
+        self.ranks, self.dist = ranks, dist
+        if not dist.is_initialized():
+            self.group = torch_group(ranks, "gloo")
+        else:
+            self.group = None if dist.get_backend() == "gloo" else torch_group(ranks, "gloo")
+
+    def supports(self, collective, form):
+        # all_reduce and broadcast in place only, as torch has them; gloo has no
+        # reduce_scatter of one tensor
+        return collective != "reduce_scatter" and not (
+            collective in ("all_reduce", "broadcast") and form == "out")
+
+    def run(self, rank_index, collective, send, recv, stream):
+        if collective == "sendrecv" and send.device.type == "cuda":
+            staged_send, staged_recv = send.cpu(), recv.cpu()
+            torch_call(self.dist, self.group, self.ranks, collective, staged_send, staged_recv)
+            recv.copy_(staged_recv)
+        else:
+            torch_call(self.dist, self.group, self.ranks, collective, send, recv)
+        if send.device.type == "cuda":  # gloo's work on GPU tensors ends on a stream
+            import torch
+            torch.cuda.current_stream(send.device).synchronize()
 
 
 class Nccl4py(Library):
@@ -360,6 +463,8 @@ class Nccl4py(Library):
         self.windows: List[Any] = []
 
     def supports(self, collective, form):
+        if collective == "sendrecv":
+            return False
         return not self.zero or collective in ("all_gather", "all_to_all", "broadcast")
 
     def sms_for(self, collective: str, nbytes: int = 0) -> str:
@@ -407,6 +512,10 @@ def libraries(ranks: Ranks, wanted: List[str]) -> List[Library]:
             elif base in ("hoccl", "hoccl-local", "hoccl-peer", "hoccl-reg"):
                 route = base.split("-")[1] if base in ("hoccl-local", "hoccl-peer") else None
                 found.append(Hoccl(ranks, route, name, settings, registered=base == "hoccl-reg"))
+            elif name == "gloo" and ranks.mpi is None:
+                ranks.say(f"# {name}: skipped (it needs mpirun, one rank per process)")
+            elif name == "gloo":
+                found.append(Gloo(ranks))
             elif ranks.mpi is None or ranks.backend != "cuda":
                 ranks.say(f"# {name}: skipped (NCCL baselines need mpirun, one rank per "
                           f"process, and the cuda backend)")
@@ -424,6 +533,9 @@ def libraries(ranks: Ranks, wanted: List[str]) -> List[Library]:
 # -- buffers and checking ------------------------------------------------------------------
 def counts_for(collective: str, nbytes: int, itemsize: int, n: int):
     """(send elements, recv elements) for nccl-tests' "size" = ``nbytes``."""
+    if collective == "sendrecv":
+        count = max(nbytes // itemsize, 1)
+        return count, count
     total = max(nbytes // itemsize // n * n, n)
     if collective == "all_gather":
         return total // n, total
@@ -439,8 +551,12 @@ def pattern(rank: int, count: int, dtype: Any, device: str) -> Any:
     return values.to(dtype)
 
 
-def expected(collective: str, rank: int, n: int, send_count: int, dtype: Any, device: str):
+def expected(collective: str, rank: int, n: int, send_count: int, dtype: Any, device: str,
+             source: int = 0):
+    """What ``rank`` holds after the call (a sendrecv's: its ``source``'s input)."""
     import torch
+    if collective == "sendrecv":
+        return pattern(source, send_count, dtype, device)
     inputs = [pattern(r, send_count, dtype, device) for r in range(n)]
     if collective == "broadcast":
         return inputs[ROOT]
@@ -492,12 +608,12 @@ def count_wrong(library: Library, ranks: Ranks, collective: str, form: str, buff
     if run is not None:
         run()
     else:
-        for index, (send, recv, _) in enumerate(buffers):
-            library.run(index, collective, send, recv, stream_of(index))
+        library.run_ranks(collective, buffers, stream_of)
     library.ranks.synchronize()
     wrong = 0
     for index, (comm, (send, recv, send_count)) in enumerate(zip(ranks.comms, buffers)):
-        want = expected(collective, comm.rank, n, send_count, dtype, ranks.device(index))
+        want = expected(collective, comm.rank, n, send_count, dtype, ranks.device(index),
+                        ranks.pair(comm.rank)[1])
         wrong += int((recv.float() != want.float()).sum().item())
     return int(ranks.sum(wrong))
 
@@ -510,8 +626,7 @@ def time_loop(library: Library, ranks: Ranks, collective: str, buffers, iters: i
     import torch
 
     def once():
-        for index, (send, recv, _) in enumerate(buffers):
-            library.run(index, collective, send, recv, stream_of(index))
+        library.run_ranks(collective, buffers, stream_of)
     for _ in range(warmup):
         once()
     library.ranks.synchronize()
