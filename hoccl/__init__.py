@@ -163,8 +163,8 @@ def init(*, backend: Optional[str] = None, mpi_comm: Any = None,
     consecutive ranks per simulated host) get a ``HierarchicalCommunicator``: an engine
     inside each host (the ``intra_host`` setting, ``HOCCL_INTRA_HOST`` per host: hoccl's
     "cuda" or "host" backend, or "torch"'s device library; None picks from what the host
-    has; it also picks this rank's backend), ``inter_host`` ("nccl", "mpi", "gloo" or
-    "hoccl"; None picks) between hosts, behind the same API.  On one host
+    has; it also picks this rank's backend), ``inter_host`` ("nccl", "mpi", "gloo", "ucx"
+    or "hoccl"; None picks) between hosts, behind the same API.  On one host
     ``inter_host`` and ``intra_host`` are not used.
 
     Settings: ``config`` (a ``hoccl.Config``), or any of its fields as keywords (they
@@ -186,6 +186,9 @@ def init(*, backend: Optional[str] = None, mpi_comm: Any = None,
         raise InvalidArgumentError(f"{call}: inter_host must be one of {INTER_HOST_ENGINES} or "
                                    f"None; got {inter_host!r}")
     if bootstrap is None:
+        if inter_host == "ucx":  # UCX's libraries before MPI's own copy (``_hierarchy.ucx``)
+            from ._hierarchy.ucx import preload
+            preload()
         try:
             from mpi4py import MPI
         except ImportError:

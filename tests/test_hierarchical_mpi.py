@@ -38,9 +38,12 @@ RUNS = {  # (ranks, local size, inter-host engine, torch hosts): (dtypes, counts
     (4, 2, "gloo", "0"): ("float16,bfloat16,int8", "0,17", "sum,prod,avg"),
     (6, 2, "hoccl", "1"): ("float16,bfloat16,float32", "17", "sum,min,avg"),
     (3, 1, "mpi", "1"): ("bfloat16,int64", "5", "sum,max,avg"),
+    # UCX between the hosts (shared memory and TCP here): every dtype and op
+    (4, 2, "ucx", ""): (ALL_DTYPES, "0,5,17", ALL_OPS),
+    (3, 1, "ucx", "1"): ("float16,bfloat16,float32,int64", "1,17", "sum,max,avg"),
 }
 #: runs whose phases are pipelined in chunks of this many bytes
-PIPELINED_RUNS = {(4, 2, "mpi", "1"): 16, (6, 2, "hoccl", "1"): 8}
+PIPELINED_RUNS = {(4, 2, "mpi", "1"): 16, (6, 2, "hoccl", "1"): 8, (4, 2, "ucx", ""): 16}
 #: MPI runs whose steps move through MPI's own path (``HOCCL_CROSS_MEMORY=0``); the others'
 #: ranks share this machine, so their receivers read the senders' memory
 POINT_TO_POINT_RUNS = {(4, 2, "mpi", "")}
@@ -69,6 +72,9 @@ def test_collectives_across_simulated_hosts_match_numpy(ranks, local_size, inter
     if inter_host == "mpi":
         label = "mpi (staged)" if point_to_point else "mpi, cross-memory (staged)"
         assert f"'inter_host': '{label}'" in output, output[-4000:]
+    if inter_host == "ucx":  # the transports UCX found are named
+        assert re.search(r"'inter_host': 'ucx \[[^]]*tcp/[^]]*\] \(staged\)'", output), \
+            output[-4000:]
     assert " 0 failed" in output and " 0 passed" not in output, output[-4000:]
     for host in (int(h) for h in torch_hosts.split(",") if h):
         assert f"'host': {host}, 'hostname'" in output, output[-4000:]
@@ -182,7 +188,7 @@ def test_the_cross_memory_switch_is_agreed_by_every_member(values, told):
 
 def test_an_unknown_inter_host_engine_is_refused():
     with pytest.raises(hoccl.InvalidArgumentError, match="inter_host must be one of"):
-        hoccl.init(backend="host", bootstrap=NamedRanks(["a"]), inter_host="ucx")
+        hoccl.init(backend="host", bootstrap=NamedRanks(["a"]), inter_host="rdma")
 
 
 @pytest.mark.mpi

@@ -32,6 +32,8 @@ RUNS = {  # (ranks, local size, inter-host engine, torch hosts, cross-memory): (
     (2, 1, "hoccl", "", "1"): ("float64,int8", 0),
     (4, 2, "hoccl", "", "1"): (ALL_DTYPES, 0),
     (4, 2, "mpi", "1", "1"): (ALL_DTYPES, 0),
+    (2, 1, "ucx", "", "1"): (ALL_DTYPES, LARGE),
+    (4, 2, "ucx", "1", "1"): ("float16,int32", 0),
 }
 
 
@@ -65,7 +67,8 @@ def test_sends_and_batches_across_hosts_match_numpy(ranks, local_size, inter_hos
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("inter_host,how", [("mpi", "single"), ("mpi", "group"),
-                                            ("gloo", "group"), ("hoccl", "group")])
+                                            ("gloo", "group"), ("hoccl", "group"),
+                                            ("ucx", "single"), ("ucx", "group")])
 def test_a_send_whose_receive_never_comes_times_out_naming_both_ranks(inter_host, how):
     """Rank 1 (the other host) never receives: rank 0's send raises HocclTimeoutError
     within its timeout naming rank 0 on host 0 and rank 1 on host 1, the next call is

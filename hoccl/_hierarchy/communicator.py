@@ -29,6 +29,7 @@ from .pairs import PairCalls, PairGroup
 from .staged import GlooStagedEngine, MpiStagedEngine
 from .topology import SubBootstrap
 from .torch_group import TorchGroupEngine, torch_groups
+from .ucx import UcxStagedEngine, usable as ucx_usable
 
 __all__ = ["HierarchicalCommunicator", "ENGINES", "INTER_HOST_ENGINES"]
 
@@ -37,18 +38,20 @@ log = logging.getLogger("hoccl")
 #: the engines between hosts, by their ``inter_host=`` name
 ENGINES: Dict[str, Type[InterHostEngine]] = {
     engine.name: engine for engine in (NcclEngine, MpiStagedEngine, GlooStagedEngine,
-                                       HocclEngine)}
+                                       UcxStagedEngine, HocclEngine)}
 INTER_HOST_ENGINES = tuple(ENGINES)
 #: what a collective runs on each kind of engine inside a host
 _PRIMITIVES = {"torch": TorchGroupEngine.primitives, "cuda": HocclEngine.primitives,
                "host": HocclEngine.primitives}
 
 
-def _default_engine(reports: List[HostReport], one_machine: bool) -> str:
+def _default_engine(reports: List[HostReport], one_machine: bool,
+                    ucx_everywhere: Callable[[], bool]) -> str:
     """Every host on hoccl's cuda backend: NCCL when nccl4py imports or torch.distributed
-    runs on NCCL, else MPI.  Every rank on the host backend: hoccl itself for simulated
-    hosts on one machine.  Otherwise (hosts of different kinds): staged through host
-    memory over MPI when mpi4py imports, else over torch.distributed's gloo."""
+    runs on NCCL.  Every rank on the host backend: hoccl itself for simulated hosts on one
+    machine.  Otherwise (hosts of different kinds, or no NCCL): UCX where ucxx loads on
+    every rank (``ucx_everywhere``, asked of every rank at once), else staged through
+    host memory over MPI when mpi4py imports, else over torch.distributed's gloo."""
     backends = {report.backend for report in reports}
     if backends == {"cuda"}:
         try:
@@ -64,6 +67,8 @@ def _default_engine(reports: List[HostReport], one_machine: bool) -> str:
             pass
     if backends == {"host"} and one_machine:
         return "hoccl"
+    if ucx_everywhere():
+        return "ucx"
     try:
         import mpi4py  # noqa: F401
         return "mpi"
@@ -123,7 +128,8 @@ class HierarchicalCommunicator(PairCalls, CommunicatorApi):
                                            for name in SHARED_SETTINGS))
         reports: List[HostReport] = bootstrap.allgather(mine)
         hosts = agree(call, reports, topology)
-        engine = inter_host if inter_host is not None else _default_engine(reports, one_machine)
+        engine = inter_host if inter_host is not None else _default_engine(
+            reports, one_machine, lambda: all(bootstrap.allgather(ucx_usable())))
         if engine not in ENGINES:
             raise InvalidArgumentError(f"{call}: inter_host must be one of {INTER_HOST_ENGINES} "
                                        f"or None; got {engine!r}")

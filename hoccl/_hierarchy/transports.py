@@ -11,7 +11,7 @@ import numpy as np
 
 from .._errors import HocclTimeoutError
 
-__all__ = ["Start", "Transport", "MpiTransport", "GlooTransport"]
+__all__ = ["Start", "Transport", "PairTransport", "MpiTransport", "GlooTransport"]
 
 #: starts a transport's step on (host send bytes, host receive bytes), either may be None
 Start = Callable[[Any, Any], Any]
@@ -63,6 +63,76 @@ class Transport(abc.ABC):
 
     def close(self) -> None:
         """Free what the transport made."""
+
+
+class PairTransport(Transport):
+    """A transport that moves only pairwise messages: a subclass gives ``_post(sends,
+    recvs)`` (each a list of ``(member, byte array)``; every message posted, a request
+    returned) and ``test``; the steps are written here, once, over it.  Every step posts
+    all its messages before any is waited for, so no order of the members waits in a
+    cycle.  A member's messages to one peer match that peer's receives from it in the
+    order both post them."""
+
+    #: the list forms ``StagedEngine`` may hand over (``Transport.blocks``)
+    blocks = ("all_gather", "all_to_all")
+
+    @abc.abstractmethod
+    def _post(self, sends: Sequence[Tuple[int, np.ndarray]],
+              recvs: Sequence[Tuple[int, np.ndarray]]) -> Any: ...
+
+    def _others(self) -> List[int]:
+        """Every other member, nearest first after this one (a ring's order: the
+        members' first messages go to different peers)."""
+        return [(self.member + step) % self.size for step in range(1, self.size)]
+
+    def all_gather(self, send: np.ndarray, recv: Any, own: bool = True) -> Any:
+        recvs = _pieces(recv, self.size)
+        if own:
+            _copy(recvs[self.member], send)
+        others = self._others()
+        return self._post([(peer, send) for peer in others],
+                          [(peer, recvs[peer]) for peer in others])
+
+    def all_to_all(self, send: Any, recv: Any, own: bool = True) -> Any:
+        sends, recvs = _pieces(send, self.size), _pieces(recv, self.size)
+        if own:
+            _copy(recvs[self.member], sends[self.member])
+        others = self._others()
+        return self._post([(peer, sends[peer]) for peer in others],
+                          [(peer, recvs[peer]) for peer in others])
+
+    def broadcast(self, buf: np.ndarray, root: int) -> Any:
+        if self.member == root:
+            return self._post([(peer, buf) for peer in self._others()], [])
+        return self._post([], [(root, buf)])
+
+    def gather(self, send: np.ndarray, recv: Optional[np.ndarray], root: int) -> Any:
+        if self.member != root:
+            return self._post([(root, send)], [])
+        assert recv is not None
+        recvs = _pieces(recv, self.size)
+        _copy(recvs[root], send)
+        return self._post([], [(peer, recvs[peer]) for peer in self._others()])
+
+    def scatter(self, send: Optional[np.ndarray], recv: np.ndarray, root: int) -> Any:
+        if self.member != root:
+            return self._post([], [(root, recv)])
+        assert send is not None
+        sends = _pieces(send, self.size)
+        _copy(recv, sends[root])
+        return self._post([(peer, sends[peer]) for peer in self._others()], [])
+
+    def send(self, buf: np.ndarray, peer: int) -> Any:
+        return self._post([(peer, buf)], [])
+
+    def recv(self, buf: np.ndarray, peer: int) -> Any:
+        return self._post([], [(peer, buf)])
+
+    def barrier(self) -> Any:
+        """One byte to and from every other member."""
+        token, others = np.zeros(1, np.uint8), self._others()
+        return self._post([(peer, token) for peer in others],
+                          [(peer, np.zeros(1, np.uint8)) for peer in others])
 
 
 class MpiTransport(Transport):

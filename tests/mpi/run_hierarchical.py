@@ -27,7 +27,11 @@ import sys
 import traceback
 
 import numpy as np
-from mpi4py import MPI
+
+if "ucx" in sys.argv:  # ucxx's UCX libraries before MPI's own copy (hoccl._hierarchy.ucx)
+    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+    import ucxx  # noqa: F401
+from mpi4py import MPI  # noqa: E402
 
 import hoccl
 from hoccl.testing import IN_PLACE_FORMS, array_module_for, check_collective, poison, random_array
@@ -151,7 +155,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backend", default=None)
-    parser.add_argument("--inter-host", default=None, choices=["nccl", "mpi", "gloo", "hoccl"])
+    parser.add_argument("--inter-host", default=None, choices=["nccl", "mpi", "gloo", "ucx", "hoccl"])
     parser.add_argument("--torch-hosts", default="",
                         help="hosts (comma-separated) whose ranks use a torch gloo group inside")
     parser.add_argument("--phases", default=None, choices=["auto", "pipelined", "sequential"])

@@ -38,7 +38,11 @@ import time
 import traceback
 
 import numpy as np
-from mpi4py import MPI
+
+if "ucx" in sys.argv:  # ucxx's UCX libraries before MPI's own copy (hoccl._hierarchy.ucx)
+    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+    import ucxx  # noqa: F401
+from mpi4py import MPI  # noqa: E402
 
 import hoccl
 from hoccl.testing import poison, random_array
@@ -216,7 +220,7 @@ def _in_group(call, *args):
 def main():
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--inter-host", default="mpi", choices=["mpi", "gloo", "hoccl"])
+    parser.add_argument("--inter-host", default="mpi", choices=["mpi", "gloo", "ucx", "hoccl"])
     parser.add_argument("--dtypes", default=DTYPES)
     parser.add_argument("--counts", default="0,1,17,65537")
     parser.add_argument("--large", type=int, default=0, help="bytes of the large checks")

@@ -1,0 +1,346 @@
+"""UCX between hosts (``inter_host="ucx"``): the staged engine's steps as UCX tag sends
+and receives, through ``ucxx`` (``pip install 'hoccl[ucx]'``).
+
+UCX picks the wire per pair of processes: shared memory or cross-memory attach on one
+machine, TCP, InfiniBand or RoCE between machines (``UCX_TLS`` narrows the choice;
+``describe()`` names the transports the UCX context found).  One UCX context and worker
+serve every communicator of a process; the peers' worker addresses are swapped once per
+communicator through its bootstrap, and an endpoint is made to every member of each
+level (the rail of this local rank, and the world for sends and receives).
+
+The collectives between hosts are the ``PairTransport``'s (``transports.py``): each
+step is a set of pairwise messages, all posted before any is waited for.  A message's
+tag names its communicator's channel, its sender and its place in the sender's stream
+to that receiver, so messages of different steps or communicators never match each
+other.  Device arrays are staged through pinned host memory as on the other staged
+engines; host arrays go to UCX as they are.
+
+A peer whose process ends is seen by UCX's error handling on the endpoint (or by its
+keepalive): the step raises ``PeerDeadError`` naming the member; a peer that is alive
+but never makes the matching call ends in the engine's timeout.
+
+MPI may bring its own UCX (the MPICH wheel does): whichever UCX a process loads first is
+the one both use, and ucxx's cannot load after an older one.  ``hoccl.init(inter_host=
+"ucx")`` loads ucxx's before MPI where MPI is not loaded yet (``preload``); a program
+that imports ``mpi4py.MPI`` before that gets an error saying so.  With ``inter_host``
+left to hoccl, UCX is chosen only where it loads on every rank (always under torch's
+rendezvous, which loads no MPI).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import re
+import sys
+import threading
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from .._errors import HocclError, InvalidArgumentError, PeerDeadError
+from .engine import Setup
+from .staged import BatchingStagedEngine
+from .transports import PairTransport, Transport
+
+__all__ = ["UcxStagedEngine", "UcxTransport", "available", "preload", "ucx_transports",
+           "usable"]
+
+log = logging.getLogger("hoccl")
+
+#: bits of a tag: the communicator's channel, the sender's member index, the message's
+#: place in the sender's stream to its receiver
+_CHANNEL_BITS, _MEMBER_BITS, _SEQUENCE_BITS = 16, 16, 32
+#: the member field's top bit: a receipt of a point-to-point receive, not data
+_RECEIPT = 1 << (_MEMBER_BITS - 1)
+
+
+def available() -> bool:
+    """Whether ucxx is installed (nothing is loaded)."""
+    return importlib.util.find_spec("ucxx") is not None
+
+
+def usable() -> bool:
+    """Whether ucxx is installed and its libraries load in this process."""
+    if not available():
+        return False
+    try:
+        _api()
+    except Exception:  # noqa: BLE001 - ImportError, or an OSError from a clashing UCX
+        return False
+    return True
+
+
+def preload() -> None:
+    """Load UCX's libraries from ucxx's wheels before MPI loads its own (see the module
+    docstring); nothing where ucxx is not installed or MPI is loaded already."""
+    if "mpi4py.MPI" in sys.modules or not available():
+        return
+    try:
+        _api()
+    except Exception as error:  # noqa: BLE001 - only a preference: MPI works either way
+        log.info("ucx: ucxx did not load before MPI (%s); inter_host='ucx' is unavailable",
+                 error)
+
+
+def _api() -> Tuple[Any, Any]:
+    """(ucxx's low-level API module, its Array wrapper)."""
+    # ucxx sets UCX variables that a newer UCX no longer reads: no warning per process
+    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+    import ucxx._lib.libucxx as api
+    from ucxx._lib.arr import Array
+    return api, Array
+
+
+class _Worker:
+    """The process's UCX context and worker, shared by every transport (counted)."""
+
+    _lock = threading.Lock()
+    _one: Optional["_Worker"] = None
+
+    def __init__(self) -> None:
+        api, self.Array = _api()
+        self.api = api
+        self.context = api.UCXContext(feature_flags=(api.Feature.TAG,))
+        self.worker = api.UCXWorker(self.context)
+        self.address: bytes = self.worker.address.tobytes()
+        self.users = 0
+        #: the next channel this process would give a communicator (agreed at connect)
+        self.next_channel = 1
+
+    @classmethod
+    def take(cls) -> "_Worker":
+        with cls._lock:
+            if cls._one is None:
+                cls._one = _Worker()
+            cls._one.users += 1
+            return cls._one
+
+    def release(self) -> None:
+        with _Worker._lock:
+            self.users -= 1
+            # the worker stays for the process: a UCX context torn down and made again
+            # costs more than it holds, and requests of an aborted step may still point
+            # into it
+
+    def progress(self) -> None:
+        self.worker.progress()
+
+    def transports(self) -> List[str]:
+        """The UCX transports and devices the context found (``tcp/eth0``, ``posix/memory``,
+        ``rc_mlx5/mlx5_0:1``, ``cuda_ipc/cuda``...)."""
+        info = self.context.info
+        text = info() if callable(info) else str(info)
+        return sorted(set(re.findall(r"resource \d+\s*:.*?flags \S*\s+(\S+)", text)))
+
+
+class UcxTransport(PairTransport):
+    """Tag sends and receives between the members of one level, on the process's UCX
+    worker (``PairTransport``: the collectives written once over them)."""
+
+    def __init__(self, worker: _Worker, endpoints: Dict[int, Any], member: int, size: int,
+                 channel: int, ranks: Sequence[int]):
+        self._worker, self._endpoints = worker, endpoints
+        self.size, self.member, self.channel = size, member, channel
+        self.ranks = list(ranks)  # each member's world rank, for messages
+        self.label = "ucx"
+        self._sent = [0] * size      # messages posted to each member so far
+        self._received = [0] * size  # receives posted from each member so far
+        self._acks_sent = [0] * size      # receipts (``send``) sent to each member
+        self._acks_received = [0] * size  # receipts posted for from each member
+        #: receives whose receipt is not sent yet: sent as soon as they are done, whichever
+        #: request is tested (a batch waits for its sends' receipts before its receives)
+        self._unreceipted: List["_Receipted"] = []
+        #: requests posted and not seen done: a close with some left cancels them, so
+        #: that UCX writes into no memory its owner frees after (an aborted step's)
+        self._outstanding = 0
+        self._closed = False
+
+    def send(self, buf: np.ndarray, peer: int) -> Any:
+        """A send that is done once the peer has received it (its receipt came back), as
+        MPI's synchronous send: UCX completes a small send at once, buffered, and a send
+        whose receive never comes must end in the engine's timeout."""
+        request = self._post([(peer, buf)], [])
+        sequence = self._acks_received[peer]
+        self._acks_received[peer] += 1
+        receipt = np.zeros(1, np.uint8)
+        self._outstanding += 1
+        request.append((peer, self._endpoints[peer].tag_recv(
+            self._worker.Array(receipt), self._tag(peer | _RECEIPT, sequence)), receipt))
+        return request
+
+    def recv(self, buf: np.ndarray, peer: int) -> Any:
+        """A receive that sends its receipt back once done (``send``)."""
+        request = _Receipted(self._post([], [(peer, buf)]), peer)
+        self._unreceipted.append(request)
+        return request
+
+    def _receipt(self, peer: int) -> Any:
+        sequence = self._acks_sent[peer]
+        self._acks_sent[peer] += 1
+        receipt = np.zeros(1, np.uint8)
+        self._outstanding += 1
+        return (peer, self._endpoints[peer].tag_send(
+            self._worker.Array(receipt), self._tag(self.member | _RECEIPT, sequence)),
+            receipt)
+
+    def _tag(self, sender: int, sequence: int) -> Any:
+        value = ((self.channel << (_MEMBER_BITS + _SEQUENCE_BITS)) | (sender << _SEQUENCE_BITS)
+                 | (sequence & ((1 << _SEQUENCE_BITS) - 1)))
+        return self._worker.api.UCXXTag(value)
+
+    def _post(self, sends: Sequence[Tuple[int, np.ndarray]],
+              recvs: Sequence[Tuple[int, np.ndarray]]) -> Any:
+        Array, requests = self._worker.Array, []
+        for peer, buf in recvs:
+            sequence = self._received[peer]
+            self._received[peer] += 1
+            if buf.nbytes:
+                requests.append((peer, self._endpoints[peer].tag_recv(
+                    Array(buf), self._tag(peer, sequence)), buf))
+        for peer, buf in sends:
+            sequence = self._sent[peer]
+            self._sent[peer] += 1
+            if buf.nbytes:
+                requests.append((peer, self._endpoints[peer].tag_send(
+                    Array(buf), self._tag(self.member, sequence)), buf))
+        self._outstanding += len(requests)
+        return requests
+
+    def test(self, request: Any) -> bool:
+        self._worker.progress()
+        if self._unreceipted:
+            self._send_receipts()
+        if isinstance(request, _Receipted):
+            return request.receipt is not None and self._done(request.receipt)
+        return self._done(request)
+
+    def _send_receipts(self) -> None:
+        """A receipt back for every receive now done."""
+        waiting = []
+        for request in self._unreceipted:
+            if self._done(request.posted):
+                request.receipt = [self._receipt(request.peer)]
+            else:
+                waiting.append(request)
+        self._unreceipted = waiting
+
+    def _done(self, request: List[Tuple[int, Any, np.ndarray]]) -> bool:
+        """Whether every posted request of ``request`` is done (those done are dropped
+        from it); a failed one, or a peer's closed endpoint, raises PeerDeadError.  Each
+        holds its bytes: UCX reads or writes them until it is done."""
+        pending = []
+        for peer, posted, held in request:
+            if not posted.completed:
+                pending.append((peer, posted, held))
+                continue
+            self._outstanding -= 1
+            try:
+                posted.check_error()
+            except Exception as error:  # noqa: BLE001 - ucxx's errors have no common base
+                raise self._failed(peer, error) from None
+        for peer, _, _ in pending:
+            endpoint = self._endpoints[peer]
+            if not endpoint.alive:
+                raise self._failed(peer, "its endpoint closed")
+        request[:] = pending
+        return not pending
+
+    def _failed(self, peer: int, why: Any) -> HocclError:
+        return PeerDeadError(f"ucx: member {peer} (rank {self.ranks[peer]}) of this level is "
+                             f"gone: {why}")
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._outstanding:  # a step left unfinished (an abort, a timeout)
+            self._worker.worker.cancel_inflight_requests()
+            self._worker.progress()
+        for endpoint in self._endpoints.values():
+            try:
+                endpoint.close()
+            except Exception:  # noqa: BLE001 - a peer gone first leaves nothing to close
+                pass
+        self._endpoints.clear()
+        self._worker.release()
+
+
+class _Receipted:
+    """A point-to-point receive in flight (``UcxTransport.recv``): its posted requests,
+    then its receipt's."""
+
+    __slots__ = ("posted", "peer", "receipt")
+
+    def __init__(self, posted: List[Tuple[int, Any, np.ndarray]], peer: int):
+        self.posted, self.peer = posted, peer
+        self.receipt: Optional[List[Tuple[int, Any, np.ndarray]]] = None
+
+
+def ucx_transports(call: str, bootstrap: Any, groups: Sequence[Sequence[int]]
+                   ) -> List[Optional[UcxTransport]]:
+    """A transport over each group of world ranks that this rank is in (None for the
+    others), every rank of ``bootstrap`` calling at once: one allgather swaps the worker
+    addresses and agrees the channels."""
+    try:
+        worker = _Worker.take()
+    except Exception as error:  # noqa: BLE001 - ImportError, or a UCX that cannot load
+        loaded = "mpi4py.MPI" in sys.modules
+        bootstrap.allgather(None)  # the others wait for this rank's address
+        raise InvalidArgumentError(
+            f"{call}: inter_host='ucx' needs ucxx (pip install 'hoccl[ucx]'), loaded before "
+            f"MPI's own UCX" + (" (import ucxx before mpi4py.MPI)" if loaded else "")
+            + f"; it failed: {error}"
+        ) from None
+    everyone = bootstrap.allgather((worker.address, worker.next_channel))
+    missing = [rank for rank, item in enumerate(everyone) if item is None]
+    if missing:
+        worker.release()
+        raise InvalidArgumentError(f"{call}: inter_host='ucx': ranks {missing} could not load "
+                                   f"UCX (each says why)")
+    channel = max(item[1] for item in everyone)
+    worker.next_channel = channel + len(groups)
+    rank = bootstrap.rank
+    made: List[Optional[UcxTransport]] = []
+    for index, group in enumerate(groups):
+        if rank not in group:
+            made.append(None)
+            continue
+        if index:
+            worker.users += 1  # each transport releases the worker once
+        member = list(group).index(rank)
+        endpoints = {
+            peer: worker.api.UCXEndpoint.create_from_worker_address(
+                worker.worker, worker.api.UCXAddress.create_from_buffer(everyone[world][0]),
+                True)
+            for peer, world in enumerate(group) if world != rank}
+        made.append(UcxTransport(worker, endpoints, member, len(group),
+                                 (channel + index) % (1 << _CHANNEL_BITS), group))
+    return made
+
+
+class UcxStagedEngine(BatchingStagedEngine):
+    """The staged engine over UCX (``UcxTransport``): hosts of any kinds."""
+
+    name = "ucx"
+
+    @classmethod
+    def check_world(cls, call: str, backends: Sequence[str], hostnames: Sequence[str]) -> None:
+        if not available():
+            raise InvalidArgumentError(f"{call}: inter_host='ucx' needs ucxx (pip install "
+                                       f"'hoccl[ucx]')")
+
+    @classmethod
+    def transports(cls, setup: Setup) -> Tuple[Transport, Transport]:
+        topology, rank = setup.topology, setup.bootstrap.rank
+        rail = topology.groups("rail")[topology.local_of(rank)]
+        # every rank makes the transports of its own rail and of the world, one channel
+        # for all the rails (each process is in one) and one for the world
+        made = ucx_transports(setup.call, setup.bootstrap,
+                              [rail, tuple(range(topology.world_size))])
+        rails, world = made
+        assert rails is not None and world is not None
+        names = "+".join(rails._worker.transports()) or "none found"
+        rails.label = world.label = f"ucx [{names}]"
+        return rails, world
