@@ -66,10 +66,19 @@ def test_every_torch_distributed_op_with_direct_kernels(jitter):
     (2, "hoccl", []), (3, "hoccl", []),
     # HSDP only (DDP and FSDP2 at 4 ranks would add a minute); the default process group
     # gloo, the hoccl groups beside it, as in a program that keeps NCCL
-    (4, "gloo", ["--default-backend", "reference", "--only", "HSDP"])])
+    (4, "gloo", ["--default-backend", "reference", "--only", "HSDP"]),
+    # two simulated hosts of two ranks, UCX between them (shared memory and TCP here)
+    (4, "hoccl", ["--inter-host", "ucx", "--local-size", "2"])])
 def test_ddp_fsdp2_and_hsdp_on_hoccl_train_to_gloos_losses_and_parameters(ranks, default, flags):
-    code, output = launch(ranks, PROGRAMS / "run_training.py", *flags)
+    env = {}
+    if "--local-size" in flags:
+        at = flags.index("--local-size")
+        env["HOCCL_LOCAL_SIZE"], flags = flags[at + 1], flags[:at] + flags[at + 2:]
+    code, output = launch(ranks, PROGRAMS / "run_training.py", *flags, env=env)
     assert code == 0, output[-6000:]
+    if "--inter-host" in flags:
+        engine = flags[flags.index("--inter-host") + 1]
+        assert f"across hosts: {engine} [" in output, output[-6000:]
     assert re.search(rf"torch training ranks={ranks} default={default}: \d+ passed, 0 failed",
                      output), output[-6000:]
     # an HSDP run for every mesh shape of the world: (1, n), (n, 1) and between

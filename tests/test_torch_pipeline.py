@@ -30,6 +30,9 @@ RUNS = [  # (ranks, local size, inter-host engine or "", the schedules' groups, 
     (2, 1, "mpi", "world", False),
     (2, 1, "gloo", "world", False),
     (4, 2, "mpi", "rails", True),
+    # UCX between hosts
+    (2, 1, "ucx", "world", False),
+    (4, 2, "ucx", "rails", True),
 ]
 
 

@@ -106,6 +106,7 @@ class HierarchicalCommunicator(PairCalls, CommunicatorApi):
         self._streams: Dict[int, Any] = {}   # caller streams used since the last synchronize
         self._aborted_reason = ""
         self._closed = False
+        self._calls = 0
         # the host backend runs a call's phases one after another on the host
         self._blocking = host.backend == "host"
         device = host.device_handle
@@ -220,6 +221,11 @@ class HierarchicalCommunicator(PairCalls, CommunicatorApi):
     @property
     def fuse_sums(self) -> bool:
         return self._host.fuse_sums
+
+    @property
+    def calls(self) -> int:
+        """How many calls (collectives, send, recv, barrier) this rank has made so far."""
+        return self._calls
 
     @property
     def aborted(self) -> bool:
@@ -363,6 +369,7 @@ class HierarchicalCommunicator(PairCalls, CommunicatorApi):
                stream: Any) -> None:
         """Run ``shape``'s hierarchical plan on this rank's (checked) arrays."""
         self._repeats.remember(shape, buffers)
+        self._calls += 1
         if shape.scale is not None:
             raise InvalidArgumentError(
                 f"{name}: scale is not supported across hosts yet; scale the result, or use a "

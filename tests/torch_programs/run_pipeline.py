@@ -237,7 +237,7 @@ def main() -> None:
                         help="the schedules' groups: the world, or the ranks of one local "
                              "rank (one per host: every stage's neighbour on another host)")
     parser.add_argument("--mesh", action="store_true", help="also pp x dp on a 2-D DeviceMesh")
-    parser.add_argument("--inter-host", default=None, choices=("mpi", "gloo", "hoccl", "nccl"))
+    parser.add_argument("--inter-host", default=None, choices=("mpi", "gloo", "ucx", "hoccl", "nccl"))
     parser.add_argument("--json", default="", help="write the results here (rank 0)")
     common.add_placement(parser)
     args = parser.parse_args()
