@@ -259,9 +259,11 @@ class UcxTransport(PairTransport):
             self._worker.worker.cancel_inflight_requests()
             self._worker.progress()
         for endpoint in self._endpoints.values():
+            if not endpoint.alive:  # failed (its peer gone): UCX closed it already, and
+                continue            # closing it again crashes ucxx
             try:
                 endpoint.close()
-            except Exception:  # noqa: BLE001 - a peer gone first leaves nothing to close
+            except Exception:  # noqa: BLE001 - a peer gone meanwhile leaves nothing to close
                 pass
         self._endpoints.clear()
         self._worker.release()

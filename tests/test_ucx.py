@@ -1,0 +1,162 @@
+"""UCX between hosts (``inter_host="ucx"``, ``hoccl._hierarchy.ucx``) on CPUs, over
+shared memory and TCP: the transport's collectives written once over pairwise messages
+(``PairTransport``) checked member by member in one process; a peer that dies is reported
+as PeerDeadError within the timeout.  The collectives, sends and receives, DDP, FSDP2,
+HSDP and the pipelining schedules across simulated hosts with UCX run in
+test_hierarchical_mpi.py, test_hierarchical_pairs.py, test_torch.py and
+test_torch_pipeline.py.  Skipped where ucxx is not installed."""
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+from datetime import timedelta
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hoccl._hierarchy.transports import PairTransport
+
+ROOT = Path(__file__).resolve().parent.parent
+PROGRAM = Path(__file__).parent / "mpi" / "run_ucx_peer_death.py"
+
+
+class Wire(PairTransport):
+    """A PairTransport between threads of this process: a message is copied into the
+    receive whose (sender, receiver, sequence) it matches, whichever is posted first."""
+
+    def __init__(self, hub, size, member):
+        self.hub, self.size, self.member, self.label = hub, size, member, "wire"
+        self.sent, self.received = [0] * size, [0] * size
+
+    def _post(self, sends, recvs):
+        request = []
+        with self.hub["lock"]:
+            for peer, buf in recvs:
+                key = (peer, self.member, self.received[peer])
+                self.received[peer] += 1
+                box = self.hub.setdefault(key, {})
+                box["recv"] = buf
+                request.append(key)
+            for peer, buf in sends:
+                key = (self.member, peer, self.sent[peer])
+                self.sent[peer] += 1
+                self.hub.setdefault(key, {})["send"] = buf.copy()
+        return request
+
+    def test(self, request):
+        with self.hub["lock"]:
+            for key in list(request):
+                box = self.hub[key]
+                if "send" in box and "recv" in box:
+                    box["recv"][...] = box["send"]
+                    request.remove(key)
+        return not request
+
+
+def _run_members(size, step):
+    """``step(transport)`` on ``size`` members, one thread each; their results."""
+    hub = {"lock": threading.Lock()}
+    results, errors = [None] * size, []
+
+    def member(index):
+        transport = Wire(hub, size, index)
+        try:
+            request, keep = step(transport)
+            while not transport.test(request):
+                pass
+            results[index] = keep
+        except Exception as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+    threads = [threading.Thread(target=member, args=(index,)) for index in range(size)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert not errors, errors
+    return results
+
+
+def _bytes(rng, size, width):
+    return [rng.integers(0, 256, width, dtype=np.uint8) for _ in range(size)]
+
+
+@pytest.mark.parametrize("size", [2, 3, 4])
+def test_pairwise_steps_move_what_each_collective_moves(size):
+    rng = np.random.default_rng(size)
+    width = 13
+    mine = _bytes(rng, size, width)
+    blocks = [_bytes(rng, size, width) for _ in range(size)]  # blocks[sender][receiver]
+
+    def poisoned(n):
+        return np.full(n, 0xAB, np.uint8)
+
+    gathered = _run_members(size, lambda t: (lambda out: (t.all_gather(mine[t.member], out), out))(
+        poisoned(size * width)))
+    for out in gathered:
+        assert np.array_equal(out, np.concatenate(mine))
+    exchanged = _run_members(size, lambda t: (lambda out: (t.all_to_all(
+        np.concatenate(blocks[t.member]), out), out))(poisoned(size * width)))
+    for receiver, out in enumerate(exchanged):
+        assert np.array_equal(out, np.concatenate([blocks[s][receiver] for s in range(size)]))
+    for root in range(size):
+        def broadcast(t):
+            buf = mine[root].copy() if t.member == root else poisoned(width)
+            return t.broadcast(buf, root), buf
+        assert all(np.array_equal(out, mine[root]) for out in _run_members(size, broadcast))
+
+        def gather(t):
+            out = poisoned(size * width) if t.member == root else None
+            return t.gather(mine[t.member], out, root), out
+        assert np.array_equal(_run_members(size, gather)[root], np.concatenate(mine))
+
+        def scatter(t):
+            out = poisoned(width)
+            source = np.concatenate(blocks[root]) if t.member == root else None
+            return t.scatter(source, out, root), out
+        for receiver, out in enumerate(_run_members(size, scatter)):
+            assert np.array_equal(out, blocks[root][receiver])
+    # a send and a receive along a ring, then a barrier
+    def ring(t):
+        out = poisoned(width)
+        request = t.send(mine[t.member], (t.member + 1) % size)
+        request += t.recv(out, (t.member - 1) % size)
+        return request, out
+    for member, out in enumerate(_run_members(size, ring)):
+        assert np.array_equal(out, mine[(member - 1) % size])
+    assert _run_members(size, lambda t: (t.barrier(), True)) == [True] * size
+
+
+def _free_port():
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.mark.parametrize("how", ["exit", "kill"])
+def test_a_peer_that_dies_is_reported_as_peer_dead_within_the_timeout(how):
+    pytest.importorskip("ucxx")
+    dist = pytest.importorskip("torch.distributed")
+    port = _free_port()
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=60))
+    workers = []
+    for rank in range(2):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
+               "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+        workers.append(subprocess.Popen([sys.executable, str(PROGRAM), "--how", how,
+                                         "--timeout", "60"], stdout=subprocess.PIPE,
+                                        stderr=subprocess.STDOUT, text=True, env=env))
+    try:
+        output = workers[0].communicate(timeout=120)[0]
+        workers[1].wait(timeout=30)
+    finally:
+        for worker in workers:
+            if worker.poll() is None:
+                worker.kill()
+    del store
+    assert "peer death: rank 0 OK" in output, output[-4000:]
+    assert "PeerDeadError after" in output and "rank 1" in output, output[-4000:]
