@@ -16,7 +16,7 @@ TRANSFERS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadc
 
 
 def test_every_engine_is_an_inter_host_engine_under_its_own_name():
-    assert INTER_HOST_ENGINES == ("nccl", "mpi", "gloo", "hoccl") == tuple(ENGINES)
+    assert INTER_HOST_ENGINES == ("nccl", "mpi", "gloo", "ucx", "hoccl") == tuple(ENGINES)
     for name, engine in ENGINES.items():
         assert issubclass(engine, InterHostEngine) and engine.name == name
     assert sorted(InterHostEngine.__abstractmethods__) == sorted(

@@ -25,12 +25,12 @@ streams and avg's division), whichever engine runs the host's steps.
 
 Engines between hosts (``inter_host=``): ``"nccl"`` (nccl4py, or torch.distributed when
 it is initialised with NCCL; every rank on the cuda backend; CUDA buffers, enqueued on
-the caller's stream), ``"mpi"`` and ``"gloo"`` (``StagedEngine``: hosts of any kinds;
-device data staged through pinned host memory on copy engines, chunk by chunk, the
-transfer by mpi4py or torch's gloo), and ``"hoccl"`` (hoccl communicators over the
+the caller's stream), ``"mpi"``, ``"gloo"`` and ``"ucx"`` (``StagedEngine``: hosts of any
+kinds; device data staged through pinned host memory on copy engines, chunk by chunk,
+the transfer by mpi4py, torch's gloo or UCX), and ``"hoccl"`` (hoccl communicators over the
 rails: simulated hosts on one machine, one backend).  None picks: NCCL when every host
-is on hoccl's cuda backend and NCCL is there, hoccl for simulated CPU hosts, else MPI
-(else gloo).
+is on hoccl's cuda backend and NCCL is there, hoccl for simulated CPU hosts, else UCX
+where it loads on every rank, else MPI (else gloo).
 
 Reductions agree across device kinds (``folding.py``): every reduction step folds its
 inputs in member order, 16-bit floats in a float32 accumulator, one rounding per step;
@@ -73,37 +73,20 @@ Modules::
     staged.py        StagedEngine (MPI, gloo): pinned staging on copy engines, chunked
     staged_batch.py  the staged engine's batches of sends and receives, all posted at once
     pairs.py         sends and receives inside hoccl.group(): held, then a batch per level
-    transports.py    the staged engine's transports: MPI's and gloo's nonblocking steps
+    transports.py    the staged engine's transports: MPI's and gloo's nonblocking steps,
+                     and PairTransport (the steps over pairwise messages)
+    ucx.py           UcxStagedEngine: the staged engine over UCX (ucxx) tag messages
     nccl.py          NcclEngine: nccl4py or torch.distributed's NCCL groups
     arrays.py        flat views, scratch and host staging for numpy, torch and cupy
     communicator.py  HierarchicalCommunicator, and ENGINES: the engines by name
 
-Adding an engine between hosts (an RDMA transport: UCX through ucx-py, which registers
-CUDA and ROCm memory and so needs no staging) is one more module with one
-``InterHostEngine`` subclass, listed in ``communicator.ENGINES``.  The subclass gives:
-
-* ``name``: the ``inter_host=`` value that picks it;
-* ``check_world(call, backends, hostnames)``: raise ``InvalidArgumentError`` for a world
-  it cannot serve (NCCL: the cuda backend on every rank; hoccl: one machine only);
-* ``connect(setup)`` (a ``Setup``: the bootstrap, topology, device, host communicator,
-  settings): this rank's rail engine and world engine, each with a ``label`` for
-  ``describe()``; every rank connects at the same time;
-* the transfers, hoccl's API over the level's group (members numbered from 0):
-  ``all_gather``, ``reduce_scatter``, ``all_reduce``, ``all_to_all``, ``broadcast``,
-  ``reduce``, ``gather``, ``scatter``, ``send``, ``recv``, ``barrier``, each on flat
-  arrays of the caller's framework with ``stream`` the caller's raw stream handle (None
-  on the host backend): enqueued on it, or done when the method returns.  Deriving
-  from ``FoldingEngine`` gives the three reductions by hoccl's rule from the copies;
-* ``batch(pairs, stream=)``: a ``hoccl.group()``'s sends and receives of the level, every
-  one in flight before any is waited for (the default takes one pair at a time);
-* ``abort(reason)``, ``close()``, and, where it keeps work of its own in flight,
-  ``synchronize()``.
-
-A UCX engine would take ``StagedEngine``'s shape without the stage: ucx-py's tag
-send/receive on the device arrays themselves (``ucp.create_endpoint`` to each peer of
-the level, the addresses swapped through ``setup.bootstrap``), collectives built from
-them (a ring for all_gather and reduce_scatter, as ``FoldingEngine`` folds), waits with
-the engine's timeout, and ``ENGINES["ucx"]``.
+Adding a transport between hosts is one module: a ``transports.PairTransport`` (two
+primitives: post pairwise sends and receives, test a request; the collectives are
+written once over them) and a ``staged.BatchingStagedEngine`` subclass whose
+``transports(setup)`` connects the rail's and the world's, listed in
+``communicator.ENGINES`` (``ucx.py`` is one).  An engine of another shape subclasses
+``InterHostEngine``: ``name`` (the ``inter_host=`` value), ``check_world``, ``connect``,
+the transfers of hoccl's API over the level's group, ``batch``, ``abort``, ``close``.
 """
 
 from .communicator import ENGINES, INTER_HOST_ENGINES, HierarchicalCommunicator

@@ -76,7 +76,38 @@ def _default_engine(reports: List[HostReport], one_machine: bool,
         return "gloo"
 
 
-class HierarchicalCommunicator(PairCalls, CommunicatorApi):
+class HostSettings:
+    """What a communicator across hosts reads from its host's communicator: the device,
+    the options, the timeout and the SM caps (``set_options`` changes them there)."""
+
+    _host: Communicator
+
+    @property
+    def device_handle(self) -> Any:
+        return self._host.device_handle
+
+    @property
+    def options(self) -> Any:
+        return self._host.options
+
+    @property
+    def timeout(self) -> float:
+        return self._host.timeout
+
+    @property
+    def max_sms(self) -> int:
+        return self._host.max_sms
+
+    @property
+    def copy_sms(self) -> int:
+        return self._host.copy_sms
+
+    @property
+    def fuse_sums(self) -> bool:
+        return self._host.fuse_sums
+
+
+class HierarchicalCommunicator(PairCalls, HostSettings, CommunicatorApi):
     """One rank of a world that spans hosts.  Create with ``hoccl.init``.
 
     The API is ``CommunicatorApi``'s, with the same argument checks as ``Communicator``;
@@ -197,30 +228,6 @@ class HierarchicalCommunicator(PairCalls, CommunicatorApi):
     def host_communicator(self) -> Communicator:
         """The hoccl communicator of this rank's host (world ``local_size``)."""
         return self._host
-
-    @property
-    def device_handle(self) -> Any:
-        return self._host.device_handle
-
-    @property
-    def options(self) -> Any:
-        return self._host.options
-
-    @property
-    def timeout(self) -> float:
-        return self._host.timeout
-
-    @property
-    def max_sms(self) -> int:
-        return self._host.max_sms
-
-    @property
-    def copy_sms(self) -> int:
-        return self._host.copy_sms
-
-    @property
-    def fuse_sums(self) -> bool:
-        return self._host.fuse_sums
 
     @property
     def calls(self) -> int:

@@ -45,9 +45,10 @@ import sys
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .._progress import Progress
-from ._harness import (COLLECTIVES, FORMS, bus_factor, count_wrong, human, libraries,
-                       make_buffers, metadata, parse_size, report, require, setup_ranks,
-                       time_graph, time_loop)
+from ._harness import (COLLECTIVES, FORMS, bus_factor, count_wrong, human, make_buffers,
+                       metadata, parse_size, report, require, setup_ranks, time_graph,
+                       time_loop)
+from ._libraries import libraries
 
 __all__ = ["main", "sweep", "table", "plots", "BACKEND_DEFAULTS"]
 

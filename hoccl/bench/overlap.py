@@ -16,8 +16,9 @@ import math
 import sys
 from typing import Any, Dict, List
 
-from ._harness import (bus_factor, human, libraries, make_buffers, metadata, parse_size,
-                       report, require, setup_ranks, time_loop)
+from ._harness import (bus_factor, human, make_buffers, metadata, parse_size, report, require,
+                       setup_ranks, time_loop)
+from ._libraries import libraries
 
 __all__ = ["main", "run", "table"]
 

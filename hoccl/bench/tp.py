@@ -168,7 +168,8 @@ class _Run:
     def __init__(self, args: argparse.Namespace):
         import torch
 
-        from ._harness import libraries, parse_size, setup_ranks
+        from ._harness import parse_size, setup_ranks
+        from ._libraries import libraries
         self.args, self.torch = args, torch
         self.ranks = setup_ranks(0, max_sms=args.max_sms,
                                  chunk_bytes=parse_size(args.chunk_bytes))
