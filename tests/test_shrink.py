@@ -76,7 +76,26 @@ def test_survivors_of_simulated_hosts_shrink_across_hosts_and_go_on_exactly(scen
     """4 ranks on 2 simulated hosts (inter_host 'hoccl'): after a lost rank or host the
     survivors' 20 all_reduces and a broadcast are exact, across the hosts that are left
     (a flat communicator when one is), and so after a second failure."""
-    output = _shrink_job(4, scenario, victims, env={"HOCCL_LOCAL_SIZE": "2"})
+    _check_simulated_hosts(scenario, victims, hosts)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("scenario,victims,hosts", [
+    ("dead", ["3"], [3]),          # a rank of the second host
+    ("dead", ["2+3"], [1]),        # a whole host: one host is left
+    ("killed", ["0"], [3]),        # SIGKILL during a 64 MiB all_reduce
+    ("excluded", ["2"], [3]),
+    ("dead", ["3", "1"], [3, 2]),  # two failures, one after the other, across hosts
+])
+def test_survivors_shrink_across_hosts_joined_by_ucx(scenario, victims, hosts):
+    """The same with UCX between the hosts (as between real hosts): the survivors meet
+    over UCX's endpoints to each other, never waiting for a lost rank."""
+    pytest.importorskip("ucxx")
+    _check_simulated_hosts(scenario, victims, hosts, "--inter-host", "ucx")
+
+
+def _check_simulated_hosts(scenario, victims, hosts, *flags):
+    output = _shrink_job(4, scenario, victims, *flags, env={"HOCCL_LOCAL_SIZE": "2"})
     assert "FAILED" not in output, output[-4000:]
     gone = [int(rank) for rank in victims[0].split("+")]
     for rank in [rank for rank in range(4) if rank not in gone]:
@@ -211,7 +230,7 @@ def test_a_communicator_across_real_hosts_refuses_to_shrink_saying_so():
     across._levels = {"world": object()}
     with pytest.raises(hoccl.InvalidArgumentError,
                        match=r"^shrink: not supported across hosts that meet through 'mpi'.*"
-                             r"inter_host='hoccl'"):
+                             r"inter_host='ucx', or 'hoccl'"):
         across.shrink([1])
     with pytest.raises(hoccl.InvalidArgumentError, match=r"^shrink: exclude must name"):
         across.shrink([4])

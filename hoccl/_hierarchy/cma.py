@@ -33,7 +33,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
-from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, List, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -41,7 +41,7 @@ from .._errors import HocclError, InvalidArgumentError
 from ..backends._cross_memory import RemotePtr, move
 from ..config import environ
 from ..backends._segments import PeerSegments, segment_words
-from .transports import MpiTransport, _pieces
+from .transports import MpiTransport
 
 __all__ = ["CmaTransport", "same_machine"]
 
@@ -231,40 +231,16 @@ class CmaTransport(MpiTransport):
         self._steps.append(step)
         return step
 
-    def _exchange(self, sends: Sequence[np.ndarray], recvs: Sequence[np.ndarray]) -> Any:
-        return self._step([(p, sends[p]) for p in self.others()],
-                     [(p, recvs[p]) for p in self.others()])
-
-    def broadcast(self, buf: np.ndarray, root: int) -> Any:
-        if self.member == root:
-            return self._step([(p, buf) for p in self.others()], [])
-        return self._step([], [(root, buf)])
-
-    def gather(self, send: np.ndarray, recv: Optional[np.ndarray], root: int) -> Any:
-        if self.member != root:
-            return self._step([(root, send)], [])
-        recvs = _pieces(recv, self.size)
-        recvs[root][...] = send
-        return self._step([], [(p, recvs[p]) for p in self.others()])
-
-    def scatter(self, send: Optional[np.ndarray], recv: np.ndarray, root: int) -> Any:
-        if self.member != root:
-            return self._step([], [(root, recv)])
-        sends = _pieces(send, self.size)
-        recv[...] = sends[root]
-        return self._step([(p, sends[p]) for p in self.others()], [])
-
-    def send(self, buf: np.ndarray, peer: int) -> Any:
-        return self._step([(peer, buf)], [])
-
-    def recv(self, buf: np.ndarray, peer: int) -> Any:
-        return self._step([], [(peer, buf)])
-
-    def _step(self, offers: Sequence[Tuple[int, np.ndarray]],
+    def _post(self, offers: Sequence[Tuple[int, np.ndarray]],
               reads: Sequence[Tuple[int, np.ndarray]]) -> "_Step":
+        """A step: each send an offer (done once its receipt comes), each receive a read of
+        the peer's offered piece (``PairTransport`` writes the steps over it)."""
         step = _Step(self, offers, reads)
         self._steps.append(step)
         return step
+
+    def send(self, buf: np.ndarray, peer: int) -> Any:
+        return self._post([(peer, buf)], [])  # done when read: no synchronous mode needed
 
     def test(self, request: Any) -> bool:
         behind: set = set()

@@ -7,9 +7,10 @@ the parent's world communicator and connect anew::
 
 The meeting needs a channel between every pair of survivors that does not count the lost
 ranks: hoccl's world communicator between simulated hosts on one machine
-(``inter_host="hoccl"``) has one.  The engines between real hosts meet through MPI or a
-torch store, whose exchanges wait for every rank of the job, so those communicators
-(and mixed ones, whose hosts are of different kinds) refuse to shrink, saying so."""
+(``inter_host="hoccl"``) has one (its mailboxes), and so has UCX between real hosts
+(``inter_host="ucx"``: its endpoints, ``UcxBootstrap``).  MPI, gloo and NCCL meet through
+MPI or a torch store, whose exchanges wait for every rank of the job, so those
+communicators (and those with torch groups inside hosts) refuse to shrink, saying so."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from ..comm import Communicator
 from ..sched.hierarchical import Topology
 from .hoccl_engine import HocclEngine
 from .hosts import host_config
+from .ucx import UcxBootstrap, UcxStagedEngine, UcxTransport
 
 __all__ = ["shrink", "survivors_topology"]
 
@@ -46,17 +48,20 @@ def survivors_topology(topology: Topology, survivors: Sequence[int]) -> Topology
     return Topology(len(survivors), 1)
 
 
-def _world_group(parent: Any, call: str) -> ProcessGroup:
-    """The process group of ``parent``'s world level, whose mailboxes join every pair of
-    ranks; refused where the world level is no hoccl communicator."""
+def _world_group(parent: Any, call: str) -> Any:
+    """The level that joins every pair of ranks: the process group of ``parent``'s world
+    level (its mailboxes), or its UCX transport; refused for any other world level."""
     world = parent._levels["world"]
     torch_hosts = [index for index, report in enumerate(parent._hosts) if report.engine == "torch"]
+    if isinstance(world, UcxStagedEngine) and not torch_hosts:
+        return world.transport
     if not isinstance(world, HocclEngine) or torch_hosts:
         raise InvalidArgumentError(
             f"{call}: not supported across hosts that meet through {parent.inter_host!r}"
             f"{' and torch groups inside hosts ' + str(torch_hosts) if torch_hosts else ''}: "
             f"their exchanges wait for every rank of the job, the lost ones too; shrinking "
-            f"across hosts needs inter_host='hoccl' (simulated hosts on one machine). Make a "
+            f"across hosts needs inter_host='ucx', or 'hoccl' (simulated hosts on one machine). "
+            f"Make a "
             f"new communicator of the processes that go on (hoccl.init over their own MPI "
             f"communicator or store)")
     group = world.comm._group
@@ -93,12 +98,19 @@ def shrink(parent: Any, exclude: Any, wait: bool, overrides: Dict[str, Any]
     survivors = [rank for rank in range(parent.world_size) if rank not in exclude]
     _stop(parent, call, wait, f"{call}: rank {parent.rank} shrank the communicator to ranks "
                               f"{survivors}, excluding {list(exclude)}")
-    group.dead_peer()  # an excluded process found gone is told to the bootstrap (MPI's exit)
-    group.shrinks += 1
-    bootstrap = MailboxBootstrap(group.mailboxes, survivors, (call, group.shrinks),
-                                 config.timeout, call,
-                                 peer_lost=getattr(group.bootstrap, "peer_lost",
-                                                   lambda gone: None))
+    bootstrap: Any
+    if isinstance(group, UcxTransport):
+        # a channel of the meeting's own: the parent's channel with a shrink count above it
+        parent._shrinks = getattr(parent, "_shrinks", 0) + 1
+        bootstrap = UcxBootstrap(group, survivors, group.channel + (parent._shrinks << 12),
+                                 config.timeout, call)
+    else:
+        group.dead_peer()  # an excluded process found gone is told to the bootstrap (MPI's)
+        group.shrinks += 1
+        bootstrap = MailboxBootstrap(group.mailboxes, survivors, (call, group.shrinks),
+                                     config.timeout, call,
+                                     peer_lost=getattr(group.bootstrap, "peer_lost",
+                                                       lambda gone: None))
     theirs = bootstrap.allgather((exclude, socket.gethostname()))
     if any(other != exclude for other, _ in theirs):
         raise MismatchError(f"{call}: the ranks that go on excluded different ranks: "

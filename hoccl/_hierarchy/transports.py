@@ -1,6 +1,9 @@
-"""The transports of the staged engine: a library's nonblocking steps on host bytes
-(MPI through mpi4py, or a torch.distributed gloo group), each started and then polled
-until done, so that every step of the engine ends within its timeout or at an abort."""
+"""The transports of the staged engine: a library's nonblocking steps on host bytes,
+each started and then polled until done, so that every step of the engine ends within
+its timeout or at an abort.  ``PairTransport`` writes the steps once over pairwise
+messages; MPI (through mpi4py; ``cma.py`` reads the peers' memory instead), a
+torch.distributed gloo group and UCX (``ucx.py``) each give only how a set of messages
+is posted and tested."""
 
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ __all__ = ["Start", "Transport", "PairTransport", "MpiTransport", "GlooTransport
 #: starts a transport's step on (host send bytes, host receive bytes), either may be None
 Start = Callable[[Any, Any], Any]
 
-#: the tag of the staged engine's exchanges (``MpiTransport._exchange``) on its own
+#: the tag of the staged engine's messages (``MpiTransport._post``) on its own
 #: communicators
 _EXCHANGE = 7
 
@@ -135,58 +138,27 @@ class PairTransport(Transport):
                           [(peer, np.zeros(1, np.uint8)) for peer in others])
 
 
-class MpiTransport(Transport):
-    """mpi4py's nonblocking collectives on bytes."""
+class MpiTransport(PairTransport):
+    """mpi4py's point-to-point messages on bytes: every step's messages posted at once,
+    they move as the BTL moves them (a single copy between processes of a host), where a
+    nonblocking collective's rounds move only while it is tested."""
 
     def __init__(self, comm: Any):
         from mpi4py import MPI
         self.MPI, self.comm = MPI, comm
         self.size, self.member, self.label = comm.Get_size(), comm.Get_rank(), "mpi"
 
-    #: its all_gather's receive and its all_to_all's two sides may be lists of one byte
-    #: array a member (``StagedEngine``: a member's own arrays, with no copy)
-    blocks = ("all_gather", "all_to_all")
-
-    def all_gather(self, send: np.ndarray, recv: Any, own: bool = True) -> Any:
-        recvs = _pieces(recv, self.size)
-        if own:
-            _copy(recvs[self.member], send)
-        return self._exchange([send] * self.size, recvs)
-
-    def all_to_all(self, send: Any, recv: Any, own: bool = True) -> Any:
-        sends, recvs = _pieces(send, self.size), _pieces(recv, self.size)
-        if own:
-            _copy(recvs[self.member], sends[self.member])
-        return self._exchange(sends, recvs)
-
-    def _exchange(self, sends: Sequence[np.ndarray], recvs: Sequence[np.ndarray]) -> Any:
-        """Every peer's block sent and received at once, as point-to-point messages: they
-        move as the BTL moves them (a single copy between processes of a host), where a
-        nonblocking collective's rounds move only while it is tested."""
-        requests = []
-        for step in range(1, self.size):
-            source, dest = (self.member - step) % self.size, (self.member + step) % self.size
-            requests.append(self.comm.Irecv(recvs[source], source=source, tag=_EXCHANGE))
-            requests.append(self.comm.Isend(sends[dest], dest=dest, tag=_EXCHANGE))
-        return requests
-
-    def broadcast(self, buf: np.ndarray, root: int) -> Any:
-        return self.comm.Ibcast(buf, root=root)
-
-    def gather(self, send: np.ndarray, recv: Optional[np.ndarray], root: int) -> Any:
-        return self.comm.Igather(send, recv, root=root)
-
-    def scatter(self, send: Optional[np.ndarray], recv: np.ndarray, root: int) -> Any:
-        return self.comm.Iscatter(send, recv, root=root)
+    def _post(self, sends: Sequence[Tuple[int, np.ndarray]],
+              recvs: Sequence[Tuple[int, np.ndarray]]) -> Any:
+        # one tag: MPI matches the messages between two members in the order both post them
+        return ([self.comm.Irecv(buf, source=peer, tag=_EXCHANGE) for peer, buf in recvs]
+                + [self.comm.Isend(buf, dest=peer, tag=_EXCHANGE) for peer, buf in sends])
 
     def send(self, buf: np.ndarray, peer: int) -> Any:
         """A synchronous-mode send: done once the peer's receive has matched it, so a send
         whose receive never comes ends in the engine's timeout, as on every other engine
         (a small standard send would be done at once, buffered by MPI)."""
-        return self.comm.Issend(buf, dest=peer)
-
-    def recv(self, buf: np.ndarray, peer: int) -> Any:
-        return self.comm.Irecv(buf, source=peer)
+        return [self.comm.Issend(buf, dest=peer, tag=_EXCHANGE)]
 
     def barrier(self) -> Any:
         return self.comm.Ibarrier()
@@ -215,10 +187,10 @@ def _pieces(array: Any, size: int) -> List[np.ndarray]:
     return [array[i * width:(i + 1) * width] for i in range(size)]
 
 
-class GlooTransport(Transport):
-    """torch.distributed's asynchronous collectives of a (gloo) group on bytes.  gloo's
-    send and receive report completion only to ``wait``: they are waited for at once, at
-    most ``timeout`` seconds (gloo's own limit)."""
+class GlooTransport(PairTransport):
+    """torch.distributed's point-to-point messages of a (gloo) group on bytes.  gloo's send
+    and receive report completion only to ``wait``: a step's messages are all posted,
+    then waited for in turn, each at most ``timeout`` seconds (gloo's own limit)."""
 
     def __init__(self, group: Any, members: Sequence[int], timeout: float):
         self.timeout = timeout
@@ -228,59 +200,29 @@ class GlooTransport(Transport):
         self.size, self.member = len(self.members), self.members.index(dist.get_rank())
         self.label = _library(torch, dist, group)
 
-    def _t(self, array: Optional[np.ndarray]) -> Any:
-        return None if array is None else self.torch.from_numpy(array)
-
-    def all_gather(self, send: np.ndarray, recv: np.ndarray, own: bool = True) -> Any:
-        gather = getattr(self.dist, "all_gather_single", None) or self.dist.all_gather_into_tensor
-        return gather(self._t(recv), self._t(send), group=self.group, async_op=True)
-
-    def all_to_all(self, send: np.ndarray, recv: np.ndarray, own: bool = True) -> Any:
-        return self.dist.all_to_all_single(self._t(recv), self._t(send), group=self.group,
-                                           async_op=True)
-
-    def broadcast(self, buf: np.ndarray, root: int) -> Any:
-        return self.dist.broadcast(self._t(buf), src=self.members[root], group=self.group,
-                                   async_op=True)
-
-    def gather(self, send: np.ndarray, recv: Optional[np.ndarray], root: int) -> Any:
-        parts = list(self._t(recv).chunk(self.size)) if recv is not None else None
-        return self.dist.gather(self._t(send), gather_list=parts, dst=self.members[root],
-                                group=self.group, async_op=True)
-
-    def scatter(self, send: Optional[np.ndarray], recv: np.ndarray, root: int) -> Any:
-        parts = list(self._t(send).chunk(self.size)) if send is not None else None
-        return self.dist.scatter(self._t(recv), scatter_list=parts, src=self.members[root],
-                                 group=self.group, async_op=True)
-
-    def send(self, buf: np.ndarray, peer: int) -> Any:
-        return _Posted("send", self.dist.isend(self._t(buf), dst=self.members[peer],
-                                               group=self.group))
-
-    def recv(self, buf: np.ndarray, peer: int) -> Any:
-        return _Posted("recv", self.dist.irecv(self._t(buf), src=self.members[peer],
-                                               group=self.group))
-
-    def _waited(self, request: "_Posted") -> bool:
-        """Wait for a posted send or receive (gloo tells its end only to ``wait``), at most
-        ``timeout`` seconds: posted first, a batch's sends and receives are all in flight
-        while the first of them is waited for."""
-        import datetime
-        try:
-            request.work.wait(timeout=datetime.timedelta(seconds=self.timeout))
-        except RuntimeError as error:
-            raise HocclTimeoutError(f"{request.what} across hosts ({self.label}, member "
-                                    f"{self.member} of {self.size}): not finished within "
-                                    f"{self.timeout:g} s, or failed: {error}") from None
-        return True
-
-    def barrier(self) -> Any:
-        return self.all_gather(np.zeros(1, np.uint8), np.zeros(self.size, np.uint8))
+    def _post(self, sends: Sequence[Tuple[int, np.ndarray]],
+              recvs: Sequence[Tuple[int, np.ndarray]]) -> Any:
+        dist, tensor = self.dist, self.torch.from_numpy
+        return ([_Posted("recv", dist.irecv(tensor(buf), src=self.members[peer], group=self.group))
+                 for peer, buf in recvs if buf.nbytes]
+                + [_Posted("send", dist.isend(tensor(buf), dst=self.members[peer],
+                                              group=self.group))
+                   for peer, buf in sends if buf.nbytes])
 
     def test(self, request: Any) -> bool:
-        if isinstance(request, _Posted):
-            return self._waited(request)
-        return request is None or bool(request.is_completed())
+        """Wait for each posted send or receive (gloo tells its end only to ``wait``), at
+        most ``timeout`` seconds: posted first, a step's messages are all in flight while
+        the first of them is waited for."""
+        import datetime
+        for posted in request:
+            try:
+                posted.work.wait(timeout=datetime.timedelta(seconds=self.timeout))
+            except RuntimeError as error:
+                raise HocclTimeoutError(f"{posted.what} across hosts ({self.label}, member "
+                                        f"{self.member} of {self.size}): not finished within "
+                                        f"{self.timeout:g} s, or failed: {error}") from None
+        request.clear()
+        return True
 
 
 def _library(torch: Any, dist: Any, group: Any) -> str:

@@ -32,20 +32,23 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import pickle
 import re
 import sys
 import threading
+import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .._errors import HocclError, InvalidArgumentError, PeerDeadError
+from .._errors import AbortedError, HocclError, InvalidArgumentError, PeerDeadError
+from .._mailbox import wait_until
 from .engine import Setup
 from .staged import BatchingStagedEngine
 from .transports import PairTransport, Transport
 
-__all__ = ["UcxStagedEngine", "UcxTransport", "available", "preload", "ucx_transports",
-           "usable"]
+__all__ = ["UcxBootstrap", "UcxStagedEngine", "UcxTransport", "available", "preload",
+           "ucx_transports", "usable"]
 
 log = logging.getLogger("hoccl")
 
@@ -54,6 +57,9 @@ log = logging.getLogger("hoccl")
 _CHANNEL_BITS, _MEMBER_BITS, _SEQUENCE_BITS = 16, 16, 32
 #: the member field's top bit: a receipt of a point-to-point receive, not data
 _RECEIPT = 1 << (_MEMBER_BITS - 1)
+#: the next bit: a peer's abort notice (``UcxTransport.notify``), its reason's bytes
+_NOTICE = 1 << (_MEMBER_BITS - 2)
+_NOTICE_BYTES = 512
 
 
 def available() -> bool:
@@ -152,9 +158,12 @@ class UcxTransport(PairTransport):
         #: receives whose receipt is not sent yet: sent as soon as they are done, whichever
         #: request is tested (a batch waits for its sends' receipts before its receives)
         self._unreceipted: List["_Receipted"] = []
-        #: requests posted and not seen done: a close with some left cancels them, so
-        #: that UCX writes into no memory its owner frees after (an aborted step's)
-        self._outstanding = 0
+        #: each peer's abort notice, awaited from connect on (``notify``)
+        self._notices = {peer: np.zeros(_NOTICE_BYTES, np.uint8) for peer in endpoints}
+        self._notice_requests = {
+            peer: endpoint.tag_recv(worker.Array(self._notices[peer]), self._tag(peer | _NOTICE, 0))
+            for peer, endpoint in endpoints.items()}
+        self._told: List[Any] = []  # notices sent, with their bytes
         self._closed = False
 
     def send(self, buf: np.ndarray, peer: int) -> Any:
@@ -165,7 +174,6 @@ class UcxTransport(PairTransport):
         sequence = self._acks_received[peer]
         self._acks_received[peer] += 1
         receipt = np.zeros(1, np.uint8)
-        self._outstanding += 1
         request.append((peer, self._endpoints[peer].tag_recv(
             self._worker.Array(receipt), self._tag(peer | _RECEIPT, sequence)), receipt))
         return request
@@ -180,7 +188,6 @@ class UcxTransport(PairTransport):
         sequence = self._acks_sent[peer]
         self._acks_sent[peer] += 1
         receipt = np.zeros(1, np.uint8)
-        self._outstanding += 1
         return (peer, self._endpoints[peer].tag_send(
             self._worker.Array(receipt), self._tag(self.member | _RECEIPT, sequence)),
             receipt)
@@ -205,11 +212,38 @@ class UcxTransport(PairTransport):
             if buf.nbytes:
                 requests.append((peer, self._endpoints[peer].tag_send(
                     Array(buf), self._tag(self.member, sequence)), buf))
-        self._outstanding += len(requests)
         return requests
+
+    def notify(self, reason: str) -> None:
+        """Tell every peer that this member aborted, with ``reason``: a peer waiting in a
+        step with it stops with AbortedError instead of waiting out its timeout (as
+        after a shrink that leaves it waiting for this member).  Once only; not waited."""
+        if self._told or self._closed:
+            return
+        text = np.frombuffer(reason.encode()[:_NOTICE_BYTES - 1], np.uint8)
+        for peer, endpoint in self._endpoints.items():
+            if not endpoint.alive:
+                continue
+            notice = np.zeros(_NOTICE_BYTES, np.uint8)
+            notice[:text.nbytes] = text
+            self._told.append((endpoint.tag_send(self._worker.Array(notice),
+                                                 self._tag(self.member | _NOTICE, 0)), notice))
+        self._worker.progress()
+
+    def _noticed(self) -> None:
+        """Raise AbortedError where a peer's abort notice has come."""
+        for peer, request in self._notice_requests.items():
+            if request.completed and self._endpoints[peer].alive:
+                try:
+                    request.check_error()
+                except Exception:  # noqa: BLE001 - cancelled at close: no notice
+                    continue
+                reason = self._notices[peer].tobytes().split(b"\0", 1)[0].decode(errors="replace")
+                raise AbortedError(f"ucx: rank {self.ranks[peer]} aborted: {reason}")
 
     def test(self, request: Any) -> bool:
         self._worker.progress()
+        self._noticed()
         if self._unreceipted:
             self._send_receipts()
         if isinstance(request, _Receipted):
@@ -235,7 +269,6 @@ class UcxTransport(PairTransport):
             if not posted.completed:
                 pending.append((peer, posted, held))
                 continue
-            self._outstanding -= 1
             try:
                 posted.check_error()
             except Exception as error:  # noqa: BLE001 - ucxx's errors have no common base
@@ -255,9 +288,9 @@ class UcxTransport(PairTransport):
         if self._closed:
             return
         self._closed = True
-        if self._outstanding:  # a step left unfinished (an abort, a timeout)
-            self._worker.worker.cancel_inflight_requests()
-            self._worker.progress()
+        # closing an endpoint cancels its requests in flight (an aborted step's, the abort
+        # notices awaited): UCX then writes into no memory freed after
+        self._worker.progress()
         for endpoint in self._endpoints.values():
             if not endpoint.alive:  # failed (its peer gone): UCX closed it already, and
                 continue            # closing it again crashes ucxx
@@ -267,6 +300,54 @@ class UcxTransport(PairTransport):
                 pass
         self._endpoints.clear()
         self._worker.release()
+
+
+class UcxBootstrap:
+    """A ``Bootstrap`` of some members of a world ``UcxTransport`` (``members``: their
+    member indices, in the new rank order; this one among them), over the world's own
+    endpoints: pairwise messages between the members alone, so that it never waits for a
+    rank left out (``shrink``: the survivors meet through it).  Its messages carry a
+    channel of their own (``channel``, the same on every member): whatever the world's
+    aborted steps left unmatched never matches them."""
+
+    def __init__(self, world: UcxTransport, members: Sequence[int], channel: int,
+                 timeout: float, call: str):
+        self._world, self._members = world, list(members)
+        self.rank, self.world_size = self._members.index(world.member), len(self._members)
+        self._timeout, self._call = timeout, call
+        self._wire = UcxTransport(world._worker, world._endpoints, world.member, world.size,
+                                  channel % (1 << _CHANNEL_BITS), world.ranks)
+        self._wire._closed = True  # the endpoints stay the world transport's
+
+    def _exchange(self, sends: List[Tuple[int, np.ndarray]],
+                  recvs: List[Tuple[int, np.ndarray]], what: str) -> None:
+        request = self._wire._post(sends, recvs)
+        deadline = time.monotonic() + self._timeout
+        wait_until(lambda: self._wire.test(request), deadline,
+                   lambda: f"{self._call}: rank {self.rank} waited {self._timeout:g} s for "
+                           f"the other ranks that go on to {what}; they never did")
+
+    def allgather(self, value: Any) -> List[Any]:
+        """Every member's ``value`` (picklable), in member order: the sizes, then the
+        bytes."""
+        mine = np.frombuffer(pickle.dumps(value), np.uint8)
+        others = [member for member in self._members if member != self._world.member]
+        sizes = {member: np.zeros(1, np.int64) for member in others}
+        self._exchange([(member, np.array([mine.nbytes], np.int64).view(np.uint8))
+                        for member in others],
+                       [(member, sizes[member].view(np.uint8)) for member in others],
+                       "swap their sizes")
+        payloads = {member: np.empty(int(sizes[member][0]), np.uint8) for member in others}
+        self._exchange([(member, mine) for member in others],
+                       [(member, payloads[member]) for member in others], "swap their values")
+        return [value if member == self._world.member else
+                pickle.loads(payloads[member].tobytes()) for member in self._members]
+
+    def barrier(self) -> None:
+        self.allgather(None)
+
+    def close(self) -> None:
+        """Nothing to release: the endpoints belong to the world transport."""
 
 
 class _Receipted:
@@ -323,9 +404,15 @@ def ucx_transports(call: str, bootstrap: Any, groups: Sequence[Sequence[int]]
 
 
 class UcxStagedEngine(BatchingStagedEngine):
-    """The staged engine over UCX (``UcxTransport``): hosts of any kinds."""
+    """The staged engine over UCX (``UcxTransport``): hosts of any kinds.  An abort is
+    told to the level's peers (``UcxTransport.notify``)."""
 
     name = "ucx"
+    transport: UcxTransport
+
+    def abort(self, reason: str = "") -> None:
+        super().abort(reason)
+        self.transport.notify(reason or "abort() was called")
 
     @classmethod
     def check_world(cls, call: str, backends: Sequence[str], hostnames: Sequence[str]) -> None:

@@ -38,7 +38,11 @@ import traceback
 from pathlib import Path
 
 import numpy as np
-from mpi4py import MPI
+
+if "ucx" in sys.argv:  # ucxx's UCX libraries before MPI's own copy (hoccl._hierarchy.ucx)
+    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+    import ucxx  # noqa: F401
+from mpi4py import MPI  # noqa: E402
 
 import hoccl
 from hoccl.testing import array_module_for
@@ -166,6 +170,7 @@ def main():
     parser.add_argument("--stamps", required=True)
     parser.add_argument("--no-wait", action="store_true")
     parser.add_argument("--backend", default="host")
+    parser.add_argument("--inter-host", default=None, choices=["ucx", "hoccl"])
     args = parser.parse_args()
     first, *later = args.victims.split(",")
     together = [int(rank) for rank in first.split("+")]
@@ -173,7 +178,7 @@ def main():
     # MPICH's mpiexec (-disable-auto-cleanup) tells the other ranks of a rank's failure
     # with SIGUSR1, whose default action would end them too
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
-    comm = hoccl.init(backend=args.backend)
+    comm = hoccl.init(backend=args.backend, inter_host=args.inter_host)
     rank = comm.rank
     if not exact_all_reduce(comm, 1):
         print(f"rank {rank}: FAILED the first all_reduce", flush=True)
