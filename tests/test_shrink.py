@@ -83,7 +83,8 @@ def test_survivors_of_simulated_hosts_shrink_across_hosts_and_go_on_exactly(scen
 @pytest.mark.parametrize("scenario,victims,hosts", [
     ("dead", ["3"], [3]),          # a rank of the second host
     ("dead", ["2+3"], [1]),        # a whole host: one host is left
-    ("killed", ["0"], [3]),        # SIGKILL during a 64 MiB all_reduce
+    ("dead", ["0"], [3]),          # the first rank
+    ("closed", ["2"], [3]),
     ("excluded", ["2"], [3]),
     ("dead", ["3", "1"], [3, 2]),  # two failures, one after the other, across hosts
 ])

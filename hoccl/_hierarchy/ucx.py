@@ -37,11 +37,12 @@ import re
 import sys
 import threading
 import time
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .._errors import AbortedError, HocclError, InvalidArgumentError, PeerDeadError
+from .._errors import (AbortedError, HocclError, InvalidArgumentError, PeerClosedError,
+                       PeerDeadError)
 from .._mailbox import wait_until
 from .engine import Setup
 from .staged import BatchingStagedEngine
@@ -60,6 +61,8 @@ _RECEIPT = 1 << (_MEMBER_BITS - 1)
 #: the next bit: a peer's abort notice (``UcxTransport.notify``), its reason's bytes
 _NOTICE = 1 << (_MEMBER_BITS - 2)
 _NOTICE_BYTES = 512
+#: the notice of a member that closed its communicator
+_CLOSED = "closed"
 
 
 def available() -> bool:
@@ -146,8 +149,12 @@ class UcxTransport(PairTransport):
     worker (``PairTransport``: the collectives written once over them)."""
 
     def __init__(self, worker: _Worker, endpoints: Dict[int, Any], member: int, size: int,
-                 channel: int, ranks: Sequence[int]):
+                 channel: int, ranks: Sequence[int],
+                 peer_lost: Callable[[str], None] = lambda gone: None):
         self._worker, self._endpoints = worker, endpoints
+        #: told of a peer found gone (the bootstrap's: under MPI the job is then aborted at
+        #: exit, as MPI_Finalize would wait for the lost process)
+        self.peer_lost = peer_lost
         self.size, self.member, self.channel = size, member, channel
         self.ranks = list(ranks)  # each member's world rank, for messages
         self.label = "ucx"
@@ -218,7 +225,7 @@ class UcxTransport(PairTransport):
         """Tell every peer that this member aborted, with ``reason``: a peer waiting in a
         step with it stops with AbortedError instead of waiting out its timeout (as
         after a shrink that leaves it waiting for this member).  Once only; not waited."""
-        if self._told or self._closed:
+        if self._told or self._closed or not self._notice_requests:
             return
         text = np.frombuffer(reason.encode()[:_NOTICE_BYTES - 1], np.uint8)
         for peer, endpoint in self._endpoints.items():
@@ -230,25 +237,41 @@ class UcxTransport(PairTransport):
                                                  self._tag(self.member | _NOTICE, 0)), notice))
         self._worker.progress()
 
-    def _noticed(self) -> None:
-        """Raise AbortedError where a peer's abort notice has come."""
+    def _noticed(self, peers: set) -> None:
+        """Raise where a peer in ``peers`` (those a step still waits on) told it aborted
+        (AbortedError) or closed (PeerClosedError): a peer that did its part of the step
+        before it went fails nothing."""
         for peer, request in self._notice_requests.items():
-            if request.completed and self._endpoints[peer].alive:
+            if peer in peers and request.completed and self._endpoints[peer].alive:
                 try:
                     request.check_error()
                 except Exception:  # noqa: BLE001 - cancelled at close: no notice
                     continue
                 reason = self._notices[peer].tobytes().split(b"\0", 1)[0].decode(errors="replace")
+                if reason == _CLOSED:
+                    raise PeerClosedError(f"ucx: rank {self.ranks[peer]} closed the "
+                                          f"communicator: the step will never be finished")
                 raise AbortedError(f"ucx: rank {self.ranks[peer]} aborted: {reason}")
 
     def test(self, request: Any) -> bool:
-        self._worker.progress()
-        self._noticed()
-        if self._unreceipted:
-            self._send_receipts()
-        if isinstance(request, _Receipted):
-            return request.receipt is not None and self._done(request.receipt)
-        return self._done(request)
+        """Whether ``request`` is done; where it is not, a peer's abort or close notice
+        (``notify``) raises.  A notice comes after the member's messages of every step it
+        finished, so a step it finished is seen done first."""
+        for _ in range(2):  # what came before the notice is taken first
+            self._worker.progress()
+            if self._unreceipted:
+                self._send_receipts()
+            if isinstance(request, _Receipted):
+                if request.receipt is not None and self._done(request.receipt):
+                    return True
+            elif self._done(request):
+                return True
+        waiting = request.posted + (request.receipt or []) if isinstance(request, _Receipted) \
+            else request
+        if isinstance(request, _Receipted) and request.receipt is None:
+            waiting = waiting + [(request.peer, None, None)]
+        self._noticed({peer for peer, _, _ in waiting})
+        return False
 
     def _send_receipts(self) -> None:
         """A receipt back for every receive now done."""
@@ -281,16 +304,23 @@ class UcxTransport(PairTransport):
         return not pending
 
     def _failed(self, peer: int, why: Any) -> HocclError:
+        gone = f"rank {self.ranks[peer]}, whose UCX endpoint failed ({why}),"
+        self.peer_lost(gone)
         return PeerDeadError(f"ucx: member {peer} (rank {self.ranks[peer]}) of this level is "
                              f"gone: {why}")
 
     def close(self) -> None:
         if self._closed:
             return
+        # the peers still waiting in a step with this member stop (``_noticed``)
+        self.notify(_CLOSED)
         self._closed = True
+        deadline = time.monotonic() + 1.0
+        while any(not request.completed for request, _ in self._told) \
+                and time.monotonic() < deadline:
+            self._worker.progress()
         # closing an endpoint cancels its requests in flight (an aborted step's, the abort
         # notices awaited): UCX then writes into no memory freed after
-        self._worker.progress()
         for endpoint in self._endpoints.values():
             if not endpoint.alive:  # failed (its peer gone): UCX closed it already, and
                 continue            # closing it again crashes ucxx
@@ -316,7 +346,8 @@ class UcxBootstrap:
         self.rank, self.world_size = self._members.index(world.member), len(self._members)
         self._timeout, self._call = timeout, call
         self._wire = UcxTransport(world._worker, world._endpoints, world.member, world.size,
-                                  channel % (1 << _CHANNEL_BITS), world.ranks)
+                                  channel % (1 << _CHANNEL_BITS), world.ranks, world.peer_lost)
+        self.peer_lost = world.peer_lost
         self._wire._closed = True  # the endpoints stay the world transport's
 
     def _exchange(self, sends: List[Tuple[int, np.ndarray]],
@@ -399,7 +430,8 @@ def ucx_transports(call: str, bootstrap: Any, groups: Sequence[Sequence[int]]
                 True)
             for peer, world in enumerate(group) if world != rank}
         made.append(UcxTransport(worker, endpoints, member, len(group),
-                                 (channel + index) % (1 << _CHANNEL_BITS), group))
+                                 (channel + index) % (1 << _CHANNEL_BITS), group,
+                                 getattr(bootstrap, "peer_lost", lambda gone: None)))
     return made
 
 
