@@ -69,6 +69,8 @@ def _job(ranks, *args, env=None):
     (4, [0], [], 2),                               # 2 simulated hosts: the first worker
     (4, [2], ["--subgroup", "--abort"], 2),        # the first of the second host
     (4, [3, 1], [], 2),                            # a rank of each host in turn
+    (4, [3], ["--inter-host", "ucx"], 2),          # UCX between the hosts
+    (4, [0], ["--inter-host", "ucx", "--abort"], 2),
 ])
 def test_shrink_group_goes_on_exactly_after_lost_workers(ranks, victims, flags, local_size):
     """After each loss the survivors' all_reduces are exact, and DDP and FSDP2 steps on

@@ -170,11 +170,18 @@ def main():
     parser.add_argument("--abort", action="store_true")
     parser.add_argument("--subgroup", action="store_true")
     parser.add_argument("--stamps", required=True)
+    parser.add_argument("--inter-host", default=None, choices=["ucx", "hoccl"],
+                        help="the engine between simulated hosts (HOCCL_LOCAL_SIZE)")
     args = parser.parse_args()
     victims = [int(rank) for rank in args.victims.split(",")]
     flags = c10d.SHRINK_ABORT if args.abort else c10d.SHRINK_DEFAULT
-    dist.init_process_group("hoccl", pg_options=hoccl.torch.Options(backend="host"))
+    dist.init_process_group("hoccl", pg_options=hoccl.torch.Options(
+        backend="host", inter_host=args.inter_host))
     rank, size = dist.get_rank(), dist.get_world_size()
+    if args.inter_host:
+        engine = hoccl.torch.communicator(dist.group.WORLD).describe()["inter_host"]
+        if not engine.startswith(args.inter_host):
+            print(f"rank {rank}: FAILED the hosts are joined by {engine}", flush=True)
     group = dist.new_group(list(range(size))) if args.subgroup else dist.group.WORLD
     try:
         if not all(exact_all_reduce(group, seed) for seed in range(3)):
