@@ -160,3 +160,22 @@ def test_a_peer_that_dies_is_reported_as_peer_dead_within_the_timeout(how):
     del store
     assert "peer death: rank 0 OK" in output, output[-4000:]
     assert "PeerDeadError after" in output and "rank 1" in output, output[-4000:]
+
+
+def test_left_to_hoccl_ucx_joins_hosts_of_different_kinds_only_where_every_rank_loads_it():
+    from hoccl._hierarchy.communicator import _default_engine
+    from hoccl._hierarchy.hosts import HostReport
+    gpu = HostReport("a", "cuda", "cuda", "cuda", "hoccl (cuda)")
+    cpu = HostReport("b", "cpu", "host", "host", "hoccl (host)")
+    asked = []
+
+    def everywhere(answer):
+        def ask():
+            asked.append(answer)
+            return answer
+        return ask
+    assert _default_engine([gpu, cpu], False, everywhere(True)) == "ucx"
+    assert _default_engine([gpu, cpu], False, everywhere(False)) == "mpi"
+    # simulated CPU hosts keep hoccl's own engine, and the ranks are not asked
+    assert _default_engine([cpu, cpu], True, everywhere(True)) == "hoccl"
+    assert asked == [True, False]
