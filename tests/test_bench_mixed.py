@@ -99,3 +99,23 @@ def test_the_ratios_are_the_records_quotients():
                                                  "sendrecv": {"64M": 4.0}}
     assert found["all_reduce phases"] == {"pipelined / slowest phase alone": 1.1,
                                           "sequential / pipelined": 2.0}
+
+
+@pytest.mark.mpi
+def test_several_engines_between_hosts_are_measured_on_the_same_tensors(tmp_path):
+    """``--inter-host mpi,ucx``: one hoccl communicator per engine, each checked against
+    numpy beside gloo ("hoccl" the first, "hoccl ucx" the second)."""
+    pytest.importorskip("ucxx")
+    code, output = launch(4, "-m", "hoccl.bench.mixed", "--devices", "cpu", "--local-size",
+                          "2", "--sizes", "16K", "--phase-bytes", "16K", "--iters", "1",
+                          "--warmup", "0", "--inter-host", "mpi,ucx", "--out", tmp_path,
+                          timeout=300)
+    assert code == 0, output[-6000:]
+    result = json.loads((tmp_path / "mixed.json").read_text())
+    records = result["records"]
+    assert {(r["collective"], r["library"]) for r in records} == {
+        (collective, library) for collective in ("all_reduce", "all_gather", "sendrecv")
+        for library in ("hoccl", "hoccl ucx", "gloo")}
+    for record in records:
+        assert "error" not in record and record["wrong"] == 0, record
+    assert any("mpi" in engine for engine in result["engines"]), result["engines"]

@@ -58,7 +58,11 @@ def arguments(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--intra-host", default="",
                         help="each rank's engine inside its host (cuda, host, torch), "
                              "comma-separated, or one for all; default: what the host has")
-    parser.add_argument("--inter-host", default="mpi", help="the engine between hosts")
+    parser.add_argument("--inter-host", default="mpi",
+                        help="the engine between hosts (mpi, gloo, ucx, hoccl), or several, "
+                             "comma-separated: one hoccl communicator each, measured in turn "
+                             "on the same tensors (the first as 'hoccl', the others as "
+                             "'hoccl ENGINE'; the phase study on the first)")
     parser.add_argument("--sizes", default="1M,4M,16M,64M,256M",
                         help="nccl-tests' sizes, comma-separated (up to 1G)")
     parser.add_argument("--phase-bytes", default="256M",
@@ -93,6 +97,9 @@ class Job:
     """This rank's place in the mixed job: its MPI world, device, and the libraries."""
 
     def __init__(self, args: argparse.Namespace):
+        if "ucx" in args.inter_host.split(","):
+            from .._hierarchy.ucx import preload
+            preload()  # UCX's libraries before MPI's own copy (``hoccl._hierarchy.ucx``)
         from mpi4py import MPI
         import torch
         self.mpi = MPI.COMM_WORLD
@@ -107,7 +114,9 @@ class Job:
         self.torch = torch
         self.args = args
 
-    def hoccl(self, **settings: Any) -> Any:
+    def hoccl(self, inter_host: Optional[str] = None, **settings: Any) -> Any:
+        """A hoccl communicator across the simulated hosts, ``inter_host`` between them
+        (default: the first of ``--inter-host``)."""
         import hoccl
         intra = (_per_rank(self.args.intra_host, self.world_size, "intra-host")[self.rank]
                  if self.args.intra_host else None)
@@ -117,7 +126,8 @@ class Job:
             settings["phase_bytes"] = parse_size(self.args.phase_chunk)
         return hoccl.init(backend="cuda" if self.kind == "cuda" else "host",
                           device=0 if self.kind == "cuda" else None,
-                          local_size=self.args.local_size, inter_host=self.args.inter_host,
+                          local_size=self.args.local_size,
+                          inter_host=inter_host or self.args.inter_host.split(",")[0],
                           **settings)
 
     def gloo(self) -> Any:
@@ -380,12 +390,13 @@ def ratios(result: Dict[str, Any]) -> Dict[str, Any]:
     over_gloo: Dict[str, Dict[str, float]] = {}
     for collective in MEASURED:
         by = {(r["library"], r["bytes"]): r for r in good if r["collective"] == collective}
-        for name in ("hoccl", "hoccl shared"):
+        names = dict.fromkeys(r["library"] for r in good if r["library"].startswith("hoccl"))
+        for name in ["hoccl", *[other for other in names if other != "hoccl"]]:
             found = {human(nbytes): by[(name, nbytes)]["busbw"] / by[("gloo", nbytes)]["busbw"]
                      for (library, nbytes) in by if library == name
                      and nbytes >= COMPARED_FROM and ("gloo", nbytes) in by}
             if found or name == "hoccl":
-                over_gloo[collective if name == "hoccl" else f"{collective} shared"] = found
+                over_gloo[collective + name[len("hoccl"):]] = found
     study = {r["library"]: r["time_us"] for r in result["phases"] if "error" not in r
              and r["collective"] == "all_reduce"}
     alone = [micros for name, micros in study.items() if name.startswith("phase ")]
@@ -463,19 +474,25 @@ def _engines(described: Dict[str, Any]) -> str:
             f"{described['inter_host']} between")
 
 
-def sweep(job: Job, comm: Any) -> Dict[str, Any]:
+def sweep(job: Job, comm: Any, others: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """Every rank's measurements (rank 0's records hold everyone's: figures are the
-    slowest rank's, wrong elements the sum over ranks)."""
+    slowest rank's, wrong elements the sum over ranks).  ``others``: more hoccl
+    communicators by the engine between their hosts, measured as "hoccl ENGINE"."""
     args = job.args
     sizes = [parse_size(text) for text in args.sizes.split(",")]
     wanted = args.libraries.split(",")
     handles = {"hoccl": comm, "gloo": job.gloo() if "gloo" in wanted else None}
+    for engine, other in (others or {}).items():
+        handles[f"hoccl {engine}"] = other
+    if "hoccl" in wanted:
+        at = wanted.index("hoccl") + 1
+        wanted[at:at] = [f"hoccl {engine}" for engine in others or {}]
     devices = job.mpi.allgather(job.kind)
     engines = job.mpi.allgather(None if comm is None else _engines(comm.describe()))
     job.say(f"# hoccl.bench.mixed: devices {devices}, {args.local_size} ranks per host")
     runs = [(library, shared) for library in wanted
-            for shared in ((False, True) if library == "hoccl" and args.host_memory == "both"
-                           else (args.host_memory == "shared",))]
+            for shared in ((False, True) if library.startswith("hoccl")
+                           and args.host_memory == "both" else (args.host_memory == "shared",))]
     records = [measure(job, library, handles[library], collective, nbytes, args.dtype, shared)
                for collective in MEASURED for nbytes in sizes for library, shared in runs]
     phase_bytes = parse_size(args.phase_bytes)
@@ -493,12 +510,16 @@ def main(argv: Optional[List[str]] = None) -> None:
     import os
     args = arguments(argv)
     job = Job(args)
-    comm = job.hoccl() if "hoccl" in args.libraries.split(",") else None
+    measured = "hoccl" in args.libraries.split(",")
+    first, *rest = args.inter_host.split(",")
+    comm = job.hoccl(first) if measured else None
+    others = {engine: job.hoccl(engine) for engine in rest} if measured else {}
     try:
-        result = sweep(job, comm)
+        result = sweep(job, comm, others)
     finally:
-        if comm is not None:
-            comm.close()
+        for made in [comm, *others.values()]:
+            if made is not None:
+                made.close()
     if job.rank != 0:
         return
     result = {"meta": metadata(sys.argv), **result}
