@@ -214,6 +214,8 @@ ENVIRONMENT: Dict[str, str] = {
     "HOCCL_TUNING_FILE": "a tuning table to load at init",
     "HOCCL_CROSS_MEMORY": "0: the staged engine between members on one machine moves "
                           "bytes through MPI, not by cross-memory reads",
+    "HOCCL_UCX_DEVICE_MEMORY": "1: inter_host='ucx' hands CUDA arrays to UCX as they are, "
+                               "not staged through pinned host memory (not yet run on GPUs)",
 }
 
 

@@ -13,6 +13,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 import numpy as np
 
 from .._errors import HocclTimeoutError
+from .arrays import address
 
 __all__ = ["Start", "Transport", "PairTransport", "MpiTransport", "GlooTransport"]
 
@@ -173,9 +174,11 @@ class MpiTransport(PairTransport):
             self.comm.Free()
 
 
-def _copy(dst: np.ndarray, src: np.ndarray) -> None:
-    """``dst[...] = src``, nothing where they are the same bytes (an in-place all_gather)."""
-    if dst.ctypes.data != src.ctypes.data:
+def _copy(dst: Any, src: Any) -> None:
+    """``dst[...] = src``, nothing where they are the same bytes (an in-place all_gather);
+    numpy arrays, or byte views of device arrays (torch, cupy) for a transport that
+    moves device memory itself."""
+    if address(dst)[0] != address(src)[0]:
         dst[...] = src
 
 

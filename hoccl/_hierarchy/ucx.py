@@ -44,6 +44,8 @@ import numpy as np
 from .._errors import (AbortedError, HocclError, InvalidArgumentError, PeerClosedError,
                        PeerDeadError)
 from .._mailbox import wait_until
+from ..config import environ
+from .arrays import address
 from .engine import Setup
 from .staged import BatchingStagedEngine
 from .transports import PairTransport, Transport
@@ -381,6 +383,17 @@ class UcxBootstrap:
         """Nothing to release: the endpoints belong to the world transport."""
 
 
+def _byte_view(array: Any) -> Any:
+    """A flat device array (torch or cupy) as its bytes, or None."""
+    if array is None:
+        return None
+    if hasattr(array, "data_ptr"):  # torch
+        import torch
+        return array.view(torch.uint8)
+    import cupy
+    return array.view(cupy.uint8)
+
+
 class _Receipted:
     """A point-to-point receive in flight (``UcxTransport.recv``): its posted requests,
     then its receipt's."""
@@ -437,10 +450,35 @@ def ucx_transports(call: str, bootstrap: Any, groups: Sequence[Sequence[int]]
 
 class UcxStagedEngine(BatchingStagedEngine):
     """The staged engine over UCX (``UcxTransport``): hosts of any kinds.  An abort is
-    told to the level's peers (``UcxTransport.notify``)."""
+    told to the level's peers (``UcxTransport.notify``).
+
+    ``HOCCL_UCX_DEVICE_MEMORY=1`` hands CUDA arrays to UCX as they are (its ``cuda_copy``,
+    ``cuda_ipc`` and GPUDirect RDMA transports move them) instead of staging them through
+    pinned host memory: each step first waits on the host for the caller's stream, and is
+    done when UCX's requests are.  Written for GPUs and not yet run on one: off by
+    default."""
 
     name = "ucx"
     transport: UcxTransport
+    device_memory = False
+
+    def _step(self, what: str, stream: Optional[int], count: int, send: Any, send_blocks: int,
+              recv: Any, recv_blocks: int, start: Any) -> None:
+        arrays = [array for array in (send, recv) if array is not None]
+        if not (self.device_memory and arrays and self.device is not None
+                and not self._on_host(arrays)):
+            return super()._step(what, stream, count, send, send_blocks, recv, recv_blocks,
+                                 start)
+        self._refuse_if_broken(what)
+        device = self.device
+        device.synchronize_stream(device.resolve_stream(stream, arrays), self.timeout)
+        send_bytes, recv_bytes = _byte_view(send), _byte_view(recv)
+        if send_bytes is not None and recv_bytes is not None:
+            (a, a_bytes), (b, b_bytes) = address(send_bytes), address(recv_bytes)
+            if a < b + b_bytes and b < a + a_bytes and a != b:  # in place: UCX reads a copy
+                send_bytes = send_bytes.clone() if hasattr(send_bytes, "clone") \
+                    else send_bytes.copy()
+        self._transfer(what, lambda: start(send_bytes, recv_bytes))
 
     def abort(self, reason: str = "") -> None:
         super().abort(reason)
@@ -465,3 +503,12 @@ class UcxStagedEngine(BatchingStagedEngine):
         names = "+".join(rails._worker.transports()) or "none found"
         rails.label = world.label = f"ucx [{names}]"
         return rails, world
+
+    @classmethod
+    def connect(cls, setup: Setup) -> Tuple[Any, Any]:
+        engines = super().connect(setup)
+        on = environ("HOCCL_UCX_DEVICE_MEMORY") in ("1", "on", "true", "yes")
+        for engine in engines:
+            assert isinstance(engine, UcxStagedEngine)
+            engine.device_memory = on and bool(engine.transport._worker.context.cuda_support)
+        return engines
