@@ -48,7 +48,11 @@ def _refusable(method: _Method) -> _Method:
     def call(self: "CommunicatorApi", *args: Any, **kwargs: Any) -> None:
         repeats = self._repeats
         try:
-            key = repeats.key(name, args, kwargs)
+            key = repeats.current = repeats.key(name, args, kwargs)
+            if key is not None:
+                replay = repeats.replays.get(key)
+                if replay is not None and self._replay(name, replay, args, kwargs):
+                    return  # a repeat, replayed (``hoccl._engine.replay``)
             found = None if key is None else repeats.take(key, args, kwargs)
             if found is not None:  # checked before: the same checks would pass again
                 self._usable(name)
@@ -60,6 +64,7 @@ def _refusable(method: _Method) -> _Method:
             finally:
                 repeats.pending = None
         except InvalidArgumentError as error:
+            repeats.current = None
             if not getattr(error, "made", False):
                 peer = kwargs.get("peer", args[1] if len(args) > 1 else None)
                 self._refused_call(name, peer, error)
@@ -67,6 +72,8 @@ def _refusable(method: _Method) -> _Method:
             if named is error:
                 raise
             raise named from None
+        finally:
+            repeats.current = None
     return call  # type: ignore[return-value]
 
 
@@ -101,6 +108,12 @@ class CommunicatorApi(abc.ABC):
         if repeats is None:
             repeats = self.__dict__["_repeat_cache"] = Repeats()
         return repeats
+
+    def _replay(self, name: str, replay: Any, args: tuple, kwargs: Dict[str, Any]) -> bool:
+        """Replay a repeat of a call made before on the same arguments (``replay``: what
+        ``_run`` kept, ``Repeats.keep_replay``); False: not replayed, nothing done (the
+        call then goes the whole way)."""
+        return False
 
     def _refused_call(self, name: str, peer: Any, error: InvalidArgumentError) -> None:
         """This rank's call ``name`` (``peer``: a send's or recv's) raised ``error`` before

@@ -46,6 +46,10 @@ class Repeats:
         #: checks made of it)
         self.pending: Optional[Tuple[tuple, tuple, Dict[str, Any]]] = None
         self.hits = 0  # calls that took their checks from here
+        #: key -> what a communicator keeps to replay the call (``hoccl._engine.replay``)
+        self.replays: Dict[tuple, Any] = {}
+        #: the key of the call running now (None: its arguments cannot be keyed)
+        self.current: Optional[tuple] = None
 
     @staticmethod
     def key(name: str, args: tuple, kwargs: Dict[str, Any]) -> Optional[tuple]:
@@ -91,7 +95,9 @@ class Repeats:
             roles.append((role, (buffer.address, buffer.count, buffer.dtype, buffer.device),
                           where))
         if len(self._entries) >= self.size:
-            del self._entries[next(iter(self._entries))]
+            gone = next(iter(self._entries))
+            del self._entries[gone]
+            self.replays.pop(gone, None)
         self._entries[key] = (shape, tuple(roles))
 
     def take(self, key: tuple, args: tuple, kwargs: Dict[str, Any]
@@ -113,8 +119,18 @@ class Repeats:
         self.hits += 1
         return shape, buffers
 
+    def keep_replay(self, replay: Any) -> None:
+        """Keep ``replay`` for the later calls of the current call's arguments."""
+        key = self.current
+        if key is None or key not in self._entries:
+            return
+        if key not in self.replays and len(self.replays) >= self.size:
+            del self.replays[next(iter(self.replays))]
+        self.replays[key] = replay
+
     def clear(self) -> None:
         self._entries.clear()
+        self.replays.clear()
 
 
 def _where(array: Any, args: tuple, kwargs: Dict[str, Any]) -> Any:

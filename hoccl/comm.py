@@ -418,6 +418,27 @@ class Communicator(CommunicatorApi):
         engine.submit(call, grouped=held is not None)
         if held is not None:
             held.append((self, call))
+        else:
+            replay = engine.replayable(call)
+            if replay is not None:
+                self._repeats.keep_replay(replay)
+
+    def _replay(self, name: str, replay: Any, args: tuple, kwargs: Dict[str, Any]) -> bool:
+        """A repeat of a call made on the same arguments before, replayed by the engine
+        (``Engine.replay``) where nothing it was built from changed: no argument resolved,
+        nothing prepared or matched again.  False (nothing done): the call goes the whole
+        way, which raises what it must (closed, aborted, inside ``hoccl.group()``, ...)."""
+        engine = self._engine
+        if engine.closed or engine.aborted or engine.error_word.value \
+                or held_calls() is not None:
+            return False
+        keepalive = args + tuple(kwargs.values()) if kwargs else args
+        device = engine.device
+        device.activate()
+        caller = device.resolve_stream(kwargs.get("stream"), keepalive)
+        if device.capturing(caller):
+            return False
+        return engine.replay(replay, caller, keepalive)
 
     def _refused_call(self, name: str, peer: Any, error: InvalidArgumentError) -> None:
         """``name`` raised ``error`` before it was made: take its place in this rank's

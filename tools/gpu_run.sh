@@ -262,9 +262,21 @@ if [ "$what" = verify ]; then
   step gpu-local 150 python3 -m pytest -q -x -p no:cacheprovider --timeout=90 tests/gpu "$@"
 fi
 if [ "$what" = hostcost ]; then
+  # BASELINE (a checkout of an earlier commit, e.g. `git archive COMMIT hoccl | tar -x -C
+  # .baseline`): its hoccl variants first, in the same run as this tree's and NCCL's
+  if [ -d "${BASELINE:-.baseline}/hoccl" ]; then
+    step host-cost-before 150 env PYTHONPATH="$PWD/${BASELINE:-.baseline}:$DEPS" python3 -m \
+      hoccl.bench.host_cost --variants hoccl-registered,hoccl-plain,hoccl-direct \
+      --out "$OUT/host_cost_before"
+  fi
   step host-cost-1 150 python3 -m hoccl.bench.host_cost --out "$OUT/host_cost"
   step host-cost-2 150 $MPIRUN python3 -m hoccl.bench.host_cost --variants \
     hoccl-registered,hoccl-plain,hoccl-direct --out "$OUT/host_cost_2"
+  # the replayed repeats stay exact (registered, one-lane and lanes, direct) and their
+  # mismatches still raise on every rank
+  step repeats-cuda 90 $MPIRUN python3 tests/mpi/run_repeats.py --backend cuda
+  step profile-1 90 python3 tools/profile_call.py --registered --burst 50 --iters 1000 \
+    --collective all_reduce
 fi
 if [ "$what" = onegpu ]; then
   # one GPU: two ranks under mpirun share it (IPC within one device), which runs every

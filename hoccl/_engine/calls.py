@@ -46,6 +46,9 @@ class ShapePlan:
     compiled: Tuple[tuple, ...]  # this rank's eager program (``Executor.compile``)
     #: its reductions' SM cap from the tuning table's row (None: the communicator's)
     max_sms: Optional[int] = None
+    #: this rank's eager program uses one lane at most (a plan of several lanes may use
+    #: one on this rank: world 1's own-block copy): it may run on the caller's stream
+    one_lane: bool = False
 
 
 @dataclass(eq=False, slots=True)
@@ -168,6 +171,10 @@ class Matcher(Protocol):
 
     def complete(self, calls: Sequence[Call]) -> None:
         """Match the posted ``calls`` with the participants' and issue them."""
+
+    def issued_without_asking(self, calls: Sequence[Call]) -> None:
+        """The posted ``calls`` (each ``fast``) were issued at once: check the peers'
+        descriptions of them when they come."""
 
 
 #: the collectives whose every rank plays the same part, so that a peer's buffer of a name

@@ -4,6 +4,7 @@ the matching (``hoccl._engine`` says how a call flows through it)."""
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any, Callable, Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 from .._buffers import Buffer
@@ -14,12 +15,13 @@ from ..p2p import Executor
 from ..sched import Options, Shape
 from ..sched.select import Choice, Table
 from ..streams import StreamManager
-from .calls import Call, Matcher
+from .calls import Call, Matcher, stream_key
 from .inflight import InFlight
 from .issue import Issuing
 from .memory import DeviceShare, Memory
 from .order import Order
 from .prepared import Preparer
+from .replay import Replay
 from .sequences import Sequences
 from .signals import SignalPad
 
@@ -77,6 +79,7 @@ class Engine(Issuing):
         #: calls issued without asking the peers (``ProcessGroup.complete``)
         self.issued_fast = 0
         self.direct_calls = 0  # eager calls issued as direct kernels on their callers' streams
+        self.replayed = 0  # repeats replayed (``replay``): neither prepared nor matched again
         self.lock = threading.RLock()
         self.inflight = InFlight(self.streams, self.lock)  # enqueued, in call order
         self.closed = False
@@ -242,7 +245,7 @@ class Engine(Issuing):
         # asking (it maps nothing), has its caller fenced now
         exported = group.exported
         if not grouped and exported and (
-                call.prepared.direct or (call.plan.lanes == 1 and not call.captured)):
+                call.prepared.direct or (call.prepared.part.one_lane and not call.captured)):
             call.on_caller = True
         self.enqueue(call, fence=not grouped and (
             not exported or call.prepared.bound_without_asking))
@@ -258,6 +261,66 @@ class Engine(Issuing):
             if fatal(error):
                 self._failed(calls, error)
             raise
+
+    # -- a repeated call: replayed -------------------------------------------------------
+    def replayable(self, call: Call) -> Optional[Replay]:
+        """A ``Replay`` of ``call`` (just submitted alone, and issued) if its repeats can be
+        replayed (``hoccl._engine.replay`` says which); else None."""
+        prepared = call.prepared
+        group = self.group
+        if (call.captured or not call.issued or prepared.program is None
+                or group is None or not group.exported):
+            return None
+        alone = call.plan.participants == (self.rank,)
+        if not alone and (prepared.fast is None or prepared.bound_to is not prepared.fast):
+            return None
+        return Replay(call.name, prepared, stream_key(call.caller), self.layout_epoch,
+                      self.preparer.cache.generation, offers=not alone,
+                      on_caller=call.on_caller)
+
+    def replay(self, replay: Replay, caller: Any, keepalive: Tuple[Any, ...]) -> bool:
+        """Submit a repeat of ``replay``'s call on ``caller`` (``keepalive``: its arrays,
+        held until it has run), as ``submit`` would, less what the repeat needs no more:
+        preparing, binding, matching.  False (nothing done) where the replay no longer
+        holds: the call must then be prepared and submitted in full."""
+        if (stream_key(caller) != replay.caller_key
+                or not replay.valid(self.layout_epoch, self.preparer.cache.generation)):
+            return False
+        prepared = replay.prepared
+        plan = prepared.plan
+        program = prepared.program
+        assert program is not None  # ``valid``
+        sequences = self.sequences
+        call = Call(replay.name, plan, sequences.key(plan), prepared.signature, prepared.local,
+                    prepared.shared, keepalive, caller, self, prepared, fast=prepared.fast)
+        if replay.on_caller:  # ``enqueue``'s part for a call on its caller's stream
+            call.on_caller = call.fenced = True
+            sequences.count(plan, call.key)
+            self.calls += 1
+            call.value = self.calls
+            self.inflight.add(call, self.completed)
+        else:  # bound for peers told without asking: fenced now, as ``submit`` does
+            self.enqueue(call)
+        replay.replays += 1
+        self.replayed += 1
+        group = self.group
+        assert group is not None
+        calls = [call]
+        try:
+            if replay.offers:
+                group.post(calls)
+                call.peers = prepared.fast  # type: ignore[assignment]
+            if replay.on_caller:
+                self.issue_on_caller(call, program, time.monotonic())
+            else:
+                self.issue(calls, imported=True)
+            if replay.offers:
+                group.issued_without_asking(calls)
+        except BaseException as error:
+            if fatal(error):
+                self._failed(calls, error)
+            raise
+        return True
 
     def enqueue(self, call: Call, fence: bool = True) -> None:
         """Number ``call`` and fence the caller's stream on it.  From here the call must

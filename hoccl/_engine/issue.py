@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .._errors import InvalidArgumentError, MismatchError
 from ..p2p import Executor
@@ -86,20 +86,16 @@ class Issuing:
         bases: List[int] = []
         reserve: Optional[List[Tuple[Plan, int]]] = None
         callers: List[Any] = []
-        if first.on_caller:
+        if first.on_caller and not first.captured:
             assert len(calls) == 1, "a call on its caller's stream is never in a group"
-            key = stream_key(first.caller)
-            ordered, streams = self.order.ordered
-            after = value - 1 if value > 1 and not (ordered == value - 1 and key in streams) \
-                else 0
-            direct = first.prepared.direct
-            base = 0 if direct or first.captured else self._base(first)
-            if not first.captured:
-                self.order.ordered = (value, {key})
-                self.order.lanes_after = value
-                if direct:
-                    self.order.direct(value, first.name, first.signature)
-                    self.direct_calls += 1
+            program = bindings[0][0]
+            if program is None:
+                program = self._bind(first, bindings[0][1])
+            self.issue_on_caller(first, program, now)
+            return
+        if first.on_caller:  # captured: one graph node on the caller's stream
+            after = 0
+            base = 0
         elif first.captured:
             callers = callers_of(calls)
         else:
@@ -122,11 +118,7 @@ class Issuing:
         items = []  # (plan, program, base, entry) of each call
         for index, (call, (program, addresses)) in enumerate(zip(calls, bindings)):
             if program is None:
-                assert addresses is not None
-                prepared = call.prepared
-                program = executor.bind(call.plan, addresses, captured=call.captured,
-                                        signature=prepared.digest, program=prepared.compiled)
-                prepared.program, prepared.bound_to = program, call.peers
+                program = self._bind(call, addresses)
             items.append((call.plan, program, bases[index] if bases else 0, call.entry))
         if first.on_caller:
             executor.issue_on_caller(items[0][1], first.caller, value, after, base)
@@ -137,6 +129,39 @@ class Issuing:
                 call.entry = None
         else:
             executor.issue(items, value, after=after, fence=callers, reserve=reserve or ())
+
+    def issue_on_caller(self, call: Call, program: Tuple[tuple, ...], now: float) -> None:
+        """Enqueue eager ``call``'s bound ``program`` on its caller's stream (a direct
+        kernel, or a one-lane plan: ``Executor.issue_on_caller``), with what changes from
+        one call to the next: its signal base (none for a direct kernel, which keeps its
+        own epoch), its completion value, and a wait for the previous call's value where
+        the caller's stream is not known to be ordered after it.  ``issue`` and a replay
+        (``Engine.replay``) both end here."""
+        value = call.value
+        key = stream_key(call.caller)
+        order = self.order
+        ordered, streams = order.ordered
+        after = value - 1 if value > 1 and not (ordered == value - 1 and key in streams) else 0
+        direct = call.prepared.direct
+        base = 0 if direct else self._base(call)
+        order.ordered = (value, {key})
+        order.lanes_after = value
+        if direct:
+            order.direct(value, call.name, call.signature)
+            self.direct_calls += 1
+        self.inflight.issued((call,), now)
+        self.executor.issue_on_caller(program, call.caller, value, after, base)
+
+    def _bind(self, call: Call, addresses: Optional[Dict[Tuple[int, str], Any]]
+              ) -> Tuple[tuple, ...]:
+        """``call``'s program bound to ``addresses`` (``Executor.bind``), kept by its
+        prepared call with the peers it was bound for."""
+        assert addresses is not None
+        prepared = call.prepared
+        program = self.executor.bind(call.plan, addresses, captured=call.captured,
+                                     signature=prepared.digest, program=prepared.compiled)
+        prepared.program, prepared.bound_to = program, call.peers
+        return program
 
     def _base(self, call: Call) -> int:
         """``call``'s signal base (``Sequences.base``)."""

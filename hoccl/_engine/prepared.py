@@ -56,6 +56,9 @@ class CallCache:
     def __init__(self, size: int = PREPARED_CALLS):
         self.size = size
         self._entries: "OrderedDict[Any, Any]" = OrderedDict()
+        #: counts the times it was emptied: a replay of a call prepared before is not
+        #: replayed (``hoccl._engine.replay``)
+        self.generation = 0
 
     def get(self, key: Any) -> Any:
         entry = self._entries.get(key)
@@ -71,6 +74,7 @@ class CallCache:
 
     def clear(self) -> None:
         self._entries.clear()
+        self.generation += 1
 
     def values(self) -> list:
         return list(self._entries.values())
@@ -223,7 +227,8 @@ class Preparer:
                  for spec in plan.buffers[peer]}
         compiled = engine.executor.compile(plan, sms=choice.max_sms)
         return ShapePlan(shape, plan, signature, used, shared, reach, marks_of(compiled),
-                         compiled, choice.max_sms)
+                         compiled, choice.max_sms,
+                         one_lane=len({lane for _, lane, _ in compiled}) <= 1)
 
     def _prepared(self, part: ShapePlan, buffers: Dict[str, Optional[Buffer]],
                   captured: bool, exported: bool) -> PreparedCall:

@@ -47,6 +47,11 @@ class Group(Protocol):
         when the peers' calls arrive (``LocalGroup``).  A disagreement releases the
         participants' calls and raises ``MismatchError``."""
 
+    def issued_without_asking(self, calls: Sequence["Call"]) -> None:
+        """The posted ``calls`` were issued at once, their peers' buffers told without
+        asking (a replay across processes, ``Engine.replay``): check the peers'
+        descriptions of them when they come."""
+
     def withdraw(self, call: "Call") -> None:
         """``call`` will never be issued (its rank closes): forget it."""
 

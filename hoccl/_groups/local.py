@@ -79,6 +79,11 @@ class LocalGroup:
         self._queues[calls[0].engine.rank].append(tuple(calls))
         self._order[calls[0].engine.rank].append(list(calls))
 
+    def issued_without_asking(self, calls: Sequence["Call"]) -> None:
+        """Never so in one process: every call waits for its peers' (``Engine.replay``
+        replays only calls whose peers live in other processes)."""
+        raise AssertionError(f"{calls[0].name}: one process issues no call without asking")
+
     def complete(self, calls: Sequence["Call"]) -> None:
         """Issue what can be issued; refuse ``calls`` if they close a cycle of waits."""
         cycle = self._cycle()  # before issuing: the calls that close a cycle are not issued

@@ -164,9 +164,7 @@ class ProcessGroup(Unasked):
             except MismatchError as error:  # the peers may have issued theirs: diverged
                 raise DivergedError(f"{error}; the peers may have run the call, so the "
                                     f"communicator is aborted") from None
-            for call in calls:
-                self._expect(call)
-            engine.count_issued_fast(len(calls))
+            self.issued_without_asking(calls)
             return
         matching = Matching(calls, self.rank)
         deadline = time.monotonic() + self.timeout
@@ -183,6 +181,13 @@ class ProcessGroup(Unasked):
                 self._issue(matching, ready, deadline)
             else:
                 self._receive(matching, deadline)
+
+    def issued_without_asking(self, calls: Sequence["Call"]) -> None:
+        """The posted ``calls`` (each ``fast``) were issued at once (here, or replayed by
+        their engine): check the peers' descriptions of them when they come."""
+        for call in calls:
+            self._expect(call)
+        calls[0].engine.count_issued_fast(len(calls))
 
     def _issue(self, matching: Matching, ready: List["Call"], deadline: float) -> None:
         """Issue ``ready`` (matched, the first of the calls still waiting) if their

@@ -12,9 +12,11 @@ mismatch  after two calls of an all_reduce, rank 1's third uses buffers of anoth
           size while the others repeat theirs: every rank raises MismatchError, and the
           communicator stays usable (5 exact all_reduces after)
 folds     (one rank a process) 50 repeats of an all_reduce on registered buffers, exact,
-          send no message from the calls themselves (their checks are folded,
-          ``hoccl._groups.folds``, and go as one digest at each synchronize); then rank 1's next repeat sums with max where the
-          others sum with sum: every rank's synchronize raises DivergedError
+          replayed (``hoccl._engine.replay``): no array resolved, no call prepared, no
+          message sent nor any peer's awaited by the calls themselves (their checks are folded,
+          ``hoccl._groups.folds``, and go as one digest at each synchronize); then rank
+          1 replays its all_reduce on other registered buffers where the others replay
+          theirs: every rank's synchronize raises DivergedError
 
 Each rank prints ``rank R: CASE ok ...`` or ``rank R: FAILED ...``; exits 1 on a failure.
 """
@@ -141,23 +143,49 @@ def mismatch(comms, rng) -> str:
 def folds(comms, rng) -> str:
     import threading
 
+    import hoccl._groups.folds
+    import hoccl._groups.matching
+    import hoccl._groups.process
+    from hoccl._engine.prepared import Preparer
     from hoccl._mailbox import Mailboxes
     (comm,) = comms
     n = comm.world_size
-    sent = []
+    engine = comm._engine
+    sent, received, prepared = [], [], []
     calling = [False]
-    original = Mailboxes.send
+    waits = (hoccl._groups.process, hoccl._groups.folds, hoccl._groups.matching)
+    originals = Mailboxes.send, hoccl._groups.process.wait_until, Preparer.call
 
-    def counting(self, *args, **kwargs):  # a call's own sends (not synchronize's)
-        if calling[0] and threading.current_thread() is threading.main_thread():
+    def mine():  # a call's own work (not synchronize's, nor the watchdog's)
+        return calling[0] and threading.current_thread() is threading.main_thread()
+
+    def counting_send(self, *args, **kwargs):
+        if mine():
             sent.append(args[1][0])
-        return original(self, *args, **kwargs)
+        return originals[0](self, *args, **kwargs)
 
-    Mailboxes.send = counting
+    def counting_wait(*args, **kwargs):  # a wait for a peer's message
+        if mine():
+            received.append(args[2] if len(args) > 2 else "wait")
+        return originals[1](*args, **kwargs)
+
+    def counting_prepare(self, *args, **kwargs):
+        if mine():
+            prepared.append(args[0])
+        return originals[2](self, *args, **kwargs)
+
+    Mailboxes.send, Preparer.call = counting_send, counting_prepare
+    for module in waits:
+        module.wait_until = counting_wait
     send, recv = hoccl.empty(1000, "float32", comm), hoccl.empty(1000, "float32", comm)
+    other = hoccl.empty(1000, "float32", comm)
+    for _ in range(2):  # a second call on other buffers, made twice: replayed later
+        comm.all_reduce(send, other)
+    comm.synchronize()
     for repeat in range(52):
-        if repeat == 2:
-            sent.clear()  # the first calls tell the peers their descriptions
+        if repeat == 2:  # the first calls tell the peers their descriptions
+            sent.clear(), received.clear(), prepared.clear()
+            resolved["arrays"], replayed = 0, engine.replayed
         data = [random_array(rng, 1000, "float32") for _ in range(n)]
         send[:] = data[comm.rank]
         recv[:] = poison(1000, "float32")
@@ -168,15 +196,27 @@ def folds(comms, rng) -> str:
             comm.synchronize()
             _close(f"registered all_reduce repeat {repeat}", np.sum(data, 0, dtype=np.float32),
                    recv)
-    if sent:
-        raise AssertionError(f"50 repeated calls sent {len(sent)} message(s): {sent[:5]}")
-    comm.all_reduce(send, recv, "max" if comm.rank == 1 else "sum")
+    comm.synchronize()
+    if sent or received:
+        raise AssertionError(f"50 repeated calls sent {len(sent)} message(s) ({sent[:5]}) "
+                             f"and waited for the peers {len(received)} times")
+    if resolved["arrays"] or prepared or engine.replayed - replayed != 50:
+        raise AssertionError(f"50 repeated calls resolved {resolved['arrays']} arrays, were "
+                             f"prepared {len(prepared)} times and replayed "
+                             f"{engine.replayed - replayed} times; expected 0, 0 and 50")
+    # rank 1 replays its call on other buffers where the others replay theirs: both are
+    # repeats, neither asks; the folds' digests differ at the synchronize
+    replayed = engine.replayed
+    comm.all_reduce(send, other if comm.rank == 1 else recv)
+    if engine.replayed != replayed + 1:
+        raise AssertionError("the diverging repeat was not replayed")
     try:
         comm.synchronize()
     except hoccl.DivergedError as error:
         if not comm.aborted:
             raise AssertionError(f"DivergedError but not aborted: {error}")
-        return f"no message from 50 repeats; DivergedError: {str(error)[:100]}"
+        return (f"no message, no array resolved, no call prepared in 50 replayed repeats; "
+                f"DivergedError: {str(error)[:100]}")
     raise AssertionError("a diverged repeat on registered buffers raised nothing")
 
 
