@@ -121,6 +121,23 @@ def main() -> None:
         device.memops(lane, [(MemOp.WRITE, slot, counter[0]), (MemOp.WAIT, slot, counter[0]),
                              (MemOp.WRITE, slot, counter[0])])
     parts["memops: write, wait, write"] = memops
+
+    def two_writes():  # a call's completion writes, as single calls
+        counter[0] += 1
+        device.memops(lane, [(MemOp.WRITE, slot, counter[0]), (MemOp.WRITE, slot, counter[0])])
+    parts["memops: two writes, single calls"] = two_writes
+    from cuda.bindings import driver as cuda_driver
+
+    from hoccl.backends import cuda as cuda_backend
+    batch = [cuda_backend._memop(MemOp.WRITE, slot) for _ in range(2)]
+
+    def two_writes_batched():  # the same, one cuStreamBatchMemOp of kept structs
+        counter[0] += 1
+        for _, part in batch:
+            part.value64 = counter[0]
+        cuda_driver.cuStreamBatchMemOp(lane, 2, [entry[0] for entry in batch], 0)
+    parts["memops: two writes, one batch (kept)"] = two_writes_batched
+    parts["cuStreamIsCapturing"] = lambda: device.capturing(caller)
     scratch = device.alloc(nbytes)
     parts["cuMemcpyAsync 512 KiB, same GPU"] = lambda: device.copy(lane, scratch, recv.data_ptr(),
                                                                   nbytes // 2)

@@ -29,6 +29,11 @@ A call flows one way, driven from one place (``Engine.submit``)::
   stream: from then on, its later work waits for the call's completion value.  Across
   processes the fence comes in ``issue``, once the peers' buffers are mapped (mapping may
   synchronize the context, which must not happen while a caller waits for the call).
+* ``replay`` (``replay.Replay``): a repeat of a call whose peers' buffers are known
+  without asking, on the same caller's stream, skips ``prepare`` and the matching: the
+  Communicator hands it from the public call (its arguments keyed, ``hoccl._repeats``)
+  to ``Engine.replay``, which numbers it, offers it to the group (folded) and ends in
+  ``issue`` or ``issue_on_caller`` with the bound program.
 * ``issue``: with the peers' buffers known (from the group), check every byte the plan
   touches in a peer's buffer lies inside what that peer registered (once per prepared
   call and peers), then hand the bound program to the executor.  ``release`` completes
@@ -40,8 +45,8 @@ builder change its state only through its methods.  Modules: ``signals`` (the pa
 ``calls`` (a call, its prepared part, and the interfaces ``Matcher`` and ``CallEngine``),
 ``memory`` (scratch, ring, the shared device), ``prepared`` (the preparer and its
 cache), ``sequences`` (matching keys, signal bases), ``inflight`` (the calls in
-flight), ``order`` (what callers' streams and lanes are ordered after), ``issue`` (the
-issue stage), ``engine`` (submitting, numbering, fencing, state, teardown).
+flight), ``order`` (what callers' streams and lanes are ordered after), ``replay`` (a
+repeat's record), ``issue`` (the issue stage), ``engine`` (submitting, numbering, fencing, state, teardown).
 """
 
 from .calls import Call, CallEngine, Matcher, PeerBuffer, PreparedCall, ShapePlan, digest
