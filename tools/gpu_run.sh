@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The device machine's session: GPU tests (one process, and mpirun -np 2), then the
-# benchmarks against NCCL.  Usage: bash tools/gpu_run.sh [tests|profile|bench|overlap|compare|torch|fsdp|hier|hierdiag|final|registered|onegpu|validate|dryrun|quickreg|figures-a|figures-b|figures-c|figures-d|figures-direct|figures-wide|direct|caller|placement|fused|levers|tp|groups|hostcost|verify|all] [pytest args]
+# benchmarks against NCCL.  Usage: bash tools/gpu_run.sh [tests|profile|bench|overlap|compare|torch|fsdp|hier|hierdiag|final|registered|onegpu|validate|dryrun|quickreg|figures-a|figures-b|figures-c|figures-d|figures-direct|figures-wide|direct|caller|placement|fused|levers|tp|groups|hostcost|replay|ucx|verify|all] [pytest args]
 # groups: grouped calls (tests/mpi/run_groups.py) and the fuzzer's short run on the cuda
 # backend, 3 ranks sharing the GPU under mpirun (correctness only: no speed there).
 # hostcost: python -m hoccl.bench.host_cost, world 1 beside torch+NCCL, then 2 ranks.
+# ucx: the mixed job and the mixed bench between simulated hosts over UCX (.wheels).
 # verify: one GPU's correctness checks of the cuda paths: the host cost, grouped calls and
 # the fuzzer (3 ranks), the GPU tier in one process, run_checks under mpirun with 2 and 3
 # ranks, the mixed job across simulated hosts.
@@ -261,6 +262,30 @@ if [ "$what" = verify ]; then
   step mixed-job 70 mpirun -np 4 -x PYTHONPATH -x NCCL_NVLS_ENABLE python3 tests/mpi/run_mixed_job.py
   step gpu-local 150 python3 -m pytest -q -x -p no:cacheprovider --timeout=90 tests/gpu "$@"
 fi
+if [ "$what" = replay ]; then
+  # the replayed repeats on one GPU, in one call: the host cost before (BASELINE) and
+  # after beside NCCL, then the cuda paths they touch checked against numpy (1, 2 and 3
+  # ranks), captured graphs, and the GPU tier
+  MPIRUN3=${MPIRUN/-np 2/-np 3}
+  if [ -d "${BASELINE:-.baseline}/hoccl" ]; then
+    step host-cost-before 100 env PYTHONPATH="$PWD/${BASELINE:-.baseline}:$DEPS" python3 -m \
+      hoccl.bench.host_cost --variants hoccl-registered,hoccl-plain,hoccl-direct \
+      --out "$OUT/host_cost_before"
+  fi
+  step host-cost-1 100 python3 -m hoccl.bench.host_cost --out "$OUT/host_cost"
+  step host-cost-2 100 $MPIRUN python3 -m hoccl.bench.host_cost --variants \
+    hoccl-registered,hoccl-plain,hoccl-direct --out "$OUT/host_cost_2"
+  step replay-1 40 python3 tests/mpi/run_replay.py --backend cuda
+  step replay-2 60 $MPIRUN python3 tests/mpi/run_replay.py --backend cuda
+  step replay-3 60 $MPIRUN3 python3 tests/mpi/run_replay.py --backend cuda
+  step repeats-cuda 50 $MPIRUN python3 tests/mpi/run_repeats.py --backend cuda
+  step capture 60 $MPIRUN python3 tests/mpi/run_capture.py --backend cuda --replays 200
+  step gpu-mpirun 70 $MPIRUN python3 tests/mpi/run_checks.py --backend cuda --counts 0,1,17,100003
+  step gpu-mpirun-3 70 $MPIRUN3 python3 tests/mpi/run_checks.py --backend cuda --counts 0,17,100003
+  step gpu-local 150 python3 -m pytest -q -x -p no:cacheprovider --timeout=90 tests/gpu "$@"
+  step profile-1 40 python3 tools/profile_call.py --registered --burst 50 --iters 1000 \
+    --collective all_reduce
+fi
 if [ "$what" = hostcost ]; then
   # BASELINE (a checkout of an earlier commit, e.g. `git archive COMMIT hoccl | tar -x -C
   # .baseline`): its hoccl variants first, in the same run as this tree's and NCCL's
@@ -277,6 +302,16 @@ if [ "$what" = hostcost ]; then
   step repeats-cuda 90 $MPIRUN python3 tests/mpi/run_repeats.py --backend cuda
   step profile-1 90 python3 tools/profile_call.py --registered --burst 50 --iters 1000 \
     --collective all_reduce
+fi
+if [ "$what" = ucx ]; then
+  # between simulated hosts over UCX (.wheels: ucxx-cu13 and its libraries): the mixed job
+  # (two GPU ranks and two CPU ranks as two hosts) checked, then the mixed bench with the
+  # staged engine over MPI beside UCX and gloo
+  step mixed-ucx 200 mpirun -np 4 -x PYTHONPATH -x NCCL_NVLS_ENABLE -x OMP_NUM_THREADS=4 \
+    python3 tests/mpi/run_mixed_job.py --inter-host ucx --json "$OUT/mixed_ucx.json"
+  step mixed-bench-ucx 240 mpirun -np 4 -x PYTHONPATH -x NCCL_NVLS_ENABLE -x OMP_NUM_THREADS=4 \
+    python3 -m hoccl.bench.mixed --devices cuda,cuda,cpu,cpu --local-size 2 \
+    --inter-host mpi,ucx --sizes 1M,16M,64M,256M --phase-bytes 64M --out "$OUT/mixed_ucx"
 fi
 if [ "$what" = onegpu ]; then
   # one GPU: two ranks under mpirun share it (IPC within one device), which runs every

@@ -33,7 +33,11 @@ import traceback
 from pathlib import Path
 
 import numpy as np
-from mpi4py import MPI
+
+if "ucx" in sys.argv:  # ucxx's UCX libraries before MPI's own copy (hoccl._hierarchy.ucx)
+    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+    import ucxx  # noqa: F401
+from mpi4py import MPI  # noqa: E402
 
 import hoccl
 from hoccl.testing import array_module_for, poison, random_array
@@ -59,12 +63,14 @@ def main():
     parser.add_argument("--schedules", default="GPipe,1F1B",
                         help="pipelining schedules to check (empty: none)")
     parser.add_argument("--json", default="", help="write the results here (rank 0)")
+    parser.add_argument("--inter-host", default="mpi", choices=("mpi", "ucx", "gloo"),
+                        help="the engine between the two hosts")
     args = parser.parse_args()
     world = MPI.COMM_WORLD
     if world.size != 4:
         sys.exit("run_mixed_job.py: run with 4 ranks (mpirun -np 4)")
     on_gpu = world.rank < 2 and not args.cpu_only and hoccl.backends.cuda_device_count() > 0
-    comm = hoccl.init(timeout=120, local_size=2, inter_host="mpi",
+    comm = hoccl.init(timeout=120, local_size=2, inter_host=args.inter_host,
                       intra_host="cuda" if on_gpu else "host")
     if world.rank == 0:
         print(f"mixed job: {comm.describe()}", flush=True)
@@ -90,7 +96,8 @@ def main():
             failures.append(f"p2p bandwidth\n{traceback.format_exc()}")
     comm.close()
     if args.schedules:
-        checked, failed, results["pipelining"] = check_pipelines(on_gpu, args.schedules)
+        checked, failed, results["pipelining"] = check_pipelines(on_gpu, args.schedules,
+                                                                 args.inter_host)
         passed += checked
         failures += failed
     total = passed + len(failures)
@@ -170,7 +177,7 @@ def p2p_bandwidth(comm, on_gpu, sizes):
     return records
 
 
-def check_pipelines(on_gpu, schedules):
+def check_pipelines(on_gpu, schedules, inter_host="mpi"):
     """torch.distributed.pipelining on the "hoccl" backend, a pipeline per local rank (one
     rank per host, so the stages alternate GPU and CPU), against the reference and gloo
     (``run_pipeline.check_schedule``): (passed, failures, results)."""
@@ -193,10 +200,10 @@ def check_pipelines(on_gpu, schedules):
     device = torch.device("cuda", 0) if on_gpu else torch.device("cpu")
     common.use_device(device)
     dist.init_process_group("hoccl", rank=world.rank, world_size=world.size,
-                            pg_options=hoccl.torch.Options(inter_host="mpi"))
+                            pg_options=hoccl.torch.Options(inter_host=inter_host))
     rails = [[0, 2], [1, 3]]
-    group, _ = dist.new_subgroups_by_enumeration(rails, backend="hoccl",
-                                                 pg_options=hoccl.torch.Options(inter_host="mpi"))
+    group, _ = dist.new_subgroups_by_enumeration(
+        rails, backend="hoccl", pg_options=hoccl.torch.Options(inter_host=inter_host))
     gloo, _ = dist.new_subgroups_by_enumeration(rails, backend="gloo")
     exact = not any(world.allgather(on_gpu))
     passed, failures, results = 0, [], []
