@@ -54,4 +54,7 @@ class Replay:
         """Whether nothing it was built from has changed since."""
         prepared = self.prepared
         return (self.epoch == layout_epoch == prepared.epoch and self.generation == generation
-                and prepared.program is not None)
+                and prepared.program is not None
+                # still bound for the peers' buffers told without asking (a call that
+                # asked may have bound it for what its peers described since)
+                and (not self.offers or prepared.bound_to is prepared.fast))
