@@ -418,51 +418,18 @@ class Communicator(CommunicatorApi):
         engine.submit(call, grouped=held is not None)
         if held is not None:
             held.append((self, call))
-        else:
-            replay = engine.replayable(call)
-            if replay is not None:
-                self._repeats.keep_replay(replay)
+        elif (replay := engine.replayable(call)) is not None:
+            self._repeats.keep_replay(replay)
 
     def _replay(self, name: str, replay: Any, args: tuple, kwargs: Dict[str, Any]) -> bool:
-        """A repeat of a call made on the same arguments before, replayed by the engine
-        (``Engine.replay``) where nothing it was built from changed: no argument resolved,
-        nothing prepared or matched again.  False (nothing done): the call goes the whole
-        way, which raises what it must (closed, aborted, inside ``hoccl.group()``, ...)."""
-        engine = self._engine
-        if engine.closed or engine.aborted or engine.error_word.value \
-                or held_calls() is not None:
-            return False
+        """A repeat replayed by the engine (``Engine.replay``); False: nothing done, the
+        call goes the whole way (which raises what it must)."""
         keepalive = args + tuple(kwargs.values()) if kwargs else args
-        device = engine.device
-        device.activate()
-        caller = device.resolve_stream(kwargs.get("stream"), keepalive)
-        if device.capturing(caller):
-            return False
-        return engine.replay(replay, caller, keepalive)
+        return held_calls() is None and self._engine.replay(replay, kwargs.get("stream"),
+                                                            keepalive)
 
     def _refused_call(self, name: str, peer: Any, error: InvalidArgumentError) -> None:
-        """``name`` raised ``error`` before it was made: take its place in this rank's
-        sequence of calls and tell its participants (``Group.refuse``), whose matching
-        calls then end with MismatchError, the communicator usable.  A send or recv to no
-        valid peer has no participants to tell."""
-        engine = self._engine
-        if engine.closed or engine.aborted:
-            return
-        pair: Optional[Tuple[int, int]] = None
-        participants: Sequence[int] = range(self.world_size)
-        if name in ("send", "recv"):
-            try:
-                other = check.rank(name, "peer", peer, self.world_size, other_than=self.rank)
-            except InvalidArgumentError:
-                return
-            pair = (self.rank, other) if name == "send" else (other, self.rank)
-            participants = pair
-        key = engine.skip(pair)
-        try:
-            self._group.refuse(name, key, participants, str(error), self.rank)
-        except HocclError as failure:  # the peers then time out on the call, naming it
-            log.warning("rank %d %s: could not tell the peers of the refused call: %s",
-                        self.rank, name, failure)
+        _refuse(self, name, peer, error)
 
     def _fail(self, calls: List[Call], error: BaseException) -> None:
         """The peers never answered: nothing can be matched up any more."""
@@ -474,6 +441,32 @@ class Communicator(CommunicatorApi):
         else:
             self._health.abort(reason, kind="diverged" if isinstance(error, DivergedError)
                                else "aborted")
+
+
+def _refuse(comm: Communicator, name: str, peer: Any, error: InvalidArgumentError
+            ) -> None:
+    """``name`` raised ``error`` before it was made: take its place in this rank's
+    sequence of calls and tell its participants (``Group.refuse``), whose matching
+    calls then end with MismatchError, the communicator usable.  A send or recv to no
+    valid peer has no participants to tell."""
+    engine = comm._engine
+    if engine.closed or engine.aborted:
+        return
+    pair: Optional[Tuple[int, int]] = None
+    participants: Sequence[int] = range(comm.world_size)
+    if name in ("send", "recv"):
+        try:
+            other = check.rank(name, "peer", peer, comm.world_size, other_than=comm.rank)
+        except InvalidArgumentError:
+            return
+        pair = (comm.rank, other) if name == "send" else (other, comm.rank)
+        participants = pair
+    key = engine.skip(pair)
+    try:
+        comm._group.refuse(name, key, participants, str(error), comm.rank)
+    except HocclError as failure:  # the peers then time out on the call, naming it
+        log.warning("rank %d %s: could not tell the peers of the refused call: %s",
+                    comm.rank, name, failure)
 
 
 def _refuse_held_calls(comm: Communicator) -> None:

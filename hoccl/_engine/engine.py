@@ -278,12 +278,19 @@ class Engine(Issuing):
                       self.preparer.cache.generation, offers=not alone,
                       on_caller=call.on_caller)
 
-    def replay(self, replay: Replay, caller: Any, keepalive: Tuple[Any, ...]) -> bool:
-        """Submit a repeat of ``replay``'s call on ``caller`` (``keepalive``: its arrays,
-        held until it has run), as ``submit`` would, less what the repeat needs no more:
-        preparing, binding, matching.  False (nothing done) where the replay no longer
-        holds: the call must then be prepared and submitted in full."""
-        if (stream_key(caller) != replay.caller_key
+    def replay(self, replay: Replay, stream: Any, keepalive: Tuple[Any, ...]) -> bool:
+        """Submit a repeat of ``replay``'s call on ``stream`` (the caller's, as the public
+        call takes it; ``keepalive``: its arguments, held until it has run), as ``submit``
+        would, less what the repeat needs no more: preparing, binding, matching.  False
+        (nothing done) where the replay no longer holds, or the communicator cannot take
+        calls (closed, aborted, a direct kernel's divergence found), or the stream is
+        being captured: the call must then go the whole way, which raises what it must."""
+        if self.closed or self.aborted or self.error_word.value:
+            return False
+        device = self.device
+        device.activate()
+        caller = device.resolve_stream(stream, keepalive)
+        if (stream_key(caller) != replay.caller_key or device.capturing(caller)
                 or not replay.valid(self.layout_epoch, self.preparer.cache.generation)):
             return False
         prepared = replay.prepared
