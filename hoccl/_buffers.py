@@ -110,7 +110,7 @@ def repeat_key(array: Any) -> Any:
     same verdicts), so a call repeated on such arrays needs no resolution
     (``hoccl._api``).  None where the array's answer could change without its key
     changing (a torch tensor that requires grad: grad mode decides) or where the kind is
-    not read cheaply (array interfaces, DLPack): those calls resolve every time."""
+    not read cheaply (other array interfaces, DLPack): those calls resolve every time."""
     kind = type(array)
     if kind is np.ndarray:
         flags = array.flags
@@ -122,6 +122,10 @@ def repeat_key(array: Any) -> Any:
             return None
         return (torch.Tensor, array.data_ptr(), array.numel(), array.dtype, array.device,
                 array.layout, array.is_contiguous())
+    cupy = sys.modules.get("cupy")
+    if cupy is not None and kind is cupy.ndarray:  # always writable
+        return (kind, array.data.ptr, array.size, array.dtype, array.device.id,
+                array.flags.c_contiguous)
     return None
 
 

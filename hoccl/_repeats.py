@@ -11,8 +11,9 @@ shape and those buffers, on its own arrays, and goes straight to the communicato
 ``_run``: no array is resolved again.  A torch tensor from the caching allocator at the
 same address, of the same size and dtype, is a repeat, as a registered buffer is.
 
-What a key cannot tell is left to the full checks: arrays that are not numpy arrays or
-torch tensors, and torch tensors that require grad (grad mode decides their verdict).
+What a key cannot tell is left to the full checks: arrays that are not numpy arrays,
+torch tensors or cupy arrays, and torch tensors that require grad (grad mode decides
+their verdict).
 The stream is not part of the key: every call resolves its own (``_run``).
 
 The cache holds at most ``REPEATS`` argument lists a communicator, the oldest going first.
