@@ -277,6 +277,7 @@ if [ "$what" = replay ]; then
     hoccl-registered,hoccl-plain,hoccl-direct --out "$OUT/host_cost_2"
   step replay-1 40 python3 tests/mpi/run_replay.py --backend cuda
   step replay-2 60 $MPIRUN python3 tests/mpi/run_replay.py --backend cuda
+  [ "${REPLAY_QUICK:-0}" = 1 ] && BUDGET=$SECONDS  # the host cost and the replays only
   step replay-3 60 $MPIRUN3 python3 tests/mpi/run_replay.py --backend cuda
   step repeats-cuda 50 $MPIRUN python3 tests/mpi/run_repeats.py --backend cuda
   step capture 60 $MPIRUN python3 tests/mpi/run_capture.py --backend cuda --replays 200
