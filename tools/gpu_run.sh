@@ -17,6 +17,9 @@
 # compare: hoccl at 1 MiB and 1 GiB from this tree and from BASELINE (a checkout of an
 # earlier commit, e.g. made with `git archive COMMIT | tar -x -C .baseline`), with NCCL,
 # in one run.
+# What the machine lacks travels in the call's carry: `bash tools/device_carry.sh` puts
+# the wheels hoccl.bench needs (and, with --ucx, UCX's) in .wheels and, with --baseline
+# REV, an earlier tree in .baseline.
 # Logs and JSON go to $OUT (default ./gpu-out), and all of it into $OUT/gpu-run.tgz as
 # well (the device tool brings back only a few files per call); a summary is printed last.
 # The run keeps to GPU_RUN_BUDGET seconds (default 570, under the device tool's 600 s per
