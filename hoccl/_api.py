@@ -64,7 +64,6 @@ def _refusable(method: _Method) -> _Method:
             finally:
                 repeats.pending = None
         except InvalidArgumentError as error:
-            repeats.current = None
             if not getattr(error, "made", False):
                 peer = kwargs.get("peer", args[1] if len(args) > 1 else None)
                 self._refused_call(name, peer, error)

@@ -4,23 +4,15 @@ and taken the full path again after a change of caller stream, options or window
 inside ``hoccl.group()``
 (``tests/mpi/run_replay.py``)."""
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from test_mpi import MPI_ENV, _mpiexec
+from test_mpi import _mpiexec
+from test_repeated_calls import _run
 
 SCRIPT = Path(__file__).parent / "mpi" / "run_replay.py"
-ROOT = str(Path(__file__).resolve().parents[1])
-
-
-def _run(command):
-    env = {**os.environ, **MPI_ENV, "PYTHONPATH": ROOT}
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
-    return result.returncode, result.stdout + result.stderr
 
 
 def test_replays_at_world_one():

@@ -265,19 +265,23 @@ if [ "$what" = verify ]; then
   step mixed-job 70 mpirun -np 4 -x PYTHONPATH -x NCCL_NVLS_ENABLE python3 tests/mpi/run_mixed_job.py
   step gpu-local 150 python3 -m pytest -q -x -p no:cacheprovider --timeout=90 tests/gpu "$@"
 fi
+host_cost_steps() {  # host_cost_steps LIMIT: python -m hoccl.bench.host_cost, world 1 beside
+  # NCCL, then 2 ranks; first BASELINE's hoccl variants (a checkout of an earlier commit,
+  # e.g. `bash tools/device_carry.sh --baseline COMMIT`), in the same run
+  local limit=$1 variants=hoccl-registered,hoccl-plain,hoccl-direct
+  if [ -d "${BASELINE:-.baseline}/hoccl" ]; then
+    step host-cost-before "$limit" env PYTHONPATH="$PWD/${BASELINE:-.baseline}:$DEPS" \
+      python3 -m hoccl.bench.host_cost --variants $variants --out "$OUT/host_cost_before"
+  fi
+  step host-cost-1 "$limit" python3 -m hoccl.bench.host_cost --out "$OUT/host_cost"
+  step host-cost-2 "$limit" $MPIRUN python3 -m hoccl.bench.host_cost --variants $variants \
+    --out "$OUT/host_cost_2"
+}
 if [ "$what" = replay ]; then
   # the replayed repeats on one GPU, in one call: the host cost before (BASELINE) and
   # after beside NCCL, then the cuda paths they touch checked against numpy (1, 2 and 3
   # ranks), captured graphs, and the GPU tier
-  MPIRUN3=${MPIRUN/-np 2/-np 3}
-  if [ -d "${BASELINE:-.baseline}/hoccl" ]; then
-    step host-cost-before 100 env PYTHONPATH="$PWD/${BASELINE:-.baseline}:$DEPS" python3 -m \
-      hoccl.bench.host_cost --variants hoccl-registered,hoccl-plain,hoccl-direct \
-      --out "$OUT/host_cost_before"
-  fi
-  step host-cost-1 100 python3 -m hoccl.bench.host_cost --out "$OUT/host_cost"
-  step host-cost-2 100 $MPIRUN python3 -m hoccl.bench.host_cost --variants \
-    hoccl-registered,hoccl-plain,hoccl-direct --out "$OUT/host_cost_2"
+  host_cost_steps 100
   step replay-1 40 python3 tests/mpi/run_replay.py --backend cuda
   step replay-2 60 $MPIRUN python3 tests/mpi/run_replay.py --backend cuda
   [ "${REPLAY_QUICK:-0}" = 1 ] && BUDGET=$SECONDS  # the host cost and the replays only
@@ -291,16 +295,7 @@ if [ "$what" = replay ]; then
     --collective all_reduce
 fi
 if [ "$what" = hostcost ]; then
-  # BASELINE (a checkout of an earlier commit, e.g. `git archive COMMIT hoccl | tar -x -C
-  # .baseline`): its hoccl variants first, in the same run as this tree's and NCCL's
-  if [ -d "${BASELINE:-.baseline}/hoccl" ]; then
-    step host-cost-before 150 env PYTHONPATH="$PWD/${BASELINE:-.baseline}:$DEPS" python3 -m \
-      hoccl.bench.host_cost --variants hoccl-registered,hoccl-plain,hoccl-direct \
-      --out "$OUT/host_cost_before"
-  fi
-  step host-cost-1 150 python3 -m hoccl.bench.host_cost --out "$OUT/host_cost"
-  step host-cost-2 150 $MPIRUN python3 -m hoccl.bench.host_cost --variants \
-    hoccl-registered,hoccl-plain,hoccl-direct --out "$OUT/host_cost_2"
+  host_cost_steps 150
   # the replayed repeats stay exact (registered, one-lane and lanes, direct) and their
   # mismatches still raise on every rank
   step repeats-cuda 90 $MPIRUN python3 tests/mpi/run_repeats.py --backend cuda

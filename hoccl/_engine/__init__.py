@@ -46,7 +46,8 @@ builder change its state only through its methods.  Modules: ``signals`` (the pa
 ``memory`` (scratch, ring, the shared device), ``prepared`` (the preparer and its
 cache), ``sequences`` (matching keys, signal bases), ``inflight`` (the calls in
 flight), ``order`` (what callers' streams and lanes are ordered after), ``replay`` (a
-repeat's record), ``issue`` (the issue stage), ``engine`` (submitting, numbering, fencing, state, teardown).
+repeat's record), ``issue`` (the issue stage), ``engine`` (submitting, replaying,
+numbering, fencing, state, teardown).
 """
 
 from .calls import Call, CallEngine, Matcher, PeerBuffer, PreparedCall, ShapePlan, digest

@@ -274,7 +274,7 @@ class Engine(Issuing):
         alone = call.plan.participants == (self.rank,)
         if not alone and (prepared.fast is None or prepared.bound_to is not prepared.fast):
             return None
-        return Replay(call.name, prepared, stream_key(call.caller), self.layout_epoch,
+        return Replay(call.name, prepared, stream_key(call.caller),
                       self.preparer.cache.generation, offers=not alone,
                       on_caller=call.on_caller)
 
@@ -299,16 +299,10 @@ class Engine(Issuing):
         assert program is not None  # ``valid``
         sequences = self.sequences
         call = Call(replay.name, plan, sequences.key(plan), prepared.signature, prepared.local,
-                    prepared.shared, keepalive, caller, self, prepared, fast=prepared.fast)
-        if replay.on_caller:  # ``enqueue``'s part for a call on its caller's stream
-            call.on_caller = call.fenced = True
-            sequences.count(plan, call.key)
-            self.calls += 1
-            call.value = self.calls
-            self.inflight.add(call, self.completed)
-        else:  # bound for peers told without asking: fenced now, as ``submit`` does
-            self.enqueue(call)
-        replay.replays += 1
+                    prepared.shared, keepalive, caller, self, prepared,
+                    on_caller=replay.on_caller, fast=prepared.fast)
+        # on the lanes: bound for peers told without asking, so fenced now, as ``submit`` does
+        self.enqueue(call)
         self.replayed += 1
         group = self.group
         assert group is not None

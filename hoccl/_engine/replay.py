@@ -15,11 +15,12 @@ What may be replayed, stated once: an eager call (not captured, not in a
 bound for peers' buffers this rank knows without asking (none: world 1; registered
 windows; the direct kernels' rings), on the caller's stream it was built on.  One that
 runs on its caller's stream (one lane, or a direct kernel) is the shortest: its steps
-and completion go on that stream; one on the lanes is fenced and issued there.  A call with peers
-still offers itself to them as every call issued without asking does (its description
-folded, ``hoccl._groups.folds``): a mismatch is found by the same checks, within the
-same timeout, on every rank.  A replay is dropped when what it was built from changes:
-the engine's memory layout (``Engine.layout_epoch``), its prepared calls (options,
+and completion go on that stream; one on the lanes is fenced and issued there.  A call
+with peers still offers itself to them as every call issued without asking does (its
+description folded, ``hoccl._groups.folds``): a mismatch is found by the same checks,
+within the same timeout, on every rank.  A replay is dropped when what it was built from changes:
+the engine's memory layout (``Engine.layout_epoch`` past its prepared call's
+``epoch``), its prepared calls (options,
 tuning: ``CallCache.generation``), the caller's stream, or the communicator's state.
 """
 
@@ -41,19 +42,17 @@ class Replay:
     name: str
     prepared: PreparedCall
     caller_key: Any
-    #: ``Engine.layout_epoch`` and the cache's generation when it was built
-    epoch: int
+    #: the cache's generation when it was built (the layout's is its prepared call's epoch)
     generation: int
     #: its peers are offered each call (folded): the group's ``post``
     offers: bool
     #: it runs on its caller's stream (``Executor.issue_on_caller``), else on the lanes
     on_caller: bool
-    replays: int = 0           # calls that went this way
 
     def valid(self, layout_epoch: int, generation: int) -> bool:
         """Whether nothing it was built from has changed since."""
         prepared = self.prepared
-        return (self.epoch == layout_epoch == prepared.epoch and self.generation == generation
+        return (prepared.epoch == layout_epoch and self.generation == generation
                 and prepared.program is not None
                 # still bound for the peers' buffers told without asking (a call that
                 # asked may have bound it for what its peers described since)
