@@ -6,7 +6,8 @@
 # so the UCX wheels (51 MB) and a baseline may not fit in one call.
 #   bash tools/device_carry.sh                 # humanfriendly and tqdm (hoccl.bench needs them)
 #   bash tools/device_carry.sh --ucx           # and ucxx-cu13 with its libraries (no rmm)
-#   bash tools/device_carry.sh --baseline REV  # and REV's hoccl package in .baseline
+#   bash tools/device_carry.sh --baseline REV  # and REV's hoccl package in .baseline (with
+#                                              # this tree's hoccl/bench/host_cost.py if it lacks one)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 wheels=(humanfriendly tqdm)
@@ -25,5 +26,7 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
   --platform manylinux_2_28_x86_64 -d .wheels "${wheels[@]}"
 if [ -n "$baseline" ]; then
   rm -rf .baseline && mkdir .baseline && git archive "$baseline" hoccl | tar -x -C .baseline
+  # a tree older than the host-cost benchmark is measured by this tree's benchmark module
+  [ -f .baseline/hoccl/bench/host_cost.py ] || cp hoccl/bench/host_cost.py .baseline/hoccl/bench/
 fi
 du -sh .wheels ${baseline:+.baseline}
