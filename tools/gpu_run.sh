@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The device machine's session: GPU tests (one process, and mpirun -np 2), then the
-# benchmarks against NCCL.  Usage: bash tools/gpu_run.sh [tests|profile|bench|overlap|compare|torch|fsdp|hier|hierdiag|final|registered|onegpu|validate|dryrun|quickreg|figures-a|figures-b|figures-c|figures-d|figures-direct|figures-wide|direct|caller|placement|fused|levers|tp|groups|hostcost|replay|ucx|verify|all] [pytest args]
+# benchmarks against NCCL.  Usage: bash tools/gpu_run.sh [tests|profile|bench|overlap|compare|torch|fsdp|hier|hierdiag|final|registered|onegpu|validate|dryrun|quickreg|figures-a|figures-b|figures-c|figures-d|figures-direct|figures-wide|direct|caller|placement|fused|levers|tp|groups|hostcost|replay|shrink|ucx|verify|all] [pytest args]
 # groups: grouped calls (tests/mpi/run_groups.py) and the fuzzer's short run on the cuda
 # backend, 3 ranks sharing the GPU under mpirun (correctness only: no speed there).
 # hostcost: python -m hoccl.bench.host_cost, world 1 beside torch+NCCL, then 2 ranks.
+# shrink: dist.shrink_group on the cuda backend, three workers of a store launch.
 # ucx: the mixed job and the mixed bench between simulated hosts over UCX (.wheels).
 # verify: one GPU's correctness checks of the cuda paths: the host cost, grouped calls and
 # the fuzzer (3 ranks), the GPU tier in one process, run_checks under mpirun with 2 and 3
@@ -301,6 +302,13 @@ if [ "$what" = hostcost ]; then
   step repeats-cuda 90 $MPIRUN python3 tests/mpi/run_repeats.py --backend cuda
   step profile-1 90 python3 tools/profile_call.py --registered --burst 50 --iters 1000 \
     --collective all_reduce
+fi
+if [ "$what" = shrink ]; then
+  # dist.shrink_group on the cuda backend: three workers of a store launch (torchrun's
+  # agent store) sharing the GPU, the victim last, first, killed mid-call, and twice over;
+  # survivors check 20 all_reduces, DDP and FSDP2 on the shrunk group (SHRINK_RUNS each)
+  step shrink-cuda 300 python3 tools/shrink_times.py --device cuda --runs ${SHRINK_RUNS:-2} \
+    --json "$OUT/shrink_cuda.json"
 fi
 if [ "$what" = ucx ]; then
   # between simulated hosts over UCX (.wheels: ucxx-cu13 and its libraries): the mixed job

@@ -9,7 +9,9 @@ victim went (its own clock stamp), the seconds until its call raised, until shri
 ``dist.shrink_group``) returned and until its first exact all_reduce on the new
 communicator; a run counts its slowest survivor.  Prints per scenario the median and the
 range over the runs.  The scenarios on simulated hosts set ``HOCCL_LOCAL_SIZE``;
-``--only`` keeps the scenarios whose label holds TEXT.
+``--only`` keeps the scenarios whose label holds TEXT.  ``--device cuda``: the torch
+scenarios of ``CUDA_SCENARIOS`` on hoccl's cuda backend, three workers sharing the
+machine's GPUs (one GPU: all three on it).
 """
 
 import argparse
@@ -53,6 +55,15 @@ SCENARIOS = [
     ("2 simulated hosts: rank 0 exited between calls", "torch", 4, ["--victims", "0"],
      HOSTS, 1),
 ]
+#: the torch scenarios on the cuda backend: three workers, the victim last, first, in the
+#: middle killed mid-call, and two failures one after the other
+CUDA_SCENARIOS = [
+    ("exited between calls", "torch", 3, ["--victims", "2"], {}, 1),
+    ("exited between calls (rank 0)", "torch", 3, ["--victims", "0"], {}, 1),
+    ("SIGKILL during a 32 MiB all_reduce, SHRINK_ABORT", "torch", 3,
+     ["--victims", "1", "--how", "kill", "--abort"], {}, 1),
+    ("rank 1 exited, then rank 2 (two shrinks)", "torch", 3, ["--victims", "1,2"], {}, 2),
+]
 
 
 def _env(extra):
@@ -95,11 +106,16 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--only", default="")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     args = parser.parse_args()
+    scenarios = SCENARIOS
+    if args.device == "cuda":
+        scenarios = [(label, launcher, ranks, [*arguments, "--device", "cuda"], extra, lost)
+                     for label, launcher, ranks, arguments, extra, lost in CUDA_SCENARIOS]
     rows = []
     print(f"{'what went':<50} {'launch':<8} {'ranks':>5}  {'error s':>17}  {'shrunk s':>17}  "
           f"{'first exact s':>17}")
-    for label, launcher, ranks, arguments, extra, lost in SCENARIOS:
+    for label, launcher, ranks, arguments, extra, lost in scenarios:
         if args.only not in label:
             continue
         runs = []
@@ -117,7 +133,8 @@ def main() -> None:
         cells = [f"{statistics.median(c):.3f} ({min(c):.2f}-{max(c):.2f})" for c in columns]
         print(f"{label:<50} {launcher:<8} {ranks:>5}  {cells[0]:>17}  {cells[1]:>17}  "
               f"{cells[2]:>17}")
-        rows.append(dict(what=label, launch=launcher, ranks=ranks, runs=len(runs),
+        rows.append(dict(what=label, launch=launcher, ranks=ranks, device=args.device,
+                         runs=len(runs),
                          error=columns[0], shrunk=columns[1], first=columns[2]))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

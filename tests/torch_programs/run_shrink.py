@@ -2,7 +2,8 @@
 torch's env:// rendezvous on a store no worker hosts (torchrun's agent store:
 ``TORCHELASTIC_USE_AGENT_STORE=True``): ``python run_shrink.py --victims R[,R2] --how
 exit|kill [--abort] [--subgroup] --stamps DIR``, with RANK, WORLD_SIZE, MASTER_ADDR and
-MASTER_PORT set.
+MASTER_PORT set; ``--device cuda``: hoccl's cuda backend, tensors and models on the
+rank's GPU (every rank on ``cuda:LOCAL_RANK % devices``; ranks may share one).
 
 After three exact all_reduces, the first victim goes: ``exit`` between two calls
 (os._exit), or ``kill``: SIGKILL while a 32 MiB all_reduce of every rank is in flight.
@@ -35,6 +36,7 @@ import hoccl.torch
 
 BIG = 8 << 20  # int32 elements: 32 MiB
 STEPS = 3  # SGD steps of DDP and of FSDP2 on a shrunk group
+DEVICE = torch.device("cpu")  # where tensors and models live (``--device``)
 
 
 def exact_all_reduce(group, seed):
@@ -43,9 +45,9 @@ def exact_all_reduce(group, seed):
     draw = [torch.randint(-1 << 40, 1 << 40, (3001,), dtype=torch.int64,
                           generator=torch.Generator().manual_seed(seed * 1000 + peer))
             for peer in range(size)]
-    tensor = draw[rank].clone()
+    tensor = draw[rank].clone().to(DEVICE)
     dist.all_reduce(tensor, group=group)
-    return bool(torch.equal(tensor, sum(draw)))
+    return bool(torch.equal(tensor.cpu(), sum(draw)))
 
 
 def make_model(seed):
@@ -90,9 +92,10 @@ def training_is_right(group, seed):
     from torch.distributed.tensor import DTensor
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     want_losses, want_parameters = reference(seed, size)
-    ddp = torch.nn.parallel.DistributedDataParallel(make_model(seed), process_group=group)
-    sharded = make_model(seed)
-    mesh = DeviceMesh.from_group(group, "cpu")
+    ddp = torch.nn.parallel.DistributedDataParallel(make_model(seed).to(DEVICE),
+                                                    process_group=group)
+    sharded = make_model(seed).to(DEVICE)
+    mesh = DeviceMesh.from_group(group, DEVICE.type)
     for layer in sharded:
         if isinstance(layer, torch.nn.Linear):
             fully_shard(layer, mesh=mesh)
@@ -102,12 +105,12 @@ def training_is_right(group, seed):
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         losses = []
         for step in range(STEPS):
-            loss = loss_of(model, *batch(seed + step, rank))
+            loss = loss_of(model, *(t.to(DEVICE) for t in batch(seed + step, rank)))
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()
             losses.append(loss.item())
-        parameters = [(p.full_tensor() if isinstance(p, DTensor) else p).detach()
+        parameters = [(p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu()
                       for p in model.parameters()]
         close = all(abs(got - want[rank]) <= 1e-12 * max(1.0, abs(want[rank]))
                     for got, want in zip(losses, want_losses))
@@ -121,7 +124,7 @@ def training_is_right(group, seed):
 def go(how, group, stamps, rank):
     stamp = Path(stamps) / f"victim-{rank}"
     if how == "kill":
-        big = torch.ones(BIG, dtype=torch.int32)
+        big = torch.ones(BIG, dtype=torch.int32, device=DEVICE)
         dist.all_reduce(big, group=group, async_op=True)  # in flight when the process dies
         time.sleep(0.05)
         stamp.write_text(repr(time.time()))
@@ -135,7 +138,7 @@ def survive(how, group, stamps, victim, named, flags, seed):
     error = None
     try:
         if how == "kill":
-            big = torch.ones(BIG, dtype=torch.int32)
+            big = torch.ones(BIG, dtype=torch.int32, device=DEVICE)
             dist.all_reduce(big, group=group)
         for index in range(100):  # the victim goes between two of these
             exact_all_reduce(group, seed + index)
@@ -172,11 +175,17 @@ def main():
     parser.add_argument("--stamps", required=True)
     parser.add_argument("--inter-host", default=None, choices=["ucx", "hoccl"],
                         help="the engine between simulated hosts (HOCCL_LOCAL_SIZE)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     args = parser.parse_args()
+    global DEVICE
+    if args.device == "cuda":
+        DEVICE = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))
+                              % torch.cuda.device_count())
+        torch.cuda.set_device(DEVICE)
     victims = [int(rank) for rank in args.victims.split(",")]
     flags = c10d.SHRINK_ABORT if args.abort else c10d.SHRINK_DEFAULT
     dist.init_process_group("hoccl", pg_options=hoccl.torch.Options(
-        backend="host", inter_host=args.inter_host))
+        backend="cuda" if args.device == "cuda" else "host", inter_host=args.inter_host))
     rank, size = dist.get_rank(), dist.get_world_size()
     if args.inter_host:
         engine = hoccl.torch.communicator(dist.group.WORLD).describe()["inter_host"]
