@@ -318,7 +318,14 @@ if [ "$what" = ucx ]; then
     python3 tests/mpi/run_mixed_job.py --inter-host ucx --json "$OUT/mixed_ucx.json"
   step mixed-bench-ucx 240 mpirun -np 4 -x PYTHONPATH -x NCCL_NVLS_ENABLE -x OMP_NUM_THREADS=4 \
     python3 -m hoccl.bench.mixed --devices cuda,cuda,cpu,cpu --local-size 2 \
-    --inter-host mpi,ucx --sizes 1M,16M,64M,256M --phase-bytes 64M --out "$OUT/mixed_ucx"
+    --inter-host mpi,ucx --sizes ${UCX_SIZES:-1M,16M,64M,256M,1G} --phase-bytes 64M --iters 3 \
+    --out "$OUT/mixed_ucx"
+  # two GPU ranks as two hosts: UCX between them (cuda_ipc) beside a copy of the same bytes
+  # on the device
+  step gpu-hosts-ucx 150 mpirun -np 2 -x PYTHONPATH -x NCCL_NVLS_ENABLE \
+    python3 -m hoccl.bench.mixed --devices cuda --local-size 1 --inter-host ucx \
+    --libraries hoccl,copy --sizes ${UCX_SIZES:-1M,16M,64M,256M,1G} --phase-bytes 64M \
+    --out "$OUT/gpu_hosts_ucx"
 fi
 if [ "$what" = onegpu ]; then
   # one GPU: two ranks under mpirun share it (IPC within one device), which runs every

@@ -73,7 +73,10 @@ def arguments(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--dtype", default="float32", help="numpy / torch dtype name")
     parser.add_argument("--iters", type=int, default=5, help="timed calls per measurement")
     parser.add_argument("--warmup", type=int, default=1, help="untimed calls first")
-    parser.add_argument("--libraries", default="hoccl,gloo", help="hoccl, gloo")
+    parser.add_argument("--libraries", default="hoccl,gloo",
+                        help="hoccl, gloo, copy (sendrecv only: each rank copies its own "
+                             "tensor into its output on its device, the same bytes as a "
+                             "sendrecv moves: the floor a transfer between hosts is held to)")
     parser.add_argument("--host-memory", choices=("plain", "shared", "both"), default="plain",
                         help="the CPU ranks' tensors: plain (torch's own), shared "
                              "(hoccl.host_empty: the peers on this machine map them), or both "
@@ -231,6 +234,10 @@ def _pair_caller(library: str, handle: Any, pair: Tuple[int, int]
     flight together: one ``hoccl.group()``, or gloo's ``send`` and ``recv`` posted before
     either is waited for."""
     to, source = pair
+    if library == "copy":
+        def device_copy(send: Any, recv: Any) -> None:
+            recv.copy_(send)
+        return device_copy
     if library == "gloo":
         def gloo_sendrecv(send: Any, recv: Any) -> None:
             works = [handle.send([send], to, 0), handle.recv([recv], source, 0)]
@@ -275,7 +282,8 @@ def measure(job: Job, library: str, handle: Any, collective: str, nbytes: int,
     call = _caller(library, handle, collective, pair)
     record: Dict[str, Any] = dict(collective=collective, bytes=nbytes,
                                   library=library + (" shared" if shared else ""))
-    want = expected(collective, job.world_size, send_count, dtype, pair[1])
+    want = (pattern(job.rank, send_count, dtype) if library == "copy"
+            else expected(collective, job.world_size, send_count, dtype, pair[1]))
     if library == "gloo" and collective == "sendrecv" and job.kind == "cuda":
         # gloo's send and recv take a tensor's pointer as host memory, whatever its device
         call, record["staged"] = _staged(call), True
@@ -481,7 +489,7 @@ def sweep(job: Job, comm: Any, others: Optional[Dict[str, Any]] = None) -> Dict[
     args = job.args
     sizes = [parse_size(text) for text in args.sizes.split(",")]
     wanted = args.libraries.split(",")
-    handles = {"hoccl": comm, "gloo": job.gloo() if "gloo" in wanted else None}
+    handles = {"hoccl": comm, "gloo": job.gloo() if "gloo" in wanted else None, "copy": None}
     for engine, other in (others or {}).items():
         handles[f"hoccl {engine}"] = other
     if "hoccl" in wanted:
@@ -494,7 +502,8 @@ def sweep(job: Job, comm: Any, others: Optional[Dict[str, Any]] = None) -> Dict[
             for shared in ((False, True) if library.startswith("hoccl")
                            and args.host_memory == "both" else (args.host_memory == "shared",))]
     records = [measure(job, library, handles[library], collective, nbytes, args.dtype, shared)
-               for collective in MEASURED for nbytes in sizes for library, shared in runs]
+               for collective in MEASURED for nbytes in sizes for library, shared in runs
+               if library != "copy" or collective == "sendrecv"]
     phase_bytes = parse_size(args.phase_bytes)
     study_shared = args.host_memory != "plain"
     study = (phase_study(job, comm, phase_bytes, args.dtype, study_shared)
