@@ -35,6 +35,8 @@ DEPS=/tmp/hoccl-deps
 if ls .wheels/*.whl >/dev/null 2>&1 && [ ! -d "$DEPS/nccl" ]; then
   python3 -m pip install -q --no-index --no-deps --target "$DEPS" .wheels/*.whl > "$OUT/pip.log" 2>&1
 fi
+# wheels installed and packed here (tools/device_carry.sh --ucx: UCX's, without headers)
+[ -f .wheels/site.tar.xz ] && mkdir -p "$DEPS" && tar xJf .wheels/site.tar.xz -C "$DEPS"
 export PYTHONPATH=$PWD:$DEPS
 MPIRUN="mpirun -np 2 -x PYTHONPATH -x NCCL_NVLS_ENABLE -x TORCH_SYMM_MEM_DISABLE_MULTICAST -x NVSHMEM_DISABLE_NVLS"
 summary=()
