@@ -29,7 +29,7 @@
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
-OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
+OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
 what=${1:-all}; shift || true
 DEPS=/tmp/hoccl-deps
 if ls .wheels/*.whl >/dev/null 2>&1 && [ ! -d "$DEPS/nccl" ]; then
@@ -272,8 +272,10 @@ host_cost_steps() {  # host_cost_steps LIMIT: python -m hoccl.bench.host_cost, w
   # NCCL, then 2 ranks; first BASELINE's hoccl variants (a checkout of an earlier commit,
   # e.g. `bash tools/device_carry.sh --baseline COMMIT`), in the same run
   local limit=$1 variants=hoccl-registered,hoccl-plain,hoccl-direct
-  if [ -d "${BASELINE:-.baseline}/hoccl" ]; then
-    step host-cost-before "$limit" env PYTHONPATH="$PWD/${BASELINE:-.baseline}:$DEPS" \
+  local base=${BASELINE:-.baseline}
+  if [ -d "$base/hoccl" ]; then  # run in it: python -m puts the working directory first
+    base=$(cd "$base" && pwd)
+    step host-cost-before "$limit" env -C "$base" PYTHONPATH="$base:$DEPS" \
       python3 -m hoccl.bench.host_cost --variants $variants --out "$OUT/host_cost_before"
   fi
   step host-cost-1 "$limit" python3 -m hoccl.bench.host_cost --out "$OUT/host_cost"

@@ -5,9 +5,10 @@ makes all_gather, reduce_scatter, all_reduce (in place and out of place) and all
 six times each on the same buffers, registered (``hoccl.empty``) and plain, with fresh
 random values and outputs poisoned before each call; each output is compared with
 numpy's.  Calls that may be replayed (every call at world 1; across processes, registered
-buffers of these symmetric collectives, and reduce_scatter, whose peers write only into
-this rank's scratch) are counted as replayed from their second or third call on, the
-others never.  Then what a replay was built from changes, and the next call
+buffers of these symmetric collectives, and plain buffers where the plan the backend
+chose touches no peer buffer but its scratch: a pushed reduce_scatter, a one-shot
+all_reduce) are counted as replayed from their second or third call on, the others
+never.  Then what a replay was built from changes, and the next call
 goes the full path (prepared afresh) and stays exact, its repeats replayed again: another
 caller stream, new options (``set_options``), a newly registered window; and a call
 inside ``hoccl.group()``, which is never replayed.
@@ -23,18 +24,28 @@ import numpy as np
 
 import hoccl
 from hoccl._engine.prepared import Preparer
+from hoccl.sched.plan import RING
 from hoccl.testing import array_module_for, assert_exact, expected, poison, random_array
 
 COUNT = 96  # elements of each rank's block: float32
 CALLS = 6
 
 prepared = [0]
+last = [None]  # the last prepared call
 _call = Preparer.call
 
 
 def _counting(self, *args, **kwargs):
     prepared[0] += 1
-    return _call(self, *args, **kwargs)
+    last[0] = _call(self, *args, **kwargs)
+    return last[0]
+
+
+def touches_only_scratch(plan, rank):
+    """Whether ``rank``'s peers' buffers that the plan touches are only their scratch (or
+    a direct kernel's ring): known after the first exchange, whatever the caller passed."""
+    return all(name in ("scratch", RING) or not plan.buffer(peer, name).nbytes
+               for peer in plan.participants if peer != rank for name in plan.shared(peer))
 
 
 Preparer.call = _counting
@@ -71,6 +82,11 @@ def main() -> int:
         arrays.fill(send, inputs[r])
         if in_place:
             recv = send
+        if stream is not None and comm.backend == "cuda":
+            # the fills ran on torch's current stream: the call on another stream is
+            # ordered after them by its caller, as with NCCL
+            import torch
+            stream.wait_stream(torch.cuda.current_stream(stream.device))
         getattr(comm, collective)(send, recv, stream=stream)
         comm.synchronize()
         assert_exact(f"{collective}{' in place' if in_place else ''} seed {seed}",
@@ -91,10 +107,11 @@ def main() -> int:
                     one(collective, send, recv, seed, in_place=in_place)
                 except AssertionError as error:
                     failures.append(str(error))
-            # a reduce_scatter's peers write into this rank's scratch only, known after
-            # the first exchange; its first call may grow the scratch, which ends the
-            # prepared call of the second
-            replayable = n == 1 or registered or collective == "reduce_scatter"
+            # a plan whose peers' buffers are their scratch only (which the backend's
+            # choice of path decides: pushed or one-shot reductions) knows them after the
+            # first exchange; its first call may grow the scratch, which ends the prepared
+            # call of the second
+            replayable = n == 1 or registered or touches_only_scratch(last[0].plan, r)
             got = engine.replayed - before
             least = 0 if not replayable else CALLS - 1 if n == 1 else CALLS - 2
             if got < least or got > (CALLS - 1 if replayable else 0):
