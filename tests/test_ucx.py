@@ -135,8 +135,12 @@ def _free_port():
         return probe.getsockname()[1]
 
 
+@pytest.mark.parametrize("mode", ["watched", "all"])
 @pytest.mark.parametrize("how", ["exit", "kill"])
-def test_a_peer_that_dies_is_reported_as_peer_dead_within_the_timeout(how):
+def test_a_peer_that_dies_is_reported_as_peer_dead_within_the_timeout(how, mode):
+    """Both ways of seeing a peer die: its process watched (a peer on this machine, whose
+    endpoint uses shared memory) and UCX's peer-failure mode (HOCCL_UCX_PEER_FAILURE=all,
+    as between machines)."""
     pytest.importorskip("ucxx")
     dist = pytest.importorskip("torch.distributed")
     port = _free_port()
@@ -146,6 +150,7 @@ def test_a_peer_that_dies_is_reported_as_peer_dead_within_the_timeout(how):
     for rank in range(2):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
                "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
+               "HOCCL_UCX_PEER_FAILURE": "all" if mode == "all" else "",
                "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
         workers.append(subprocess.Popen([sys.executable, str(PROGRAM), "--how", how,
                                          "--timeout", "60"], stdout=subprocess.PIPE,
@@ -179,3 +184,18 @@ def test_left_to_hoccl_ucx_joins_hosts_of_different_kinds_only_where_every_rank_
     # simulated CPU hosts keep hoccl's own engine, and the ranks are not asked
     assert _default_engine([cpu, cpu], True, everywhere(True)) == "hoccl"
     assert asked == [True, False]
+
+
+def test_only_peers_whose_processes_can_be_watched_do_without_the_failure_mode(monkeypatch):
+    from hoccl._hierarchy.ucx import _watchable
+    from hoccl._mailbox import _Process
+    me = _Process.this()
+    monkeypatch.delenv("HOCCL_UCX_PEER_FAILURE", raising=False)
+    if me.namespace is None or me.start is None:
+        pytest.skip("this machine shows no pid namespace or start time")
+    assert _watchable(me, me._replace(pid=me.pid + 1))
+    assert not _watchable(me, me._replace(host=me.host + "-other"))
+    assert not _watchable(me, me._replace(namespace="pid:[1]"))
+    assert not _watchable(me, me._replace(start=None))
+    monkeypatch.setenv("HOCCL_UCX_PEER_FAILURE", "all")
+    assert not _watchable(me, me)

@@ -324,12 +324,16 @@ if [ "$what" = ucx ]; then
     python3 -m hoccl.bench.mixed --devices cuda,cuda,cpu,cpu --local-size 2 \
     --inter-host mpi,ucx --sizes ${UCX_SIZES:-1M,16M,64M,256M,1G} --phase-bytes 64M --iters 3 \
     --out "$OUT/mixed_ucx"
-  # two GPU ranks as two hosts: UCX between them (cuda_ipc) beside a copy of the same bytes
-  # on the device
+  # two GPU ranks as two hosts: UCX between them beside a copy of the same bytes on the
+  # device, the device memory handed to UCX (cuda_ipc), then staged through host memory
   step gpu-hosts-ucx 150 mpirun -np 2 -x PYTHONPATH -x NCCL_NVLS_ENABLE \
+    -x HOCCL_UCX_DEVICE_MEMORY=1 python3 -m hoccl.bench.mixed --devices cuda --local-size 1 \
+    --inter-host ucx --libraries hoccl,copy --sizes ${UCX_SIZES:-1M,16M,64M,256M,1G} \
+    --phase-bytes 64M --iters 3 --out "$OUT/gpu_hosts_ucx"
+  step gpu-hosts-staged 150 mpirun -np 2 -x PYTHONPATH -x NCCL_NVLS_ENABLE \
     python3 -m hoccl.bench.mixed --devices cuda --local-size 1 --inter-host ucx \
-    --libraries hoccl,copy --sizes ${UCX_SIZES:-1M,16M,64M,256M,1G} --phase-bytes 64M \
-    --out "$OUT/gpu_hosts_ucx"
+    --libraries hoccl --sizes ${UCX_SIZES:-1M,16M,64M,256M,1G} --phase-bytes 64M --iters 3 \
+    --out "$OUT/gpu_hosts_staged"
 fi
 if [ "$what" = onegpu ]; then
   # one GPU: two ranks under mpirun share it (IPC within one device), which runs every

@@ -15,9 +15,17 @@ to that receiver, so messages of different steps or communicators never match ea
 other.  Device arrays are staged through pinned host memory as on the other staged
 engines; host arrays go to UCX as they are.
 
-A peer whose process ends is seen by UCX's error handling on the endpoint (or by its
-keepalive): the step raises ``PeerDeadError`` naming the member; a peer that is alive
-but never makes the matching call ends in the engine's timeout.
+A peer on another machine is reached by an endpoint in UCX's peer-failure mode: a peer
+whose process ends is seen by UCX's error handling (or its keepalive). That mode rules out
+UCX's shared-memory transports, which have no failure handler, and leaves TCP for the
+messages between processes of one machine (0.6 GB/s against 7-9 GB/s over shared memory
+and cross-memory attach, measured with ucxx alone on a CI-like machine). So a peer on the
+same machine (same host name and pid namespace) gets an endpoint without it, and its
+death is seen through its process instead, as the mailboxes see it (``_Process.alive``,
+checked every 50 ms while a request waits on it). ``HOCCL_UCX_PEER_FAILURE=all`` puts
+every endpoint in the failure mode. Either way the step raises ``PeerDeadError`` naming
+the member; a peer that is alive but never makes the matching call ends in the engine's
+timeout.
 
 MPI may bring its own UCX (the MPICH wheel does): whichever UCX a process loads first is
 the one both use, and ucxx's cannot load after an older one.  ``hoccl.init(inter_host=
@@ -43,7 +51,7 @@ import numpy as np
 
 from .._errors import (AbortedError, HocclError, InvalidArgumentError, PeerClosedError,
                        PeerDeadError)
-from .._mailbox import wait_until
+from .._mailbox import _Process, wait_until
 from ..config import environ
 from .arrays import address
 from .engine import Setup
@@ -65,6 +73,8 @@ _NOTICE = 1 << (_MEMBER_BITS - 2)
 _NOTICE_BYTES = 512
 #: the notice of a member that closed its communicator
 _CLOSED = "closed"
+#: seconds between two looks at the processes of the peers on this machine (``_done``)
+_LIVENESS_PERIOD = 0.05
 
 
 def available() -> bool:
@@ -152,8 +162,13 @@ class UcxTransport(PairTransport):
 
     def __init__(self, worker: _Worker, endpoints: Dict[int, Any], member: int, size: int,
                  channel: int, ranks: Sequence[int],
-                 peer_lost: Callable[[str], None] = lambda gone: None):
+                 peer_lost: Callable[[str], None] = lambda gone: None,
+                 watched: Optional[Dict[int, _Process]] = None):
         self._worker, self._endpoints = worker, endpoints
+        #: the peers whose endpoints have no failure handling (on this machine), by
+        #: member: their processes are watched instead
+        self._watched = dict(watched or {})
+        self._looked = time.monotonic()
         #: told of a peer found gone (the bootstrap's: under MPI the job is then aborted at
         #: exit, as MPI_Finalize would wait for the lost process)
         self.peer_lost = peer_lost
@@ -302,6 +317,13 @@ class UcxTransport(PairTransport):
             endpoint = self._endpoints[peer]
             if not endpoint.alive:
                 raise self._failed(peer, "its endpoint closed")
+        if pending and self._watched and time.monotonic() - self._looked > _LIVENESS_PERIOD:
+            self._looked = time.monotonic()
+            for peer in {peer for peer, _, _ in pending}:
+                process = self._watched.get(peer)
+                if process is not None and not process.alive():
+                    raise self._failed(peer, f"its process (pid {process.pid} on host "
+                                             f"{process.host}) has exited")
         request[:] = pending
         return not pending
 
@@ -348,7 +370,8 @@ class UcxBootstrap:
         self.rank, self.world_size = self._members.index(world.member), len(self._members)
         self._timeout, self._call = timeout, call
         self._wire = UcxTransport(world._worker, world._endpoints, world.member, world.size,
-                                  channel % (1 << _CHANNEL_BITS), world.ranks, world.peer_lost)
+                                  channel % (1 << _CHANNEL_BITS), world.ranks, world.peer_lost,
+                                  world._watched)
         self.peer_lost = world.peer_lost
         self._wire._closed = True  # the endpoints stay the world transport's
 
@@ -420,7 +443,8 @@ def ucx_transports(call: str, bootstrap: Any, groups: Sequence[Sequence[int]]
             f"MPI's own UCX" + (" (import ucxx before mpi4py.MPI)" if loaded else "")
             + f"; it failed: {error}"
         ) from None
-    everyone = bootstrap.allgather((worker.address, worker.next_channel))
+    me = _Process.this()
+    everyone = bootstrap.allgather((worker.address, worker.next_channel, me))
     missing = [rank for rank, item in enumerate(everyone) if item is None]
     if missing:
         worker.release()
@@ -437,15 +461,27 @@ def ucx_transports(call: str, bootstrap: Any, groups: Sequence[Sequence[int]]
         if index:
             worker.users += 1  # each transport releases the worker once
         member = list(group).index(rank)
+        watched = {peer: everyone[world][2] for peer, world in enumerate(group)
+                   if world != rank and _watchable(me, everyone[world][2])}
         endpoints = {
             peer: worker.api.UCXEndpoint.create_from_worker_address(
                 worker.worker, worker.api.UCXAddress.create_from_buffer(everyone[world][0]),
-                True)
+                peer not in watched)
             for peer, world in enumerate(group) if world != rank}
         made.append(UcxTransport(worker, endpoints, member, len(group),
                                  (channel + index) % (1 << _CHANNEL_BITS), group,
-                                 getattr(bootstrap, "peer_lost", lambda gone: None)))
+                                 getattr(bootstrap, "peer_lost", lambda gone: None), watched))
     return made
+
+
+def _watchable(me: _Process, peer: _Process) -> bool:
+    """Whether ``peer``'s process can be watched from this one (the same machine and pid
+    namespace, its start time readable), so that its endpoint can do without UCX's
+    peer-failure mode and use shared memory (``HOCCL_UCX_PEER_FAILURE=all``: never)."""
+    if environ("HOCCL_UCX_PEER_FAILURE") == "all":
+        return False
+    return (peer.host == me.host and peer.namespace is not None
+            and peer.namespace == me.namespace and peer.start is not None)
 
 
 class UcxStagedEngine(BatchingStagedEngine):
