@@ -113,7 +113,7 @@ def connect_process(call: str, backend: str, bootstrap: Bootstrap, device: Optio
         # a launch that waits for a peer on its own GPU spins through its context's time
         # slices while the peer's context, which must run to send the signal, waits for
         # its turn: fused sums are slower there than a stream wait per chunk
-        engine.sms.fuse_sums = False
+        engine.set_fuse_sums(False)
     physical = [identity[-1] for identity in everyone]
     per_gpu = max(physical.count(one) for one in physical) if None not in physical else 1
     machine = machine_of(handle, world_size, per_gpu)

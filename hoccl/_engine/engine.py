@@ -163,14 +163,20 @@ class Engine(Issuing):
         with self.lock:
             self.sms.max_sms = config.max_sms
             self.sms.copy_sms = config.copy_sms or self.sms.copy_sms
-            if config.fuse_sums != self.sms.fuse_sums:
-                self.sms.fuse_sums = bool(config.fuse_sums)
-                self.forget_programs()  # bound programs hold the fused launches, or not
+            self.set_fuse_sums(bool(config.fuse_sums))
             self.verify_plans = config.verify_plans
             if config.plan_options != self.options or config.given != self.given:
                 self.options = config.plan_options
                 self.given = config.given
                 self.preparer.cache.clear()  # every shape is planned afresh
+
+    def set_fuse_sums(self, fuse: bool) -> None:
+        """Run a pushed reduction's chunk sums as one launch (``fuse``) or one per chunk,
+        for later calls: the bound programs, which hold the launches, are made anew."""
+        with self.lock:
+            if fuse != self.sms.fuse_sums:
+                self.sms.fuse_sums = fuse
+                self.forget_programs()
 
     def new_layout(self) -> None:
         """What prepared calls depend on changed (``layout_epoch``): those made before are
