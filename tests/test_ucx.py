@@ -187,15 +187,16 @@ def test_left_to_hoccl_ucx_joins_hosts_of_different_kinds_only_where_every_rank_
 
 
 def test_only_peers_whose_processes_can_be_watched_do_without_the_failure_mode(monkeypatch):
-    from hoccl._hierarchy.ucx import _watchable
+    from hoccl._hierarchy.ucx import _boot_id, _watchable
     from hoccl._mailbox import _Process
-    me = _Process.this()
+    process, boot = me = (_Process.this(), _boot_id())
     monkeypatch.delenv("HOCCL_UCX_PEER_FAILURE", raising=False)
-    if me.namespace is None or me.start is None:
-        pytest.skip("this machine shows no pid namespace or start time")
-    assert _watchable(me, me._replace(pid=me.pid + 1))
-    assert not _watchable(me, me._replace(host=me.host + "-other"))
-    assert not _watchable(me, me._replace(namespace="pid:[1]"))
-    assert not _watchable(me, me._replace(start=None))
+    if process.namespace is None or process.start is None or boot is None:
+        pytest.skip("this machine shows no pid namespace, start time or boot id")
+    assert _watchable(me, (process._replace(pid=process.pid + 1), boot))
+    assert not _watchable(me, (process._replace(host=process.host + "-other"), boot))
+    assert not _watchable(me, (process, boot + "-other"))  # another machine of that name
+    assert not _watchable(me, (process._replace(namespace="pid:[1]"), boot))
+    assert not _watchable(me, (process._replace(start=None), boot))
     monkeypatch.setenv("HOCCL_UCX_PEER_FAILURE", "all")
     assert not _watchable(me, me)

@@ -20,7 +20,7 @@ whose process ends is seen by UCX's error handling (or its keepalive). That mode
 UCX's shared-memory transports, which have no failure handler, and leaves TCP for the
 messages between processes of one machine (0.6 GB/s against 7-9 GB/s over shared memory
 and cross-memory attach, measured with ucxx alone on a CI-like machine). So a peer on the
-same machine (same host name and pid namespace) gets an endpoint without it, and its
+same machine (host name, boot id and pid namespace) gets an endpoint without it, and its
 death is seen through its process instead, as the mailboxes see it (``_Process.alive``,
 checked every 50 ms while a request waits on it). ``HOCCL_UCX_PEER_FAILURE=all`` puts
 every endpoint in the failure mode. Either way the step raises ``PeerDeadError`` naming
@@ -443,7 +443,7 @@ def ucx_transports(call: str, bootstrap: Any, groups: Sequence[Sequence[int]]
             f"MPI's own UCX" + (" (import ucxx before mpi4py.MPI)" if loaded else "")
             + f"; it failed: {error}"
         ) from None
-    me = _Process.this()
+    me = (_Process.this(), _boot_id())
     everyone = bootstrap.allgather((worker.address, worker.next_channel, me))
     missing = [rank for rank, item in enumerate(everyone) if item is None]
     if missing:
@@ -461,7 +461,7 @@ def ucx_transports(call: str, bootstrap: Any, groups: Sequence[Sequence[int]]
         if index:
             worker.users += 1  # each transport releases the worker once
         member = list(group).index(rank)
-        watched = {peer: everyone[world][2] for peer, world in enumerate(group)
+        watched = {peer: everyone[world][2][0] for peer, world in enumerate(group)
                    if world != rank and _watchable(me, everyone[world][2])}
         endpoints = {
             peer: worker.api.UCXEndpoint.create_from_worker_address(
@@ -474,14 +474,28 @@ def ucx_transports(call: str, bootstrap: Any, groups: Sequence[Sequence[int]]
     return made
 
 
-def _watchable(me: _Process, peer: _Process) -> bool:
-    """Whether ``peer``'s process can be watched from this one (the same machine and pid
-    namespace, its start time readable), so that its endpoint can do without UCX's
-    peer-failure mode and use shared memory (``HOCCL_UCX_PEER_FAILURE=all``: never)."""
+def _boot_id() -> Optional[str]:
+    """This machine's boot id (host names and pid namespaces may repeat across machines:
+    the first pid namespace has the same number everywhere), or None."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as file:
+            return file.read().strip() or None
+    except OSError:
+        return None
+
+
+def _watchable(me: Tuple[_Process, Optional[str]], peer: Tuple[_Process, Optional[str]]
+               ) -> bool:
+    """Whether ``peer``'s process (with its machine's boot id) can be watched from this
+    one: the same machine (host name and boot id) and pid namespace, its start time
+    readable. Its endpoint can then do without UCX's peer-failure mode and use shared
+    memory (``HOCCL_UCX_PEER_FAILURE=all``: never)."""
     if environ("HOCCL_UCX_PEER_FAILURE") == "all":
         return False
-    return (peer.host == me.host and peer.namespace is not None
-            and peer.namespace == me.namespace and peer.start is not None)
+    (mine, my_boot), (theirs, their_boot) = me, peer
+    return (theirs.host == mine.host and my_boot is not None and their_boot == my_boot
+            and theirs.namespace is not None and theirs.namespace == mine.namespace
+            and theirs.start is not None)
 
 
 class UcxStagedEngine(BatchingStagedEngine):
