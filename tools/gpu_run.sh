@@ -5,7 +5,8 @@
 # backend, 3 ranks sharing the GPU under mpirun (correctness only: no speed there).
 # hostcost: python -m hoccl.bench.host_cost, world 1 beside torch+NCCL, then 2 ranks.
 # shrink: dist.shrink_group on the cuda backend, three workers of a store launch.
-# ucx: the mixed job and the mixed bench between simulated hosts over UCX (.wheels).
+# ucx: between simulated hosts over UCX (.wheels, tools/device_carry.sh --ucx): the mixed
+# bench, two GPU ranks as two hosts, then the mixed job's checks (hoccl's, torch's, DDP).
 # verify: one GPU's correctness checks of the cuda paths: the host cost, grouped calls and
 # the fuzzer (3 ranks), the GPU tier in one process, run_checks under mpirun with 2 and 3
 # ranks, the mixed job across simulated hosts.
@@ -315,25 +316,37 @@ if [ "$what" = shrink ]; then
     --json "$OUT/shrink_cuda.json"
 fi
 if [ "$what" = ucx ]; then
-  # between simulated hosts over UCX (.wheels: ucxx-cu13 and its libraries): the mixed job
-  # (two GPU ranks and two CPU ranks as two hosts) checked, then the mixed bench with the
-  # staged engine over MPI beside UCX and gloo
-  step mixed-ucx 200 mpirun -np 4 -x PYTHONPATH -x NCCL_NVLS_ENABLE -x OMP_NUM_THREADS=4 \
-    python3 tests/mpi/run_mixed_job.py --inter-host ucx --json "$OUT/mixed_ucx.json"
-  step mixed-bench-ucx 240 mpirun -np 4 -x PYTHONPATH -x NCCL_NVLS_ENABLE -x OMP_NUM_THREADS=4 \
-    python3 -m hoccl.bench.mixed --devices cuda,cuda,cpu,cpu --local-size 2 \
-    --inter-host mpi,ucx --sizes ${UCX_SIZES:-1M,16M,64M,256M,1G} --phase-bytes 64M --iters 3 \
-    --out "$OUT/mixed_ucx"
-  # two GPU ranks as two hosts: UCX between them beside a copy of the same bytes on the
-  # device, the device memory handed to UCX (cuda_ipc), then staged through host memory
-  step gpu-hosts-ucx 150 mpirun -np 2 -x PYTHONPATH -x NCCL_NVLS_ENABLE \
-    -x HOCCL_UCX_DEVICE_MEMORY=1 python3 -m hoccl.bench.mixed --devices cuda --local-size 1 \
-    --inter-host ucx --libraries hoccl,copy --sizes ${UCX_SIZES:-1M,16M,64M,256M,1G} \
-    --phase-bytes 64M --iters 3 --out "$OUT/gpu_hosts_ucx"
-  step gpu-hosts-staged 150 mpirun -np 2 -x PYTHONPATH -x NCCL_NVLS_ENABLE \
-    python3 -m hoccl.bench.mixed --devices cuda --local-size 1 --inter-host ucx \
-    --libraries hoccl --sizes ${UCX_SIZES:-1M,16M,64M,256M,1G} --phase-bytes 64M --iters 3 \
-    --out "$OUT/gpu_hosts_staged"
+  # between simulated hosts over UCX (.wheels: ucxx-cu13 and its libraries): the mixed
+  # bench (two GPU ranks and two CPU ranks as two hosts) with the staged engine over MPI
+  # beside UCX and gloo
+  if [ "${UCX_PART:-all}" != checks ]; then  # UCX_PART=bench or checks: half of it
+    step mixed-bench-ucx 240 mpirun -np 4 -x PYTHONPATH -x NCCL_NVLS_ENABLE -x OMP_NUM_THREADS=4 \
+      python3 -m hoccl.bench.mixed --devices cuda,cuda,cpu,cpu --local-size 2 \
+      --inter-host mpi,ucx --sizes ${UCX_SIZES:-1M,16M,64M,256M,1G} --phase-bytes 64M --iters 3 \
+      --out "$OUT/mixed_ucx"
+    # two GPU ranks as two hosts: UCX between them beside a copy of the same bytes on the
+    # device, the device memory handed to UCX (cuda_ipc), then staged through host memory
+    step gpu-hosts-ucx 150 mpirun -np 2 -x PYTHONPATH -x NCCL_NVLS_ENABLE \
+      -x HOCCL_UCX_DEVICE_MEMORY=1 python3 -m hoccl.bench.mixed --devices cuda --local-size 1 \
+      --inter-host ucx --libraries hoccl,copy --sizes ${UCX_SIZES:-1M,16M,64M,256M,1G} \
+      --phase-bytes 64M --iters 3 --out "$OUT/gpu_hosts_ucx"
+    step gpu-hosts-staged 150 mpirun -np 2 -x PYTHONPATH -x NCCL_NVLS_ENABLE \
+      python3 -m hoccl.bench.mixed --devices cuda --local-size 1 --inter-host ucx \
+      --libraries hoccl --sizes ${UCX_SIZES:-1M,16M,64M,256M,1G} --phase-bytes 64M --iters 3 \
+      --out "$OUT/gpu_hosts_staged"
+  fi
+  if [ "${UCX_PART:-all}" != bench ]; then
+    # the same mixed job checked: every collective, point to point and the pipelines
+    # (run_mixed_job), torch's collectives (run_backend) and DDP/FSDP2 against gloo on the CPU
+    step mixed-ucx 200 mpirun -np 4 -x PYTHONPATH -x NCCL_NVLS_ENABLE -x OMP_NUM_THREADS=4 \
+      python3 tests/mpi/run_mixed_job.py --inter-host ucx --json "$OUT/mixed_ucx.json"
+    step torch-backend-ucx 150 mpirun -np 4 -x PYTHONPATH -x NCCL_NVLS_ENABLE -x MASTER_ADDR \
+      -x MASTER_PORT python3 tests/torch_programs/run_backend.py --devices cuda,cuda,cpu,cpu \
+      --local-size 2 --inter-host ucx
+    step torch-training-ucx 200 mpirun -np 4 -x PYTHONPATH -x NCCL_NVLS_ENABLE -x MASTER_ADDR \
+      -x MASTER_PORT python3 tests/torch_programs/run_training.py --devices cuda,cuda,cpu,cpu \
+      --local-size 2 --inter-host ucx
+  fi
 fi
 if [ "$what" = onegpu ]; then
   # one GPU: two ranks under mpirun share it (IPC within one device), which runs every

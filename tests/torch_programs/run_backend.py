@@ -415,13 +415,16 @@ def main():
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--kernel-bytes", type=int, default=0,
                         help="the group's kernel_bytes: small collectives as direct kernels")
+    parser.add_argument("--inter-host", default=None, choices=("mpi", "gloo", "ucx", "hoccl"),
+                        help="the engine between simulated hosts (--local-size)")
     common.add_placement(parser)
     args = parser.parse_args()
     if args.device == "cuda":
         common.use_device(torch.device("cuda", RANK % torch.cuda.device_count()))
     mixed = common.place(args, RANK, WORLD)
-    options = (hoccl.torch.Options(settings={"kernel_bytes": args.kernel_bytes})
-               if args.kernel_bytes else None)
+    options = (hoccl.torch.Options(settings={"kernel_bytes": args.kernel_bytes} if
+                                   args.kernel_bytes else {}, inter_host=args.inter_host)
+               if args.kernel_bytes or args.inter_host else None)
     dist.init_process_group("hoccl", rank=RANK, world_size=WORLD, timeout=timedelta(seconds=60),
                             pg_options=options)
     assert dist.get_backend() == "hoccl"
