@@ -124,8 +124,14 @@ def main() -> None:
 
     def two_writes():  # a call's completion writes, as single calls
         counter[0] += 1
-        device.memops(lane, [(MemOp.WRITE, slot, counter[0]), (MemOp.WRITE, slot, counter[0])])
+        device.write_value(lane, slot, counter[0])
+        device.write_value(lane, slot, counter[0])
     parts["memops: two writes, single calls"] = two_writes
+
+    def two_writes_memops():  # the same through ``memops``, as a call makes them
+        counter[0] += 1
+        device.memops(lane, [(MemOp.WRITE, slot, counter[0]), (MemOp.WRITE, slot, counter[0])])
+    parts["memops: two writes, memops()"] = two_writes_memops
     from cuda.bindings import driver as cuda_driver
 
     from hoccl.backends import cuda as cuda_backend

@@ -50,6 +50,25 @@ from ._cuda_driver import (_ACTIVE, _GONE, _LEGACY_STREAMS, _MAX_BATCH_MEMOPS, _
                            _PEER_ALREADY_ENABLED, _SINGLE_MEMOPS, _WAIT_GEQ, _WRITE_DEFAULT,
                            _call, _init_driver, _status)
 from ._cuda_kernels import _function, _SmWork
+
+
+def _single_memops() -> int:
+    """``HOCCL_SINGLE_MEMOPS``, read at import: the most memops one ``memops`` call issues
+    as single calls (more go as batches); default ``_SINGLE_MEMOPS``."""
+    text = environ("HOCCL_SINGLE_MEMOPS")
+    if text is None or not text.strip():
+        return _SINGLE_MEMOPS
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise InvalidArgumentError(f"HOCCL_SINGLE_MEMOPS: expected a whole number >= 0, got "
+                                   f"{text!r}")
+    return value
+
+
+_SINGLE = _single_memops()
 from ._cuda_memory import CudaIpcDescriptor, _handle_bytes, _handle_from, _Memory
 
 __all__ = ["CudaDevice", "CudaIpcDescriptor", "device_count", "open_device"]
@@ -457,9 +476,9 @@ class CudaDevice(_SmWork, _Memory, Device):
         """Writes and waits in order: a few as single calls, more in batches of up to 255.
         Through cuda-bindings a batch costs more host time than a few single calls (its
         ``CUstreamBatchMemOpParams`` are Python objects filled per operation), so batching
-        pays only beyond ``_SINGLE_MEMOPS`` operations; ``tools/profile_call.py`` times
-        both."""
-        if len(operations) <= _SINGLE_MEMOPS:
+        pays only beyond ``_SINGLE_MEMOPS`` operations (``HOCCL_SINGLE_MEMOPS``);
+        ``tools/profile_call.py`` times both."""
+        if len(operations) <= _SINGLE:
             self._make_current()
             for kind, address, value in operations:
                 if kind is MemOp.WRITE:
