@@ -136,7 +136,7 @@ def _free_port():
 
 
 @pytest.mark.parametrize("mode", ["watched", "all"])
-@pytest.mark.parametrize("how", ["exit", "kill"])
+@pytest.mark.parametrize("how", ["exit", "kill", "mid"])
 def test_a_peer_that_dies_is_reported_as_peer_dead_within_the_timeout(how, mode):
     """Both ways of seeing a peer die: its process watched (a peer on this machine, whose
     endpoint uses shared memory) and UCX's peer-failure mode (HOCCL_UCX_PEER_FAILURE=all,
@@ -191,6 +191,7 @@ def test_only_peers_whose_processes_can_be_watched_do_without_the_failure_mode(m
     from hoccl._mailbox import _Process
     process, boot = me = (_Process.this(), _boot_id())
     monkeypatch.delenv("HOCCL_UCX_PEER_FAILURE", raising=False)
+    monkeypatch.delenv("UCX_TLS", raising=False)
     if process.namespace is None or process.start is None or boot is None:
         pytest.skip("this machine shows no pid namespace, start time or boot id")
     assert _watchable(me, (process._replace(pid=process.pid + 1), boot))
@@ -198,5 +199,8 @@ def test_only_peers_whose_processes_can_be_watched_do_without_the_failure_mode(m
     assert not _watchable(me, (process, boot + "-other"))  # another machine of that name
     assert not _watchable(me, (process._replace(namespace="pid:[1]"), boot))
     assert not _watchable(me, (process._replace(start=None), boot))
+    monkeypatch.setenv("UCX_TLS", "sm,self")  # the transports chosen: cma may be among them
+    assert not _watchable(me, me)
+    monkeypatch.delenv("UCX_TLS")
     monkeypatch.setenv("HOCCL_UCX_PEER_FAILURE", "all")
     assert not _watchable(me, me)

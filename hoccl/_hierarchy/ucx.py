@@ -18,14 +18,18 @@ engines; host arrays go to UCX as they are.
 A peer on another machine is reached by an endpoint in UCX's peer-failure mode: a peer
 whose process ends is seen by UCX's error handling (or its keepalive). That mode rules out
 UCX's shared-memory transports, which have no failure handler, and leaves TCP for the
-messages between processes of one machine (0.6 GB/s against 7-9 GB/s over shared memory
-and cross-memory attach, measured with ucxx alone on a CI-like machine). So a peer on the
-same machine (host name, boot id and pid namespace) gets an endpoint without it, and its
-death is seen through its process instead, as the mailboxes see it (``_Process.alive``,
-checked every 50 ms while a request waits on it). ``HOCCL_UCX_PEER_FAILURE=all`` puts
-every endpoint in the failure mode. Either way the step raises ``PeerDeadError`` naming
-the member; a peer that is alive but never makes the matching call ends in the engine's
-timeout.
+messages between processes of one machine. So a peer on the same machine (host name, boot
+id and pid namespace) gets an endpoint without it, over shared memory, and its death is
+seen through its process instead, as the mailboxes see it (``_Process.alive``, checked
+every 50 ms while a request waits on it). Cross-memory attach (``cma``) is then off:
+without the failure mode, a cma read from a peer that died ends the reading process (UCX
+has no handler to call), where shared memory only waits until the watch sees the death.
+Where ``UCX_TLS`` chooses the transports (they may include cma), every endpoint is in the
+failure mode. Two processes on a 2-core machine, 64 MiB (``results/host/
+2026-12-06-ucx-wire``): sendrecv 0.45 GB/s in the failure mode, 3.9 over shared memory
+(4.4 with cma, which is left off). ``HOCCL_UCX_PEER_FAILURE=all`` puts every endpoint in
+the failure mode. Either way the step raises ``PeerDeadError`` naming the member; a peer
+that is alive but never makes the matching call ends in the engine's timeout.
 
 MPI may bring its own UCX (the MPICH wheel does): whichever UCX a process loads first is
 the one both use, and ucxx's cannot load after an older one.  ``hoccl.init(inter_host=
@@ -123,7 +127,11 @@ class _Worker:
     def __init__(self) -> None:
         api, self.Array = _api()
         self.api = api
-        self.context = api.UCXContext(feature_flags=(api.Feature.TAG,))
+        # no cross-memory attach (cma) where hoccl chooses: between peers watched without
+        # UCX's failure mode, a cma read of a peer that died ends the process (UCX has no
+        # handler to call); shared memory only waits, and the watch ends it (``_watchable``)
+        config = {} if "UCX_TLS" in os.environ else {"TLS": "^cma"}
+        self.context = api.UCXContext(config_dict=config, feature_flags=(api.Feature.TAG,))
         self.worker = api.UCXWorker(self.context)
         self.address: bytes = self.worker.address.tobytes()
         self.users = 0
@@ -489,8 +497,9 @@ def _watchable(me: Tuple[_Process, Optional[str]], peer: Tuple[_Process, Optiona
     """Whether ``peer``'s process (with its machine's boot id) can be watched from this
     one: the same machine (host name and boot id) and pid namespace, its start time
     readable. Its endpoint can then do without UCX's peer-failure mode and use shared
-    memory (``HOCCL_UCX_PEER_FAILURE=all``: never)."""
-    if environ("HOCCL_UCX_PEER_FAILURE") == "all":
+    memory (``HOCCL_UCX_PEER_FAILURE=all``: never; nor where ``UCX_TLS`` chooses the
+    transports, which may include cross-memory attach)."""
+    if environ("HOCCL_UCX_PEER_FAILURE") == "all" or "UCX_TLS" in os.environ:
         return False
     (mine, my_boot), (theirs, their_boot) = me, peer
     return (theirs.host == mine.host and my_boot is not None and their_boot == my_boot

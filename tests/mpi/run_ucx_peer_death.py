@@ -24,7 +24,9 @@ from hoccl.torch import StoreBootstrap
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--how", choices=("exit", "kill"), default="exit")
+    parser.add_argument("--how", choices=("exit", "kill", "mid"), default="exit",
+                        help="mid: the victim is SIGKILLed 0.1 s into a run of all_reduces "
+                             "that both ranks make, most likely in the middle of one")
     parser.add_argument("--timeout", type=float, default=60.0)
     parser.add_argument("--count", type=int, default=1 << 20)
     args = parser.parse_args()
@@ -43,6 +45,8 @@ def main() -> None:
                for r in range(world))
     problems = [] if np.array_equal(recv, want) else ["the first all_reduce was not exact"]
     victim = world - 1
+    if args.how == "mid":
+        return died_mid_call(comm, rank, victim, send, recv, want, problems, args.timeout)
     if rank == victim:
         store.set(f"gone{rank}", "1")
         if args.how == "kill":
@@ -69,6 +73,41 @@ def main() -> None:
         problems.append("a call after the failure was taken")
     except hoccl.HocclError as error:
         print(f"rank {rank}: next call {type(error).__name__}", flush=True)
+    comm.close()
+    for problem in problems:
+        print(f"rank {rank} FAILED: {problem}", flush=True)
+    print(f"peer death: rank {rank} {'OK' if not problems else 'FAILED'}", flush=True)
+    sys.stdout.flush()
+    os._exit(1 if problems else 0)
+
+
+def died_mid_call(comm, rank, victim, send, recv, want, problems, timeout):
+    """Both ranks repeat the all_reduce; the victim is killed 0.1 s in. Every call that
+    returns on the survivor is exact; one ends in PeerDeadError naming the victim, within
+    the timeout."""
+    import threading
+    if rank == victim:
+        threading.Timer(0.1, os.kill, (os.getpid(), signal.SIGKILL)).start()
+    start = time.monotonic()
+    calls = 0
+    try:
+        while time.monotonic() - start < timeout:
+            recv[:] = np.nan
+            comm.all_reduce(send, recv, "sum")
+            comm.synchronize()
+            calls += 1
+            if not np.array_equal(recv, want):
+                problems.append(f"all_reduce {calls} was not exact")
+                break
+        else:
+            problems.append(f"no error within {timeout:g} s")
+    except hoccl.PeerDeadError as error:
+        print(f"rank {rank}: PeerDeadError after {calls} exact calls, "
+              f"{time.monotonic() - start:.2f} s in: {error}", flush=True)
+        if f"rank {victim}" not in str(error):
+            problems.append(f"the error does not name rank {victim}: {error}")
+    except hoccl.HocclError as error:
+        problems.append(f"{type(error).__name__} instead of PeerDeadError: {error}")
     comm.close()
     for problem in problems:
         print(f"rank {rank} FAILED: {problem}", flush=True)
