@@ -27,7 +27,8 @@ from ._validate import integer, real
 from .sched import Options
 
 __all__ = ["Config", "DEFAULT_TIMEOUT", "ENVIRONMENT", "SETTINGS", "ACROSS_HOSTS",
-           "INTRA_HOST_ENGINES", "PHASES", "environ", "host_threads", "default_copy_sms"]
+           "INTRA_HOST_ENGINES", "PHASES", "environ", "host_threads", "whole_number",
+           "default_copy_sms"]
 
 #: seconds a host wait may take before it raises
 DEFAULT_TIMEOUT = 300.0
@@ -237,18 +238,27 @@ def host_threads() -> int:
     host memory is split over (``hoccl._dtypes.reduce_into``, the host backend's moves).
     Default: 4, or the number of cores this process may run on where that is fewer: a
     rank that mpirun binds to one core gets no helper threads."""
-    text = environ("HOCCL_HOST_THREADS")
+    threads = whole_number("HOCCL_HOST_THREADS", 1, "host_threads",
+                           "the threads a large host fold or copy is split over")
+    return min(4, len(os.sched_getaffinity(0))) if threads is None else threads
+
+
+def whole_number(variable: str, least: int, call: str, meaning: str) -> Optional[int]:
+    """The whole number in one of hoccl's environment variables, at least ``least``; None
+    where it is unset or blank. Anything else raises, naming ``call``, the variable, what
+    it means and what it holds."""
+    text = environ(variable)
     if text is None or not text.strip():
-        return min(4, len(os.sched_getaffinity(0)))
+        return None
     try:
-        threads = int(text)
+        value = int(text)
     except ValueError:
-        threads = 0
-    if threads < 1:
-        raise InvalidArgumentError(f"host_threads: HOCCL_HOST_THREADS must be a positive int "
-                                   f"(the threads a large host fold or copy is split over); "
-                                   f"got {text!r}")
-    return threads
+        value = least - 1
+    if value < least:
+        expected = "a positive int" if least == 1 else f"an int >= {least}"
+        raise InvalidArgumentError(f"{call}: {variable} must be {expected} ({meaning}); got "
+                                   f"{text!r}")
+    return value
 
 
 def _parse(call: str, variable: str, name: str, text: str) -> Any:
