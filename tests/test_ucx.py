@@ -191,16 +191,36 @@ def test_only_peers_whose_processes_can_be_watched_do_without_the_failure_mode(m
     from hoccl._mailbox import _Process
     process, boot = me = (_Process.this(), _boot_id())
     monkeypatch.delenv("HOCCL_UCX_PEER_FAILURE", raising=False)
-    monkeypatch.delenv("UCX_TLS", raising=False)
     if process.namespace is None or process.start is None or boot is None:
         pytest.skip("this machine shows no pid namespace, start time or boot id")
-    assert _watchable(me, (process._replace(pid=process.pid + 1), boot))
-    assert not _watchable(me, (process._replace(host=process.host + "-other"), boot))
-    assert not _watchable(me, (process, boot + "-other"))  # another machine of that name
-    assert not _watchable(me, (process._replace(namespace="pid:[1]"), boot))
-    assert not _watchable(me, (process._replace(start=None), boot))
-    monkeypatch.setenv("UCX_TLS", "sm,self")  # the transports chosen: cma may be among them
-    assert not _watchable(me, me)
-    monkeypatch.delenv("UCX_TLS")
+    assert _watchable(me, (process._replace(pid=process.pid + 1), boot), False)
+    assert not _watchable(me, (process._replace(host=process.host + "-other"), boot), False)
+    assert not _watchable(me, (process, boot + "-other"), False)  # another machine, same name
+    assert not _watchable(me, (process._replace(namespace="pid:[1]"), boot), False)
+    assert not _watchable(me, (process._replace(start=None), boot), False)
+    assert not _watchable(me, me, True)  # UCX_TLS chose the transports: cma may be among them
     monkeypatch.setenv("HOCCL_UCX_PEER_FAILURE", "all")
-    assert not _watchable(me, me)
+    assert not _watchable(me, me, False)
+
+
+def test_the_ucx_context_leaves_cross_memory_attach_off_unless_ucx_tls_chooses(monkeypatch):
+    pytest.importorskip("ucxx")
+    from hoccl._hierarchy import ucx
+    monkeypatch.setattr(ucx._Worker, "_one", None)
+    made = []
+
+    class Context:
+        def __init__(self, config_dict, feature_flags):
+            made.append(config_dict)
+
+    class Worker:
+        def __init__(self, context):
+            self.address = np.zeros(1, np.uint8)
+
+    api = type("api", (), {"UCXContext": Context, "UCXWorker": Worker,
+                           "Feature": ucx._api()[0].Feature})
+    monkeypatch.setattr(ucx, "_api", lambda: (api, None))
+    monkeypatch.delenv("UCX_TLS", raising=False)
+    assert not ucx._Worker().cma and made[-1] == {"TLS": "^cma"}
+    monkeypatch.setenv("UCX_TLS", "sm,self")
+    assert ucx._Worker().cma and made[-1] == {}

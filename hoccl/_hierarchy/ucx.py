@@ -129,8 +129,10 @@ class _Worker:
         self.api = api
         # no cross-memory attach (cma) where hoccl chooses: between peers watched without
         # UCX's failure mode, a cma read of a peer that died ends the process (UCX has no
-        # handler to call); shared memory only waits, and the watch ends it (``_watchable``)
-        config = {} if "UCX_TLS" in os.environ else {"TLS": "^cma"}
+        # handler to call); shared memory only waits, and the watch ends it (``_watchable``).
+        # Where UCX_TLS chooses, cma may be on: no peer is watched then
+        self.cma = "UCX_TLS" in os.environ
+        config = {} if self.cma else {"TLS": "^cma"}
         self.context = api.UCXContext(config_dict=config, feature_flags=(api.Feature.TAG,))
         self.worker = api.UCXWorker(self.context)
         self.address: bytes = self.worker.address.tobytes()
@@ -470,7 +472,7 @@ def ucx_transports(call: str, bootstrap: Any, groups: Sequence[Sequence[int]]
             worker.users += 1  # each transport releases the worker once
         member = list(group).index(rank)
         watched = {peer: everyone[world][2][0] for peer, world in enumerate(group)
-                   if world != rank and _watchable(me, everyone[world][2])}
+                   if world != rank and _watchable(me, everyone[world][2], worker.cma)}
         endpoints = {
             peer: worker.api.UCXEndpoint.create_from_worker_address(
                 worker.worker, worker.api.UCXAddress.create_from_buffer(everyone[world][0]),
@@ -492,14 +494,14 @@ def _boot_id() -> Optional[str]:
         return None
 
 
-def _watchable(me: Tuple[_Process, Optional[str]], peer: Tuple[_Process, Optional[str]]
-               ) -> bool:
+def _watchable(me: Tuple[_Process, Optional[str]], peer: Tuple[_Process, Optional[str]],
+               cma: bool) -> bool:
     """Whether ``peer``'s process (with its machine's boot id) can be watched from this
     one: the same machine (host name and boot id) and pid namespace, its start time
     readable. Its endpoint can then do without UCX's peer-failure mode and use shared
-    memory (``HOCCL_UCX_PEER_FAILURE=all``: never; nor where ``UCX_TLS`` chooses the
-    transports, which may include cross-memory attach)."""
-    if environ("HOCCL_UCX_PEER_FAILURE") == "all" or "UCX_TLS" in os.environ:
+    memory (``HOCCL_UCX_PEER_FAILURE=all``: never; nor where the UCX context may use
+    cross-memory attach, ``cma``: ``UCX_TLS`` chose its transports)."""
+    if environ("HOCCL_UCX_PEER_FAILURE") == "all" or cma:
         return False
     (mine, my_boot), (theirs, their_boot) = me, peer
     return (theirs.host == mine.host and my_boot is not None and their_boot == my_boot

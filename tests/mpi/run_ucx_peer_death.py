@@ -73,12 +73,7 @@ def main() -> None:
         problems.append("a call after the failure was taken")
     except hoccl.HocclError as error:
         print(f"rank {rank}: next call {type(error).__name__}", flush=True)
-    comm.close()
-    for problem in problems:
-        print(f"rank {rank} FAILED: {problem}", flush=True)
-    print(f"peer death: rank {rank} {'OK' if not problems else 'FAILED'}", flush=True)
-    sys.stdout.flush()
-    os._exit(1 if problems else 0)
+    finish(comm, rank, problems)
 
 
 def died_mid_call(comm, rank, victim, send, recv, want, problems, timeout):
@@ -108,6 +103,12 @@ def died_mid_call(comm, rank, victim, send, recv, want, problems, timeout):
             problems.append(f"the error does not name rank {victim}: {error}")
     except hoccl.HocclError as error:
         problems.append(f"{type(error).__name__} instead of PeerDeadError: {error}")
+    finish(comm, rank, problems)
+
+
+def finish(comm, rank, problems):
+    """Close, say what went wrong (or OK) and exit at once: no interpreter teardown waits
+    on the dead peer."""
     comm.close()
     for problem in problems:
         print(f"rank {rank} FAILED: {problem}", flush=True)

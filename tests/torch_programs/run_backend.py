@@ -422,9 +422,9 @@ def main():
     if args.device == "cuda":
         common.use_device(torch.device("cuda", RANK % torch.cuda.device_count()))
     mixed = common.place(args, RANK, WORLD)
-    options = (hoccl.torch.Options(settings={"kernel_bytes": args.kernel_bytes} if
-                                   args.kernel_bytes else {}, inter_host=args.inter_host)
-               if args.kernel_bytes or args.inter_host else None)
+    settings = {"kernel_bytes": args.kernel_bytes} if args.kernel_bytes else {}
+    options = (hoccl.torch.Options(settings=settings, inter_host=args.inter_host)
+               if settings or args.inter_host else None)
     dist.init_process_group("hoccl", rank=RANK, world_size=WORLD, timeout=timedelta(seconds=60),
                             pg_options=options)
     assert dist.get_backend() == "hoccl"
