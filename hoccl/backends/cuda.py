@@ -55,9 +55,8 @@ from ._cuda_memory import CudaIpcDescriptor, _handle_bytes, _handle_from, _Memor
 __all__ = ["CudaDevice", "CudaIpcDescriptor", "device_count", "open_device"]
 
 #: the most memops one ``memops`` call issues as single driver calls, read at import
-_SINGLE = whole_number("HOCCL_SINGLE_MEMOPS", 0, "memops",
-                       "memops issued as single driver calls")
-_SINGLE = _SINGLE_MEMOPS if _SINGLE is None else _SINGLE
+_GIVEN = whole_number("HOCCL_SINGLE_MEMOPS", 0, "memops", "memops issued as single driver calls")
+_SINGLE: int = _SINGLE_MEMOPS if _GIVEN is None else _GIVEN
 
 
 # -- owned handles -------------------------------------------------------------------------
