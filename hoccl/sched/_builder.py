@@ -4,7 +4,7 @@ planned with, and ``_Builder``, which collects each rank's buffers and steps int
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from .._errors import InvalidArgumentError
@@ -146,6 +146,9 @@ class _Builder:
         self.max_value = 0
         self.marks = [0] * n
         self.extra_lanes = 0
+        #: (rank, buffer, start, end) of outputs that already hold their result (a reduction
+        #: of one input in place): not written, so not outputs
+        self.kept: List[Tuple[int, str, int, int]] = []
         self.last: Dict[Tuple[int, int, int], int] = {}  # (sender, receiver, channel) -> value
 
     # -- lanes ------------------------------------------------------------------------
@@ -182,9 +185,18 @@ class _Builder:
         self.programs[rank].append(Wait(lane, peer * CHANNELS + channel, value))
 
     def reduce(self, rank: int, lane: int, inputs, output: BufRef, count: int) -> None:
+        """``output`` = ``op`` over ``inputs``.  Over one input without a scale the result is
+        that input, whatever the op (an average divides by one): a copy, or nothing in
+        place, so a world of one reduces nothing."""
         if count:
-            s = self.shape
-            self.programs[rank].append(Reduce(lane, tuple(inputs), output, count, s.dtype, s.op,
+            s, inputs = self.shape, tuple(inputs)
+            if len(inputs) == 1 and s.scale is None:
+                nbytes = count * s.itemsize
+                if inputs[0] == output:
+                    self.kept.append((rank, output.buffer, output.offset, output.offset + nbytes))
+                self.copy(rank, lane, inputs[0], output, nbytes)
+                return
+            self.programs[rank].append(Reduce(lane, inputs, output, count, s.dtype, s.op,
                                               s.scale))
 
     def mark(self, rank: int, lane: int) -> int:
@@ -213,6 +225,16 @@ class _Builder:
         self.finish()
         s, o = self.shape, self.options
         lanes = self.copy_lanes + self.extra_lanes
+        for rank, name, start, end in self.kept:
+            spec = self.buffers[rank][name]
+            self.buffers[rank][name] = replace(spec, outputs=_without(spec.outputs, start, end))
+        used = {step.lane for program in self.programs for step in program}
+        if len(used) == 1 and lanes > 1:
+            # every step on one lane (a world of one): a one-lane plan, which runs on its
+            # caller's stream with no lane to fork or join
+            self.programs = [[replace(step, lane=0) for step in program]
+                             for program in self.programs]
+            lanes = 1
         options = (("copy_lanes", self.copy_lanes), ("chunk_bytes", o.chunk_bytes),
                    ("self_route", o.self_route))
         return Plan(s.collective, self.n, lanes,
@@ -257,6 +279,17 @@ class _Builder:
             return
         via = (rank + 1) % self.n
         self.push(rank, via, src, BufRef(via, "scratch", 0), nbytes, pull_back=dst)
+
+
+def _without(ranges: Tuple[Tuple[int, int], ...], start: int, end: int
+             ) -> Tuple[Tuple[int, int], ...]:
+    """``ranges`` less the bytes [start, end)."""
+    left = []
+    for a, b in ranges:
+        for piece in ((a, min(b, start)), (max(a, end), b)):
+            if piece[1] > piece[0]:
+                left.append(piece)
+    return tuple(left)
 
 
 def _peers(rank: int, n: int) -> List[int]:
