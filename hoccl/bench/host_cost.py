@@ -17,6 +17,8 @@ the framework's allocator, the same ones every call), ``hoccl-direct`` (register
 up to the size as direct kernels: ``kernel_bytes``), ``nccl`` (torch.distributed, world 1
 in this process, CUDA only), and two floors on CUDA: ``torch-copy`` (one
 ``tensor.copy_``) and ``graph-replay`` (an empty captured CUDA graph replayed).
+Each hoccl call is the one torch.distributed makes: all_gather and reduce_scatter out of
+place, all_reduce in place (``in_place`` in the JSON).
 Writes ``host_cost.json`` and ``host_cost.md`` into ``--out`` and prints the table.
 """
 
@@ -126,10 +128,12 @@ def _hoccl_rows(comm: Any, args: argparse.Namespace, collectives: List[str], cou
         comm.set_options(kernel_bytes=kernel_bytes)
         for collective in collectives:
             send, recv = _buffers(collective, count, n, make)
+            if collective == "all_reduce":  # in place, as torch.distributed's
+                send = recv
             method = getattr(comm, collective)
             figure = measure(lambda: method(send, recv), sync, args.burst, args.bursts)
             rows.append({"variant": variant, "collective": collective, "world": n,
-                         "rank": comm.rank, **figure})
+                         "rank": comm.rank, "in_place": send is recv, **figure})
     comm.set_options(kernel_bytes=0)
     return rows
 
@@ -156,7 +160,7 @@ def _nccl_rows(args: argparse.Namespace, collectives: List[str], count: int
             figure = measure(calls[collective], torch.cuda.synchronize, args.burst,
                              args.bursts)
             rows.append({"variant": "nccl", "collective": collective, "world": 1, "rank": 0,
-                         **figure})
+                         "in_place": collective == "all_reduce", **figure})
     finally:
         dist.destroy_process_group()
     return rows
