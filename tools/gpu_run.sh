@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # The device machine's session: GPU tests (one process, and mpirun -np 2), then the
-# benchmarks against NCCL.  Usage: bash tools/gpu_run.sh [tests|profile|bench|overlap|compare|torch|fsdp|hier|hierdiag|final|registered|onegpu|validate|dryrun|quickreg|figures-a|figures-b|figures-c|figures-d|figures-direct|figures-wide|direct|caller|placement|fused|levers|tp|groups|hostcost|replay|shrink|ucx|verify|all] [pytest args]
+# benchmarks against NCCL.  Usage: bash tools/gpu_run.sh [tests|profile|bench|overlap|compare|torch|fsdp|hier|hierdiag|final|registered|onegpu|validate|dryrun|quickreg|figures-a|figures-b|figures-c|figures-d|figures-direct|figures-wide|direct|caller|placement|fused|levers|tp|groups|hostcost|replay|shrink|ucx|ucxprobe|verify|all] [pytest args]
 # groups: grouped calls (tests/mpi/run_groups.py) and the fuzzer's short run on the cuda
 # backend, 3 ranks sharing the GPU under mpirun (correctness only: no speed there).
 # hostcost: python -m hoccl.bench.host_cost, world 1 beside torch+NCCL, then 2 ranks.
 # shrink: dist.shrink_group on the cuda backend, three workers of a store launch.
 # ucx: between simulated hosts over UCX (.wheels, tools/device_carry.sh --ucx): the mixed
-# bench, two GPU ranks as two hosts, then the mixed job's checks (hoccl's, torch's, DDP).
+# bench, two GPU ranks as two hosts, then the mixed job's checks (hoccl's, torch's, DDP);
+# UCX_PART=bench,gpu-hosts,job,torch names the parts to run (UCX_STAGED= skips the staged
+# two-GPU run).
 # verify: one GPU's correctness checks of the cuda paths: the host cost, grouped calls and
 # the fuzzer (3 ranks), the GPU tier in one process, run_checks under mpirun with 2 and 3
 # ranks, the mixed job across simulated hosts.
@@ -319,30 +321,37 @@ if [ "$what" = shrink ]; then
     --json "$OUT/shrink_cuda.json"
 fi
 if [ "$what" = ucx ]; then
-  # between simulated hosts over UCX (.wheels: ucxx-cu13 and its libraries): the mixed
-  # bench (two GPU ranks and two CPU ranks as two hosts) with the staged engine over MPI
-  # beside UCX and gloo
-  if [ "${UCX_PART:-all}" != checks ]; then  # UCX_PART=bench or checks: half of it
+  # between simulated hosts over UCX (.wheels: ucxx-cu13 and its libraries), in parts
+  # (UCX_PART, a comma list; default all of them):
+  # bench: the mixed bench (two GPU ranks and two CPU ranks as two hosts) with the staged
+  # engine over MPI beside UCX and gloo
+  part() { case ",${UCX_PART:-bench,gpu-hosts,job,torch}," in *",$1,"*) return 0;; esac; return 1; }
+  if part bench; then
     step mixed-bench-ucx 240 mpirun -np 4 -x PYTHONPATH -x NCCL_NVLS_ENABLE -x OMP_NUM_THREADS=4 \
       python3 -m hoccl.bench.mixed --devices cuda,cuda,cpu,cpu --local-size 2 \
       --inter-host mpi,ucx --sizes ${UCX_SIZES:-1M,16M,64M,256M,1G} --phase-bytes 64M --iters 3 \
       --out "$OUT/mixed_ucx"
+  fi
+  if part gpu-hosts; then
     # two GPU ranks as two hosts: UCX between them beside a copy of the same bytes on the
     # device, the device memory handed to UCX (cuda_ipc), then staged through host memory
     step gpu-hosts-ucx 150 mpirun -np 2 -x PYTHONPATH -x NCCL_NVLS_ENABLE \
       -x HOCCL_UCX_DEVICE_MEMORY=1 python3 -m hoccl.bench.mixed --devices cuda --local-size 1 \
       --inter-host ucx --libraries hoccl,copy --sizes ${UCX_SIZES:-1M,16M,64M,256M,1G} \
       --phase-bytes 64M --iters 3 --out "$OUT/gpu_hosts_ucx"
-    step gpu-hosts-staged 150 mpirun -np 2 -x PYTHONPATH -x NCCL_NVLS_ENABLE \
-      python3 -m hoccl.bench.mixed --devices cuda --local-size 1 --inter-host ucx \
-      --libraries hoccl --sizes ${UCX_SIZES:-1M,16M,64M,256M,1G} --phase-bytes 64M --iters 3 \
-      --out "$OUT/gpu_hosts_staged"
+    [ -n "${UCX_STAGED-1}" ] && step gpu-hosts-staged 150 mpirun -np 2 -x PYTHONPATH \
+      -x NCCL_NVLS_ENABLE python3 -m hoccl.bench.mixed --devices cuda --local-size 1 \
+      --inter-host ucx --libraries hoccl --sizes ${UCX_SIZES:-1M,16M,64M,256M,1G} \
+      --phase-bytes 64M --iters 3 --out "$OUT/gpu_hosts_staged"
   fi
-  if [ "${UCX_PART:-all}" != bench ]; then
-    # the same mixed job checked: every collective, point to point and the pipelines
-    # (run_mixed_job), torch's collectives (run_backend) and DDP/FSDP2 against gloo on the CPU
+  # job: the same mixed job checked: every collective, point to point and the pipelines
+  # (run_mixed_job); torch: torch's collectives (run_backend) and DDP/FSDP2 against gloo
+  # on the CPU (run_training)
+  if part job; then
     step mixed-ucx 200 mpirun -np 4 -x PYTHONPATH -x NCCL_NVLS_ENABLE -x OMP_NUM_THREADS=4 \
       python3 tests/mpi/run_mixed_job.py --inter-host ucx --json "$OUT/mixed_ucx.json"
+  fi
+  if part torch; then
     step torch-backend-ucx 150 mpirun -np 4 -x PYTHONPATH -x NCCL_NVLS_ENABLE -x MASTER_ADDR \
       -x MASTER_PORT python3 tests/torch_programs/run_backend.py --devices cuda,cuda,cpu,cpu \
       --local-size 2 --inter-host ucx
@@ -350,6 +359,37 @@ if [ "$what" = ucx ]; then
       -x MASTER_PORT python3 tests/torch_programs/run_training.py --devices cuda,cuda,cpu,cpu \
       --local-size 2 --inter-host ucx
   fi
+fi
+if [ "$what" = ucxprobe ]; then
+  # which UCX setups move bytes between two processes of this machine (tools/ucx_probe.py:
+  # endpoint error handling, transports, CUDA context and pinned memory), then the mixed
+  # bench's smallest UCX step between a GPU rank and a CPU rank, watched and in UCX's
+  # failure mode; and what a launch costs the host by how it is issued
+  df -h /dev/shm > "$OUT/shm.txt" 2>&1
+  probe=0
+  while read -r options; do
+    probe=$((probe + 1))
+    step "probe-$probe" 40 mpirun -np 2 -x PYTHONPATH python3 tools/ucx_probe.py $options
+  done <<'PROBES'
+--error-handling 0
+--error-handling 1
+--error-handling 0 --cuda 0
+--error-handling 0 --cuda 0,1
+--error-handling 0 --pinned 0 --cuda 0
+--error-handling 0 --pinned 0,1
+--error-handling 1 --pinned 0 --cuda 0
+--error-handling 0 --pinned 0 --cuda 0 --tls posix,self
+--error-handling 0 --pinned 0 --cuda 0 --tls sysv,self
+--error-handling 0 --pinned 0 --cuda 0 --tls tcp,self
+--error-handling 0 --pinned 0 --cuda 0 --tls ^cma,cuda_ipc
+--error-handling 0 --pinned 0 --cuda 0 --tls ^cma,cuda_ipc,cuda_copy
+PROBES
+  for mode in watched all; do
+    step "mixed-probe-$mode" 60 mpirun -np 2 -x PYTHONPATH -x HOCCL_UCX_PEER_FAILURE=$mode \
+      python3 -m hoccl.bench.mixed --devices cuda,cpu --local-size 1 --inter-host ucx \
+      --libraries hoccl --sizes 1M,64M --phase-bytes 64M --iters 2 --out "$OUT/mixed_probe_$mode"
+  done
+  step launch-cost 60 python3 tools/launch_cost.py
 fi
 if [ "$what" = onegpu ]; then
   # one GPU: two ranks under mpirun share it (IPC within one device), which runs every
