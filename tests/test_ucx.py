@@ -224,3 +224,112 @@ def test_the_ucx_context_leaves_cross_memory_attach_off_unless_ucx_tls_chooses(m
     assert not ucx._Worker().cma and made[-1] == {"TLS": "^cma"}
     monkeypatch.setenv("UCX_TLS", "sm,self")
     assert ucx._Worker().cma and made[-1] == {}
+
+
+#: the staged engine's chunk in the all_reduce checks: float32 chunks of 512 elements
+_STAGE_BYTES = 4096
+_COUNTS = (1, 7, 511, 513, 5003, 40_001)
+
+
+def _all_reduce_cases():
+    """(dtype, op, in place, count) of every check, the same on both members."""
+    kinds = [("float32", op) for op in ("sum", "max", "prod", "avg", "min")]
+    kinds += [("bfloat16", "sum"), ("bfloat16", "max"), ("int32", "sum"), ("int32", "prod")]
+    return [(dtype, op, in_place, count) for dtype, op in kinds for in_place in (False, True)
+            for count in _COUNTS]
+
+
+def _member_input(case, member, dtype, count):
+    """Member ``member``'s input of check ``case`` (any member can make every member's)."""
+    from hoccl._dtypes import numpy_dtype
+    rng = np.random.default_rng([case, member])
+    if dtype == "int32":
+        return rng.integers(-1000, 1000, count, dtype=np.int32)
+    values = rng.uniform(-2, 2, count).astype(np.float32)
+    return values if dtype == "float32" else values.astype(numpy_dtype("bfloat16"))
+
+
+@pytest.mark.parametrize("peer", ["folds as exchanged", "gathers then folds"])
+def test_two_hosts_all_reduce_over_ucx_folds_each_chunk_exact(peer):
+    """The rail engine's all_reduce between two simulated hosts in host memory, many chunks
+    (``stage_bytes`` 4 KiB) each folded in pieces of 1000 bytes: exact against
+    ``reduce_arrays`` in place and out of place, for every dtype and op.  ``gathers then
+    folds``: member 0 posts the messages of the staged engine's all_gather, as a GPU member
+    does, and member 1 folds as they come."""
+    pytest.importorskip("ucxx")
+    dist = pytest.importorskip("torch.distributed")
+    port = _free_port()
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=60))
+    workers = []
+    for rank in range(2):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", "HOCCL_UCX_PEER_FAILURE": "",
+               "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+        workers.append(subprocess.Popen([sys.executable, __file__, peer], env=env, text=True,
+                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    try:
+        outputs = [worker.communicate(timeout=240)[0] for worker in workers]
+    finally:
+        for worker in workers:
+            if worker.poll() is None:
+                worker.kill()
+    del store
+    for rank, output in enumerate(outputs):
+        assert f"all_reduce: rank {rank} OK" in output, output[-4000:]
+
+
+def _all_reduce_member(peer):
+    """One member of ``test_two_hosts_all_reduce_over_ucx_folds_each_chunk_exact``."""
+    import torch
+    import torch.distributed as dist
+
+    import hoccl
+    from hoccl._dtypes import reduce_arrays
+    from hoccl._hierarchy import ucx
+    from hoccl._hierarchy.staged import StagedEngine
+    from hoccl.torch import StoreBootstrap
+    rank = int(os.environ["RANK"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), 2,
+                          is_master=False, timeout=timedelta(seconds=60))
+    comm = hoccl.init(backend="host", bootstrap=StoreBootstrap(store, rank, 2), local_size=1,
+                      inter_host="ucx", timeout=60, stage_bytes=_STAGE_BYTES)
+    engine = comm._levels["rail"]
+    assert isinstance(engine, ucx.UcxStagedEngine) and engine.size == 2
+    ucx._FOLD_PIECE_BYTES = 1000
+    if peer == "gathers then folds":
+        engine.direct = False  # both cut as beside a member that stages
+        if rank == 0:
+            engine.all_reduce = lambda send, recv, op: StagedEngine.all_reduce(engine, send,
+                                                                               recv, op)
+    problems = []
+    for case, (dtype, op, in_place, count) in enumerate(_all_reduce_cases()):
+        inputs = [_member_input(case, member, dtype, count) for member in range(2)]
+        want = reduce_arrays(inputs, op, inputs[0].dtype)
+        mine = inputs[rank].copy()
+        if dtype == "bfloat16":  # a torch CPU tensor
+            send = torch.from_numpy(mine.view(np.int16)).view(torch.bfloat16)
+            recv = send if in_place else torch.full((count,), float("nan"), dtype=torch.bfloat16)
+            got = lambda: recv.view(torch.int16).numpy().view(np.uint16)  # noqa: E731
+        else:
+            send = mine
+            recv = send if in_place else np.full(count, -7, mine.dtype)
+            if dtype == "float32" and not in_place:
+                recv[:] = np.nan
+            got = lambda: recv.view(np.uint32)  # noqa: E731
+        engine.all_reduce(send, recv, op)
+        if not np.array_equal(got(), want.view(got().dtype)):
+            problems.append(f"{dtype} {op} {'in place' if in_place else 'out of place'} "
+                            f"{count}: {np.count_nonzero(got() != want.view(got().dtype))} "
+                            f"elements differ")
+        if not in_place and not np.array_equal(mine, inputs[rank]):
+            problems.append(f"{dtype} {op} {count}: the send buffer changed")
+    comm.close()
+    for problem in problems:
+        print(f"rank {rank} FAILED: {problem}", flush=True)
+    print(f"all_reduce: rank {rank} {'FAILED' if problems else 'OK'}", flush=True)
+    os._exit(1 if problems else 0)
+
+
+if __name__ == "__main__":
+    _all_reduce_member(sys.argv[1])

@@ -1,42 +1,31 @@
-"""UCX between hosts (``inter_host="ucx"``): the staged engine's steps as UCX tag sends
-and receives, through ``ucxx`` (``pip install 'hoccl[ucx]'``).
+"""UCX between hosts (``inter_host="ucx"``): the staged engine's steps as UCX tag messages,
+through ``ucxx`` (``pip install 'hoccl[ucx]'``).
 
 UCX picks the wire per pair of processes: shared memory or cross-memory attach on one
 machine, TCP, InfiniBand or RoCE between machines (``UCX_TLS`` narrows the choice;
-``describe()`` names the transports the UCX context found).  One UCX context and worker
-serve every communicator of a process; the peers' worker addresses are swapped once per
-communicator through its bootstrap, and an endpoint is made to every member of each
-level (the rail of this local rank, and the world for sends and receives).
+``describe()`` names those found).  One context and worker serve a process's communicators,
+with an endpoint to every member of each level (this local rank's rail, and the world).  A
+step is the ``PairTransport``'s pairwise messages (``transports.py``), all posted before any
+is waited for; a tag names the channel, the sender and the message's place in the sender's
+stream to that receiver, so no two steps' messages match.  Device arrays are staged through
+pinned host memory; host arrays go as they are (two members' all_reduce folds as it moves).
 
-The collectives between hosts are the ``PairTransport``'s (``transports.py``): each
-step is a set of pairwise messages, all posted before any is waited for.  A message's
-tag names its communicator's channel, its sender and its place in the sender's stream
-to that receiver, so messages of different steps or communicators never match each
-other.  Device arrays are staged through pinned host memory as on the other staged
-engines; host arrays go to UCX as they are.
+A peer on another machine is reached in UCX's peer-failure mode: UCX's error handling (or
+keepalive) sees its death.  The mode rules out the shared-memory transports (no failure
+handler: TCP would be left), so a peer on this machine (host name, boot id, pid namespace)
+gets an endpoint without it and its process is watched (``_Process.alive``, every 50 ms while
+a request waits on it); cross-memory attach (``cma``) is then off: a cma read from a peer
+that died ends the reader when no handler is installed.  Where ``UCX_TLS`` chooses the
+transports (cma may be among them), or ``HOCCL_UCX_PEER_FAILURE=all``, every endpoint is in
+the mode (``results/host/2026-12-06-ucx-wire``: sendrecv 0.45 GB/s, 3.9 over shared memory).
+Either way a step raises ``PeerDeadError`` naming the member; a live peer that never makes
+the matching call ends in the timeout.
 
-A peer on another machine is reached by an endpoint in UCX's peer-failure mode: a peer
-whose process ends is seen by UCX's error handling (or its keepalive). That mode rules out
-UCX's shared-memory transports, which have no failure handler, and leaves TCP for the
-messages between processes of one machine. So a peer on the same machine (host name, boot
-id and pid namespace) gets an endpoint without it, over shared memory, and its death is
-seen through its process instead, as the mailboxes see it (``_Process.alive``, checked
-every 50 ms while a request waits on it). Cross-memory attach (``cma``) is then off:
-without the failure mode, a cma read from a peer that died ends the reading process (UCX
-has no handler to call), where shared memory only waits until the watch sees the death.
-Where ``UCX_TLS`` chooses the transports (they may include cma), every endpoint is in the
-failure mode. Two processes on a 2-core machine, 64 MiB (``results/host/
-2026-12-06-ucx-wire``): sendrecv 0.45 GB/s in the failure mode, 3.9 over shared memory
-(4.4 with cma, which is left off). ``HOCCL_UCX_PEER_FAILURE=all`` puts every endpoint in
-the failure mode. Either way the step raises ``PeerDeadError`` naming the member; a peer
-that is alive but never makes the matching call ends in the engine's timeout.
-
-MPI may bring its own UCX (the MPICH wheel does): whichever UCX a process loads first is
-the one both use, and ucxx's cannot load after an older one.  ``hoccl.init(inter_host=
-"ucx")`` loads ucxx's before MPI where MPI is not loaded yet (``preload``); a program
-that imports ``mpi4py.MPI`` before that gets an error saying so.  With ``inter_host``
-left to hoccl, UCX is chosen only where it loads on every rank (always under torch's
-rendezvous, which loads no MPI).
+MPI may bring its own UCX (the MPICH wheel does): whichever loads first is the one both use,
+and ucxx's cannot load after an older one: ``hoccl.init(inter_host="ucx")`` loads it before
+MPI where MPI is not loaded yet (``preload``); importing ``mpi4py.MPI`` first is an error
+that says so.  With ``inter_host`` left to hoccl, UCX is chosen only where it loads on
+every rank (always under torch's rendezvous: no MPI).
 """
 
 from __future__ import annotations
@@ -53,13 +42,14 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from .._dtypes import reduce_into
 from .._errors import (AbortedError, HocclError, InvalidArgumentError, PeerClosedError,
                        PeerDeadError)
 from .._mailbox import _Process, wait_until
-from ..config import environ
+from ..config import environ, host_threads
 from .arrays import address
 from .engine import Setup
-from .staged import BatchingStagedEngine
+from .staged import SLOTS, BatchingStagedEngine, _overlap, _to_numpy
 from .transports import PairTransport, Transport
 
 __all__ = ["UcxBootstrap", "UcxStagedEngine", "UcxTransport", "available", "preload",
@@ -79,6 +69,8 @@ _NOTICE_BYTES = 512
 _CLOSED = "closed"
 #: seconds between two looks at the processes of the peers on this machine (``_done``)
 _LIVENESS_PERIOD = 0.05
+#: ``UcxStagedEngine.all_reduce``'s fold between two progresses, its chunk where none stages
+_FOLD_PIECE_BYTES = _DIRECT_CHUNK_BYTES = 1 << 20
 
 
 def available() -> bool:
@@ -127,10 +119,8 @@ class _Worker:
     def __init__(self) -> None:
         api, self.Array = _api()
         self.api = api
-        # no cross-memory attach (cma) where hoccl chooses: between peers watched without
-        # UCX's failure mode, a cma read of a peer that died ends the process (UCX has no
-        # handler to call); shared memory only waits, and the watch ends it (``_watchable``).
-        # Where UCX_TLS chooses, cma may be on: no peer is watched then
+        # no cross-memory attach (cma) where hoccl chooses (the module docstring says why);
+        # where UCX_TLS chooses, cma may be on: no peer is watched then (``_watchable``)
         self.cma = "UCX_TLS" in os.environ
         config = {} if self.cma else {"TLS": "^cma"}
         self.context = api.UCXContext(config_dict=config, feature_flags=(api.Feature.TAG,))
@@ -510,14 +500,13 @@ def _watchable(me: Tuple[_Process, Optional[str]], peer: Tuple[_Process, Optiona
 
 
 class UcxStagedEngine(BatchingStagedEngine):
-    """The staged engine over UCX (``UcxTransport``): hosts of any kinds.  An abort is
-    told to the level's peers (``UcxTransport.notify``).
+    """The staged engine over UCX (``UcxTransport``): hosts of any kinds.  An abort is told
+    to the level's peers (``UcxTransport.notify``).
 
     ``HOCCL_UCX_DEVICE_MEMORY=1`` hands CUDA arrays to UCX as they are (its ``cuda_copy``,
     ``cuda_ipc`` and GPUDirect RDMA transports move them) instead of staging them through
     pinned host memory: each step first waits on the host for the caller's stream, and is
-    done when UCX's requests are.  Written for GPUs and not yet run on one: off by
-    default."""
+    done when UCX's requests are.  Written for GPUs and not yet run on one: off by default."""
 
     name = "ucx"
     transport: UcxTransport
@@ -540,6 +529,42 @@ class UcxStagedEngine(BatchingStagedEngine):
                 send_bytes = send_bytes.clone() if hasattr(send_bytes, "clone") \
                     else send_bytes.copy()
         self._transfer(what, lambda: start(send_bytes, recv_bytes))
+
+    def all_reduce(self, send: Any, recv: Any, op: str, *, stream: Any = None) -> None:
+        """Two members in host memory: the staged all_gather's messages, in ``_staged``'s
+        chunks (at most ``_DIRECT_CHUNK_BYTES`` where none stages), ``2 * SLOTS`` in flight,
+        each folded in member order once sent and received.  Else all_gather, then fold."""
+        if not (self.size == 2 and recv.shape[0] and self._on_host([send, recv])):
+            return super().all_reduce(send, recv, op, stream=stream)
+        self._refuse_if_broken("all_reduce")
+        send, recv = _to_numpy(send), _to_numpy(recv)
+        if _overlap(send, recv) and send.ctypes.data != recv.ctypes.data:
+            send = send.copy()  # a fold into recv would write over chunks not yet sent
+        count, item, peer, slots = recv.shape[0], recv.dtype.itemsize, 1 - self.member, 2 * SLOTS
+        chunk = max(1, min(self.stage_bytes // 2, _DIRECT_CHUNK_BYTES if self.direct
+                           else self.stage_bytes) // item)
+        piece, chunks = max(1, _FOLD_PIECE_BYTES // item), -(-count // chunk)
+        theirs = self.scratch(recv, slots * min(chunk, count), None)  # a ring of chunks
+
+        def post(k: int) -> Any:
+            a, b, at = k * chunk, min(count, (k + 1) * chunk), k % slots * chunk
+            return self.transport._post([(peer, send[a:b].view(np.uint8))],
+                                        [(peer, theirs[at:at + b - a].view(np.uint8))])
+
+        def fold(k: int, request: Any) -> None:
+            a, b, at = k * chunk, min(count, (k + 1) * chunk), k % slots * chunk - k * chunk
+            self._transferred(request, "all_reduce")
+            for start in range(a, b, piece):  # UCX moves the others only while progressed
+                stop = min(b, start + piece)
+                pieces = [send[start:stop], theirs[at + start:at + stop]]
+                reduce_into(recv[start:stop], pieces[::-1] if self.member else pieces, op,
+                            threads=host_threads())
+                self.transport._worker.progress()
+        requests = [post(k) for k in range(min(slots, chunks))]
+        for k in range(chunks):
+            fold(k, requests[k])
+            if k + slots < chunks:
+                requests.append(post(k + slots))
 
     def abort(self, reason: str = "") -> None:
         super().abort(reason)
