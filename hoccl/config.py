@@ -219,7 +219,7 @@ ENVIRONMENT: Dict[str, str] = {
                                "not staged through pinned host memory (not yet run on GPUs)",
     "HOCCL_SINGLE_MEMOPS": "the cuda backend: the most stream memory operations one step "
                            "issues as single driver calls, more going as one batch (default "
-                           "1)",
+                           "8)",
     "HOCCL_UCX_PEER_FAILURE": "all: inter_host='ucx' puts every endpoint in UCX's "
                               "peer-failure mode, also to peers on the same machine (which "
                               "then talk over TCP, not shared memory)",

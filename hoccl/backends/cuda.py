@@ -198,6 +198,7 @@ class CudaDevice(_SmWork, _Memory, Device):
         self._holds: dict = {}         # import key -> windows holding it (hold_import)
         self._memop_params: dict = {}  # (kind, address) -> CUstreamBatchMemOpParams
         self._reduce_launches = {}     # a reduce's arguments -> its launches (_SmWork)
+        self._copy_launches = {}       # a local copy's arguments -> its launch (_SmWork)
         self._streams: dict = {}       # a raw stream handle -> its CUstream (resolve_stream)
 
         def attribute(name: str) -> int:
@@ -462,7 +463,8 @@ class CudaDevice(_SmWork, _Memory, Device):
         or ``HOCCL_SINGLE_MEMOPS``), more in batches of up to 255, whose
         ``CUstreamBatchMemOpParams`` are kept per (kind, address) and only their values set.
         ``tools/profile_call.py`` times both (one H200: two writes 7.55 µs as single calls,
-        3.88 µs as one batch of kept structs), so a list of two or more goes as a batch."""
+        3.88 µs as one batch of kept structs), yet whole calls timed both ways in one run
+        (an H100, ``tools/gpu_run.sh replay``) were no faster batched."""
         if len(operations) <= _SINGLE:
             self._make_current()
             for kind, address, value in operations:
