@@ -220,6 +220,9 @@ ENVIRONMENT: Dict[str, str] = {
     "HOCCL_SINGLE_MEMOPS": "the cuda backend: the most stream memory operations one step "
                            "issues as single driver calls, more going as one batch (default "
                            "8)",
+    "HOCCL_UCX_TLS": "inter_host='ucx': the transports of hoccl's UCX context, as UCX_TLS "
+                     "reads them, cross-memory attach always excluded (default: all but cma); "
+                     "UCX_TLS itself overrides it",
     "HOCCL_UCX_PEER_FAILURE": "all: inter_host='ucx' puts every endpoint in UCX's "
                               "peer-failure mode, also to peers on the same machine (which "
                               "then talk over TCP, not shared memory)",

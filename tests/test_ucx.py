@@ -205,7 +205,7 @@ def test_only_peers_whose_processes_can_be_watched_do_without_the_failure_mode(m
 
 def test_the_ucx_context_leaves_cross_memory_attach_off_unless_ucx_tls_chooses(monkeypatch):
     pytest.importorskip("ucxx")
-    from hoccl._hierarchy import ucx
+    from hoccl._hierarchy import ucx, ucx_worker
     monkeypatch.setattr(ucx._Worker, "_one", None)
     made = []
 
@@ -218,10 +218,14 @@ def test_the_ucx_context_leaves_cross_memory_attach_off_unless_ucx_tls_chooses(m
             self.address = np.zeros(1, np.uint8)
 
     api = type("api", (), {"UCXContext": Context, "UCXWorker": Worker,
-                           "Feature": ucx._api()[0].Feature})
-    monkeypatch.setattr(ucx, "_api", lambda: (api, None))
+                           "Feature": ucx_worker._api()[0].Feature})
+    monkeypatch.setattr(ucx_worker, "_api", lambda: (api, None))
     monkeypatch.delenv("UCX_TLS", raising=False)
     assert not ucx._Worker().cma and made[-1] == {"TLS": "^cma"}
+    monkeypatch.setenv("HOCCL_UCX_TLS", "^cuda_ipc")  # narrowed by hoccl: still no cma
+    assert not ucx._Worker().cma and made[-1] == {"TLS": "^cuda_ipc,cma"}
+    monkeypatch.setenv("HOCCL_UCX_TLS", "posix,cma,self,tcp")
+    assert not ucx._Worker().cma and made[-1] == {"TLS": "posix,self,tcp"}
     monkeypatch.setenv("UCX_TLS", "sm,self")
     assert ucx._Worker().cma and made[-1] == {}
 

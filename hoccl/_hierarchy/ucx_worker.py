@@ -1,0 +1,136 @@
+"""The process's UCX context and worker (``inter_host="ucx"``, ``hoccl._hierarchy.ucx``):
+whether ucxx loads, which transports the context may use, and which peers can be watched
+through their processes instead of UCX's peer-failure mode (``ucx``'s docstring says
+why)."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import re
+import sys
+import threading
+from typing import Any, List, Optional, Tuple
+
+from .._mailbox import _Process
+from ..config import environ
+
+__all__ = ["available", "preload", "usable"]
+
+log = logging.getLogger("hoccl")
+
+
+def _transports() -> str:
+    """The UCX_TLS of hoccl's context: ``HOCCL_UCX_TLS`` less cma, or all but cma."""
+    given = environ("HOCCL_UCX_TLS") or "^"
+    names = [name for name in given.lstrip("^").split(",") if name and name != "cma"]
+    return "^" + ",".join(names + ["cma"]) if given.startswith("^") else ",".join(names)
+
+
+def available() -> bool:
+    """Whether ucxx is installed (nothing is loaded)."""
+    return importlib.util.find_spec("ucxx") is not None
+
+
+def usable() -> bool:
+    """Whether ucxx is installed and its libraries load in this process."""
+    if not available():
+        return False
+    try:
+        _api()
+    except Exception:  # noqa: BLE001 - ImportError, or an OSError from a clashing UCX
+        return False
+    return True
+
+
+def preload() -> None:
+    """Load UCX's libraries from ucxx's wheels before MPI loads its own (see the module
+    docstring); nothing where ucxx is not installed or MPI is loaded already."""
+    if "mpi4py.MPI" in sys.modules or not available():
+        return
+    try:
+        _api()
+    except Exception as error:  # noqa: BLE001 - only a preference: MPI works either way
+        log.info("ucx: ucxx did not load before MPI (%s); inter_host='ucx' is unavailable",
+                 error)
+
+
+def _api() -> Tuple[Any, Any]:
+    """(ucxx's low-level API module, its Array wrapper)."""
+    # ucxx sets UCX variables that a newer UCX no longer reads: no warning per process
+    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+    import ucxx._lib.libucxx as api
+    from ucxx._lib.arr import Array
+    return api, Array
+
+
+class _Worker:
+    """The process's UCX context and worker, shared by every transport (counted)."""
+
+    _lock = threading.Lock()
+    _one: Optional["_Worker"] = None
+
+    def __init__(self) -> None:
+        api, self.Array = _api()
+        self.api = api
+        # no cross-memory attach (cma) where hoccl chooses (the module docstring says why);
+        # where UCX_TLS chooses, cma may be on: no peer is watched then (``_watchable``)
+        self.cma = "UCX_TLS" in os.environ
+        config = {} if self.cma else {"TLS": _transports()}
+        self.context = api.UCXContext(config_dict=config, feature_flags=(api.Feature.TAG,))
+        self.worker = api.UCXWorker(self.context)
+        self.address: bytes = self.worker.address.tobytes()
+        self.users = 0
+        #: the next channel this process would give a communicator (agreed at connect)
+        self.next_channel = 1
+
+    @classmethod
+    def take(cls) -> "_Worker":
+        with cls._lock:
+            if cls._one is None:
+                cls._one = _Worker()
+            cls._one.users += 1
+            return cls._one
+
+    def release(self) -> None:
+        with _Worker._lock:
+            self.users -= 1
+            # the worker stays for the process: a UCX context torn down and made again
+            # costs more than it holds, and requests of an aborted step may still point
+            # into it
+
+    def progress(self) -> None:
+        self.worker.progress()
+
+    def transports(self) -> List[str]:
+        """The UCX transports and devices the context found (``tcp/eth0``, ``posix/memory``,
+        ``rc_mlx5/mlx5_0:1``, ``cuda_ipc/cuda``...)."""
+        info = self.context.info
+        text = info() if callable(info) else str(info)
+        return sorted(set(re.findall(r"resource \d+\s*:.*?flags \S*\s+(\S+)", text)))
+
+
+def _boot_id() -> Optional[str]:
+    """This machine's boot id (host names and pid namespaces may repeat across machines:
+    the first pid namespace has the same number everywhere), or None."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as file:
+            return file.read().strip() or None
+    except OSError:
+        return None
+
+
+def _watchable(me: Tuple[_Process, Optional[str]], peer: Tuple[_Process, Optional[str]],
+               cma: bool) -> bool:
+    """Whether ``peer``'s process (with its machine's boot id) can be watched from this
+    one: the same machine (host name and boot id) and pid namespace, its start time
+    readable. Its endpoint can then do without UCX's peer-failure mode and use shared
+    memory (``HOCCL_UCX_PEER_FAILURE=all``: never; nor where the UCX context may use
+    cross-memory attach, ``cma``: ``UCX_TLS`` chose its transports)."""
+    if environ("HOCCL_UCX_PEER_FAILURE") == "all" or cma:
+        return False
+    (mine, my_boot), (theirs, their_boot) = me, peer
+    return (theirs.host == mine.host and my_boot is not None and their_boot == my_boot
+            and theirs.namespace is not None and theirs.namespace == mine.namespace
+            and theirs.start is not None)
