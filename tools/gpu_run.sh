@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The device machine's session: GPU tests (one process, and mpirun -np 2), then the
-# benchmarks against NCCL.  Usage: bash tools/gpu_run.sh [tests|profile|bench|overlap|compare|torch|fsdp|hier|hierdiag|final|registered|onegpu|validate|dryrun|quickreg|figures-a|figures-b|figures-c|figures-d|figures-direct|figures-wide|direct|caller|placement|fused|levers|tp|groups|hostcost|replay|shrink|ucx|ucxprobe|verify|all] [pytest args]
+# benchmarks against NCCL.  Usage: bash tools/gpu_run.sh [tests|profile|bench|overlap|compare|torch|fsdp|hier|hierdiag|final|registered|onegpu|validate|dryrun|quickreg|figures-a|figures-b|figures-c|figures-d|figures-direct|figures-wide|direct|caller|placement|fused|levers|tp|groups|hostcost|replay|shrink|ucx|ucxprobe|ucxfix|verify|all] [pytest args]
 # groups: grouped calls (tests/mpi/run_groups.py) and the fuzzer's short run on the cuda
 # backend, 3 ranks sharing the GPU under mpirun (correctness only: no speed there).
 # hostcost: python -m hoccl.bench.host_cost, world 1 beside torch+NCCL, then 2 ranks.
@@ -390,6 +390,37 @@ PROBES
       --libraries hoccl --sizes 1M,64M --phase-bytes 64M --iters 2 --out "$OUT/mixed_probe_$mode"
   done
   step launch-cost 60 python3 tools/launch_cost.py
+fi
+if [ "$what" = ucxfix ]; then
+  # UCX between a GPU rank and a CPU rank of this machine: which transports move bytes
+  # (tools/ucx_probe.py, endpoints without UCX's failure mode, rank 0 with a CUDA context
+  # and pinned memory as a staged GPU member has), then the mixed bench and the mixed
+  # job with the first set that works (HOCCL_UCX_TLS; none: HOCCL_UCX_PEER_FAILURE=all)
+  step launch-cost 40 python3 tools/launch_cost.py
+  export HOCCL_UCX_TLS= HOCCL_UCX_PEER_FAILURE=
+  chosen=none
+  for tls in '^cma' '^cma,cuda_ipc' '^cma,cuda_ipc,cuda_copy' 'posix,sysv,self,tcp'; do
+    name=probe-$(printf '%s' "$tls" | tr -c 'a-z_' '-')
+    step "$name" 25 mpirun -np 2 -x PYTHONPATH python3 tools/ucx_probe.py --error-handling 0 \
+      --pinned 0 --cuda 0 --tls "$tls"
+    if grep -q "67108864: ok.*67108864: ok" "$OUT/$name.log"; then chosen=$tls; break; fi
+  done
+  step probe-plain 25 mpirun -np 2 -x PYTHONPATH python3 tools/ucx_probe.py --error-handling 0
+  case $chosen in
+    none) export HOCCL_UCX_PEER_FAILURE=all ;;
+    '^cma') ;;
+    *) export HOCCL_UCX_TLS="^${chosen#^cma,}" ;;
+  esac
+  echo "chosen: $chosen HOCCL_UCX_TLS=$HOCCL_UCX_TLS HOCCL_UCX_PEER_FAILURE=$HOCCL_UCX_PEER_FAILURE" \
+    > "$OUT/chosen.txt"
+  [ "$chosen" = 'posix,sysv,self,tcp' ] && export HOCCL_UCX_TLS=$chosen
+  UCXENV="-x HOCCL_UCX_TLS -x HOCCL_UCX_PEER_FAILURE"
+  step mixed-ucx 200 mpirun -np 4 -x PYTHONPATH -x NCCL_NVLS_ENABLE -x OMP_NUM_THREADS=4 $UCXENV \
+    python3 tests/mpi/run_mixed_job.py --inter-host ucx --json "$OUT/mixed_ucx.json"
+  step mixed-bench-ucx 240 mpirun -np 4 -x PYTHONPATH -x NCCL_NVLS_ENABLE -x OMP_NUM_THREADS=4 \
+    $UCXENV python3 -m hoccl.bench.mixed --devices cuda,cuda,cpu,cpu --local-size 2 \
+    --inter-host mpi,ucx --sizes ${UCX_SIZES:-1M,16M,64M,256M,1G} --phase-bytes 64M --iters 3 \
+    --out "$OUT/mixed_ucx"
 fi
 if [ "$what" = onegpu ]; then
   # one GPU: two ranks under mpirun share it (IPC within one device), which runs every
