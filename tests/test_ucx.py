@@ -228,6 +228,39 @@ def test_the_ucx_context_leaves_cross_memory_attach_off_unless_ucx_tls_chooses(m
     assert not ucx._Worker().cma and made[-1] == {"TLS": "posix,self,tcp"}
     monkeypatch.setenv("UCX_TLS", "sm,self")
     assert ucx._Worker().cma and made[-1] == {}
+    assert ucx._Worker().failure_mode_only  # UCX_TLS chose: every endpoint in the mode
+
+
+def test_a_context_with_cuda_transports_keeps_its_endpoints_in_the_failure_mode(monkeypatch):
+    """Where the UCX context has CUDA transports, peers on the machine are not watched (every
+    endpoint in UCX's peer-failure mode) unless HOCCL_UCX_TLS narrowed the transports."""
+    pytest.importorskip("ucxx")
+    from hoccl._hierarchy import ucx, ucx_worker
+    made = []
+
+    class Context:
+        def __init__(self, config_dict, feature_flags):
+            made.append(config_dict)
+            self.cuda_support = cuda
+
+    class Worker:
+        def __init__(self, context):
+            self.address = np.zeros(1, np.uint8)
+
+    api = type("api", (), {"UCXContext": Context, "UCXWorker": Worker,
+                           "Feature": ucx_worker._api()[0].Feature})
+    monkeypatch.setattr(ucx_worker, "_api", lambda: (api, None))
+    monkeypatch.delenv("UCX_TLS", raising=False)
+    monkeypatch.delenv("HOCCL_UCX_TLS", raising=False)
+    cuda = False
+    assert not ucx._Worker().failure_mode_only
+    cuda = True
+    worker = ucx._Worker()
+    assert worker.failure_mode_only and made[-1] == {"TLS": "^cma"}
+    me = (ucx._Process.this(), "boot")
+    assert ucx._watchable(me, me, False) and not ucx._watchable(me, me, True)
+    monkeypatch.setenv("HOCCL_UCX_TLS", "^cuda_ipc")
+    assert not ucx._Worker().failure_mode_only and made[-1] == {"TLS": "^cuda_ipc,cma"}
 
 
 #: the staged engine's chunk in the all_reduce checks: float32 chunks of 512 elements

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The device machine's session: GPU tests (one process, and mpirun -np 2), then the
-# benchmarks against NCCL.  Usage: bash tools/gpu_run.sh [tests|profile|bench|overlap|compare|torch|fsdp|hier|hierdiag|final|registered|onegpu|validate|dryrun|quickreg|figures-a|figures-b|figures-c|figures-d|figures-direct|figures-wide|direct|caller|placement|fused|levers|tp|groups|hostcost|replay|shrink|ucx|ucxprobe|ucxfix|verify|all] [pytest args]
+# benchmarks against NCCL.  Usage: bash tools/gpu_run.sh [tests|profile|bench|overlap|compare|torch|fsdp|hier|hierdiag|final|registered|onegpu|validate|dryrun|quickreg|figures-a|figures-b|figures-c|figures-d|figures-direct|figures-wide|direct|caller|placement|fused|levers|tp|groups|hostcost|replay|shrink|ucx|ucxprobe|ucxfix|ucxtorch|verify|all] [pytest args]
 # groups: grouped calls (tests/mpi/run_groups.py) and the fuzzer's short run on the cuda
 # backend, 3 ranks sharing the GPU under mpirun (correctness only: no speed there).
 # hostcost: python -m hoccl.bench.host_cost, world 1 beside torch+NCCL, then 2 ranks.
@@ -421,6 +421,28 @@ if [ "$what" = ucxfix ]; then
     $UCXENV python3 -m hoccl.bench.mixed --devices cuda,cuda,cpu,cpu --local-size 2 \
     --inter-host mpi,ucx --sizes ${UCX_SIZES:-1M,16M,64M,256M,1G} --phase-bytes 64M --iters 3 \
     --out "$OUT/mixed_ucx"
+fi
+if [ "$what" = ucxtorch ]; then
+  # torch's collectives and DDP/FSDP2 on the mixed job over UCX (two GPU ranks, two CPU
+  # ranks as two hosts), after two probes of shared memory between a GPU rank and a CPU
+  # rank (tools/ucx_probe.py): with cuda_ipc out where only that one moves the bytes
+  # (HOCCL_UCX_TLS=^cuda_ipc, peers watched), else hoccl's default
+  export HOCCL_UCX_TLS=
+  for tls in '^cma' '^cma,cuda_ipc'; do
+    name=probe-$(printf '%s' "$tls" | tr -c 'a-z_' '-')
+    step "$name" 25 mpirun -np 2 -x PYTHONPATH python3 tools/ucx_probe.py --error-handling 0 \
+      --pinned 0 --cuda 0 --tls "$tls"
+  done
+  if ! grep -q "67108864: ok.*67108864: ok" "$OUT/probe--cma.log" \
+      && grep -q "67108864: ok.*67108864: ok" "$OUT/probe--cma-cuda_ipc.log"; then
+    export HOCCL_UCX_TLS=^cuda_ipc
+  fi
+  echo "HOCCL_UCX_TLS=$HOCCL_UCX_TLS" > "$OUT/chosen.txt"
+  for program in run_backend run_training; do
+    step "torch-$program-ucx" 150 mpirun -np 4 -x PYTHONPATH -x NCCL_NVLS_ENABLE -x MASTER_ADDR \
+      -x MASTER_PORT -x HOCCL_UCX_TLS python3 tests/torch_programs/$program.py \
+      --devices cuda,cuda,cpu,cpu --local-size 2 --inter-host ucx
+  done
 fi
 if [ "$what" = onegpu ]; then
   # one GPU: two ranks under mpirun share it (IPC within one device), which runs every

@@ -375,8 +375,9 @@ def ucx_transports(call: str, bootstrap: Any, groups: Sequence[Sequence[int]]
         if index:
             worker.users += 1  # each transport releases the worker once
         member = list(group).index(rank)
+        only = worker.failure_mode_only
         watched = {peer: everyone[world][2][0] for peer, world in enumerate(group)
-                   if world != rank and _watchable(me, everyone[world][2], worker.cma)}
+                   if world != rank and _watchable(me, everyone[world][2], only)}
         endpoints = {
             peer: worker.api.UCXEndpoint.create_from_worker_address(
                 worker.worker, worker.api.UCXAddress.create_from_buffer(everyone[world][0]),

@@ -81,6 +81,12 @@ class _Worker:
         self.context = api.UCXContext(config_dict=config, feature_flags=(api.Feature.TAG,))
         self.worker = api.UCXWorker(self.context)
         self.address: bytes = self.worker.address.tobytes()
+        #: only endpoints in UCX's peer-failure mode: where UCX_TLS chose (cma may be on), and
+        #: where the context has CUDA transports and hoccl's own (HOCCL_UCX_TLS) were not
+        #: narrowed: on one GPU machine a GPU rank and a CPU rank over shared memory without
+        #: the mode never finished their first message (results/h100/2026-12-06b)
+        self.failure_mode_only = self.cma or (bool(getattr(self.context, "cuda_support", False))
+                                              and not environ("HOCCL_UCX_TLS"))
         self.users = 0
         #: the next channel this process would give a communicator (agreed at connect)
         self.next_channel = 1
@@ -122,13 +128,13 @@ def _boot_id() -> Optional[str]:
 
 
 def _watchable(me: Tuple[_Process, Optional[str]], peer: Tuple[_Process, Optional[str]],
-               cma: bool) -> bool:
+               failure_mode_only: bool) -> bool:
     """Whether ``peer``'s process (with its machine's boot id) can be watched from this
     one: the same machine (host name and boot id) and pid namespace, its start time
     readable. Its endpoint can then do without UCX's peer-failure mode and use shared
-    memory (``HOCCL_UCX_PEER_FAILURE=all``: never; nor where the UCX context may use
-    cross-memory attach, ``cma``: ``UCX_TLS`` chose its transports)."""
-    if environ("HOCCL_UCX_PEER_FAILURE") == "all" or cma:
+    memory (``HOCCL_UCX_PEER_FAILURE=all``: never; nor where the context keeps every
+    endpoint in the mode: ``_Worker.failure_mode_only``)."""
+    if environ("HOCCL_UCX_PEER_FAILURE") == "all" or failure_mode_only:
         return False
     (mine, my_boot), (theirs, their_boot) = me, peer
     return (theirs.host == mine.host and my_boot is not None and their_boot == my_boot
