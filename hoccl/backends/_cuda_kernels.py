@@ -17,7 +17,7 @@ from ._base import DTYPES, OPS, DirectProgram, check_reduce_extras
 from ._cuda_driver import _ACTIVE, _call
 from ._cuda_structs import _ChunkArgs, _CopyArgs, _pack_direct, _ReduceArgs
 
-#: the most argument lists of ``reduce`` (and of ``local_copy``) a device keeps launches for
+#: the most argument lists of ``reduce`` a device keeps launches for (``_reduce_launches``)
 _REDUCE_LAUNCHES = 256
 
 
@@ -78,7 +78,6 @@ class _SmWork:
     _make_current: Callable[[], None]
     #: a ``reduce`` argument list -> its launches (``_reduce_launches_of``), oldest first out
     _reduce_launches: Dict[tuple, List[tuple]]
-    _copy_launches: Dict[tuple, tuple]
 
     def _kernels(self) -> _Kernels:
         kernels = self._owned.kernels
@@ -148,24 +147,15 @@ class _SmWork:
         if not nbytes:
             return
         dst, src = int(dst), int(src)
-        key = (dst, src, nbytes, self.copy_sms if sms is None else sms)
-        launch = self._copy_launches.get(key)
-        if launch is None:  # kept, as ``reduce``'s: a repeated call's copy builds nothing
-            width = next(width for width in _kernels.COPY_WIDTHS if dst % width == src % width)
-            head = min(nbytes, -dst % width)
-            threads = _kernels.TUNING["copy_threads"]
-            args = _CopyArgs(dst, src, nbytes, head)
-            parameters = (ctypes.c_void_p * 1)(ctypes.addressof(args))
-            launch = (self._kernels().copy[width],
-                      self._blocks((nbytes - head) // width, threads, key[3]), threads,
-                      parameters, args)
-            if len(self._copy_launches) >= _REDUCE_LAUNCHES:
-                del self._copy_launches[next(iter(self._copy_launches))]
-            self._copy_launches[key] = launch
-        function, blocks, threads, parameters, _ = launch
+        width = next(width for width in _kernels.COPY_WIDTHS if dst % width == src % width)
+        head = min(nbytes, -dst % width)
+        kernels = self._kernels()
         self._make_current()
-        _call(driver.cuLaunchKernel, function, blocks, 1, 1, threads, 1, 1, 0, stream,
-              ctypes.addressof(parameters), 0)
+        threads = _kernels.TUNING["copy_threads"]
+        blocks = self._blocks((nbytes - head) // width, threads,
+                             self.copy_sms if sms is None else sms)
+        self._launch(kernels.copy[width], blocks, threads, stream,
+                     _CopyArgs(dst, src, nbytes, head))
 
     def reduce(self, stream: Any, output: Any, inputs: Sequence[Any], count: int,
                dtype: str, op: str, divisor: Optional[int] = None,
