@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The device machine's session: GPU tests (one process, and mpirun -np 2), then the
-# benchmarks against NCCL.  Usage: bash tools/gpu_run.sh [tests|profile|bench|overlap|compare|torch|fsdp|hier|hierdiag|final|registered|onegpu|validate|dryrun|quickreg|figures-a|figures-b|figures-c|figures-d|figures-direct|figures-wide|direct|caller|placement|fused|levers|tp|groups|hostcost|replay|shrink|ucx|ucxprobe|ucxfix|ucxtorch|verify|all] [pytest args]
+# benchmarks against NCCL.  Usage: bash tools/gpu_run.sh [tests|profile|bench|overlap|compare|torch|fsdp|hier|hierdiag|final|registered|onegpu|validate|dryrun|quickreg|figures-a|figures-b|figures-c|figures-d|figures-direct|figures-wide|direct|caller|placement|fused|levers|tp|groups|hostcost|replay|shrink|ucx|ucxfix|ucxtorch|verify|all] [pytest args]
 # groups: grouped calls (tests/mpi/run_groups.py) and the fuzzer's short run on the cuda
 # backend, 3 ranks sharing the GPU under mpirun (correctness only: no speed there).
 # hostcost: python -m hoccl.bench.host_cost, world 1 beside torch+NCCL, then 2 ranks.
@@ -359,37 +359,6 @@ if [ "$what" = ucx ]; then
       -x MASTER_PORT python3 tests/torch_programs/run_training.py --devices cuda,cuda,cpu,cpu \
       --local-size 2 --inter-host ucx
   fi
-fi
-if [ "$what" = ucxprobe ]; then
-  # which UCX setups move bytes between two processes of this machine (tools/ucx_probe.py:
-  # endpoint error handling, transports, CUDA context and pinned memory), then the mixed
-  # bench's smallest UCX step between a GPU rank and a CPU rank, watched and in UCX's
-  # failure mode; and what a launch costs the host by how it is issued
-  df -h /dev/shm > "$OUT/shm.txt" 2>&1
-  probe=0
-  while read -r options; do
-    probe=$((probe + 1))
-    step "probe-$probe" 40 mpirun -np 2 -x PYTHONPATH python3 tools/ucx_probe.py $options
-  done <<'PROBES'
---error-handling 0
---error-handling 1
---error-handling 0 --cuda 0
---error-handling 0 --cuda 0,1
---error-handling 0 --pinned 0 --cuda 0
---error-handling 0 --pinned 0,1
---error-handling 1 --pinned 0 --cuda 0
---error-handling 0 --pinned 0 --cuda 0 --tls posix,self
---error-handling 0 --pinned 0 --cuda 0 --tls sysv,self
---error-handling 0 --pinned 0 --cuda 0 --tls tcp,self
---error-handling 0 --pinned 0 --cuda 0 --tls ^cma,cuda_ipc
---error-handling 0 --pinned 0 --cuda 0 --tls ^cma,cuda_ipc,cuda_copy
-PROBES
-  for mode in watched all; do
-    step "mixed-probe-$mode" 60 mpirun -np 2 -x PYTHONPATH -x HOCCL_UCX_PEER_FAILURE=$mode \
-      python3 -m hoccl.bench.mixed --devices cuda,cpu --local-size 1 --inter-host ucx \
-      --libraries hoccl --sizes 1M,64M --phase-bytes 64M --iters 2 --out "$OUT/mixed_probe_$mode"
-  done
-  step launch-cost 60 python3 tools/launch_cost.py
 fi
 if [ "$what" = ucxfix ]; then
   # UCX between a GPU rank and a CPU rank of this machine: which transports move bytes
