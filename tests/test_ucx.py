@@ -286,13 +286,15 @@ def _member_input(case, member, dtype, count):
     return values if dtype == "float32" else values.astype(numpy_dtype("bfloat16"))
 
 
-@pytest.mark.parametrize("peer", ["folds as exchanged", "gathers then folds"])
+@pytest.mark.parametrize("peer", ["folds as exchanged", "gathers then folds", "device memory"])
 def test_two_hosts_all_reduce_over_ucx_folds_each_chunk_exact(peer):
     """The rail engine's all_reduce between two simulated hosts in host memory, many chunks
     (``stage_bytes`` 4 KiB) each folded in pieces of 1000 bytes: exact against
     ``reduce_arrays`` in place and out of place, for every dtype and op.  ``gathers then
     folds``: member 0 posts the messages of the staged engine's all_gather, as a GPU member
-    does, and member 1 folds as they come."""
+    does, and member 1 folds as they come; ``device memory``: member 0 hands its arrays to
+    UCX as ``HOCCL_UCX_DEVICE_MEMORY=1`` hands CUDA arrays (CPU tensors stand in for them
+    here), and its messages must still be a staged member's."""
     pytest.importorskip("ucxx")
     dist = pytest.importorskip("torch.distributed")
     port = _free_port()
@@ -334,11 +336,19 @@ def _all_reduce_member(peer):
     engine = comm._levels["rail"]
     assert isinstance(engine, ucx.UcxStagedEngine) and engine.size == 2
     ucx._FOLD_PIECE_BYTES = 1000
-    if peer == "gathers then folds":
+    device_memory = peer == "device memory" and rank == 0
+    if peer != "folds as exchanged":
         engine.direct = False  # both cut as beside a member that stages
         if rank == 0:
             engine.all_reduce = lambda send, recv, op: StagedEngine.all_reduce(engine, send,
                                                                                recv, op)
+    if device_memory:  # its arrays taken for device arrays, its stream always reached
+        engine.device_memory, engine._on_host = True, lambda arrays: False
+        engine.device = type("Device", (), {"resolve_stream": lambda self, stream, arrays: 0,
+                                            "synchronize_stream": lambda self, s, t: None})()
+        # UCX takes a CUDA tensor as it is, a CPU tensor through numpy
+        ucx._byte_view = lambda array: None if array is None else \
+            array.view(torch.uint8).numpy()
     problems = []
     for case, (dtype, op, in_place, count) in enumerate(_all_reduce_cases()):
         inputs = [_member_input(case, member, dtype, count) for member in range(2)]
@@ -354,7 +364,10 @@ def _all_reduce_member(peer):
             if dtype == "float32" and not in_place:
                 recv[:] = np.nan
             got = lambda: recv.view(np.uint32)  # noqa: E731
-        engine.all_reduce(send, recv, op)
+        if device_memory and isinstance(send, np.ndarray):
+            engine.all_reduce(torch.from_numpy(send), torch.from_numpy(recv), op)
+        else:
+            engine.all_reduce(send, recv, op)
         if not np.array_equal(got(), want.view(got().dtype)):
             problems.append(f"{dtype} {op} {'in place' if in_place else 'out of place'} "
                             f"{count}: {np.count_nonzero(got() != want.view(got().dtype))} "

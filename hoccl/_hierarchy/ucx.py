@@ -45,7 +45,7 @@ from .._mailbox import _Process, wait_until
 from ..config import environ, host_threads
 from .arrays import address
 from .engine import Setup
-from .staged import SLOTS, BatchingStagedEngine, _overlap, _to_numpy
+from .staged import SLOTS, BatchingStagedEngine, _itemsize, _overlap, _to_numpy
 from .transports import PairTransport, Transport
 from .ucx_worker import _boot_id, _watchable, _Worker, available, preload, usable
 
@@ -396,7 +396,8 @@ class UcxStagedEngine(BatchingStagedEngine):
     ``HOCCL_UCX_DEVICE_MEMORY=1`` hands CUDA arrays to UCX as they are (its ``cuda_copy``,
     ``cuda_ipc`` and GPUDirect RDMA transports move them) instead of staging them through
     pinned host memory: each step first waits on the host for the caller's stream, and is
-    done when UCX's requests are.  Written for GPUs and not yet run on one: off by default."""
+    done when UCX's requests are; its messages are a staged peer's (the same chunks).
+    Written for GPUs and not yet run on one: off by default."""
 
     name = "ucx"
     transport: UcxTransport
@@ -418,7 +419,19 @@ class UcxStagedEngine(BatchingStagedEngine):
             if a < b + b_bytes and b < a + a_bytes and a != b:  # in place: UCX reads a copy
                 send_bytes = send_bytes.clone() if hasattr(send_bytes, "clone") \
                     else send_bytes.copy()
-        self._transfer(what, lambda: start(send_bytes, recv_bytes))
+        # the messages of a peer that stages (or is in host memory): ``_staged``'s chunks,
+        # a chunk's piece of each block
+        item = _itemsize(send if send is not None else recv)
+        per_chunk = max(1, self.stage_bytes // (max(send_blocks, recv_blocks) * item))
+
+        def part(array: Any, blocks: int, a: int, b: int) -> Any:
+            if array is None:
+                return None
+            views = [array[(block * count + a) * item:(block * count + b) * item]
+                     for block in range(blocks)]
+            return views[0] if blocks == 1 else views
+        self._in_chunks(what, count, per_chunk, lambda a, b: start(
+            part(send_bytes, send_blocks, a, b), part(recv_bytes, recv_blocks, a, b)))
 
     def all_reduce(self, send: Any, recv: Any, op: str, *, stream: Any = None) -> None:
         """Two members in host memory: the staged all_gather's messages, in ``_staged``'s
