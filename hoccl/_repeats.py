@@ -57,13 +57,16 @@ class Repeats:
         """The key of a call's arguments (``stream`` aside), or None if one of them cannot be
         keyed cheaply."""
         parts: list = [name]
+        last: Any = None  # an array given twice in a row (in place) is keyed once
         for value in args:
             if isinstance(value, _PLAIN):
                 parts.append((type(value), value))
+                last = None
             else:
-                found = repeat_key(value)
+                found = parts[-1] if value is last else repeat_key(value)
                 if found is None:
                     return None
+                last = value
                 parts.append(found)
         for argument, value in kwargs.items():
             if argument == "stream":

@@ -14,6 +14,7 @@ import pytest
 
 import hoccl
 import hoccl._api
+from hoccl import _buffers
 from hoccl.testing import poison, random_array
 from test_mpi import MPI_ENV, _mpiexec
 
@@ -107,3 +108,20 @@ def test_a_kept_argument_list_holds_no_array():
         assert gone() is None, "the repeat cache keeps the call's array alive"
     finally:
         comm.close()
+
+
+def test_an_array_given_twice_in_a_row_is_keyed_once(monkeypatch):
+    """In place (the same array as send and recv) the key reads the array once, and equals
+    the key of two arrays with the same answers; an argument between them keys both."""
+    from hoccl import _repeats
+    read = []
+    monkeypatch.setattr(_repeats, "repeat_key",
+                        lambda array: read.append(id(array)) or _buffers.repeat_key(array))
+    x = np.zeros(17, np.float32)
+    twice = _repeats.Repeats.key("all_reduce", (x, x), {"op": "sum"})
+    assert read == [id(x)]
+    alias = x[:]  # another object with the same answers
+    assert _repeats.Repeats.key("all_reduce", (x, alias), {"op": "sum"}) == twice
+    read.clear()
+    apart = _repeats.Repeats.key("broadcast", (x, 0, x), {})
+    assert read == [id(x), id(x)] and apart[1] == apart[3] and apart[2] == (int, 0)
