@@ -9,6 +9,9 @@
 # bench, two GPU ranks as two hosts, then the mixed job's checks (hoccl's, torch's, DDP);
 # UCX_PART=bench,gpu-hosts,job,torch names the parts to run (UCX_STAGED= skips the staged
 # two-GPU run).
+# ucxfix: which UCX transports move bytes between a GPU rank and a CPU rank over shared
+# memory (tools/ucx_probe.py), then the mixed job and bench with the first that does.
+# ucxtorch: two such probes, then torch's collectives and DDP/FSDP2 on the mixed job.
 # verify: one GPU's correctness checks of the cuda paths: the host cost, grouped calls and
 # the fuzzer (3 ranks), the GPU tier in one process, run_checks under mpirun with 2 and 3
 # ranks, the mixed job across simulated hosts.
