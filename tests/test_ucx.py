@@ -203,15 +203,17 @@ def test_only_peers_whose_processes_can_be_watched_do_without_the_failure_mode(m
     assert not _watchable(me, me, False)
 
 
-def test_the_ucx_context_leaves_cross_memory_attach_off_unless_ucx_tls_chooses(monkeypatch):
-    pytest.importorskip("ucxx")
-    from hoccl._hierarchy import ucx, ucx_worker
-    monkeypatch.setattr(ucx._Worker, "_one", None)
+def _stand_in_contexts(monkeypatch, cuda=(False,)):
+    """Every ``_Worker`` made from here on gets a stand-in UCX context (``cuda[0]``: whether
+    it has CUDA transports), UCX_TLS and HOCCL_UCX_TLS unset; returns the configurations
+    the contexts were made with, in order."""
+    from hoccl._hierarchy import ucx_worker
     made = []
 
     class Context:
         def __init__(self, config_dict, feature_flags):
             made.append(config_dict)
+            self.cuda_support = cuda[0]
 
     class Worker:
         def __init__(self, context):
@@ -221,6 +223,15 @@ def test_the_ucx_context_leaves_cross_memory_attach_off_unless_ucx_tls_chooses(m
                            "Feature": ucx_worker._api()[0].Feature})
     monkeypatch.setattr(ucx_worker, "_api", lambda: (api, None))
     monkeypatch.delenv("UCX_TLS", raising=False)
+    monkeypatch.delenv("HOCCL_UCX_TLS", raising=False)
+    return made
+
+
+def test_the_ucx_context_leaves_cross_memory_attach_off_unless_ucx_tls_chooses(monkeypatch):
+    pytest.importorskip("ucxx")
+    from hoccl._hierarchy import ucx
+    monkeypatch.setattr(ucx._Worker, "_one", None)
+    made = _stand_in_contexts(monkeypatch)
     assert not ucx._Worker().cma and made[-1] == {"TLS": "^cma"}
     monkeypatch.setenv("HOCCL_UCX_TLS", "^cuda_ipc")  # narrowed by hoccl: still no cma
     assert not ucx._Worker().cma and made[-1] == {"TLS": "^cuda_ipc,cma"}
@@ -235,28 +246,13 @@ def test_a_context_with_cuda_transports_keeps_its_endpoints_in_the_failure_mode(
     """Where the UCX context has CUDA transports, peers on the machine are not watched (every
     endpoint in UCX's peer-failure mode) unless HOCCL_UCX_TLS narrowed the transports."""
     pytest.importorskip("ucxx")
-    from hoccl._hierarchy import ucx, ucx_worker
-    made = []
-
-    class Context:
-        def __init__(self, config_dict, feature_flags):
-            made.append(config_dict)
-            self.cuda_support = cuda
-
-    class Worker:
-        def __init__(self, context):
-            self.address = np.zeros(1, np.uint8)
-
-    api = type("api", (), {"UCXContext": Context, "UCXWorker": Worker,
-                           "Feature": ucx_worker._api()[0].Feature})
-    monkeypatch.setattr(ucx_worker, "_api", lambda: (api, None))
-    monkeypatch.delenv("UCX_TLS", raising=False)
-    monkeypatch.delenv("HOCCL_UCX_TLS", raising=False)
-    cuda = False
+    from hoccl._hierarchy import ucx
+    cuda = [False]
+    made = _stand_in_contexts(monkeypatch, cuda)
     assert not ucx._Worker().failure_mode_only
-    cuda = True
+    cuda[0] = True
     worker = ucx._Worker()
-    assert worker.failure_mode_only and made[-1] == {"TLS": "^cma"}
+    assert worker.cuda and worker.failure_mode_only and made[-1] == {"TLS": "^cma"}
     me = (ucx._Process.this(), "boot")
     assert ucx._watchable(me, me, False) and not ucx._watchable(me, me, True)
     monkeypatch.setenv("HOCCL_UCX_TLS", "^cuda_ipc")

@@ -56,7 +56,7 @@ from .staged_batch import BatchStage, run_batch
 from .transports import GlooTransport, Start, Transport
 
 __all__ = ["StagedEngine", "BatchingStagedEngine", "MpiStagedEngine", "GlooStagedEngine",
-           "Transport"]
+           "Transport", "block_parts"]
 
 #: the longest sleep between two polls of a copy or a transfer (after 2 ms of spinning):
 #: a transport's nonblocking step moves only while it is tested (MPI's collectives
@@ -224,7 +224,7 @@ class StagedEngine(FoldingEngine):
         whether its arrays are on a device or on the host."""
         item = _itemsize(send if send is not None else recv)
         blocks = max(send_blocks, recv_blocks)
-        per_chunk = max(1, self.stage_bytes // (blocks * item))
+        per_chunk = self.per_chunk(blocks, item)
         if device is HOST_COPIES and self._unstaged(what, count, per_chunk, send, send_blocks,
                                                     recv, recv_blocks, start):
             return
@@ -322,15 +322,14 @@ class StagedEngine(FoldingEngine):
                          + self.member * count * item and host_send.nbytes == count * item):
             return False  # (an in-place all_gather: peers read the block the member keeps)
 
-        def part(array: Optional[np.ndarray], blocks: int, a: int, b: int) -> Any:
-            if array is None:
-                return None
-            views = [array[(block * count + a) * item:(block * count + b) * item]
-                     for block in range(blocks)]
-            return views[0] if blocks == 1 else views
-        self._in_chunks(what, count, per_chunk, lambda a, b: start(
-            part(host_send, send_blocks, a, b), part(host_recv, recv_blocks, a, b)))
+        parts = block_parts(count, item, host_send, send_blocks, host_recv, recv_blocks)
+        self._in_chunks(what, count, per_chunk, lambda a, b: start(*parts(a, b)))
         return True
+
+    def per_chunk(self, blocks: int, item: int) -> int:
+        """Elements per chunk of a step of ``blocks`` blocks of ``item``-byte elements: a
+        slot holds a chunk of every block.  Every member cuts a step alike from it."""
+        return max(1, self.stage_bytes // (blocks * item))
 
     def _in_chunks(self, what: str, count: int, per_chunk: int,
                    start: Callable[[int, int], Any]) -> None:
@@ -381,7 +380,7 @@ class StagedEngine(FoldingEngine):
             return transport.all_reduce(offered[a:b].view(np.uint8),
                                         _fold_into(host_recv[a:b], op))
         item = host_recv.dtype.itemsize
-        per_chunk = count if self.direct else max(1, self.stage_bytes // (2 * item))
+        per_chunk = count if self.direct else self.per_chunk(2, item)
         self._in_chunks("all_reduce", count, per_chunk, start)
         return True
 
@@ -474,6 +473,21 @@ _OWN_BLOCK = ("all_gather", "all_to_all")
 def _in_host_memory(setup: Setup, group: Sequence[int]) -> bool:
     """Whether every member of ``group`` reported its arrays in host memory."""
     return bool(setup.devices) and all(setup.devices[m] == "cpu" for m in group)
+
+
+def block_parts(count: int, item: int, send: Any, send_blocks: int, recv: Any,
+                recv_blocks: int) -> Callable[[int, int], Tuple[Any, Any]]:
+    """``(a, b) -> (send's piece, recv's piece)`` of elements [a, b) of every block of the
+    byte arrays ``send`` and ``recv`` (block-major, blocks of ``count`` elements of
+    ``item`` bytes): a side of one block as an array, of more as a list, None where
+    absent."""
+    def part(array: Any, blocks: int, a: int, b: int) -> Any:
+        if array is None:
+            return None
+        views = [array[(block * count + a) * item:(block * count + b) * item]
+                 for block in range(blocks)]
+        return views[0] if blocks == 1 else views
+    return lambda a, b: (part(send, send_blocks, a, b), part(recv, recv_blocks, a, b))
 
 
 def _fold_into(out: np.ndarray, op: str) -> Callable[[List[Any]], None]:

@@ -45,7 +45,8 @@ from .._mailbox import _Process, wait_until
 from ..config import environ, host_threads
 from .arrays import address
 from .engine import Setup
-from .staged import SLOTS, BatchingStagedEngine, _itemsize, _overlap, _to_numpy
+from .staged import (SLOTS, BatchingStagedEngine, _itemsize, _overlap, _to_numpy,
+                     block_parts)
 from .transports import PairTransport, Transport
 from .ucx_worker import _boot_id, _watchable, _Worker, available, preload, usable
 
@@ -422,16 +423,9 @@ class UcxStagedEngine(BatchingStagedEngine):
         # the messages of a peer that stages (or is in host memory): ``_staged``'s chunks,
         # a chunk's piece of each block
         item = _itemsize(send if send is not None else recv)
-        per_chunk = max(1, self.stage_bytes // (max(send_blocks, recv_blocks) * item))
-
-        def part(array: Any, blocks: int, a: int, b: int) -> Any:
-            if array is None:
-                return None
-            views = [array[(block * count + a) * item:(block * count + b) * item]
-                     for block in range(blocks)]
-            return views[0] if blocks == 1 else views
-        self._in_chunks(what, count, per_chunk, lambda a, b: start(
-            part(send_bytes, send_blocks, a, b), part(recv_bytes, recv_blocks, a, b)))
+        parts = block_parts(count, item, send_bytes, send_blocks, recv_bytes, recv_blocks)
+        self._in_chunks(what, count, self.per_chunk(max(send_blocks, recv_blocks), item),
+                        lambda a, b: start(*parts(a, b)))
 
     def all_reduce(self, send: Any, recv: Any, op: str, *, stream: Any = None) -> None:
         """Two members in host memory: the staged all_gather's messages, in ``_staged``'s
@@ -444,8 +438,9 @@ class UcxStagedEngine(BatchingStagedEngine):
         if _overlap(send, recv) and send.ctypes.data != recv.ctypes.data:
             send = send.copy()  # a fold into recv would write over chunks not yet sent
         count, item, peer, slots = recv.shape[0], recv.dtype.itemsize, 1 - self.member, 2 * SLOTS
-        chunk = max(1, min(self.stage_bytes // 2, _DIRECT_CHUNK_BYTES if self.direct
-                           else self.stage_bytes) // item)
+        chunk = self.per_chunk(2, item)  # the staged all_gather's, which a GPU peer posts
+        if self.direct:  # no member stages: both cut alike, at most _DIRECT_CHUNK_BYTES
+            chunk = min(chunk, max(1, _DIRECT_CHUNK_BYTES // item))
         piece, chunks = max(1, _FOLD_PIECE_BYTES // item), -(-count // chunk)
         theirs = self.scratch(recv, slots * min(chunk, count), None)  # a ring of chunks
 
@@ -499,5 +494,5 @@ class UcxStagedEngine(BatchingStagedEngine):
         on = environ("HOCCL_UCX_DEVICE_MEMORY") in ("1", "on", "true", "yes")
         for engine in engines:
             assert isinstance(engine, UcxStagedEngine)
-            engine.device_memory = on and bool(engine.transport._worker.context.cuda_support)
+            engine.device_memory = on and engine.transport._worker.cuda
         return engines
