@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The device machine's session: GPU tests (one process, and mpirun -np 2), then the
-# benchmarks against NCCL.  Usage: bash tools/gpu_run.sh [tests|profile|bench|overlap|compare|torch|fsdp|hier|hierdiag|final|registered|onegpu|validate|dryrun|quickreg|figures-a|figures-b|figures-c|figures-d|figures-direct|figures-wide|direct|caller|placement|fused|levers|tp|groups|hostcost|replay|shrink|ucx|ucxfix|ucxtorch|verify|all] [pytest args]
+# benchmarks against NCCL.  Usage: bash tools/gpu_run.sh [tests|profile|bench|overlap|compare|torch|fsdp|hier|hierdiag|final|registered|onegpu|validate|dryrun|quickreg|figures-a|figures-b|figures-c|figures-d|figures-direct|figures-wide|direct|caller|placement|fused|levers|tp|groups|hostcost|profile1|replay|shrink|ucx|ucxfix|ucxtorch|verify|all] [pytest args]
 # groups: grouped calls (tests/mpi/run_groups.py) and the fuzzer's short run on the cuda
 # backend, 3 ranks sharing the GPU under mpirun (correctness only: no speed there).
 # hostcost: python -m hoccl.bench.host_cost, world 1 beside torch+NCCL, then 2 ranks.
+# profile1: where one rank's repeated small call spends the host's time (tools/profile_call.py,
+# world 1: the pieces and a cProfile), then the host-cost bench world 1.
 # shrink: dist.shrink_group on the cuda backend, three workers of a store launch.
 # ucx: between simulated hosts over UCX (.wheels, tools/device_carry.sh --ucx): the mixed
 # bench, two GPU ranks as two hosts, then the mixed job's checks (hoccl's, torch's, DDP);
@@ -315,6 +317,17 @@ if [ "$what" = hostcost ]; then
   step repeats-cuda 90 $MPIRUN python3 tests/mpi/run_repeats.py --backend cuda
   step profile-1 90 python3 tools/profile_call.py --registered --burst 50 --iters 1000 \
     --collective all_reduce
+fi
+if [ "$what" = profile1 ]; then
+  # where one rank's repeated small call spends the host's time (world 1): the pieces of a
+  # call and a cProfile (reduce_scatter: out of place, one copy), then the host-cost bench
+  for variant in --registered ""; do
+    step "profile-rs${variant:+-registered}" 60 python3 tools/profile_call.py $variant --burst 50 \
+      --iters 1000 --collective reduce_scatter
+  done
+  step profile-ar 60 python3 tools/profile_call.py --registered --burst 50 --iters 1000 \
+    --collective all_reduce
+  step host-cost 150 python3 -m hoccl.bench.host_cost --out "$OUT/host_cost"
 fi
 if [ "$what" = shrink ]; then
   # dist.shrink_group on the cuda backend: three workers of a store launch (torchrun's

@@ -150,6 +150,15 @@ def main() -> None:
     parts["cuEventRecord + cuStreamWaitEvent"] = lambda: device.wait_event(
         lane, _record(device, streams, caller))
     parts["cuCtxSetCurrent"] = device.activate
+    parts["local_copy 512 KiB (kept launch)"] = lambda: device.local_copy(
+        lane, scratch, recv.data_ptr(), nbytes // 2)
+    parts["cuMemcpyDtoDAsync 512 KiB"] = lambda: cuda_driver.cuMemcpyDtoDAsync(
+        int(scratch), recv.data_ptr(), nbytes // 2, lane)
+    from hoccl._buffers import repeat_key
+    from hoccl._repeats import Repeats
+    parts["repeat_key (torch tensor)"] = lambda: repeat_key(recv)
+    parts["Repeats.key (the call's arguments)"] = lambda: Repeats.key(
+        args.collective, (send, recv), {})
     if not args.local:
         mailboxes = comm._group.mailboxes
         peer = 1 - comm.rank if n == 2 else None

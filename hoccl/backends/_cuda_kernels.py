@@ -17,7 +17,8 @@ from ._base import DTYPES, OPS, DirectProgram, check_reduce_extras
 from ._cuda_driver import _ACTIVE, _call
 from ._cuda_structs import _ChunkArgs, _CopyArgs, _pack_direct, _ReduceArgs
 
-#: the most argument lists of ``reduce`` a device keeps launches for (``_reduce_launches``)
+#: the most argument lists of ``reduce`` (and of ``local_copy``) a device keeps launches for
+#: (``_reduce_launches``, ``_copy_launches``)
 _REDUCE_LAUNCHES = 256
 
 
@@ -78,6 +79,7 @@ class _SmWork:
     _make_current: Callable[[], None]
     #: a ``reduce`` argument list -> its launches (``_reduce_launches_of``), oldest first out
     _reduce_launches: Dict[tuple, List[tuple]]
+    _copy_launches: Dict[tuple, tuple]
 
     def _kernels(self) -> _Kernels:
         kernels = self._owned.kernels
@@ -143,19 +145,33 @@ class _SmWork:
     def local_copy(self, stream: Any, dst: Any, src: Any, nbytes: int,
                    sms: Optional[int] = None) -> None:
         """A same-GPU copy on at most ``sms`` (default ``copy_sms``) SMs (``cuMemcpyAsync``
-        would take them all)."""
+        would take them all).  Its launch is kept per argument list, as ``reduce``'s: a
+        repeated call's copy is one driver call."""
         if not nbytes:
             return
-        dst, src = int(dst), int(src)
+        key = (int(dst), int(src), nbytes, self.copy_sms if sms is None else sms)
+        launch = self._copy_launches.get(key)
+        if launch is None:
+            launch = self._copy_launch_of(*key)
+            if len(self._copy_launches) >= _REDUCE_LAUNCHES:
+                del self._copy_launches[next(iter(self._copy_launches))]
+            self._copy_launches[key] = launch
+        self._make_current()
+        _call(driver.cuLaunchKernel, launch[0], launch[1], 1, 1, launch[2], 1, 1, 0, stream,
+              ctypes.addressof(launch[3]), 0)
+
+    def _copy_launch_of(self, dst: int, src: int, nbytes: int, sms: int) -> tuple:
+        """(function, blocks, threads, parameter array, the argument struct it points to)
+        of one ``local_copy``: the widest access both addresses allow, after a head of
+        bytes that brings ``dst`` to it."""
         width = next(width for width in _kernels.COPY_WIDTHS if dst % width == src % width)
         head = min(nbytes, -dst % width)
         kernels = self._kernels()
-        self._make_current()
         threads = _kernels.TUNING["copy_threads"]
-        blocks = self._blocks((nbytes - head) // width, threads,
-                             self.copy_sms if sms is None else sms)
-        self._launch(kernels.copy[width], blocks, threads, stream,
-                     _CopyArgs(dst, src, nbytes, head))
+        blocks = self._blocks((nbytes - head) // width, threads, sms)
+        args = _CopyArgs(dst, src, nbytes, head)
+        parameters = (ctypes.c_void_p * 1)(ctypes.addressof(args))
+        return kernels.copy[width], blocks, threads, parameters, args
 
     def reduce(self, stream: Any, output: Any, inputs: Sequence[Any], count: int,
                dtype: str, op: str, divisor: Optional[int] = None,

@@ -198,6 +198,7 @@ class CudaDevice(_SmWork, _Memory, Device):
         self._holds: dict = {}         # import key -> windows holding it (hold_import)
         self._memop_params: dict = {}  # (kind, address) -> CUstreamBatchMemOpParams
         self._reduce_launches = {}     # a reduce's arguments -> its launches (_SmWork)
+        self._copy_launches = {}       # a local_copy's arguments -> its launch (_SmWork)
         self._streams: dict = {}       # a raw stream handle -> its CUstream (resolve_stream)
 
         def attribute(name: str) -> int:
