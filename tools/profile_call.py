@@ -154,6 +154,25 @@ def main() -> None:
         lane, scratch, recv.data_ptr(), nbytes // 2)
     parts["cuMemcpyDtoDAsync 512 KiB"] = lambda: cuda_driver.cuMemcpyDtoDAsync(
         int(scratch), recv.data_ptr(), nbytes // 2, lane)
+    from hoccl.backends._cuda_driver import _WAIT_GEQ, _WRITE_DEFAULT
+    launch = device._copy_launch_of(int(scratch), recv.data_ptr(), nbytes // 2, device.copy_sms)
+    launch_args = (launch[0], launch[1], 1, 1, launch[2], 1, 1, 0, lane,
+                   __import__("ctypes").addressof(launch[3]), 0)
+    parts["cuLaunchKernel copy (raw, kept args)"] = lambda: cuda_driver.cuLaunchKernel(
+        *launch_args)
+    parts["cuStreamWriteValue64 device word (raw)"] = lambda: cuda_driver.cuStreamWriteValue64(
+        lane, slot, 1, _WRITE_DEFAULT)
+    host_word = engine.host_word.address
+    parts["cuStreamWriteValue64 host word (raw)"] = lambda: cuda_driver.cuStreamWriteValue64(
+        lane, host_word, 1, _WRITE_DEFAULT)
+    parts["cuStreamWaitValue64 host word (raw)"] = lambda: cuda_driver.cuStreamWaitValue64(
+        lane, host_word, 0, _WAIT_GEQ)
+    graph_stream = torch.cuda.Stream(device=comm.device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=graph_stream, capture_error_mode="thread_local"):
+        scratch_tensor = torch.empty_like(recv)
+        scratch_tensor.copy_(recv)
+    parts["CUDA graph of one copy_, replay()"] = graph.replay
     from hoccl._buffers import repeat_key
     from hoccl._repeats import Repeats
     parts["repeat_key (torch tensor)"] = lambda: repeat_key(recv)
