@@ -219,7 +219,7 @@ ENVIRONMENT: Dict[str, str] = {
                                "not staged through pinned host memory (not yet run on GPUs)",
     "HOCCL_SINGLE_MEMOPS": "the cuda backend: the most stream memory operations one step "
                            "issues as single driver calls, more going as one batch (default "
-                           "8)",
+                           "1: two or more are one batch)",
     "HOCCL_UCX_TLS": "inter_host='ucx': the transports of hoccl's UCX context, as UCX_TLS "
                      "reads them, cross-memory attach always excluded (default: all but cma); "
                      "UCX_TLS itself overrides it",

@@ -287,9 +287,10 @@ host_cost_steps() {  # host_cost_steps LIMIT: python -m hoccl.bench.host_cost, w
       python3 -m hoccl.bench.host_cost --variants $variants --out "$OUT/host_cost_before"
   fi
   step host-cost-1 "$limit" python3 -m hoccl.bench.host_cost --out "$OUT/host_cost"
-  # every memop list of two or more as one batch (HOCCL_SINGLE_MEMOPS=1), in the same run
-  step host-cost-batched "$limit" env HOCCL_SINGLE_MEMOPS=1 python3 -m hoccl.bench.host_cost \
-    --variants $variants --out "$OUT/host_cost_batched"
+  # memop lists of up to eight as single calls (HOCCL_SINGLE_MEMOPS=8; default: two or
+  # more as one batch), in the same run
+  step host-cost-single "$limit" env HOCCL_SINGLE_MEMOPS=8 python3 -m hoccl.bench.host_cost \
+    --variants $variants --out "$OUT/host_cost_single"
   step host-cost-2 "$limit" $MPIRUN python3 -m hoccl.bench.host_cost --variants $variants \
     --out "$OUT/host_cost_2"
 }

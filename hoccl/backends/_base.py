@@ -111,8 +111,9 @@ class DirectProgram:
     packed: Any = None
 
 
-class MemOp(enum.Enum):
-    """The kind of a stream memory operation in ``Device.memops``."""
+class MemOp(str, enum.Enum):
+    """The kind of a stream memory operation in ``Device.memops`` (a str: hashed at C
+    speed, as the keys of kept batches are)."""
     WRITE = "write"  # write a 64-bit value after the stream's earlier work
     WAIT = "wait"    # block the stream until a 64-bit word is >= a value
 

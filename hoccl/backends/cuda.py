@@ -57,6 +57,8 @@ __all__ = ["CudaDevice", "CudaIpcDescriptor", "device_count", "open_device"]
 #: the most memops one ``memops`` call issues as single driver calls, read at import
 _GIVEN = whole_number("HOCCL_SINGLE_MEMOPS", 0, "memops", "memops issued as single driver calls")
 _SINGLE: int = _SINGLE_MEMOPS if _GIVEN is None else _GIVEN
+#: the most lists of memops a device keeps batches for (``CudaDevice.memops``)
+_MEMOP_BATCHES = 256
 
 
 # -- owned handles -------------------------------------------------------------------------
@@ -196,7 +198,7 @@ class CudaDevice(_SmWork, _Memory, Device):
         self._descriptors: dict = {}   # (address, buffer id) -> descriptor
         self._called: set = set()      # import keys a call mapped (kept until close)
         self._holds: dict = {}         # import key -> windows holding it (hold_import)
-        self._memop_params: dict = {}  # (kind, address) -> CUstreamBatchMemOpParams
+        self._memop_params: dict = {}  # ((kind, address), ...) -> kept batches
         self._reduce_launches = {}     # a reduce's arguments -> its launches (_SmWork)
         self._copy_launches = {}       # a local_copy's arguments -> its launch (_SmWork)
         self._streams: dict = {}       # a raw stream handle -> its CUstream (resolve_stream)
@@ -460,11 +462,11 @@ class CudaDevice(_SmWork, _Memory, Device):
 
     def memops(self, stream: Any, operations: Sequence[Tuple[MemOp, Any, int]]) -> None:
         """Writes and waits in order: up to ``_SINGLE`` as single calls (``_SINGLE_MEMOPS``,
-        or ``HOCCL_SINGLE_MEMOPS``), more in batches of up to 255, whose
-        ``CUstreamBatchMemOpParams`` are kept per (kind, address) and only their values set.
-        ``tools/profile_call.py`` times both (one H200: two writes 7.55 µs as single calls,
-        3.88 µs as one batch of kept structs), yet whole calls timed both ways in one run
-        (an H100, ``tools/gpu_run.sh replay``) were no faster batched."""
+        or ``HOCCL_SINGLE_MEMOPS``), more as one ``cuStreamBatchMemOp`` (in batches of up
+        to 255).  A batch's ``CUstreamBatchMemOpParams`` are kept per list of (kind,
+        address), as a repeated call makes the same list again, and only their values
+        set: building them costs microseconds, setting a value a fraction of one.
+        ``tools/profile_call.py`` times both ways."""
         if len(operations) <= _SINGLE:
             self._make_current()
             for kind, address, value in operations:
@@ -473,21 +475,28 @@ class CudaDevice(_SmWork, _Memory, Device):
                 else:
                     _call(driver.cuStreamWaitValue64, stream, address, value, _WAIT_GEQ)
             return
-        params = []
-        cache, used = self._memop_params, set()
-        for kind, address, value in operations:
-            key = (kind, address)
-            entry = cache.get(key)
-            if entry is None or key in used:  # one object twice in a batch: one value
-                entry = _memop(kind, address)
-                cache.setdefault(key, entry)
-            used.add(key)
-            entry[1].value64 = value  # the call copies the structs: reuse is safe after it
-            params.append(entry[0])
+        key = tuple([(kind, address) for kind, address, _ in operations])
+        kept = self._memop_params.get(key)
+        if kept is None:
+            kept = self._memop_batch(key)
+        for part, operation in zip(kept[1], operations):
+            part.value64 = operation[2]  # the call copies the structs: reuse is safe after it
         self._make_current()
-        for start in range(0, len(params), _MAX_BATCH_MEMOPS):
-            chunk = params[start:start + _MAX_BATCH_MEMOPS]
-            _call(driver.cuStreamBatchMemOp, stream, len(chunk), chunk, 0)
+        for batch in kept[0]:
+            _call(driver.cuStreamBatchMemOp, stream, len(batch), batch, 0)
+
+    def _memop_batch(self, key: Tuple[Tuple[MemOp, Any], ...]) -> tuple:
+        """The kept batches of one list of (kind, address): (the params of each batch of
+        up to 255, every entry's value part in order); the oldest list goes first."""
+        entries = [_memop(kind, address) for kind, address in key]
+        params = [entry[0] for entry in entries]
+        kept = ([params[start:start + _MAX_BATCH_MEMOPS]
+                 for start in range(0, len(params), _MAX_BATCH_MEMOPS)],
+                [entry[1] for entry in entries])
+        if len(self._memop_params) >= _MEMOP_BATCHES:
+            del self._memop_params[next(iter(self._memop_params))]
+        self._memop_params[key] = kept
+        return kept
 
     # -- lifetime ----------------------------------------------------------------------------
     def close(self, leak: bool = False) -> None:
