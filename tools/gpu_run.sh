@@ -5,7 +5,7 @@
 # backend, 3 ranks sharing the GPU under mpirun (correctness only: no speed there).
 # hostcost: python -m hoccl.bench.host_cost, world 1 beside torch+NCCL, then 2 ranks.
 # profile1: where one rank's repeated small call spends the host's time (tools/profile_call.py,
-# world 1: the pieces and a cProfile), then the host-cost bench world 1.
+# world 1: the pieces and a cProfile), then the host-cost bench, world 1 only.
 # shrink: dist.shrink_group on the cuda backend, three workers of a store launch.
 # ucx: between simulated hosts over UCX (.wheels, tools/device_carry.sh --ucx): the mixed
 # bench, two GPU ranks as two hosts, then the mixed job's checks (hoccl's, torch's, DDP);
@@ -276,9 +276,10 @@ if [ "$what" = verify ]; then
   step mixed-job 70 mpirun -np 4 -x PYTHONPATH -x NCCL_NVLS_ENABLE python3 tests/mpi/run_mixed_job.py
   step gpu-local 150 python3 -m pytest -q -x -p no:cacheprovider --timeout=90 tests/gpu "$@"
 fi
-host_cost_steps() {  # host_cost_steps LIMIT: python -m hoccl.bench.host_cost, world 1 beside
-  # NCCL, then 2 ranks; first BASELINE's hoccl variants (a checkout of an earlier commit,
-  # e.g. `bash tools/device_carry.sh --baseline COMMIT`), in the same run
+host_cost_steps() {  # host_cost_steps LIMIT [world1]: python -m hoccl.bench.host_cost, world 1
+  # beside NCCL, then 2 ranks (not with world1); first BASELINE's hoccl variants (a
+  # checkout of an earlier commit, e.g. `bash tools/device_carry.sh --baseline COMMIT`), in
+  # the same run
   local limit=$1 variants=hoccl-registered,hoccl-plain,hoccl-direct
   local base=${BASELINE:-.baseline}
   if [ -d "$base/hoccl" ]; then  # run in it: python -m puts the working directory first
@@ -291,6 +292,7 @@ host_cost_steps() {  # host_cost_steps LIMIT: python -m hoccl.bench.host_cost, w
   # more as one batch), in the same run
   step host-cost-single "$limit" env HOCCL_SINGLE_MEMOPS=8 python3 -m hoccl.bench.host_cost \
     --variants $variants --out "$OUT/host_cost_single"
+  [ "${2:-}" = world1 ] && return
   step host-cost-2 "$limit" $MPIRUN python3 -m hoccl.bench.host_cost --variants $variants \
     --out "$OUT/host_cost_2"
 }
@@ -322,13 +324,10 @@ fi
 if [ "$what" = profile1 ]; then
   # where one rank's repeated small call spends the host's time (world 1): the pieces of a
   # call and a cProfile (reduce_scatter: out of place, one copy), then the host-cost bench
-  for variant in --registered ""; do
-    step "profile-rs${variant:+-registered}" 60 python3 tools/profile_call.py $variant --burst 50 \
-      --iters 1000 --collective reduce_scatter
-  done
-  step profile-ar 60 python3 tools/profile_call.py --registered --burst 50 --iters 1000 \
-    --collective all_reduce
-  step host-cost 150 python3 -m hoccl.bench.host_cost --out "$OUT/host_cost"
+  # (BASELINE's first where there is one, memops as single calls last), in one run
+  step profile-rs 60 python3 tools/profile_call.py --registered --burst 50 --iters 1000 \
+    --collective reduce_scatter
+  host_cost_steps 70 world1
 fi
 if [ "$what" = shrink ]; then
   # dist.shrink_group on the cuda backend: three workers of a store launch (torchrun's
