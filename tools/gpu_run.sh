@@ -332,14 +332,15 @@ if [ "$what" = profile1 ]; then
 fi
 if [ "$what" = hostucx ]; then
   # one call for both: the host cost (profile1's steps), the cuda paths it touches checked
-  # (1 and 2 ranks, captured graphs), then ucxtorch's probes and torch programs
-  step profile-rs 45 python3 tools/profile_call.py --registered --burst 50 --iters 1000 \
+  # (1 and 2 ranks, captured graphs), then ucxtorch's probes and torch programs (as far as
+  # the budget goes)
+  step profile-rs 40 python3 tools/profile_call.py --registered --burst 50 --iters 1000 \
     --collective reduce_scatter
-  host_cost_steps 60 world1
-  step replay-1 40 python3 tests/mpi/run_replay.py --backend cuda
-  step replay-2 50 $MPIRUN python3 tests/mpi/run_replay.py --backend cuda
-  step capture 45 $MPIRUN python3 tests/mpi/run_capture.py --backend cuda --replays 100
+  host_cost_steps 50 world1
+  step replay-1 30 python3 tests/mpi/run_replay.py --backend cuda
+  step replay-2 45 $MPIRUN python3 tests/mpi/run_replay.py --backend cuda
   step gpu-mpirun 60 $MPIRUN python3 tests/mpi/run_checks.py --backend cuda --counts 0,1,17,100003
+  step capture 40 $MPIRUN python3 tests/mpi/run_capture.py --backend cuda --replays 100
   what=ucxtorch
 fi
 if [ "$what" = shrink ]; then
