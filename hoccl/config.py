@@ -218,8 +218,8 @@ ENVIRONMENT: Dict[str, str] = {
     "HOCCL_UCX_DEVICE_MEMORY": "1: inter_host='ucx' hands CUDA arrays to UCX as they are, "
                                "not staged through pinned host memory (not yet run on GPUs)",
     "HOCCL_SINGLE_MEMOPS": "the cuda backend: the most stream memory operations one step "
-                           "issues as single driver calls, more going as one batch (default "
-                           "1: two or more are one batch)",
+                           "issues as single driver calls, more going as one batch of kept "
+                           "parameters (default 8; 1: two or more are one batch)",
     "HOCCL_UCX_TLS": "inter_host='ucx': the transports of hoccl's UCX context, as UCX_TLS "
                      "reads them, cross-memory attach always excluded (default: all but cma); "
                      "UCX_TLS itself overrides it",

@@ -289,10 +289,10 @@ host_cost_steps() {  # host_cost_steps LIMIT [world1]: python -m hoccl.bench.hos
       python3 -m hoccl.bench.host_cost --variants $variants --out "$OUT/host_cost_before"
   fi
   step host-cost-1 "$limit" python3 -m hoccl.bench.host_cost --out "$OUT/host_cost"
-  # memop lists of up to eight as single calls (HOCCL_SINGLE_MEMOPS=8; default: two or
-  # more as one batch), in the same run
-  step host-cost-single "$limit" env HOCCL_SINGLE_MEMOPS=8 python3 -m hoccl.bench.host_cost \
-    --variants $variants --out "$OUT/host_cost_single"
+  # every memop list of two or more as one batch of kept parameters (HOCCL_SINGLE_MEMOPS=1;
+  # default: up to eight as single calls), in the same run
+  step host-cost-batched "$limit" env HOCCL_SINGLE_MEMOPS=1 python3 -m hoccl.bench.host_cost \
+    --variants $variants --out "$OUT/host_cost_batched"
   [ "${2:-}" = world1 ] && return
   step host-cost-2 "$limit" $MPIRUN python3 -m hoccl.bench.host_cost --variants $variants \
     --out "$OUT/host_cost_2"
@@ -325,7 +325,7 @@ fi
 if [ "$what" = profile1 ]; then
   # where one rank's repeated small call spends the host's time (world 1): the pieces of a
   # call and a cProfile (reduce_scatter: out of place, one copy), then the host-cost bench
-  # (BASELINE's first where there is one, memops as single calls last), in one run
+  # (BASELINE's first where there is one, memops batched last), in one run
   step profile-rs 60 python3 tools/profile_call.py --registered --burst 50 --iters 1000 \
     --collective reduce_scatter
   host_cost_steps 70 world1

@@ -26,7 +26,7 @@ _LEGACY_STREAMS = (0, int(driver.CU_STREAM_LEGACY))
 _BUFFER_ID = driver.CUpointer_attribute.CU_POINTER_ATTRIBUTE_BUFFER_ID
 #: cuStreamBatchMemOp takes fewer than 256 operations per call.
 _MAX_BATCH_MEMOPS = 255
-_SINGLE_MEMOPS = 1  # up to this many memops go as single calls; more go as one batch
+_SINGLE_MEMOPS = 8  # up to this many memops go as single calls; more go as one batch
 _WRITE_DEFAULT = driver.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT
 _WAIT_GEQ = driver.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
 

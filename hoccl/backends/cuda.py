@@ -466,7 +466,8 @@ class CudaDevice(_SmWork, _Memory, Device):
         to 255).  A batch's ``CUstreamBatchMemOpParams`` are kept per list of (kind,
         address), as a repeated call makes the same list again, and only their values
         set: building them costs microseconds, setting a value a fraction of one.
-        ``tools/profile_call.py`` times both ways."""
+        ``tools/profile_call.py`` times both ways (one H100: two writes 5.41 µs as single
+        calls, 3.10 µs as one batch of kept structs; ``results/h100/2026-12-06b``)."""
         if len(operations) <= _SINGLE:
             self._make_current()
             for kind, address, value in operations:
