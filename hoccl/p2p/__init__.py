@@ -12,10 +12,11 @@ three stages, the first two kept by the caller's prepared call (``hoccl._engine`
                                      steps enqueued in one pass (``issue``: from there
                                      only the stream manager and the device are called)
 
-Stream memory operations are buffered per lane and flushed as one batched call before
-the lane's next copy, kernel or event (``cuStreamBatchMemOp`` keeps their order);
-consecutive independent copies on one lane become one batch.  A rank's whole
-collective on two GPUs is then a handful of driver calls.
+Stream memory operations are buffered per lane and flushed as one list before the
+lane's next copy, kernel or event (``Device.memops``, in order: single calls or one
+``cuStreamBatchMemOp``, as the device finds cheaper); consecutive independent copies
+on one lane become one batch.  A rank's whole collective on two GPUs is then a handful
+of driver calls.
 
 A lane's run of chunk waits and sums (a pushed reduce_scatter or reduce: wait for chunk
 k's copies, sum chunk k, for every chunk) is one launch instead (``fuse_sums``, the
@@ -240,9 +241,8 @@ class Executor:
 
         The one pass down: from here only the stream manager's and the device's methods
         are called.  A lane's memory operations are kept until its next other step and go
-        as one batched call (``cuStreamBatchMemOp`` keeps their order); independent copies
-        go as one batched call, except in a capture (``cuMemcpyBatchAsync`` cannot be
-        captured).
+        as one list (``Device.memops`` keeps their order); independent copies go as one
+        batched call, except in a capture (``cuMemcpyBatchAsync`` cannot be captured).
         """
         firsts, total = _families(plan for plan, _, _, _ in items)
         needs = _needs(reserve) if fence else None
