@@ -7,6 +7,7 @@ with ``--local`` it measures one process driving every GPU instead (no MPI excha
 """
 import argparse
 import cProfile
+import ctypes
 import io
 import pstats
 import time
@@ -157,7 +158,7 @@ def main() -> None:
     from hoccl.backends._cuda_driver import _WAIT_GEQ, _WRITE_DEFAULT
     launch = device._copy_launch_of(int(scratch), recv.data_ptr(), nbytes // 2, device.copy_sms)
     launch_args = (launch[0], launch[1], 1, 1, launch[2], 1, 1, 0, lane,
-                   __import__("ctypes").addressof(launch[3]), 0)
+                   ctypes.addressof(launch[3]), 0)
     parts["cuLaunchKernel copy (raw, kept args)"] = lambda: cuda_driver.cuLaunchKernel(
         *launch_args)
     parts["cuStreamWriteValue64 device word (raw)"] = lambda: cuda_driver.cuStreamWriteValue64(

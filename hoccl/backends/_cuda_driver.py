@@ -75,6 +75,15 @@ def _status(result: tuple, call_name: str, allow: Tuple[Any, ...]) -> Any:
     return status
 
 
+def _keep(kept: dict, key: Any, value: Any, most: int) -> Any:
+    """``value`` kept under ``key`` in ``kept``, which holds at most ``most`` entries (the
+    oldest goes first): the driver arguments a device builds once and reuses."""
+    if len(kept) >= most:
+        del kept[next(iter(kept))]
+    kept[key] = value
+    return value
+
+
 def _call(function: Any, *args: Any) -> Any:
     """Call a driver function and check it; the error names the function."""
     return _check(function(*args), function.__name__)

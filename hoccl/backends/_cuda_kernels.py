@@ -14,7 +14,7 @@ from .._dtypes import ITEMSIZE as _ITEMSIZE
 from .._errors import DriverError, InvalidArgumentError
 from . import _kernels
 from ._base import DTYPES, OPS, DirectProgram, check_reduce_extras
-from ._cuda_driver import _ACTIVE, _call
+from ._cuda_driver import _ACTIVE, _call, _keep
 from ._cuda_structs import _ChunkArgs, _CopyArgs, _pack_direct, _ReduceArgs
 
 #: the most argument lists of ``reduce`` (and of ``local_copy``) a device keeps launches for
@@ -152,13 +152,12 @@ class _SmWork:
         key = (int(dst), int(src), nbytes, self.copy_sms if sms is None else sms)
         launch = self._copy_launches.get(key)
         if launch is None:
-            launch = self._copy_launch_of(*key)
-            if len(self._copy_launches) >= _REDUCE_LAUNCHES:
-                del self._copy_launches[next(iter(self._copy_launches))]
-            self._copy_launches[key] = launch
+            launch = _keep(self._copy_launches, key, self._copy_launch_of(*key),
+                           _REDUCE_LAUNCHES)
+        function, blocks, threads, parameters, _ = launch
         self._make_current()
-        _call(driver.cuLaunchKernel, launch[0], launch[1], 1, 1, launch[2], 1, 1, 0, stream,
-              ctypes.addressof(launch[3]), 0)
+        _call(driver.cuLaunchKernel, function, blocks, 1, 1, threads, 1, 1, 0, stream,
+              ctypes.addressof(parameters), 0)
 
     def _copy_launch_of(self, dst: int, src: int, nbytes: int, sms: int) -> tuple:
         """(function, blocks, threads, parameter array, the argument struct it points to)
@@ -191,11 +190,10 @@ class _SmWork:
                divisor, self.max_sms if sms is None else sms, scale)
         launches = self._reduce_launches.get(key)
         if launches is None:
-            launches = self._reduce_launches_of(output, inputs, count, dtype, op, divisor, sms,
-                                                scale)
-            if len(self._reduce_launches) >= _REDUCE_LAUNCHES:
-                del self._reduce_launches[next(iter(self._reduce_launches))]
-            self._reduce_launches[key] = launches
+            launches = _keep(self._reduce_launches, key,
+                             self._reduce_launches_of(output, inputs, count, dtype, op, divisor,
+                                                      sms, scale),
+                             _REDUCE_LAUNCHES)
         if launches:
             self._make_current()
         for function, blocks, threads, parameters, _ in launches:

@@ -48,7 +48,7 @@ from ._caller_stream import array_framework, stream_handle
 # from here too, by tools, the lever study and the tests
 from ._cuda_driver import (_ACTIVE, _GONE, _LEGACY_STREAMS, _MAX_BATCH_MEMOPS, _NOT_READY,
                            _PEER_ALREADY_ENABLED, _SINGLE_MEMOPS, _WAIT_GEQ, _WRITE_DEFAULT,
-                           _call, _init_driver, _status)
+                           _call, _init_driver, _keep, _status)
 from ._cuda_kernels import _function, _SmWork
 from ._cuda_memory import CudaIpcDescriptor, _handle_bytes, _handle_from, _Memory
 
@@ -491,13 +491,11 @@ class CudaDevice(_SmWork, _Memory, Device):
         up to 255, every entry's value part in order); the oldest list goes first."""
         entries = [_memop(kind, address) for kind, address in key]
         params = [entry[0] for entry in entries]
-        kept = ([params[start:start + _MAX_BATCH_MEMOPS]
-                 for start in range(0, len(params), _MAX_BATCH_MEMOPS)],
-                [entry[1] for entry in entries])
-        if len(self._memop_params) >= _MEMOP_BATCHES:
-            del self._memop_params[next(iter(self._memop_params))]
-        self._memop_params[key] = kept
-        return kept
+        return _keep(self._memop_params, key,
+                     ([params[start:start + _MAX_BATCH_MEMOPS]
+                       for start in range(0, len(params), _MAX_BATCH_MEMOPS)],
+                      [entry[1] for entry in entries]),
+                     _MEMOP_BATCHES)
 
     # -- lifetime ----------------------------------------------------------------------------
     def close(self, leak: bool = False) -> None:
