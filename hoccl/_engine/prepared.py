@@ -153,7 +153,7 @@ class Preparer:
         caller = device.resolve_stream(stream, arrays)
         captured = device.capturing(caller)
         if captured:
-            self.capturable(name, shape, exported)
+            self.capturable(name, shape)
             with device.relaxed_capture():  # scratch may be allocated, exported
                 prepared = self.prepare(shape, buffers, True, exported)
                 shared = self.shared_of(prepared)
@@ -277,12 +277,8 @@ class Preparer:
                             marks_of(compiled) if captured else part.marks,
                             digest(signature) if direct else 0, engine.layout_epoch)
 
-    def capturable(self, name: str, shape: Shape, exported: bool) -> None:
+    def capturable(self, name: str, shape: Shape) -> None:
         """Refuse a call captured into a CUDA graph that could not replay."""
-        if not exported:
-            raise InvalidArgumentError(
-                f"{name}: the caller's stream is being captured into a CUDA graph; capture "
-                f"is supported with one rank per process (hoccl.init), not init_local")
         problem = replay_problem(self.plan(shape, self.choice(shape, captured=True).options))
         if problem is not None:
             raise InvalidArgumentError(

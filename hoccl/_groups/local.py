@@ -1,7 +1,9 @@
 """``LocalGroup``: several ranks in one Python process (Jupyter, tests).  All ranks'
 calls come from one thread, rank after rank, so no call may wait for another rank's
 call: a call is held until every participant has made it, then issued for each of
-them (in each rank's own call order)."""
+them (in each rank's own call order).  A call captured into a CUDA graph is issued
+into its rank's capture then too, so every rank's capture stays open until the last
+rank has made the call (begin every capture, make the calls, end the captures)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import logging
 from collections import deque
 from typing import TYPE_CHECKING, Any, Dict, FrozenSet, List, Optional, Sequence, Tuple
 
-from .._errors import InvalidArgumentError, MismatchError
+from .._errors import HocclError, InvalidArgumentError, MismatchError
 from .._mailbox import Notice
 from .base import _disagreement
 
@@ -48,6 +50,9 @@ class LocalGroup:
         # each rank's calls in order, as batches, until every participant of a call has
         # reached it (issued or not): what the cycle check reasons about
         self._order: List[deque] = [deque() for _ in range(world_size)]
+        # calls refused while issuing (a capture ended before its call could be issued
+        # into it), with the error: ``complete`` raises it where the current call is one
+        self._refusals: List[Tuple[HocclError, List["Call"]]] = []
 
     def submit(self, calls: Sequence["Call"]) -> None:
         self.post(calls)
@@ -88,7 +93,12 @@ class LocalGroup:
         """Issue what can be issued; refuse ``calls`` if they close a cycle of waits."""
         cycle = self._cycle()  # before issuing: the calls that close a cycle are not issued
         if not cycle:
-            self._progress()
+            self._refusals.clear()
+            self._progress(calls)
+            refusals, self._refusals = self._refusals, []
+            for error, refused in refusals:
+                if any(call in refused for call in calls):
+                    raise error
         else:
             waits = "; ".join(f"rank {rank}'s {call.name} {call.key[1:]} waits for rank {peer}"
                               for rank, call, peer in cycle)
@@ -104,7 +114,7 @@ class LocalGroup:
                 .values())], error)
             raise error
 
-    def _refuse(self, calls: List["Call"], error: MismatchError) -> None:
+    def _refuse(self, calls: List["Call"], error: HocclError) -> None:
         """Nothing of the refused calls runs: every participant's matching call completes
         unrun; ranks that made theirs earlier learn of it at their next synchronize."""
         for call in calls:
@@ -112,7 +122,7 @@ class LocalGroup:
                              {call.engine.rank: call}, calls)
         self._progress()  # calls queued behind the refused ones may now run
 
-    def _refuse_key(self, key: tuple, participants: Sequence[int], error: MismatchError,
+    def _refuse_key(self, key: tuple, participants: Sequence[int], error: HocclError,
                     come: set, own: Dict[int, "Call"], raised: Sequence["Call"] = ()) -> None:
         """Refuse the call of ``key``: every participant's call made already completes
         unrun (``own``: those of the refusing ranks; the others, and none of ``raised``,
@@ -273,9 +283,12 @@ class LocalGroup:
     def flush_stale(self) -> None:
         """Every call is matched before it is issued: nothing is folded."""
 
-    def _progress(self) -> None:
+    def _progress(self, current: Sequence["Call"] = ()) -> None:
         """Issue, for every rank, the batches at the head of its queue whose calls every
-        participant has made."""
+        participant has made.  A batch captured into CUDA graphs whose participants' calls
+        are not all still in an open capture is refused on every participant, none of it
+        issued (``current``: the calls being made, which raise; the others at their
+        rank's next synchronize)."""
         moved = True
         while moved:
             moved = False
@@ -286,6 +299,15 @@ class LocalGroup:
                     if any(len(group) < len(call.plan.participants)
                            for call, group in zip(batch, groups)):
                         break
+                    ended = _ended_capture(batch, groups) if batch[0].captured else None
+                    if ended is not None:
+                        refused = [member for group in groups for member in group.values()]
+                        for call in batch:
+                            self._refuse_key(call.key, call.plan.participants, ended, set(),
+                                             {}, raised=current)
+                        self._refusals.append((ended, refused))
+                        moved = True
+                        continue
                     queue.popleft()
                     for call, group in zip(batch, groups):
                         call.peers = {peer: group[peer].shared for peer in call.plan.participants
@@ -307,3 +329,26 @@ class LocalGroup:
             for monitor in self.monitors:  # every writer of the pads has closed
                 monitor.engine.leave_device(self._leak)
             self.forget_calls()
+
+
+def _ended_capture(batch: Sequence["Call"], groups: Sequence[Dict[int, "Call"]]
+                   ) -> Optional[MismatchError]:
+    """The error for captured ``batch`` if a participant's call of it can no longer be
+    issued into the capture it was made in (that capture ended, or was invalidated);
+    else None.  A mismatch (the communicators stay usable), as a capture on some ranks
+    only is.  Every participant is checked before any is issued: a capture holding the
+    call on some ranks only would wait for ever on the others in each replay."""
+    for call, group in zip(batch, groups):
+        for rank, member in sorted(group.items()):
+            try:
+                open_ = member.engine.device.capturing(member.caller)
+            except InvalidArgumentError:  # invalidated by an earlier error
+                open_ = False
+            if not open_:
+                return MismatchError(
+                    f"{call.name}: rank {rank}'s call {call.key[1:]} was made while its "
+                    f"stream was being captured into a CUDA graph, but that capture ended "
+                    f"before every rank had made the call; in one process, begin every "
+                    f"rank's capture, make the call on every rank, then end the captures.  "
+                    f"The call is refused on every rank, not run")
+    return None
