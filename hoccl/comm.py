@@ -409,9 +409,11 @@ class Communicator(CommunicatorApi):
         call = engine.prepare(name, shape, buffers, stream, exported=self._group.exported)
         self._usable(name)  # the watchdog may have aborted meanwhile
         held = held_calls()
-        if call.captured and held is not None:
-            raise InvalidArgumentError(f"{name}: a call captured into a CUDA graph cannot be "
-                                       f"inside hoccl.group() yet")
+        if held and held[-1][1].captured != call.captured:
+            raise InvalidArgumentError(
+                f"{name}: calls of one hoccl.group() are all captured into CUDA graphs or "
+                f"all eager; this one is {'captured' if call.captured else 'eager'}, the "
+                f"group's first is {'captured' if held[0][1].captured else 'eager'}")
         self._health.start_watchdog()
         if log.isEnabledFor(logging.DEBUG):
             log.debug("rank %d %s %s key=%s", self.rank, name, shape, call.key)

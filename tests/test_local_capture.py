@@ -42,8 +42,8 @@ def synchronize(comms):
 
 class Scene:
     """Each rank's buffers (``registered``: from hoccl.empty) and calls: an all_gather, an
-    in-place all_reduce, a reduce_scatter, an all_to_all and a broadcast from the last
-    rank."""
+    in-place all_reduce, a reduce_scatter, an all_to_all, a broadcast from the last rank
+    and a ring of send/recv (inside ``hoccl.group()``)."""
 
     def __init__(self, comms, registered):
         self.comms, self.n = comms, len(comms)
@@ -53,27 +53,39 @@ class Scene:
         self.buffers = [{name: make(comm, size) for name, size in (
             ("gather_in", COUNT), ("gather_out", n * COUNT), ("reduce", n * COUNT),
             ("scatter_in", n * COUNT), ("scatter_out", COUNT), ("a2a_in", n * COUNT),
-            ("a2a_out", n * COUNT), ("bcast", COUNT))} for comm in comms]
+            ("a2a_out", n * COUNT), ("bcast", COUNT), ("send", COUNT), ("recv", COUNT))}
+            for comm in comms]
 
     def load(self, rng):
         """Fresh inputs (small integers: sums exact in any order), outputs poisoned."""
         data = {name: [rng.integers(-50, 50, size).astype(np.float32) for _ in self.comms]
                 for name, size in (("gather", COUNT), ("reduce", self.n * COUNT),
                                    ("scatter", self.n * COUNT), ("a2a", self.n * COUNT),
-                                   ("bcast", COUNT))}
+                                   ("bcast", COUNT), ("ring", COUNT))}
         for rank, b in enumerate(self.buffers):
             b["gather_in"][:] = data["gather"][rank]
             b["reduce"][:] = data["reduce"][rank]
             b["scatter_in"][:] = data["scatter"][rank]
             b["a2a_in"][:] = data["a2a"][rank]
             b["bcast"][:] = data["bcast"][rank] if rank == self.n - 1 else np.nan
-            for name in ("gather_out", "scatter_out", "a2a_out"):
+            b["send"][:] = data["ring"][rank]
+            for name in ("gather_out", "scatter_out", "a2a_out", "recv"):
                 b[name][:] = np.nan
         return data
 
-    def issue(self, order):
-        """Every call on every rank, the ranks in ``order`` for each call."""
+    def issue(self, order, grouped=False):
+        """Every call on every rank, the ranks in ``order`` for each call (``grouped``: the
+        collectives too inside one ``hoccl.group()``), then the ring in a group."""
         last = self.n - 1
+        with hoccl.group() if grouped else contextlib.nullcontext():
+            self._collectives(order, last)
+        with hoccl.group():
+            for rank in order:
+                comm, b = self.comms[rank], self.buffers[rank]
+                comm.send(b["send"], (rank + 1) % self.n)
+                comm.recv(b["recv"], (rank - 1) % self.n)
+
+    def _collectives(self, order, last):
         for call in ("all_gather", "all_reduce", "reduce_scatter", "all_to_all", "broadcast"):
             for rank in order:
                 comm, b = self.comms[rank], self.buffers[rank]
@@ -100,6 +112,7 @@ class Scene:
                 [theirs[rank * COUNT:(rank + 1) * COUNT] for theirs in data["a2a"]]),
                 b["a2a_out"])
             assert_exact(f"{where} broadcast", data["bcast"][n - 1], b["bcast"])
+            assert_exact(f"{where} recv", data["ring"][(rank - 1) % n], b["recv"])
 
 
 @pytest.fixture
@@ -110,20 +123,20 @@ def comms():
         comm.close()
 
 
-@pytest.mark.parametrize("registered", [False, True])
-def test_captured_calls_of_one_process_replay_exactly(comms, registered):
+@pytest.mark.parametrize("registered,grouped", [(False, False), (True, False), (False, True)])
+def test_captured_calls_of_one_process_replay_exactly(comms, registered, grouped):
     rng = np.random.default_rng()
     captured, eager = Scene(comms, registered), Scene(comms, False)
     orders = [[0, 1, 2], [2, 0, 1], [1, 2, 0]]
     for replay in range(12):  # the first is the capture
         data = captured.load(rng)
         with capturing(*comms):
-            captured.issue(orders[replay % 3])
+            captured.issue(orders[replay % 3], grouped)
         synchronize(comms)
         captured.check(data, f"replay {replay}")
         if replay % 4 == 1:  # eager calls between replays, on the same communicators
             data = eager.load(rng)
-            eager.issue(orders[(replay + 1) % 3])
+            eager.issue(orders[(replay + 1) % 3], grouped)
             synchronize(comms)
             eager.check(data, f"eager calls after replay {replay}")
 
@@ -170,3 +183,29 @@ def test_capture_on_some_ranks_only_raises_on_every_rank(comms):
     scene.issue([2, 1, 0])
     synchronize(comms)
     scene.check(data, "eager calls after a capture on one rank")
+
+
+def test_a_group_of_captured_and_eager_calls_is_refused(comms):
+    rng = np.random.default_rng()
+    scene = Scene(comms, False)
+    scene.load(rng)
+    b = scene.buffers
+    with pytest.raises(hoccl.InvalidArgumentError,
+                       match=r"all_reduce: calls of one hoccl.group\(\) are all captured .* "
+                             r"this one is eager, the group's first is captured"):
+        with hoccl.group():
+            with capturing(comms[0]):
+                comms[0].all_gather(b[0]["gather_in"], b[0]["gather_out"])
+            comms[0].all_reduce(b[0]["reduce"], b[0]["reduce"], "sum")
+    for rank in (1, 2):  # the peers' calls are refused too: the sequences stay aligned
+        with pytest.raises(hoccl.MismatchError):
+            comms[rank].all_gather(b[rank]["gather_in"], b[rank]["gather_out"])
+        with pytest.raises(hoccl.MismatchError):
+            comms[rank].all_reduce(b[rank]["reduce"], b[rank]["reduce"], "sum")
+    with pytest.raises(hoccl.MismatchError, match="abandoned"):  # as for any abandoned group
+        comms[0].synchronize()
+    assert all(np.isnan(b[rank]["gather_out"]).all() for rank in range(3))
+    data = scene.load(rng)
+    scene.issue([0, 2, 1])
+    synchronize(comms)
+    scene.check(data, "eager calls after a refused group")

@@ -4,7 +4,8 @@
 On the cuda backend, one graph (torch.cuda.graph) holds an in-place all_gather, an
 all_reduce, a reduce_scatter and an all_to_all on registered buffers, a second graph
 an all_gather on unregistered buffers (its descriptors exchanged at capture), and a
-third a broadcast, a reduce, a gather, a scatter and a ring of send/recv; each graph
+third a broadcast, a reduce, a gather, a scatter and a ring of send/recv (in a
+``hoccl.group()``); each graph
 is replayed ``--replays`` times with fresh inputs written before every replay, every
 output checked against numpy after every replay, and an eager all_gather and all_reduce
 on the same communicator between replays (checked too).  Then one rank captures while
@@ -120,7 +121,7 @@ class Scene:
 
 class Rooted:
     """broadcast (root 0), reduce (last rank), gather (root 0), scatter (last rank) and a
-    ring of send/recv (even ranks send first), on unregistered buffers."""
+    ring of send/recv (inside hoccl.group()), on unregistered buffers."""
 
     calls = ("broadcast", "reduce", "gather", "scatter", "send_recv")
 
@@ -158,9 +159,9 @@ class Rooted:
         comm.reduce(b["red_in"], b["red_out"], n - 1, "sum")
         comm.gather(b["gath_in"], b["gath_out"], 0)
         comm.scatter(b["scat_in"], b["scat_out"], n - 1)
-        steps = [(comm.send, b["send"], (r + 1) % n), (comm.recv, b["recv"], (r - 1) % n)]
-        for call, buffer, peer in (steps if r % 2 == 0 else steps[::-1]):
-            call(buffer, peer)
+        with hoccl.group():  # a ring: each rank's send and recv side by side
+            comm.send(b["send"], (r + 1) % n)
+            comm.recv(b["recv"], (r - 1) % n)
 
     def check(self, data, what):
         n, r, count, a, b = self.comm.world_size, self.comm.rank, self.count, self.arrays, \
