@@ -1,7 +1,10 @@
 """CUDA graphs captured by one process driving every visible GPU (init_local): each
 rank's stream is captured at once (begin every capture, make the calls on every rank,
 end the captures), the graphs are replayed with fresh inputs and poisoned outputs, and
-every output is compared with numpy; eager calls between replays stay exact."""
+every output is compared with numpy; eager calls between replays stay exact.  The calls
+alone, and in one ``hoccl.group()``."""
+
+import contextlib
 
 import numpy as np
 import pytest
@@ -43,7 +46,12 @@ def _load(comms, buffers, rng):
     return data
 
 
-def _issue(comms, buffers, streams):
+def _issue(comms, buffers, streams, grouped=False):
+    with hoccl.group() if grouped else contextlib.nullcontext():
+        _collectives(comms, buffers, streams)
+
+
+def _collectives(comms, buffers, streams):
     for call in ("all_gather", "all_reduce", "reduce_scatter"):
         for comm, b, stream in zip(comms, buffers, streams):
             if call == "all_gather":
@@ -65,8 +73,9 @@ def _check(buffers, data, what):
             rank * COUNT:(rank + 1) * COUNT], b["scatter_out"].cpu().numpy())
 
 
-@pytest.mark.parametrize("registered", [False, True])
-def test_graphs_captured_on_every_rank_of_one_process_replay_exactly(gpu_comms, registered):
+@pytest.mark.parametrize("registered,grouped", [(False, False), (True, False), (False, True)])
+def test_graphs_captured_on_every_rank_of_one_process_replay_exactly(gpu_comms, registered,
+                                                                     grouped):
     comms = gpu_comms
     rng = np.random.default_rng()
     buffers = [_buffers(comm, registered) for comm in comms]
@@ -78,7 +87,7 @@ def test_graphs_captured_on_every_rank_of_one_process_replay_exactly(gpu_comms, 
         with torch.cuda.device(comm.device), torch.cuda.stream(stream):
             graph.capture_begin(capture_error_mode="thread_local")
     try:
-        _issue(comms, buffers, streams)
+        _issue(comms, buffers, streams, grouped)
     finally:
         for graph, stream, comm in zip(graphs, streams, comms):
             with torch.cuda.device(comm.device), torch.cuda.stream(stream):
