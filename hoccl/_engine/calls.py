@@ -151,6 +151,9 @@ class CallEngine(Protocol):
     def fail_later(self, error: HocclError) -> None:
         """The rank's next synchronize raises ``error``."""
 
+    def still_captured(self, call: Call) -> bool:
+        """Whether captured ``call``'s caller stream is still in an open capture."""
+
     def learn(self, peers_of_calls: Any) -> None:
         """Remember the peers' scratch and rings told in these calls' ``peers``."""
 

@@ -138,6 +138,14 @@ class Engine(Issuing):
         with self.lock:
             self.abort_error = error
 
+    def still_captured(self, call: Call) -> bool:
+        """Whether captured ``call``'s caller stream is still in an open capture (one
+        invalidated by an earlier error is not), so its steps can still go into it."""
+        try:
+            return self.device.capturing(call.caller)
+        except InvalidArgumentError:  # invalidated
+            return False
+
     def fail_later(self, error: HocclError) -> None:
         """An error found for this rank's call while another rank was calling
         (init_local): the next synchronize raises it (``take_pending_error``)."""

@@ -46,7 +46,7 @@ class LocalGroup:
         self._queues: List[deque] = [deque() for _ in range(world_size)]
         # refused calls whose other participants have yet to make them: key -> (error,
         # the ranks still to come), so that their calls are refused too when they come
-        self._refused: Dict[tuple, Tuple[MismatchError, set]] = {}
+        self._refused: Dict[tuple, Tuple[HocclError, set]] = {}
         # each rank's calls in order, as batches, until every participant of a call has
         # reached it (issued or not): what the cycle check reasons about
         self._order: List[deque] = [deque() for _ in range(world_size)]
@@ -340,11 +340,7 @@ def _ended_capture(batch: Sequence["Call"], groups: Sequence[Dict[int, "Call"]]
     call on some ranks only would wait for ever on the others in each replay."""
     for call, group in zip(batch, groups):
         for rank, member in sorted(group.items()):
-            try:
-                open_ = member.engine.device.capturing(member.caller)
-            except InvalidArgumentError:  # invalidated by an earlier error
-                open_ = False
-            if not open_:
+            if not member.engine.still_captured(member):
                 return MismatchError(
                     f"{call.name}: rank {rank}'s call {call.key[1:]} was made while its "
                     f"stream was being captured into a CUDA graph, but that capture ended "
