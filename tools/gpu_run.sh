@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # The device machine's session: GPU tests (one process, and mpirun -np 2), then the
-# benchmarks against NCCL.  Usage: bash tools/gpu_run.sh [tests|profile|bench|overlap|compare|torch|fsdp|hier|hierdiag|final|registered|onegpu|validate|dryrun|quickreg|figures-a|figures-b|figures-c|figures-d|figures-direct|figures-wide|direct|caller|placement|fused|levers|tp|groups|hostcost|profile1|hostucx|core|replay|shrink|ucx|ucxfix|ucxtorch|verify|all] [pytest args]
+# benchmarks against NCCL.  Usage: bash tools/gpu_run.sh [tests|profile|bench|overlap|compare|torch|fsdp|hier|hierdiag|final|registered|onegpu|validate|dryrun|quickreg|figures-a|figures-b|figures-c|figures-d|figures-direct|figures-wide|direct|caller|placement|fused|levers|tp|groups|hostcost|profile1|hostucx|core|mini|replay|shrink|ucx|ucxfix|ucxtorch|verify|all] [pytest args]
 # groups: grouped calls (tests/mpi/run_groups.py) and the fuzzer's short run on the cuda
 # backend, 3 ranks sharing the GPU under mpirun (correctness only: no speed there).
 # hostcost: python -m hoccl.bench.host_cost, world 1 beside torch+NCCL, then 2 ranks.
 # profile1: where one rank's repeated small call spends the host's time (tools/profile_call.py,
 # world 1: the pieces and a cProfile), then the host-cost bench, world 1 only.
 # hostucx: profile1, the cuda checks of the replayed paths (1, 2 ranks, graphs), ucxtorch.
+# mini: core's checks first, the host cost of this tree only, in about 200 s.
 # core: graphs under init_local, the host cost (world 1), replays, graphs, run_checks.
 # shrink: dist.shrink_group on the cuda backend, three workers of a store launch.
 # ucx: between simulated hosts over UCX (.wheels, tools/device_carry.sh --ucx): the mixed
@@ -330,6 +331,16 @@ if [ "$what" = profile1 ]; then
   step profile-rs 60 python3 tools/profile_call.py --registered --burst 50 --iters 1000 \
     --collective reduce_scatter
   host_cost_steps 70 world1
+fi
+if [ "$what" = mini ]; then
+  # core's checks and this tree's host cost in about 200 s: graphs under init_local, the
+  # replayed repeats (1 and 2 ranks), the host-cost bench (world 1, beside NCCL), graphs
+  step local-capture 60 python3 -m pytest -q -p no:cacheprovider --timeout=50 \
+    tests/gpu/test_gpu_local_capture.py
+  step replay-1 30 python3 tests/mpi/run_replay.py --backend cuda
+  step replay-2 40 $MPIRUN python3 tests/mpi/run_replay.py --backend cuda
+  step host-cost-1 60 python3 -m hoccl.bench.host_cost --out "$OUT/host_cost"
+  step capture 40 $MPIRUN python3 tests/mpi/run_capture.py --backend cuda --replays 30
 fi
 if [ "$what" = core ]; then
   # the least device time that checks this tree's cuda paths and times its host cost:
