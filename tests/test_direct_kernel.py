@@ -133,6 +133,8 @@ def test_a_kernel_waiting_for_a_peer_times_out_naming_the_missing_signal():
     for rank 1's DONE (rank 1 never stored into rank 0's ring) in its kernel slots; the
     timeout names them, and every rank is released (no hang)."""
     comms = hoccl.init_local(2, backend="host", timeout=2, kernel_bytes=1 << 20)
+    for comm in comms:  # synchronize's own timeout: the watchdogs (same clock, started
+        comm._health._stop.set()  # at issue) would abort first and raise AbortedError
     held = comms[1].device_handle.create_stream()
     held.enqueue(lambda: time.sleep(5))
     send = [np.full(8, r + 1, np.float32) for r in range(2)]
