@@ -271,6 +271,10 @@ class Unasked:
         check them (``check``)."""
         self.flush()
         deadline = time.monotonic() + self.timeout
+        # a peer's digest may have come before this rank made the calls it covers: its
+        # calls made since are compared now, or the wait would be for a message the peer
+        # has sent already
+        self.check()
         waiting = [peer for peer in range(self.world_size) if self._unchecked[peer]]
         while waiting:
             wait_until(lambda: any(self.mailboxes.ready(peer) for peer in waiting), deadline,

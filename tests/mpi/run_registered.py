@@ -16,6 +16,7 @@ Rank 0 prints ``N passed, M failed``; the exit status is non-zero when a check f
 
 import argparse
 import sys
+import time
 import traceback
 
 import numpy as np
@@ -208,6 +209,31 @@ def check_deregistered(comm, seed):
     assert comm._engine.issued_fast == before, "a deregistered buffer went without an exchange"
 
 
+def check_rank_ahead(comm, seed, calls=12):
+    """Rank 0 makes each call late: its peers make all of them and ``synchronize``,
+    sending their digests, which come before rank 0 has made the calls they cover.  Its
+    ``synchronize`` returns (with no message left to come: the peers wait in an MPI
+    barrier by then, not in a call of hoccl's), and the outputs are exact (each call gathers the same blocks)."""
+    n, r = comm.world_size, comm.rank
+    count = 64
+    slab = Slab(comm, n * count)
+    data = [random_array(np.random.default_rng(seed + rank), count, "float32")
+            for rank in range(n)]
+    fill(slab.arrays, slab.view(0, n * count), poison(n * count, "float32"), comm.device)
+    fill(slab.arrays, slab.view(r * count, count), data[r], comm.device)
+    for _ in range(calls):
+        if r == 0:
+            time.sleep(0.02)
+        comm.all_gather(slab.view(r * count, count), slab.view(0, n * count))
+    try:
+        comm.synchronize()
+    finally:  # no hoccl message comes while rank 0 synchronizes (its timeout ends a wait)
+        MPI.COMM_WORLD.Barrier()
+    assert_exact("all_gather, rank 0 late", np.concatenate(data),
+                 slab.arrays.to_numpy(slab.window, "float32"))
+    comm.deregister(slab.window)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--backend", default=None)
@@ -232,6 +258,7 @@ def main():
     run("registered and unregistered calls mixed", lambda: check_mixed(comm, 1))
     run("registration errors raise on every rank", lambda: check_registration_errors(comm))
     run("deregistered memory", lambda: check_deregistered(comm, 2))
+    run("rank 0 late to every call", lambda: check_rank_ahead(comm, 3))
     comm.close()
     for how in ("count", "offset", "beyond", "unregistered"):
         run(f"diverging registered call ({how})",
