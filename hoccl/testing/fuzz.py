@@ -13,7 +13,8 @@ call's buffers at the same offsets on every rank), ``stream=None`` and two strea
 each rank's own, rings of send/recv (every rank sends to rank + shift and receives from
 rank - shift) inside ``hoccl.group()``, groups of several collectives beside rings,
 barriers, and splits (``split_local`` or ``split``) whose children make calls of their
-own.  Each of these can be switched off (``Settings``; ``--hierarchical`` keeps what a
+own; under mpiexec, in about a third of the steps one rank is late to each call (``late``).
+Each of these can be switched off (``Settings``; ``--hierarchical`` keeps what a
 communicator across hosts takes).
 
 ``Runner.run`` makes the calls, step by step: each call's inputs are drawn from
@@ -120,9 +121,11 @@ class Runner:
         self.streams = {comm.rank: [None, _new_stream(comm), _new_stream(comm)]
                         for comm in self.comms}
         self.report = Report(seed, self.comms[0].world_size)
+        self.settings = Settings()
 
     def run(self, steps: Sequence[Step], settings: Settings) -> Report:
         started = time.monotonic()
+        self.settings = settings
         if settings.registered:
             for comm in self.comms:  # collective: every rank, in the same order
                 self.slabs[comm.rank] = _Slab(comm, array_module_for(self.backend, "uint8"))
@@ -170,21 +173,36 @@ class Runner:
                 ArrayModule("cupy").synchronize(comm.device)
         # the children of a split use their default streams
         streams = self.streams if color == 0 else {comm.rank: [None] * 3 for comm in comms}
+        late = self._late(index, comms)
         if step.grouped:
             import hoccl
             with hoccl.group():
                 for comm in comms:
                     for call, (_, buffers, _) in zip(step.calls, prepared):
+                        late()
                         _issue(comm, call, *buffers[comm.rank], streams[comm.rank][call.stream])
         else:
             for call, (_, buffers, _) in zip(step.calls, prepared):
                 for comm in comms:
+                    late()
                     _issue(comm, call, *buffers[comm.rank], streams[comm.rank][call.stream])
+        late()
         for comm in comms:
             comm.synchronize()
         for call, (want, buffers, bits) in zip(step.calls, prepared):
             self._check(index, step, call, comms, want, buffers, bits)
         self.report.calls += sum(call.calls_per_rank for call in step.calls)
+
+    def _late(self, index: int, comms: List[Any]) -> Any:
+        """What this process does before each call of step ``index`` and before its
+        synchronize: under mpiexec (``Settings.late``), in about a third of the steps one
+        rank (the same on every process, drawn from the seed and the step) sleeps 2-6 ms
+        there, so that its peers' calls and messages come before its own; else nothing."""
+        rng = np.random.default_rng([self.seed, index, 0x1A7E])
+        if (not self.settings.late or len(self.comms) != 1 or rng.random() >= 0.3
+                or int(rng.integers(self.comms[0].world_size)) != self.comms[0].rank):
+            return lambda: None
+        return lambda: time.sleep(0.002 + 0.004 * rng.random())
 
     def _prepare(self, comms: List[Any], call: Call, key: List[int], registered: bool
                  ) -> Tuple[List[Optional[np.ndarray]], Dict[int, Tuple[Any, Any]], int]:
@@ -361,6 +379,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                              "groups, rings, splits, registered buffers, streams or scales")
     parser.add_argument("--no-grouped-collectives", action="store_true",
                         help="groups hold send/recv rings only, no collectives")
+    parser.add_argument("--no-late", action="store_true",
+                        help="no rank made late to the calls of some steps (under mpiexec)")
     parser.add_argument("--timeout", type=float, default=120.0)
     parser.add_argument("--dump-stacks-after", type=float, default=0.0,
                         help="print every thread's stack once after this many seconds "
@@ -380,7 +400,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         splits=flat and not args.no_splits and (mpi or args.backend == "host"),
                         rings=flat and not args.no_rings,
                         grouped_collectives=flat and not args.no_grouped_collectives,
-                        streams=flat and not args.no_streams, scales=flat and not args.no_scales)
+                        streams=flat and not args.no_streams, scales=flat and not args.no_scales,
+                        late=not args.no_late)
     if mpi:
         from mpi4py import MPI
         rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()

@@ -56,6 +56,9 @@ class Settings:
     scales: bool = True
     #: several collectives (and rings) inside one ``hoccl.group()``; off: groups hold rings
     grouped_collectives: bool = True
+    #: under mpiexec, a rank late to the calls of some steps (``Runner``), so that its
+    #: peers' calls and messages run ahead of its own; no effect on ranks of one process
+    late: bool = True
 
     def flags(self) -> List[str]:
         """The command-line flags that give these settings."""
@@ -69,7 +72,8 @@ class Settings:
                                         ("--no-streams", not self.streams),
                                         ("--no-scales", not self.scales),
                                         ("--no-grouped-collectives",
-                                         not self.grouped_collectives))
+                                         not self.grouped_collectives),
+                                        ("--no-late", not self.late))
                   if on]
         return flags
 
