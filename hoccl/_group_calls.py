@@ -9,7 +9,7 @@ import logging
 import threading
 from typing import Any, Callable, Dict, Iterator, List, Optional, Protocol, Sequence, Tuple
 
-from ._engine import Call, Matcher
+from ._engine import ABANDONED, Call, Matcher
 from ._errors import DivergedError, HocclError, InvalidArgumentError, MismatchError, fatal
 
 __all__ = ["group", "group_start", "group_end", "held_calls", "hand_over", "fatal", "Holder"]
@@ -87,8 +87,9 @@ def group() -> Iterator[None]:
 
     If the body raises, the calls it made are offered to their peers as abandoned: every
     participant's matching call is completed unrun (outputs not written, callers'
-    streams released; the peers get MismatchError naming the abandoned call), so the
-    ranks' sequences of calls stay aligned; then the body's error propagates.
+    streams released; the peers get MismatchError naming the abandoned call, unless they
+    abandoned it too), so the ranks' sequences of calls stay aligned; then the body's
+    error propagates.
     """
     group_start()
     try:
@@ -98,7 +99,7 @@ def group() -> Iterator[None]:
         if _GROUPS.depth == 0:
             held, _GROUPS.calls = _GROUPS.calls, []
             for _, call in held:
-                call.signature = _ABANDONED
+                call.signature = ABANDONED
             _GROUPS.depth, _GROUPS.calls = 1, held
             try:
                 group_end()
@@ -108,9 +109,6 @@ def group() -> Iterator[None]:
                 log.warning("group: handing over the abandoned calls failed: %s", error)
         raise
     group_end()
-
-
-_ABANDONED = (("abandoned", "the body of its hoccl.group() raised"),)
 
 
 def hand_over(batches: Sequence[Tuple[Holder, List[Call]]]) -> None:

@@ -243,7 +243,10 @@ def test_synchronize_inside_a_group_says_to_synchronize_after_it(init_local):
     assert message.startswith("synchronize: rank 0 has 1 call(s) held in the enclosing "
                               "hoccl.group() (all_reduce)"), message
     assert "synchronize after the group" in message and "init_local" not in message
-    # the group's calls were abandoned on every rank alike: the ranks still agree
+    # the group's calls were abandoned on every rank alike: none ran, the ranks still agree
+    for comm in comms:
+        comm.synchronize()
+        assert (x[comm.rank] == 1).all(), f"rank {comm.rank} ran an abandoned all_reduce"
     rng = np.random.default_rng()
     inputs = [random_array(rng, 9, "int64") for _ in comms]
     outputs = [poison(9, "int64") for _ in comms]

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import hoccl
-from hoccl.testing import assert_exact, check_collective, is_poison, poison
+from hoccl.testing import assert_exact, check_collective, expected, is_poison, poison
 
 from hostile import Guarded, check_disagreement, scenarios
 
@@ -89,6 +89,57 @@ def test_group_mixes_collectives_and_pairs_across_ranks(init_local):
     for rank in range(2):
         assert_exact(f"grouped all_gather: rank {rank}", np.concatenate(a), gathered[rank])
         assert_exact(f"grouped recv: rank {rank}", a[1 - rank], swapped[rank])
+
+
+@pytest.mark.parametrize("registered", [False, True])
+def test_a_group_every_rank_abandons_runs_on_no_rank(init_local, registered):
+    """One thread drives every rank's calls in one ``hoccl.group()`` (collectives and a
+    send/recv ring), and the body raises: the abandoned calls match each other, and no
+    rank runs them (outputs still poisoned, synchronize quiet); the next group is exact."""
+    comms = init_local(3, backend="host")
+    n, count = len(comms), 5
+
+    def buffers(rng):
+        sends, gathers, sums, rings = [], [], [], []
+        for comm in comms:
+            def new(values):
+                if not registered:
+                    return values
+                array = hoccl.empty(values.size, "float32", comm)
+                array[:] = values
+                return array
+            sends.append(new(rng.standard_normal(count).astype(np.float32)))
+            gathers.append(new(poison(n * count, "float32")))
+            sums.append(new(poison(count, "float32")))
+            rings.append(new(poison(count, "float32")))
+        return sends, gathers, sums, rings
+
+    def grouped(sends, gathers, sums, rings, fail):
+        with hoccl.group():
+            for comm in comms:
+                r = comm.rank
+                comm.all_gather(sends[r], gathers[r])
+                comm.all_reduce(sends[r], sums[r])
+                comm.send(sends[r], (r + 1) % n)
+                comm.recv(rings[r], (r - 1) % n)
+            if fail:
+                raise RuntimeError("body")
+
+    rng = np.random.default_rng()
+    sends, gathers, sums, rings = buffers(rng)
+    with pytest.raises(RuntimeError, match="body"):
+        grouped(sends, gathers, sums, rings, fail=True)
+    for comm in comms:
+        comm.synchronize()
+        for output in (gathers, sums, rings):
+            assert is_poison(output[comm.rank]).all(), f"rank {comm.rank} ran an abandoned call"
+    grouped(sends, gathers, sums, rings, fail=False)
+    for comm in comms:
+        comm.synchronize()
+        r = comm.rank
+        assert_exact(f"all_gather: rank {r}", np.concatenate(sends), gathers[r])
+        assert_exact(f"all_reduce: rank {r}", expected("all_reduce", sends)[r], sums[r])
+        assert_exact(f"ring: rank {r}", sends[(r - 1) % n], rings[r])
 
 
 def test_a_group_whose_body_raises_runs_none_of_its_calls(init_local):

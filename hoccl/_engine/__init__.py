@@ -50,7 +50,8 @@ repeat's record), ``issue`` (the issue stage), ``engine`` (submitting, replaying
 numbering, fencing, state, teardown).
 """
 
-from .calls import Call, CallEngine, Matcher, PeerBuffer, PreparedCall, ShapePlan, digest
+from .calls import (ABANDONED, Call, CallEngine, Matcher, PeerBuffer, PreparedCall, ShapePlan,
+                    digest)
 from .engine import Engine
 from .memory import DeviceShare
 from .prepared import PREPARED_CALLS, CallCache
@@ -58,4 +59,4 @@ from .signals import ABORT_VALUE, SignalPad
 
 __all__ = ["ABORT_VALUE", "SignalPad", "Call", "PreparedCall", "ShapePlan", "CallCache",
            "PREPARED_CALLS", "Engine", "CallEngine", "Matcher", "PeerBuffer", "DeviceShare",
-           "digest"]
+           "digest", "ABANDONED"]

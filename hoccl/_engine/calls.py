@@ -16,7 +16,12 @@ from ..sched import Shape
 from ..sched.plan import Plan
 
 __all__ = ["PeerBuffer", "Peers", "ShapePlan", "PreparedCall", "Call", "CallEngine", "Matcher",
-           "SYMMETRIC", "digest", "callers_of", "stream_key"]
+           "SYMMETRIC", "ABANDONED", "digest", "callers_of", "stream_key"]
+
+#: the signature of a call whose ``hoccl.group()`` body raised (``hoccl._group_calls``):
+#: it matches no call a rank made, so a peer that made the call raises MismatchError; where
+#: every participant abandoned it, it matches, and no rank runs it (``Engine.issue``)
+ABANDONED = (("abandoned", "the body of its hoccl.group() raised"),)
 
 
 class PeerBuffer(NamedTuple):

@@ -13,7 +13,7 @@ from .._errors import InvalidArgumentError, MismatchError
 from ..p2p import Executor
 from ..sched.plan import Plan
 from ..streams import StreamManager
-from .calls import Call, callers_of, stream_key
+from .calls import ABANDONED, Call, callers_of, stream_key
 from .inflight import InFlight
 from .order import Order
 from .prepared import Preparer
@@ -66,6 +66,10 @@ class Issuing:
         synchronize the context, which must never happen while a caller's stream waits
         for a call not yet issued."""
         first = calls[0]
+        if all(call.signature == ABANDONED for call in calls):
+            for call in calls:  # every participant's group body raised: none runs it
+                self.release(call)
+            return
         if first.captured and not all(call.captured for call in calls):
             raise InvalidArgumentError(f"{first.name}: calls captured into a CUDA graph "
                                        f"and calls made eagerly cannot be issued together")

@@ -1,6 +1,6 @@
 """Bad and unusual arguments under mpiexec (any rank count):
 ``python run_arguments.py``.  ``synchronize()`` inside a group names the group, not
-init_local; numpy and torch integer roots are ranks; a bad stream names the public call.
+init_local, and the group's call, abandoned on every rank, runs on none; numpy and torch integer roots are ranks; a bad stream names the public call.
 Every rank checks its outputs against numpy and prints ``rank R: arguments: N passed, M
 failed``."""
 
@@ -48,6 +48,15 @@ def main():
             passed += 1
         else:
             failures.append(f"synchronize inside a group: {message}")
+    # every rank abandoned the group's all_reduce: it ran on none, and synchronize is quiet
+    try:
+        comm.synchronize()
+        if np.array_equal(x, np.ones(4, np.float32)):
+            passed += 1
+        else:
+            failures.append(f"the all_reduce every rank abandoned ran: {x}")
+    except hoccl.HocclError as error:
+        failures.append(f"synchronize after a group every rank abandoned: {error!r}")
     record(checked_all_reduce("after the abandoned group"))
     roots = [np.int64(n - 1), np.int32(0)]
     try:

@@ -9,7 +9,8 @@ what keeps that safe, on every rank, against numpy:
   its window) makes every rank raise DivergedError and abort, and nothing outside the
   registered windows changes (guard bytes on both sides of each window are checked);
 * registration mistakes (an overlapping or empty array on one rank) raise on every rank;
-* deregistered memory is no longer used without an exchange, and registering again works.
+* deregistered memory is no longer used without an exchange, and registering again works;
+* a registered call in a ``hoccl.group()`` that every rank abandons runs on none.
 
 Rank 0 prints ``N passed, M failed``; the exit status is non-zero when a check failed.
 """
@@ -209,6 +210,45 @@ def check_deregistered(comm, seed):
     assert comm._engine.issued_fast == before, "a deregistered buffer went without an exchange"
 
 
+def check_abandoned_everywhere(comm, seed):
+    """Every rank's ``hoccl.group()`` body raises after a registered all_gather (a repeat:
+    issued without asking): no rank runs it, synchronize is quiet, the window keeps its
+    poison; the same call afterwards is exact."""
+    n, r = comm.world_size, comm.rank
+    count = 32
+    slab = Slab(comm, n * count)
+    data = [random_array(np.random.default_rng(seed + rank), count, "float32")
+            for rank in range(n)]
+
+    def load():
+        fill(slab.arrays, slab.view(0, n * count), poison(n * count, "float32"), comm.device)
+        fill(slab.arrays, slab.view(r * count, count), data[r], comm.device)
+
+    def gather():
+        comm.all_gather(slab.view(r * count, count), slab.view(0, n * count))
+
+    load()
+    gather()  # the first call of the prepared call: its description goes to the peers
+    comm.synchronize()
+    load()
+    try:
+        with hoccl.group():
+            gather()
+            raise RuntimeError("body")
+    except RuntimeError:
+        pass
+    comm.synchronize()
+    got = slab.arrays.to_numpy(slab.window, "float32")
+    mine = np.concatenate([poison(r * count, "float32"), data[r],
+                           poison((n - r - 1) * count, "float32")])
+    assert_exact("after a group every rank abandoned", mine, got)
+    gather()
+    comm.synchronize()
+    assert_exact("all_gather after the abandoned group", np.concatenate(data),
+                 slab.arrays.to_numpy(slab.window, "float32"))
+    comm.deregister(slab.window)
+
+
 def check_rank_ahead(comm, seed, calls=12):
     """Rank 0 makes each call late: its peers make all of them and ``synchronize``,
     sending their digests, which come before rank 0 has made the calls they cover.  Its
@@ -259,6 +299,7 @@ def main():
     run("registration errors raise on every rank", lambda: check_registration_errors(comm))
     run("deregistered memory", lambda: check_deregistered(comm, 2))
     run("rank 0 late to every call", lambda: check_rank_ahead(comm, 3))
+    run("a group every rank abandons", lambda: check_abandoned_everywhere(comm, 4))
     comm.close()
     for how in ("count", "offset", "beyond", "unregistered"):
         run(f"diverging registered call ({how})",
