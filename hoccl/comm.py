@@ -313,10 +313,17 @@ class Communicator(CommunicatorApi):
 
     def close(self) -> None:
         """Wait for outstanding work (aborting it after ``timeout``), then release streams,
-        events, pads, mappings, peer access and the device.  Idempotent."""
+        events, pads, mappings, peer access and the device.  Idempotent.  Not while the
+        enclosing ``hoccl.group()`` holds calls of this communicator."""
         engine = self._engine
         if engine.closed:
             return
+        grouped = [call for owner, call in held_calls() or () if owner is self]
+        if grouped:
+            raise InvalidArgumentError(
+                f"close: rank {self.rank} has {len(grouped)} call(s) held in the enclosing "
+                f"hoccl.group() ({', '.join(call.name for call in grouped)}), handed to the "
+                f"peers at the group's end; close after the group")
         held = engine.held()
         if held and not engine.aborted:
             # init_local: calls the other ranks never made can never run; complete them

@@ -9,7 +9,7 @@ import pytest
 
 import hoccl
 from hoccl import InvalidArgumentError
-from hoccl.testing import assert_exact, expected, poison, random_array
+from hoccl.testing import assert_exact, check_collective, expected, poison, random_array
 
 ROOTED = ("broadcast", "reduce", "gather", "scatter")
 
@@ -257,6 +257,25 @@ def test_synchronize_inside_a_group_says_to_synchronize_after_it(init_local):
         comm.synchronize()
         assert_exact(f"rank {comm.rank}", expected("all_reduce", inputs)[comm.rank],
                      outputs[comm.rank])
+
+
+def test_close_inside_a_group_holding_its_calls_raises_and_closes_nothing(init_local):
+    """``close`` cannot hand over calls the group still holds: it raises naming them, the
+    group is abandoned on every rank alike (none runs), and the communicators go on."""
+    comms = init_local(2)
+    x = [np.ones(4, np.float32) for _ in comms]
+    with pytest.raises(InvalidArgumentError) as raised:
+        with hoccl.group():
+            for comm in comms:
+                comm.all_reduce(x[comm.rank], x[comm.rank])
+            comms[0].close()
+    message = str(raised.value)
+    assert message.startswith("close: rank 0 has 1 call(s) held in the enclosing "
+                              "hoccl.group() (all_reduce)") and "close after the group" in message
+    for comm in comms:
+        comm.synchronize()
+        assert not comm.closed and (x[comm.rank] == 1).all(), f"rank {comm.rank}"
+    check_collective(comms, "all_reduce", count=7, dtype="int32", seed=5)
 
 
 # -- init_local and split_local -----------------------------------------------------------
