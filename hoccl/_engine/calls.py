@@ -207,9 +207,20 @@ def callers_of(calls: Sequence[Call]) -> List[Any]:
     return list(callers.values())
 
 
+#: per stream type: whether its streams convert to an int (their handle)
+_BY_HANDLE: Dict[type, bool] = {}
+
+
 def stream_key(stream: Any) -> Any:
-    """Streams compare by handle (CUDA handles are ints); host streams by identity."""
-    try:
-        return int(stream)
-    except (TypeError, ValueError):
-        return id(stream)
+    """Streams compare by handle (CUDA handles are ints); host streams by identity.  Asked
+    once per type (a failed ``int()`` costs a raised exception on every call)."""
+    kind = type(stream)
+    by_handle = _BY_HANDLE.get(kind)
+    if by_handle is None:
+        try:
+            int(stream)
+            by_handle = True
+        except (TypeError, ValueError):
+            by_handle = False
+        _BY_HANDLE[kind] = by_handle
+    return int(stream) if by_handle else id(stream)
