@@ -99,7 +99,8 @@ def group() -> Iterator[None]:
         if _GROUPS.depth == 0:
             held, _GROUPS.calls = _GROUPS.calls, []
             for _, call in held:
-                call.signature = ABANDONED
+                # matched by message, never issued without asking: a peer must see it
+                call.signature, call.fast = ABANDONED, None
             _GROUPS.depth, _GROUPS.calls = 1, held
             try:
                 group_end()

@@ -1,6 +1,7 @@
 """Bad and unusual arguments across processes (tests/mpi/run_arguments.py under mpiexec):
 ``synchronize()`` inside a group gives the group's advice (and its call, abandoned on every
-rank, runs on none), integer scalars are roots, a bad stream names the public call."""
+rank, runs on none; a repeated call one rank abandons raises MismatchError on the others),
+integer scalars are roots, a bad stream names the public call."""
 
 import os
 import subprocess
@@ -22,4 +23,4 @@ def test_arguments_under_mpiexec_get_the_errors_and_results_of_one_process():
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-4000:]
     for rank in range(2):
-        assert f"rank {rank}: arguments: 8 passed, 0 failed" in output, output[-4000:]
+        assert f"rank {rank}: arguments: 10 passed, 0 failed" in output, output[-4000:]

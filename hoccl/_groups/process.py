@@ -404,8 +404,11 @@ class ProcessGroup(Unasked):
 
 def _description(call: "Call") -> bytes:
     """``(call.signature, call.shared)`` pickled.  A repeated call (the same prepared
-    call and the same descriptors) sends the bytes of the previous one."""
+    call and the same descriptors) sends the bytes of the previous one; an abandoned
+    call, whose signature is not its prepared call's, its own."""
     prepared = call.prepared
+    if call.signature is not prepared.signature:  # abandoned (``_group_calls.group``)
+        return pickle.dumps((call.signature, call.shared), protocol=pickle.HIGHEST_PROTOCOL)
     known = prepared.description
     if known is None or known[0] != call.shared:
         known = prepared.description = (call.shared, pickle.dumps(

@@ -1,6 +1,7 @@
 """Bad and unusual arguments under mpiexec (any rank count):
 ``python run_arguments.py``.  ``synchronize()`` inside a group names the group, not
-init_local, and the group's call, abandoned on every rank, runs on none; numpy and torch integer roots are ranks; a bad stream names the public call.
+init_local, and the group's call, abandoned on every rank, runs on none; a repeated call
+rank 0 abandons raises MismatchError on the others; numpy and torch integer roots are ranks; a bad stream names the public call.
 Every rank checks its outputs against numpy and prints ``rank R: arguments: N passed, M
 failed``."""
 
@@ -58,6 +59,33 @@ def main():
     except hoccl.HocclError as error:
         failures.append(f"synchronize after a group every rank abandoned: {error!r}")
     record(checked_all_reduce("after the abandoned group"))
+    # rank 0 abandons a repeated call (its description was sent before) that the others
+    # make: they raise MismatchError naming it, at once, and the communicator goes on
+    data = np.full(4, rank + 1, np.float32)
+    gathered = poison(4 * n, "float32")
+    comm.all_gather(data, gathered)
+    comm.synchronize()
+    try:
+        if rank == 0:
+            try:
+                with hoccl.group():
+                    comm.all_gather(data, gathered)
+                    raise RuntimeError("body")
+            except RuntimeError:
+                pass
+        else:
+            comm.all_gather(data, gathered)
+        comm.synchronize()
+        if rank == 0:
+            passed += 1
+        else:
+            failures.append("a repeated call rank 0 abandoned: no error")
+    except hoccl.MismatchError as error:
+        if rank != 0 and "abandoned" in str(error):
+            passed += 1
+        else:
+            failures.append(f"a repeated call rank 0 abandoned: {error!r}")
+    record(checked_all_reduce("after a call rank 0 abandoned"))
     roots = [np.int64(n - 1), np.int32(0)]
     try:
         import torch

@@ -10,7 +10,8 @@ what keeps that safe, on every rank, against numpy:
   registered windows changes (guard bytes on both sides of each window are checked);
 * registration mistakes (an overlapping or empty array on one rank) raise on every rank;
 * deregistered memory is no longer used without an exchange, and registering again works;
-* a registered call in a ``hoccl.group()`` that every rank abandons runs on none.
+* a registered call in a ``hoccl.group()`` that every rank abandons runs on none; one
+  that one rank abandons makes the others raise DivergedError at once.
 
 Rank 0 prints ``N passed, M failed``; the exit status is non-zero when a check failed.
 """
@@ -165,6 +166,50 @@ def diverging(world, backend, seed, how):
     return ", ".join(kind for kind, _, _ in kinds)
 
 
+def abandoned_by_one(world, backend):
+    """The last rank abandons a repeated registered call (its ``hoccl.group()`` body
+    raises) that the others made and issued without asking: they raise DivergedError
+    naming the abandoned call well within the timeout (not HocclTimeoutError after it),
+    and every communicator is aborted."""
+    comm = hoccl.init(backend=backend, timeout=30)
+    n, r = comm.world_size, comm.rank
+    count = 64
+    slab = Slab(comm, n * count)
+    send, recv = slab.view(r * count, count), slab.view(0, n * count)
+    comm.all_gather(send, recv)  # the first call: described to the peers
+    comm.synchronize()
+    world.Barrier()
+    started = time.monotonic()
+    raised = None
+    try:
+        if r == n - 1:
+            try:
+                with hoccl.group():
+                    comm.all_gather(send, recv)
+                    raise RuntimeError("body")
+            except RuntimeError:
+                pass
+        else:
+            comm.all_gather(send, recv)
+        comm.synchronize()
+    except hoccl.HocclError as error:
+        raised = error
+    took = time.monotonic() - started
+    aborted = comm.aborted
+    comm.close()
+    kinds = world.allgather((type(raised).__name__ if raised else "nothing", aborted,
+                             str(raised)[:300], took))
+    for rank, (kind, rank_aborted, message, seconds) in enumerate(kinds):
+        assert rank_aborted, f"rank {rank} was not aborted: {kinds}"
+        assert seconds < 10, f"rank {rank} took {seconds:.1f} s: {kinds}"
+        if rank != n - 1:
+            assert kind in ("DivergedError", "AbortedError"), kinds
+    assert any(kind == "DivergedError" and "abandoned" in message
+               for kind, _, message, _ in kinds[:-1]), f"no rank named the abandoned call: {kinds}"
+    slab.guards_intact("abandoned by one")
+    return ", ".join(kind for kind, _, _, _ in kinds)
+
+
 def check_registration_errors(comm):
     """An empty array or an overlapping one on one rank raises InvalidArgumentError on
     every rank; the communicator stays usable and registers again."""
@@ -304,6 +349,8 @@ def main():
     for how in ("count", "offset", "beyond", "unregistered"):
         run(f"diverging registered call ({how})",
             lambda how=how: diverging(world, args.backend, 10, how))
+    run("a repeated registered call one rank abandons",
+        lambda: abandoned_by_one(world, args.backend))
     failed = results.count(False)
     if world.rank == 0:
         print(f"registered ranks={world.size}: {len(results) - failed} passed, {failed} failed",
