@@ -99,8 +99,9 @@ def group() -> Iterator[None]:
         if _GROUPS.depth == 0:
             held, _GROUPS.calls = _GROUPS.calls, []
             for _, call in held:
-                # matched by message, never issued without asking: a peer must see it
-                call.signature, call.fast = ABANDONED, None
+                call.signature = ABANDONED
+                if isinstance(call, Call):  # matched by message, never issued without
+                    call.fast = None        # asking: a peer must see it abandoned
             _GROUPS.depth, _GROUPS.calls = 1, held
             try:
                 group_end()

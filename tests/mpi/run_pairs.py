@@ -171,6 +171,8 @@ def unmatched(comm, world, how, timeout):
                                                           np.zeros(3, np.float32),
                                                           np.zeros(3, np.float32)),
              "only send and recv inside hoccl.group()"),
+            ("a bad send after one held in a group", lambda: _in_group_after_a_send(
+                comm, last), "peer"),
             ("a stream on the host backend", lambda: comm.send(np.zeros(3, np.float32), last,
                                                                stream=1), "stream=None")):
         start = time.monotonic()
@@ -215,6 +217,14 @@ def unmatched(comm, world, how, timeout):
 def _in_group(call, *args):
     with hoccl.group():
         call(*args)
+
+
+def _in_group_after_a_send(comm, peer):
+    """A send held in a group, then a send to this rank itself: the body raises the
+    second's error (the held send is abandoned, not run)."""
+    with hoccl.group():
+        comm.send(np.zeros(3, np.float32), peer)
+        comm.send(np.zeros(3, np.float32), comm.rank)
 
 
 def main():
