@@ -243,6 +243,11 @@ def in_place(call: str, rank_: int, send: Buffer, recv: Buffer, own_block: Buffe
     if inner.nbytes and inner.address == own_block.address:
         return True
     if _overlap(send, recv):
+        if send.nbytes == recv.nbytes:
+            raise InvalidArgumentError(
+                f"{call}: sendbuf and recvbuf overlap but are not the same buffer (starting "
+                f"{recv.address - send.address:+d} bytes apart); in place, pass one buffer "
+                f"as both")
         raise InvalidArgumentError(
             f"{call}: sendbuf and recvbuf overlap but not as the in-place form (the smaller "
             f"buffer must be exactly rank {rank_}'s block of the larger one)")

@@ -176,6 +176,9 @@ def test_bad_input_is_rejected_by_name_before_anything_is_enqueued(init_local):
                                                                    np.ones(2, complex)))
     assert "peer" in everywhere(lambda comm: comm.send(send, comm.rank))
     assert "overlap" in everywhere(lambda comm: comm.all_gather(recv[1:5], recv))
+    shifted = everywhere(lambda comm: comm.all_reduce(recv[:7], recv[1:8]))
+    assert shifted.startswith("all_reduce: sendbuf and recvbuf overlap but are not the same "
+                              "buffer (starting +4 bytes apart)"), shifted
     assert "must be a numpy" in everywhere(lambda comm: comm.all_gather([1, 2], recv))
     assert [comm._engine.calls for comm in comms] == ops_before
     # the communicator still works afterwards
