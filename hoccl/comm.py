@@ -318,12 +318,7 @@ class Communicator(CommunicatorApi):
         engine = self._engine
         if engine.closed:
             return
-        grouped = [call for owner, call in held_calls() or () if owner is self]
-        if grouped:
-            raise InvalidArgumentError(
-                f"close: rank {self.rank} has {len(grouped)} call(s) held in the enclosing "
-                f"hoccl.group() ({', '.join(call.name for call in grouped)}), handed to the "
-                f"peers at the group's end; close after the group")
+        _refuse_in_group(self, "close")
         held = engine.held()
         if held and not engine.aborted:
             # init_local: calls the other ranks never made can never run; complete them
@@ -478,16 +473,22 @@ def _refuse(comm: Communicator, name: str, peer: Any, error: InvalidArgumentErro
                     comm.rank, name, failure)
 
 
-def _refuse_held_calls(comm: Communicator) -> None:
-    """``synchronize`` cannot wait for calls that are not issued yet: calls held in the
-    enclosing ``hoccl.group()`` (handed to the peers at its end), or, with init_local,
-    calls waiting for other ranks to make theirs."""
+def _refuse_in_group(comm: Communicator, name: str) -> None:
+    """``name`` (synchronize, close) cannot be made while the enclosing ``hoccl.group()``
+    holds calls of ``comm``: they are handed to the peers only at the group's end."""
     grouped = [call for owner, call in held_calls() or () if owner is comm]
     if grouped:
         raise InvalidArgumentError(
-            f"synchronize: rank {comm.rank} has {len(grouped)} call(s) held in the enclosing "
+            f"{name}: rank {comm.rank} has {len(grouped)} call(s) held in the enclosing "
             f"hoccl.group() ({', '.join(call.name for call in grouped)}), handed to the peers "
-            f"at the group's end; synchronize after the group")
+            f"at the group's end; {name} after the group")
+
+
+def _refuse_held_calls(comm: Communicator) -> None:
+    """``synchronize`` cannot wait for calls that are not issued yet: calls held in the
+    enclosing ``hoccl.group()`` (``_refuse_in_group``), or, with init_local, calls
+    waiting for other ranks to make theirs."""
+    _refuse_in_group(comm, "synchronize")
     held = comm._engine.held()
     if held:
         call = held[0]
