@@ -1,7 +1,8 @@
 """Bad and unusual arguments under mpiexec (any rank count):
 ``python run_arguments.py``.  ``synchronize()`` inside a group names the group, not
 init_local, and the group's call, abandoned on every rank, runs on none; a repeated call
-rank 0 abandons raises MismatchError on the others; numpy and torch integer roots are ranks; a bad stream names the public call.
+rank 0 abandons raises MismatchError on the others; numpy and torch integer roots are
+ranks; a bad stream names the public call.
 Every rank checks its outputs against numpy and prints ``rank R: arguments: N passed, M
 failed``."""
 

@@ -166,6 +166,16 @@ def diverging(world, backend, seed, how):
     return ", ".join(kind for kind, _, _ in kinds)
 
 
+def abandon(call):
+    """Make ``call`` inside a ``hoccl.group()`` whose body then raises (and is caught)."""
+    try:
+        with hoccl.group():
+            call()
+            raise RuntimeError("body")
+    except RuntimeError:
+        pass
+
+
 def abandoned_by_one(world, backend):
     """The last rank abandons a repeated registered call (its ``hoccl.group()`` body
     raises) that the others made and issued without asking: they raise DivergedError
@@ -183,12 +193,7 @@ def abandoned_by_one(world, backend):
     raised = None
     try:
         if r == n - 1:
-            try:
-                with hoccl.group():
-                    comm.all_gather(send, recv)
-                    raise RuntimeError("body")
-            except RuntimeError:
-                pass
+            abandon(lambda: comm.all_gather(send, recv))
         else:
             comm.all_gather(send, recv)
         comm.synchronize()
@@ -276,12 +281,7 @@ def check_abandoned_everywhere(comm, seed):
     gather()  # the first call of the prepared call: its description goes to the peers
     comm.synchronize()
     load()
-    try:
-        with hoccl.group():
-            gather()
-            raise RuntimeError("body")
-    except RuntimeError:
-        pass
+    abandon(gather)
     comm.synchronize()
     got = slab.arrays.to_numpy(slab.window, "float32")
     mine = np.concatenate([poison(r * count, "float32"), data[r],
