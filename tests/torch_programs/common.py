@@ -41,7 +41,8 @@ def add_placement(parser) -> None:
     """The options that place each rank of a job whose hosts differ."""
     parser.add_argument("--devices", default="",
                         help="each rank's device, comma-separated (cpu or cuda): a job whose "
-                             "hosts differ; overrides --device")
+                             "hosts differ; overrides --device (a cpu rank's engine inside "
+                             "its host is hoccl's host backend unless --intra-host says)")
     parser.add_argument("--intra-host", default="",
                         help="each rank's engine inside its host (HOCCL_INTRA_HOST: host, "
                              "cuda or torch), comma-separated")
@@ -65,6 +66,10 @@ def place(args, rank: int, world_size: int) -> bool:
         kind = mine(args.devices)
         use_device(torch.device("cuda", rank % torch.cuda.device_count()) if kind == "cuda"
                    else torch.device("cpu"))
+        if kind == "cpu" and not args.intra_host:
+            # a CPU host as the guide launches one (HOCCL_INTRA_HOST=host): on a machine
+            # whose GPUs it does not use, hoccl would otherwise take them
+            os.environ["HOCCL_INTRA_HOST"] = "host"
     return bool(args.devices or args.intra_host or args.local_size)
 
 
