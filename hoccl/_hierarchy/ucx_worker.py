@@ -83,11 +83,8 @@ class _Worker:
         self.address: bytes = self.worker.address.tobytes()
         #: the context has CUDA transports (it can take CUDA memory)
         self.cuda = bool(getattr(self.context, "cuda_support", False))
-        #: only endpoints in UCX's peer-failure mode: where UCX_TLS chose (cma may be on), and
-        #: where the context has CUDA transports and hoccl's own (HOCCL_UCX_TLS) were not
-        #: narrowed: on one GPU machine a GPU rank and a CPU rank over shared memory without
-        #: the mode never finished their first message (results/h100/2026-12-06b)
-        self.failure_mode_only = self.cma or (self.cuda and not environ("HOCCL_UCX_TLS"))
+        #: only endpoints in UCX's peer-failure mode: where UCX_TLS chose (cma may be on)
+        self.failure_mode_only = self.cma
         self.users = 0
         #: the next channel this process would give a communicator (agreed at connect)
         self.next_channel = 1
