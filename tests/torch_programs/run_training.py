@@ -126,7 +126,10 @@ def fsdp(group, hooks=None, bf16=False, prefetch=False, divide=None, scale=1.0,
     model = make_model()
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None,
                                   reduce_dtype=torch.float32)
-    mesh = DeviceMesh.from_group(group, DEVICE.type)
+    # named after the group: torch's meshes compare equal by ranks, device type and names,
+    # not by group, and DTensor's caches would hand one group's mesh to the other's calls
+    mesh = DeviceMesh.from_group(group, DEVICE.type,
+                                 mesh_dim_names=(f"shard-{group.group_name}",))
     for layer in model:
         if isinstance(layer, nn.Linear):
             fully_shard(layer, mesh=mesh, mp_policy=policy)
