@@ -398,7 +398,7 @@ class UcxStagedEngine(BatchingStagedEngine):
     ``cuda_ipc`` and GPUDirect RDMA transports move them) instead of staging them through
     pinned host memory: each step first waits on the host for the caller's stream, and is
     done when UCX's requests are; its messages are a staged peer's (the same chunks).
-    Written for GPUs and not yet run on one: off by default."""
+    Run on a GPU by one benchmark only (``docs/across-hosts.md``): off by default."""
 
     name = "ucx"
     transport: UcxTransport
