@@ -41,6 +41,9 @@ def main() -> None:
     recv = np.full(args.count, np.nan, np.float32)
     comm.all_reduce(send, recv, "sum")
     comm.synchronize()
+    # how the peer is reached: watched (shared memory) or in UCX's peer-failure mode
+    watched = len(comm._levels["rail"].transport._watched)
+    print(f"rank {rank}: peers watched: {watched}", flush=True)
     want = sum(np.random.default_rng(r).integers(-9, 9, args.count).astype(np.float32)
                for r in range(world))
     problems = [] if np.array_equal(recv, want) else ["the first all_reduce was not exact"]
