@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 from typing import Any, List, Optional, Protocol
 
 __all__ = ["Bootstrap", "MPIBootstrap", "end_of_job"]
@@ -82,6 +83,8 @@ class MPIBootstrap:
 
 #: the peers' processes that process groups over MPI found gone without closing
 _LOST_MPI_PEERS: List[str] = []
+#: seconds ``end_of_job`` leaves the launcher to forward its message before MPI_Abort
+_FORWARD_SECONDS = 0.2
 
 
 def end_of_job() -> None:
@@ -101,4 +104,7 @@ def end_of_job() -> None:
             stream.flush()
         except (OSError, ValueError):
             pass
+    # the launcher forwards output from a pipe it reads on its own time, and MPI_Abort
+    # tears the job down at once: without a pause the message was lost in 1 run of 24
+    time.sleep(_FORWARD_SECONDS)
     MPI.COMM_WORLD.Abort(1)
