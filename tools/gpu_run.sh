@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The device machine's session: GPU tests (one process, and mpirun -np 2), then the
-# benchmarks against NCCL.  Usage: bash tools/gpu_run.sh [tests|profile|bench|overlap|compare|torch|fsdp|hier|hierdiag|final|registered|onegpu|validate|dryrun|quickreg|figures-a|figures-b|figures-c|figures-d|figures-direct|figures-wide|direct|caller|placement|fused|levers|tp|groups|hostcost|profile1|hostucx|core|mini|replay|shrink|ucx|ucxfix|ucxtorch|verify|all] [pytest args]
+# benchmarks against NCCL.  Usage: bash tools/gpu_run.sh [tests|profile|bench|overlap|compare|torch|fsdp|hier|hierdiag|final|registered|onegpu|validate|dryrun|quickreg|figures-a|figures-b|figures-c|figures-d|figures-direct|figures-wide|direct|caller|placement|fused|levers|tp|groups|hostcost|profile1|hostucx|core|ucxphases|mini|replay|shrink|ucx|ucxfix|ucxtorch|verify|all] [pytest args]
 # groups: grouped calls (tests/mpi/run_groups.py) and the fuzzer's short run on the cuda
 # backend, 3 ranks sharing the GPU under mpirun (correctness only: no speed there).
 # hostcost: python -m hoccl.bench.host_cost, world 1 beside torch+NCCL, then 2 ranks.
@@ -414,6 +414,23 @@ if [ "$what" = ucx ]; then
       -x MASTER_PORT python3 tests/torch_programs/run_training.py --devices cuda,cuda,cpu,cpu \
       --local-size 2 --inter-host ucx
   fi
+fi
+if [ "$what" = ucxphases ]; then
+  # the mixed job (two GPU ranks, two CPU ranks as two hosts) over UCX: torch's DDP and
+  # FSDP2 against gloo, then the bench with UCX's phases studied (UCX first, the staged
+  # engine over MPI beside it) in each of PHASE_VARIANTS: NAME:CHUNK:STAGE:DEVICE_MEMORY,
+  # the chunk of pipelined phases, the staged engine's chunk, UCX handed GPU memory (1)
+  [ -n "${PHASE_TRAINING-1}" ] && step torch-training-ucx 200 mpirun -np 4 -x PYTHONPATH \
+    -x NCCL_NVLS_ENABLE -x MASTER_ADDR -x MASTER_PORT python3 tests/torch_programs/run_training.py \
+    --devices cuda,cuda,cpu,cpu --local-size 2 --inter-host ucx
+  for variant in ${PHASE_VARIANTS:-chunk64:64M:16M:0 chunk16:16M:16M:0 stage4:16M:4M:0 gpumem:16M:16M:1}; do
+    IFS=: read -r name chunk stage memory <<< "$variant"
+    step "mixed-$name" 150 mpirun -np 4 -x PYTHONPATH -x NCCL_NVLS_ENABLE -x OMP_NUM_THREADS=4 \
+      -x HOCCL_UCX_DEVICE_MEMORY=$memory -x HOCCL_STAGE_BYTES=$stage python3 -m hoccl.bench.mixed \
+      --devices cuda,cuda,cpu,cpu --local-size 2 --inter-host ucx,mpi \
+      --libraries ${PHASE_LIBRARIES:-hoccl,gloo} --sizes ${UCX_SIZES:-64M,256M} \
+      --phase-bytes 64M --phase-chunk "$chunk" --iters 3 --out "$OUT/mixed_$name"
+  done
 fi
 if [ "$what" = ucxfix ]; then
   # UCX between a GPU rank and a CPU rank of this machine: which transports move bytes
