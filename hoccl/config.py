@@ -216,7 +216,7 @@ ENVIRONMENT: Dict[str, str] = {
     "HOCCL_CROSS_MEMORY": "0: the staged engine between members on one machine moves "
                           "bytes through MPI, not by cross-memory reads",
     "HOCCL_UCX_DEVICE_MEMORY": "1: inter_host='ucx' hands CUDA arrays to UCX as they are, "
-                               "not staged through pinned host memory (not yet run on GPUs)",
+                               "not staged through pinned host memory",
     "HOCCL_SINGLE_MEMOPS": "the cuda backend: the most stream memory operations one step "
                            "issues as single driver calls, more going as one batch of kept "
                            "parameters (default 8; 1: two or more are one batch)",
@@ -226,6 +226,10 @@ ENVIRONMENT: Dict[str, str] = {
     "HOCCL_UCX_PEER_FAILURE": "all: inter_host='ucx' puts every endpoint in UCX's "
                               "peer-failure mode, also to peers on the same machine (which "
                               "then talk over TCP, not shared memory)",
+    "HOCCL_UCX_PROGRESS": "inter_host='ucx': who progresses UCX's worker: 'caller' "
+                          "(hoccl's waits; the default), 'thread' (a thread of UCX's own, "
+                          "woken by the transports' events) or 'polling' (that thread "
+                          "spinning)",
 }
 
 

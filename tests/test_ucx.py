@@ -215,11 +215,19 @@ def _stand_in_contexts(monkeypatch, cuda=(False,)):
     class Context:
         def __init__(self, config_dict, feature_flags):
             made.append(config_dict)
+            self.features = feature_flags
             self.cuda_support = cuda[0]
 
     class Worker:
         def __init__(self, context):
             self.address = np.zeros(1, np.uint8)
+            self.context, self.progress_thread = context, None
+
+        def start_progress_thread(self, polling_mode, epoll_timeout):
+            self.progress_thread = (polling_mode, epoll_timeout)
+
+        def stop_progress_thread(self):
+            self.progress_thread = None
 
     api = type("api", (), {"UCXContext": Context, "UCXWorker": Worker,
                            "Feature": ucx_worker._api()[0].Feature})
@@ -259,6 +267,35 @@ def test_a_context_with_cuda_transports_still_reaches_peers_on_the_machine_by_sh
     assert ucx._watchable(me, me, worker.failure_mode_only)
 
 
+def test_ucx_progress_is_a_thread_of_its_own_unless_the_caller_is_asked(monkeypatch):
+    """By default hoccl's waits progress the worker; ``thread``: UCX's own thread does,
+    woken by the transports' events (the context asks for them) and at least every
+    millisecond; ``polling`` spins it; another value is refused, naming the variable."""
+    pytest.importorskip("ucxx")
+    from hoccl._hierarchy import ucx_worker
+    from hoccl._errors import InvalidArgumentError
+    _stand_in_contexts(monkeypatch)
+    feature = ucx_worker._api()[0].Feature
+    monkeypatch.delenv("HOCCL_UCX_PROGRESS", raising=False)
+    worker = ucx_worker._Worker()
+    assert not worker.threaded and worker.worker.progress_thread is None
+    assert feature.WAKEUP not in worker.context.features
+    monkeypatch.setenv("HOCCL_UCX_PROGRESS", "thread")
+    worker = ucx_worker._Worker()
+    assert worker.threaded and worker.worker.progress_thread == (False, 1)
+    assert feature.WAKEUP in worker.context.features
+    worker._stop()
+    assert not worker.threaded and worker.worker.progress_thread is None
+    monkeypatch.setenv("HOCCL_UCX_PROGRESS", "polling")
+    worker = ucx_worker._Worker()
+    assert worker.worker.progress_thread == (True, 1)
+    assert feature.WAKEUP not in worker.context.features
+    monkeypatch.setenv("HOCCL_UCX_PROGRESS", "sometimes")
+    with pytest.raises(InvalidArgumentError, match="HOCCL_UCX_PROGRESS: expected caller, "
+                                                   "thread or polling; got 'sometimes'"):
+        ucx_worker._Worker()
+
+
 #: the staged engine's chunk in the all_reduce checks: float32 chunks of 512 elements
 _STAGE_BYTES = 4096
 _COUNTS = (1, 7, 511, 513, 5003, 40_001)
@@ -282,15 +319,20 @@ def _member_input(case, member, dtype, count):
     return values if dtype == "float32" else values.astype(numpy_dtype("bfloat16"))
 
 
-@pytest.mark.parametrize("peer", ["folds as exchanged", "gathers then folds", "device memory"])
-def test_two_hosts_all_reduce_over_ucx_folds_each_chunk_exact(peer):
+@pytest.mark.parametrize("peer,progress", [("folds as exchanged", "thread"),
+                                           ("folds as exchanged", "caller"),
+                                           ("gathers then folds", "thread"),
+                                           ("gathers then folds", "polling"),
+                                           ("device memory", "thread")])
+def test_two_hosts_all_reduce_over_ucx_folds_each_chunk_exact(peer, progress):
     """The rail engine's all_reduce between two simulated hosts in host memory, many chunks
     (``stage_bytes`` 4 KiB) each folded in pieces of 1000 bytes: exact against
     ``reduce_arrays`` in place and out of place, for every dtype and op.  ``gathers then
     folds``: member 0 posts the messages of the staged engine's all_gather, as a GPU member
     does, and member 1 folds as they come; ``device memory``: member 0 hands its arrays to
     UCX as ``HOCCL_UCX_DEVICE_MEMORY=1`` hands CUDA arrays (CPU tensors stand in for them
-    here), and its messages must still be a staged member's."""
+    here), and its messages must still be a staged member's.  ``progress``: who progresses
+    UCX's worker (``HOCCL_UCX_PROGRESS``), checked in each member."""
     pytest.importorskip("ucxx")
     dist = pytest.importorskip("torch.distributed")
     port = _free_port()
@@ -300,6 +342,7 @@ def test_two_hosts_all_reduce_over_ucx_folds_each_chunk_exact(peer):
     for rank in range(2):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
                "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", "HOCCL_UCX_PEER_FAILURE": "",
+               "HOCCL_UCX_PROGRESS": progress,
                "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
         workers.append(subprocess.Popen([sys.executable, __file__, peer], env=env, text=True,
                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
@@ -331,6 +374,9 @@ def _all_reduce_member(peer):
                       inter_host="ucx", timeout=60, stage_bytes=_STAGE_BYTES)
     engine = comm._levels["rail"]
     assert isinstance(engine, ucx.UcxStagedEngine) and engine.size == 2
+    worker = engine.transport._worker
+    threaded = os.environ["HOCCL_UCX_PROGRESS"] != "caller"
+    assert worker.threaded == threaded
     ucx._FOLD_PIECE_BYTES = 1000
     device_memory = peer == "device memory" and rank == 0
     if peer != "folds as exchanged":

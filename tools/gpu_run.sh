@@ -417,18 +417,19 @@ if [ "$what" = ucx ]; then
 fi
 if [ "$what" = ucxphases ]; then
   # the mixed job (two GPU ranks, two CPU ranks as two hosts) over UCX: torch's DDP and
-  # FSDP2 against gloo, then the bench with UCX's phases studied (UCX first, the staged
-  # engine over MPI beside it) in each of PHASE_VARIANTS: NAME:CHUNK:STAGE:DEVICE_MEMORY,
-  # the chunk of pipelined phases, the staged engine's chunk, UCX handed GPU memory (1)
+  # FSDP2 against gloo, then the bench with UCX's phases studied, in each of
+  # PHASE_VARIANTS: NAME:CHUNK:STAGE:DEVICE_MEMORY:PROGRESS:ENGINES:LIBRARIES (the chunk
+  # of pipelined phases, the staged engine's chunk, UCX handed GPU memory (1), who
+  # progresses UCX, the engines between hosts (the first studied), the libraries)
   [ -n "${PHASE_TRAINING-1}" ] && step torch-training-ucx 200 mpirun -np 4 -x PYTHONPATH \
     -x NCCL_NVLS_ENABLE -x MASTER_ADDR -x MASTER_PORT python3 tests/torch_programs/run_training.py \
     --devices cuda,cuda,cpu,cpu --local-size 2 --inter-host ucx
-  for variant in ${PHASE_VARIANTS:-chunk64:64M:16M:0 chunk16:16M:16M:0 stage4:16M:4M:0 gpumem:16M:16M:1}; do
-    IFS=: read -r name chunk stage memory <<< "$variant"
+  for variant in ${PHASE_VARIANTS:-caller64:64M:16M:0:caller:ucx,mpi:hoccl,gloo thread64:64M:16M:0:thread:ucx:hoccl thread16:16M:16M:0:thread:ucx:hoccl polling16:16M:16M:0:polling:ucx:hoccl}; do
+    IFS=: read -r name chunk stage memory progress engines libraries <<< "$variant"
     step "mixed-$name" 150 mpirun -np 4 -x PYTHONPATH -x NCCL_NVLS_ENABLE -x OMP_NUM_THREADS=4 \
-      -x HOCCL_UCX_DEVICE_MEMORY=$memory -x HOCCL_STAGE_BYTES=$stage python3 -m hoccl.bench.mixed \
-      --devices cuda,cuda,cpu,cpu --local-size 2 --inter-host ucx,mpi \
-      --libraries ${PHASE_LIBRARIES:-hoccl,gloo} --sizes ${UCX_SIZES:-64M,256M} \
+      -x HOCCL_UCX_DEVICE_MEMORY=$memory -x HOCCL_STAGE_BYTES=$stage -x HOCCL_UCX_PROGRESS=$progress \
+      python3 -m hoccl.bench.mixed --devices cuda,cuda,cpu,cpu --local-size 2 \
+      --inter-host "$engines" --libraries "$libraries" --sizes ${UCX_SIZES:-64M,256M} \
       --phase-bytes 64M --phase-chunk "$chunk" --iters 3 --out "$OUT/mixed_$name"
   done
 fi

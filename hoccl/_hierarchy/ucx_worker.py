@@ -5,6 +5,7 @@ why)."""
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import logging
 import os
@@ -13,6 +14,7 @@ import sys
 import threading
 from typing import Any, List, Optional, Tuple
 
+from .._errors import InvalidArgumentError
 from .._mailbox import _Process
 from ..config import environ
 
@@ -78,8 +80,16 @@ class _Worker:
         # where UCX_TLS chooses, cma may be on: no peer is watched then (``_watchable``)
         self.cma = "UCX_TLS" in os.environ
         config = {} if self.cma else {"TLS": _transports()}
-        self.context = api.UCXContext(config_dict=config, feature_flags=(api.Feature.TAG,))
+        mode = _progress_mode()
+        features = (api.Feature.TAG,) + ((api.Feature.WAKEUP,) if mode == "thread" else ())
+        self.context = api.UCXContext(config_dict=config, feature_flags=features)
         self.worker = api.UCXWorker(self.context)
+        #: a thread of UCX's own progresses the worker (``HOCCL_UCX_PROGRESS``): the bytes
+        #: of a large message move while Python folds or copies elsewhere
+        self.threaded = mode != "caller"
+        if self.threaded:
+            self.worker.start_progress_thread(mode == "polling", _EPOLL_MS)
+            atexit.register(self._stop)
         self.address: bytes = self.worker.address.tobytes()
         #: the context has CUDA transports (it can take CUDA memory)
         self.cuda = bool(getattr(self.context, "cuda_support", False))
@@ -105,7 +115,16 @@ class _Worker:
             # into it
 
     def progress(self) -> None:
-        self.worker.progress()
+        """Progress the worker, unless its own thread does (two progressing at once
+        contend for its lock)."""
+        if not self.threaded:
+            self.worker.progress()
+
+    def _stop(self) -> None:
+        """Stop the progress thread before the interpreter goes (UCX's objects with it)."""
+        if self.threaded:
+            self.threaded = False
+            self.worker.stop_progress_thread()
 
     def transports(self) -> List[str]:
         """The UCX transports and devices the context found (``tcp/eth0``, ``posix/memory``,
@@ -113,6 +132,22 @@ class _Worker:
         info = self.context.info
         text = info() if callable(info) else str(info)
         return sorted(set(re.findall(r"resource \d+\s*:.*?flags \S*\s+(\S+)", text)))
+
+
+#: the longest the progress thread sleeps for UCX's events (ms): a wait that no event ends
+_EPOLL_MS = 1
+
+
+def _progress_mode() -> str:
+    """Who progresses the worker: "caller" (each wait of hoccl's, the default), "thread"
+    (UCX's own thread, woken by the transports' events; hoccl's waits then only look) or
+    "polling" (that thread spinning).  On a 2-core machine, two ranks, 64 MiB: all_reduce
+    1.19 / 1.13 / 0.76 GB/s, all_gather 1.10 / 1.44 / 1.13, sendrecv 3.20 / 1.10 / 1.44."""
+    mode = environ("HOCCL_UCX_PROGRESS") or "caller"
+    if mode not in ("thread", "polling", "caller"):
+        raise InvalidArgumentError(f"HOCCL_UCX_PROGRESS: expected thread, polling or caller; "
+                                   f"got {mode!r}")
+    return mode
 
 
 def _boot_id() -> Optional[str]:
