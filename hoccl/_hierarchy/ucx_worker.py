@@ -144,8 +144,8 @@ def _progress_mode() -> str:
     "polling" (that thread spinning).  On a 2-core machine, two ranks, 64 MiB: all_reduce
     1.19 / 1.13 / 0.76 GB/s, all_gather 1.10 / 1.44 / 1.13, sendrecv 3.20 / 1.10 / 1.44."""
     mode = environ("HOCCL_UCX_PROGRESS") or "caller"
-    if mode not in ("thread", "polling", "caller"):
-        raise InvalidArgumentError(f"HOCCL_UCX_PROGRESS: expected thread, polling or caller; "
+    if mode not in ("caller", "thread", "polling"):
+        raise InvalidArgumentError(f"HOCCL_UCX_PROGRESS: expected caller, thread or polling; "
                                    f"got {mode!r}")
     return mode
 
