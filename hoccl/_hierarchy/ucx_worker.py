@@ -141,8 +141,9 @@ _EPOLL_MS = 1
 def _progress_mode() -> str:
     """Who progresses the worker: "caller" (each wait of hoccl's, the default), "thread"
     (UCX's own thread, woken by the transports' events; hoccl's waits then only look) or
-    "polling" (that thread spinning).  On a 2-core machine, two ranks, 64 MiB: all_reduce
-    1.19 / 1.13 / 0.76 GB/s, all_gather 1.10 / 1.44 / 1.13, sendrecv 3.20 / 1.10 / 1.44."""
+    "polling" (that thread spinning).  On a 2-core machine, two ranks, 64 MiB, caller /
+    thread / polling: all_reduce 1.28 / 0.67 / 0.45 GB/s, all_gather 1.73 / 1.06 / 0.76,
+    sendrecv 2.73 / 1.86 / 0.98 (``results/host/2026-12-07-ucx-progress``)."""
     mode = environ("HOCCL_UCX_PROGRESS") or "caller"
     if mode not in ("caller", "thread", "polling"):
         raise InvalidArgumentError(f"HOCCL_UCX_PROGRESS: expected caller, thread or polling; "
