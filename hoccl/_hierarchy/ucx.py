@@ -398,7 +398,9 @@ class UcxStagedEngine(BatchingStagedEngine):
     ``cuda_ipc`` and GPUDirect RDMA transports move them) instead of staging them through
     pinned host memory: each step first waits on the host for the caller's stream, and is
     done when UCX's requests are; its messages are a staged peer's (the same chunks).
-    Run on a GPU by one benchmark only (``docs/across-hosts.md``): off by default."""
+    Off by default: between two GPU ranks on one H100 it moved an all_gather at 44 GB/s,
+    but beside a peer in host memory the all_reduce fell to 0.09 GB/s, 30x slower than
+    staged (``results/h100/2026-12-07b``)."""
 
     name = "ucx"
     transport: UcxTransport
