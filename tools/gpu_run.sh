@@ -14,6 +14,9 @@
 # bench, two GPU ranks as two hosts, then the mixed job's checks (hoccl's, torch's, DDP);
 # UCX_PART=bench,gpu-hosts,job,torch names the parts to run (UCX_STAGED= skips the staged
 # two-GPU run).
+# ucxphases: the mixed job over UCX: DDP/FSDP2 against gloo (PHASE_TRAINING= skips it),
+# then the mixed bench with UCX's phases studied in each of PHASE_VARIANTS (phase chunk,
+# stage bytes, GPU memory to UCX, HOCCL_UCX_PROGRESS, engines, libraries).
 # ucxfix: which UCX transports move bytes between a GPU rank and a CPU rank over shared
 # memory (tools/ucx_probe.py), then the mixed job and bench with the first that does.
 # ucxtorch: two such probes, then torch's collectives and DDP/FSDP2 on the mixed job.
