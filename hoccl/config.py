@@ -217,7 +217,7 @@ ENVIRONMENT: Dict[str, str] = {
                           "bytes through MPI, not by cross-memory reads",
     "HOCCL_UCX_DEVICE_MEMORY": "1: inter_host='ucx' hands CUDA arrays to UCX as they are, "
                                "not staged through pinned host memory (for GPU peers: "
-                               "beside a host-memory peer it is 30x slower)",
+                               "beside a host-memory peer it is 28x slower)",
     "HOCCL_SINGLE_MEMOPS": "the cuda backend: the most stream memory operations one step "
                            "issues as single driver calls, more going as one batch of kept "
                            "parameters (default 8; 1: two or more are one batch)",

@@ -399,7 +399,7 @@ class UcxStagedEngine(BatchingStagedEngine):
     pinned host memory: each step first waits on the host for the caller's stream, and is
     done when UCX's requests are; its messages are a staged peer's (the same chunks).
     Off by default: between two GPU ranks on one H100 it moved an all_gather at 44 GB/s,
-    but beside a peer in host memory the all_reduce fell to 0.09 GB/s, 30x slower than
+    but beside a peer in host memory the all_reduce fell to 0.09 GB/s, 28x slower than
     staged (``results/h100/2026-12-07b``)."""
 
     name = "ucx"
