@@ -267,7 +267,7 @@ def test_a_context_with_cuda_transports_still_reaches_peers_on_the_machine_by_sh
     assert ucx._watchable(me, me, worker.failure_mode_only)
 
 
-def test_ucx_progress_is_a_thread_of_its_own_unless_the_caller_is_asked(monkeypatch):
+def test_ucx_is_progressed_by_hoccls_waits_unless_a_thread_of_its_own_is_asked(monkeypatch):
     """By default hoccl's waits progress the worker; ``thread``: UCX's own thread does,
     woken by the transports' events (the context asks for them) and at least every
     millisecond; ``polling`` spins it; another value is refused, naming the variable."""
@@ -319,11 +319,11 @@ def _member_input(case, member, dtype, count):
     return values if dtype == "float32" else values.astype(numpy_dtype("bfloat16"))
 
 
-@pytest.mark.parametrize("peer,progress", [("folds as exchanged", "thread"),
-                                           ("folds as exchanged", "caller"),
-                                           ("gathers then folds", "thread"),
+@pytest.mark.parametrize("peer,progress", [("folds as exchanged", "caller"),
+                                           ("folds as exchanged", "thread"),
+                                           ("gathers then folds", "caller"),
                                            ("gathers then folds", "polling"),
-                                           ("device memory", "thread")])
+                                           ("device memory", "caller")])
 def test_two_hosts_all_reduce_over_ucx_folds_each_chunk_exact(peer, progress):
     """The rail engine's all_reduce between two simulated hosts in host memory, many chunks
     (``stage_bytes`` 4 KiB) each folded in pieces of 1000 bytes: exact against
