@@ -15,7 +15,7 @@ import hoccl
 from hoccl._errors import HocclTimeoutError, InvalidArgumentError
 from hoccl.backends._kernels import block_range
 from hoccl.sched import Options, Shape, build_plan
-from hoccl.sched.algorithms import KERNEL_COLLECTIVES, KERNEL_MAX_BLOCKS
+from hoccl.sched.algorithms import KERNEL_COLLECTIVES, KERNEL_MAX_BLOCKS, WORLD_ONE_KERNEL_BYTES
 from hoccl.testing import check_collective
 
 IN_PLACE = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
@@ -26,10 +26,12 @@ def _epochs(comms):
     return [comm._engine.device.peek(comm._engine.pad.kernel_counter, 2) for comm in comms]
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [1, 2, 3])
 @pytest.mark.parametrize("collective", KERNEL_COLLECTIVES)
 def test_every_form_dtype_and_op_exact(world_size, collective):
-    comms = hoccl.init_local(world_size, backend="host", kernel_bytes=1 << 20, kernel_sms=4)
+    """A world of one takes the kernel with ``kernel_bytes`` left at 0 (its default)."""
+    options = dict(kernel_bytes=1 << 20, kernel_sms=4) if world_size > 1 else {}
+    comms = hoccl.init_local(world_size, backend="host", **options)
     try:
         seed, calls = 0, 0
         for dtype in ("float32", "bfloat16", "int32", "uint8", "float64"):
@@ -98,7 +100,8 @@ def test_ranks_may_differ_in_form(collective):
 
 def test_threshold_blocks_and_options():
     """``kernel_bytes`` bounds the largest buffer; blocks grow with it up to
-    ``kernel_sms``; other collectives and one rank never take the kernel."""
+    ``kernel_sms``; other collectives never take the kernel; a world of one takes it up to
+    ``WORLD_ONE_KERNEL_BYTES`` whatever ``kernel_bytes`` says (0 included)."""
     options = Options(kernel_bytes=64 << 10, kernel_sms=4)
     small = build_plan(Shape("all_gather", 2, 8 << 10, "float32", 4), options)
     assert small.kernel_blocks == 2 and small.lanes == 1 and small.uses_sms(0)
@@ -108,7 +111,12 @@ def test_threshold_blocks_and_options():
     capped = Options(kernel_bytes=1 << 20, kernel_sms=4)
     assert build_plan(Shape("all_reduce", 2, 1 << 18, "float32", 4), capped).kernel_blocks == 4
     assert build_plan(Shape("reduce", 2, 16, "float32", 4), options).kernel_blocks == 0
-    assert build_plan(Shape("all_gather", 1, 16, "float32", 4), options).kernel_blocks == 0
+    assert build_plan(Shape("all_gather", 1, 16, "float32", 4), options).kernel_blocks == 1
+    one = WORLD_ONE_KERNEL_BYTES // 4
+    for given in (Options(), options):
+        assert build_plan(Shape("all_gather", 1, one, "float32", 4), given).kernel_blocks > 0
+        assert build_plan(Shape("all_gather", 1, one + 1, "float32", 4), given).kernel_blocks == 0
+        assert build_plan(Shape("reduce", 1, 16, "float32", 4), given).kernel_blocks == 0
     assert build_plan(Shape("all_gather", 8, 16, "float32", 4), options).kernel_blocks == 1
     assert build_plan(Shape("all_gather", 9, 16, "float32", 4), options).kernel_blocks == 0
     assert build_plan(Shape("all_gather", 2, 16, "float32", 4), Options()).kernel_blocks == 0

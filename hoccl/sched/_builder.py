@@ -12,7 +12,8 @@ from .plan import (CHANNELS, DONE, GATHERED, PAIR_DONE, READY, After, BufferSpec
                    Mark, Plan, Reduce, Signal, Step, Wait)
 
 __all__ = ["Shape", "Options", "COLLECTIVES", "SELF_ROUTES", "KERNEL_COLLECTIVES",
-           "KERNEL_MAX_BLOCKS", "KERNEL_MAX_RANKS", "KERNEL_BLOCK_BYTES", "split"]
+           "KERNEL_MAX_BLOCKS", "KERNEL_MAX_RANKS", "KERNEL_BLOCK_BYTES", "WORLD_ONE_KERNEL_BYTES",
+           "split"]
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast",
                "reduce", "gather", "scatter", "sendrecv", "barrier")
@@ -26,6 +27,11 @@ KERNEL_MAX_BLOCKS = 32
 KERNEL_MAX_RANKS = 8
 #: bytes of the largest buffer per block of a direct kernel, before ``kernel_sms`` caps it
 KERNEL_BLOCK_BYTES = 32 << 10
+#: a world of one's calls up to this size run as one direct kernel whatever
+#: ``kernel_bytes`` says: no byte leaves the GPU, and the one step there is (a same-GPU
+#: copy, or a sum of one input) takes SMs on any path; in one launch, which also writes
+#: the completion, it costs the host one driver call instead of three
+WORLD_ONE_KERNEL_BYTES = 4 << 20
 
 
 class Shape(NamedTuple):

@@ -17,14 +17,14 @@ from functools import lru_cache
 from typing import Optional
 
 from ._builder import (COLLECTIVES, KERNEL_COLLECTIVES, KERNEL_MAX_BLOCKS, KERNEL_MAX_RANKS,
-                       SELF_ROUTES, Options, Shape, _Builder, _chunks, _gather_buffers, _peers,
-                       split)
+                       SELF_ROUTES, WORLD_ONE_KERNEL_BYTES, Options, Shape, _Builder, _chunks,
+                       _gather_buffers, _peers, split)
 from ._direct import _direct, kernel_blocks_for, kernel_bytes_of
 from .plan import DONE, GATHERED, PAIR_DONE, PAIR_READY, READY, BufRef, Plan
 
 __all__ = ["Shape", "Options", "build_plan", "COLLECTIVES", "KERNEL_COLLECTIVES",
            "KERNEL_MAX_BLOCKS", "KERNEL_MAX_RANKS", "SELF_ROUTES", "split", "kernel_bytes_of",
-           "kernel_blocks_for", "path_of"]
+           "kernel_blocks_for", "path_of", "WORLD_ONE_KERNEL_BYTES"]
 
 
 def _all_gather(b: _Builder) -> Plan:
@@ -302,10 +302,12 @@ def path_of(shape: Shape, options: Options) -> str:
     kernel), "one_shot" (an all_reduce in one phase), "pull" (a reduction that sums the
     peers' inputs where they lie) or "push".  Each threshold compares nccl-tests' size of
     the call (``kernel_bytes_of``: the largest buffer, a reduction's whole input); a
-    threshold of 0 is off for every size, an empty buffer's included."""
+    threshold of 0 is off for every size, an empty buffer's included.  A world of one
+    takes the direct kernel up to ``WORLD_ONE_KERNEL_BYTES`` whatever ``kernel_bytes`` is."""
     n, size = shape.world_size, kernel_bytes_of(shape)
-    if (options.kernel_bytes and shape.collective in KERNEL_COLLECTIVES
-            and 1 < n <= KERNEL_MAX_RANKS and size <= options.kernel_bytes):
+    limit = options.kernel_bytes if n > 1 else max(options.kernel_bytes, WORLD_ONE_KERNEL_BYTES)
+    if (limit and shape.collective in KERNEL_COLLECTIVES and n <= KERNEL_MAX_RANKS
+            and size <= limit):
         return "direct"
     if n > 1 and shape.collective == "all_reduce" and options.one_shot_bytes \
             and size <= options.one_shot_bytes:
