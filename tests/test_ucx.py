@@ -425,3 +425,32 @@ def _all_reduce_member(peer):
 
 if __name__ == "__main__":
     _all_reduce_member(sys.argv[1])
+
+
+def test_a_wait_for_a_stage_copy_progresses_ucx():
+    """A GPU member waits for each chunk's copy out before it posts the chunk: meanwhile
+    the chunks it posted before move only if the wait progresses the worker, which it
+    does (the default progress mode)."""
+    from hoccl._hierarchy.ucx import UcxStagedEngine
+
+    class Worker:
+        progressed = 0
+
+        def progress(self):
+            self.progressed += 1
+
+    class Transport:
+        size, member, label = 2, 0, "ucx"
+        _worker = Worker()
+
+    class Copy:
+        polls = 0
+
+        def done(self, event):
+            self.polls += 1
+            return self.polls > 3
+
+    engine = UcxStagedEngine(Transport(), None, 5.0, 4096)
+    copy = Copy()
+    engine._copied(copy, object(), "all_gather (copy out)")
+    assert copy.polls == 4 and Transport._worker.progressed == 4

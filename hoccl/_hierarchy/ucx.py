@@ -429,6 +429,17 @@ class UcxStagedEngine(BatchingStagedEngine):
         self._in_chunks(what, count, self.per_chunk(max(send_blocks, recv_blocks), item),
                         lambda a, b: start(*parts(a, b)))
 
+    def _copied(self, device: Any, event: Any, what: str) -> None:
+        """Wait for a stage copy, progressing UCX meanwhile: the chunks already posted move
+        only while the worker is progressed (unless a thread of its own does it), and a
+        GPU member waits for a chunk's copy out before each post."""
+        progress = self.transport._worker.progress
+
+        def done() -> bool:
+            progress()
+            return bool(device.done(event))
+        self._wait(done, what)
+
     def all_reduce(self, send: Any, recv: Any, op: str, *, stream: Any = None) -> None:
         """Two members in host memory: the staged all_gather's messages, in ``_staged``'s
         chunks (at most ``_DIRECT_CHUNK_BYTES`` where none stages), ``2 * SLOTS`` in flight,
