@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The device machine's session: GPU tests (one process, and mpirun -np 2), then the
-# benchmarks against NCCL.  Usage: bash tools/gpu_run.sh [tests|profile|bench|overlap|compare|torch|fsdp|hier|hierdiag|final|registered|onegpu|validate|dryrun|quickreg|figures-a|figures-b|figures-c|figures-d|figures-direct|figures-wide|direct|caller|placement|fused|levers|tp|groups|hostcost|profile1|hostucx|core|ucxphases|mini|replay|shrink|ucx|ucxfix|ucxtorch|verify|all] [pytest args]
+# benchmarks against NCCL.  Usage: bash tools/gpu_run.sh [tests|profile|bench|overlap|compare|torch|fsdp|hier|hierdiag|final|registered|onegpu|validate|dryrun|quickreg|figures-a|figures-b|figures-c|figures-d|figures-direct|figures-wide|direct|caller|placement|fused|levers|tp|groups|hostcost|world1|profile1|hostucx|core|ucxphases|mini|replay|shrink|ucx|ucxfix|ucxtorch|verify|all] [pytest args]
 # groups: grouped calls (tests/mpi/run_groups.py) and the fuzzer's short run on the cuda
 # backend, 3 ranks sharing the GPU under mpirun (correctness only: no speed there).
 # hostcost: python -m hoccl.bench.host_cost, world 1 beside torch+NCCL, then 2 ranks.
+# world1: the host cost (before, after beside NCCL, 2 ranks) and the cuda checks of a world
+# of one (every collective against numpy, replays, graphs), run_checks with 2 ranks, GPU tier.
 # profile1: where one rank's repeated small call spends the host's time (tools/profile_call.py,
 # world 1: the pieces and a cProfile), then the host-cost bench, world 1 only.
 # hostucx: profile1, the cuda checks of the replayed paths (1, 2 ranks, graphs), ucxtorch.
@@ -295,9 +297,10 @@ host_cost_steps() {  # host_cost_steps LIMIT [world1]: python -m hoccl.bench.hos
   fi
   step host-cost-1 "$limit" python3 -m hoccl.bench.host_cost --out "$OUT/host_cost"
   # every memop list of two or more as one batch of kept parameters (HOCCL_SINGLE_MEMOPS=1;
-  # default: up to eight as single calls), in the same run
-  step host-cost-batched "$limit" env HOCCL_SINGLE_MEMOPS=1 python3 -m hoccl.bench.host_cost \
-    --variants $variants --out "$OUT/host_cost_batched"
+  # default: up to eight as single calls), in the same run (HOST_COST_BATCHED=0 skips it)
+  [ "${HOST_COST_BATCHED:-1}" = 1 ] && step host-cost-batched "$limit" \
+    env HOCCL_SINGLE_MEMOPS=1 python3 -m hoccl.bench.host_cost --variants $variants \
+    --out "$OUT/host_cost_batched"
   [ "${2:-}" = world1 ] && return
   step host-cost-2 "$limit" $MPIRUN python3 -m hoccl.bench.host_cost --variants $variants \
     --out "$OUT/host_cost_2"
@@ -326,6 +329,19 @@ if [ "$what" = hostcost ]; then
   step repeats-cuda 90 $MPIRUN python3 tests/mpi/run_repeats.py --backend cuda
   step profile-1 90 python3 tools/profile_call.py --registered --burst 50 --iters 1000 \
     --collective all_reduce
+fi
+if [ "$what" = world1 ]; then
+  # a world of one as one direct kernel: the host cost (BASELINE's, this tree's beside NCCL,
+  # 2 ranks), where a call's time goes, then the cuda checks of the paths it changes (every
+  # collective at world 1 against numpy, replays, graphs, 2 ranks, the GPU tier)
+  step profile-ag 40 python3 tools/profile_call.py --registered --burst 50 --iters 1000 \
+    --collective all_gather
+  HOST_COST_BATCHED=0 host_cost_steps 60
+  step checks-1 60 python3 tests/mpi/run_checks.py --backend cuda --counts 0,1,17,100003
+  step replay-1 40 python3 tests/mpi/run_replay.py --backend cuda
+  step capture-1 40 python3 tests/mpi/run_capture.py --backend cuda --replays 50
+  step gpu-mpirun 60 $MPIRUN python3 tests/mpi/run_checks.py --backend cuda --counts 0,1,17,100003
+  step gpu-local 150 python3 -m pytest -q -x -p no:cacheprovider --timeout=90 tests/gpu "$@"
 fi
 if [ "$what" = profile1 ]; then
   # where one rank's repeated small call spends the host's time (world 1): the pieces of a
