@@ -5,7 +5,8 @@
 # backend, 3 ranks sharing the GPU under mpirun (correctness only: no speed there).
 # hostcost: python -m hoccl.bench.host_cost, world 1 beside torch+NCCL, then 2 ranks.
 # world1: the host cost (before, after beside NCCL, 2 ranks) and the cuda checks of a world
-# of one (every collective against numpy, replays, graphs), run_checks with 2 ranks, GPU tier.
+# of one (every collective against numpy, replays, graphs), run_checks with 2 and 3 ranks,
+# the GPU tier.
 # profile1: where one rank's repeated small call spends the host's time (tools/profile_call.py,
 # world 1: the pieces and a cProfile), then the host-cost bench, world 1 only.
 # hostucx: profile1, the cuda checks of the replayed paths (1, 2 ranks, graphs), ucxtorch.
@@ -341,6 +342,7 @@ if [ "$what" = world1 ]; then
   step replay-1 40 python3 tests/mpi/run_replay.py --backend cuda
   step capture-1 40 python3 tests/mpi/run_capture.py --backend cuda --replays 50
   step gpu-mpirun 60 $MPIRUN python3 tests/mpi/run_checks.py --backend cuda --counts 0,1,17,100003
+  step gpu-mpirun-3 60 $MPIRUN3 python3 tests/mpi/run_checks.py --backend cuda --counts 0,17,100003
   step gpu-local 150 python3 -m pytest -q -x -p no:cacheprovider --timeout=90 tests/gpu "$@"
 fi
 if [ "$what" = profile1 ]; then
