@@ -85,7 +85,8 @@ class Config:
     - ``kernel_bytes``: an all_gather, all_to_all, broadcast, reduce_scatter or
       all_reduce whose largest buffer is at most this many bytes runs as one direct
       kernel per rank (stores into the peers' staging rings, no copy engine); 0: off
-      (a world of one runs its calls up to 4 MiB as one kernel whatever this says).
+      (a world of one runs its out-of-place calls up to 4 MiB as one kernel whatever
+      this says).
     - ``kernel_sms``: the most SMs a direct kernel takes.
 
     Across hosts (a ``HierarchicalCommunicator``; a communicator of one host checks these

@@ -29,7 +29,8 @@ def _epochs(comms):
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 @pytest.mark.parametrize("collective", KERNEL_COLLECTIVES)
 def test_every_form_dtype_and_op_exact(world_size, collective):
-    """A world of one takes the kernel with ``kernel_bytes`` left at 0 (its default)."""
+    """A world of one takes the kernel with ``kernel_bytes`` left at 0 (its default) where
+    it has a step (out of place)."""
     options = dict(kernel_bytes=1 << 20, kernel_sms=4) if world_size > 1 else {}
     comms = hoccl.init_local(world_size, backend="host", **options)
     try:
@@ -41,7 +42,9 @@ def test_every_form_dtype_and_op_exact(world_size, collective):
                         for op in (("sum", "max", "avg", "prod", "min") if collective in REDUCING
                                    else ("sum",)):
                             seed += 1
-                            calls += 1
+                            # a world of one in place has no step, so no kernel (an
+                            # empty buffer is never in place)
+                            calls += world_size > 1 or not in_place or not count
                             check_collective(comms, collective, count=count, dtype=dtype,
                                              op=op, root=root, in_place=in_place, seed=seed)
         if collective in REDUCING:
@@ -101,7 +104,8 @@ def test_ranks_may_differ_in_form(collective):
 def test_threshold_blocks_and_options():
     """``kernel_bytes`` bounds the largest buffer; blocks grow with it up to
     ``kernel_sms``; other collectives never take the kernel; a world of one takes it up to
-    ``WORLD_ONE_KERNEL_BYTES`` whatever ``kernel_bytes`` says (0 included)."""
+    ``WORLD_ONE_KERNEL_BYTES`` whatever ``kernel_bytes`` says (0 included), where it has a
+    step."""
     options = Options(kernel_bytes=64 << 10, kernel_sms=4)
     small = build_plan(Shape("all_gather", 2, 8 << 10, "float32", 4), options)
     assert small.kernel_blocks == 2 and small.lanes == 1 and small.uses_sms(0)
@@ -117,6 +121,14 @@ def test_threshold_blocks_and_options():
         assert build_plan(Shape("all_gather", 1, one, "float32", 4), given).kernel_blocks > 0
         assert build_plan(Shape("all_gather", 1, one + 1, "float32", 4), given).kernel_blocks == 0
         assert build_plan(Shape("reduce", 1, 16, "float32", 4), given).kernel_blocks == 0
+        scaled = Shape("all_reduce", 1, 16, "float32", 4, in_place=True, scale=0.5)
+        assert build_plan(scaled, given).kernel_blocks == 1
+    # in place a world of one has nothing to do but the completion: no launch, unless
+    # ``kernel_bytes`` asks for one
+    for collective in ("all_gather", "broadcast", "all_reduce", "reduce_scatter"):
+        quiet = Shape(collective, 1, 16, "float32", 4, in_place=True)
+        assert build_plan(quiet, Options()).kernel_blocks == 0
+        assert build_plan(quiet, options).kernel_blocks == 1
     assert build_plan(Shape("all_gather", 8, 16, "float32", 4), options).kernel_blocks == 1
     assert build_plan(Shape("all_gather", 9, 16, "float32", 4), options).kernel_blocks == 0
     assert build_plan(Shape("all_gather", 2, 16, "float32", 4), Options()).kernel_blocks == 0

@@ -27,9 +27,9 @@ KERNEL_MAX_BLOCKS = 32
 KERNEL_MAX_RANKS = 8
 #: bytes of the largest buffer per block of a direct kernel, before ``kernel_sms`` caps it
 KERNEL_BLOCK_BYTES = 32 << 10
-#: a world of one's calls up to this size run as one direct kernel whatever
-#: ``kernel_bytes`` says: no byte leaves the GPU, and the one step there is (a same-GPU
-#: copy, or a sum of one input) takes SMs on any path; in one launch, which also writes
+#: a world of one's calls up to this size that have a step run as one direct kernel
+#: whatever ``kernel_bytes`` says: no byte leaves the GPU, and that step (a same-GPU copy,
+#: or a scaled sum of one input) takes SMs on any path; in one launch, which also writes
 #: the completion, it costs the host one driver call instead of three
 WORLD_ONE_KERNEL_BYTES = 4 << 20
 

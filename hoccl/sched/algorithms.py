@@ -303,9 +303,14 @@ def path_of(shape: Shape, options: Options) -> str:
     peers' inputs where they lie) or "push".  Each threshold compares nccl-tests' size of
     the call (``kernel_bytes_of``: the largest buffer, a reduction's whole input); a
     threshold of 0 is off for every size, an empty buffer's included.  A world of one
-    takes the direct kernel up to ``WORLD_ONE_KERNEL_BYTES`` whatever ``kernel_bytes`` is."""
+    takes the direct kernel up to ``WORLD_ONE_KERNEL_BYTES`` whatever ``kernel_bytes`` is,
+    where it has a step: out of place, or a scaled sum (else its completion alone costs
+    less as two stream memory operations than as a launch)."""
     n, size = shape.world_size, kernel_bytes_of(shape)
-    limit = options.kernel_bytes if n > 1 else max(options.kernel_bytes, WORLD_ONE_KERNEL_BYTES)
+    limit = options.kernel_bytes
+    if n == 1 and not (shape.in_place and shape.scale is None
+                       and shape.collective != "all_to_all"):
+        limit = max(limit, WORLD_ONE_KERNEL_BYTES)  # (in place, a world of one has no step)
     if (limit and shape.collective in KERNEL_COLLECTIVES and n <= KERNEL_MAX_RANKS
             and size <= limit):
         return "direct"
