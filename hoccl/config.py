@@ -230,9 +230,10 @@ ENVIRONMENT: Dict[str, str] = {
                               "peer-failure mode, also to peers on the same machine (which "
                               "then talk over TCP, not shared memory)",
     "HOCCL_UCX_PROGRESS": "inter_host='ucx': who progresses UCX's worker: 'caller' "
-                          "(hoccl's waits; the default), 'thread' (a thread of UCX's own, "
-                          "woken by the transports' events) or 'polling' (that thread "
-                          "spinning)",
+                          "(hoccl's waits), 'thread' (a thread of UCX's own, woken by the "
+                          "transports' events) or 'polling' (that thread spinning); "
+                          "default: 'thread' where the process may run on 8 cores or more, "
+                          "else 'caller'",
 }
 
 

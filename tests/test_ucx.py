@@ -267,16 +267,27 @@ def test_a_context_with_cuda_transports_still_reaches_peers_on_the_machine_by_sh
     assert ucx._watchable(me, me, worker.failure_mode_only)
 
 
-def test_ucx_is_progressed_by_hoccls_waits_unless_a_thread_of_its_own_is_asked(monkeypatch):
-    """By default hoccl's waits progress the worker; ``thread``: UCX's own thread does,
-    woken by the transports' events (the context asks for them) and at least every
-    millisecond; ``polling`` spins it; another value is refused, naming the variable."""
+def test_ucx_is_progressed_by_its_own_thread_where_cores_allow(monkeypatch):
+    """By default UCX's own thread progresses the worker where the process may run on 8
+    cores or more, woken by the transports' events (the context asks for them) and at
+    least every millisecond, and hoccl's waits do on fewer cores; ``caller`` and
+    ``thread`` say which; ``polling`` spins the thread; another value is refused, naming
+    the variable."""
     pytest.importorskip("ucxx")
     from hoccl._hierarchy import ucx_worker
     from hoccl._errors import InvalidArgumentError
     _stand_in_contexts(monkeypatch)
     feature = ucx_worker._api()[0].Feature
     monkeypatch.delenv("HOCCL_UCX_PROGRESS", raising=False)
+    for cores, threaded in ((2, False), (7, False), (8, True), (64, True)):
+        monkeypatch.setattr(ucx_worker, "_cores", lambda: cores)
+        worker = ucx_worker._Worker()
+        assert worker.threaded is threaded, cores
+        assert (feature.WAKEUP in worker.context.features) is threaded
+        worker._stop()
+    assert ucx_worker._cores() >= 1
+    monkeypatch.setattr(ucx_worker, "_cores", lambda: 64)
+    monkeypatch.setenv("HOCCL_UCX_PROGRESS", "caller")
     worker = ucx_worker._Worker()
     assert not worker.threaded and worker.worker.progress_thread is None
     assert feature.WAKEUP not in worker.context.features
