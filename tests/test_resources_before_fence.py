@@ -113,3 +113,42 @@ def test_a_group_creates_every_lane_before_fencing_its_callers(init_local):
         assert not _created_while_fenced(log, comm.rank), (comm.rank, log)
         assert_exact("recv", sends[(comm.rank - 1) % n], received[comm.rank])
         assert_exact("all_gather", np.concatenate(sends), gathered[comm.rank])
+
+
+@pytest.mark.parametrize("world,options", [(1, {}), (3, {"kernel_bytes": 1 << 20})])
+def test_a_direct_kernel_is_loaded_before_the_fence(init_local, world, options):
+    """One process driving its ranks issues a direct kernel from the lanes, its callers
+    fenced first: loading the kernel may synchronize the context, so it is loaded before
+    the fence (a world of one takes the kernel by itself; three ranks with
+    ``kernel_bytes``), never while a caller waits."""
+    comms = init_local(world, backend="host", **options)
+    log = []
+    for comm in comms:
+        _record(comm, log)
+        device = comm._engine.device
+        original = device.prepare_direct
+
+        def prepare_direct(*args, _original=original, _rank=comm.rank):
+            log.append((_rank, "prepare_direct"))
+            return _original(*args)
+        device.prepare_direct = prepare_direct
+    n, count = len(comms), 1000
+    rng = np.random.default_rng()
+    for _ in range(2):
+        sends = [random_array(rng, count, "float32") for _ in comms]
+        outputs = [poison(count * n, "float32") for _ in comms]
+        for comm in comms:
+            comm.all_gather(sends[comm.rank], outputs[comm.rank])
+        for comm in comms:
+            comm.synchronize()
+            assert_exact(f"all_gather rank {comm.rank}", np.concatenate(sends),
+                         outputs[comm.rank])
+    for comm in comms:
+        mine = [what for who, what in log if who == comm.rank]
+        assert "prepare_direct" in mine and "fence" in mine, mine
+        assert mine.index("prepare_direct") < mine.index("fence"), mine
+        fenced = False  # and no load between a fence and the next issue
+        for what in mine:
+            fenced = what == "fence" or (fenced and what != "issued")
+            assert not (fenced and what == "prepare_direct"), mine
+        assert comm._engine.direct_calls == 0  # issued from the lanes, not on the caller

@@ -3,6 +3,8 @@ the matching (``hoccl._engine`` says how a call flows through it)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import threading
 import time
 from typing import Any, Callable, Dict, FrozenSet, List, Optional, Sequence, Tuple
@@ -342,6 +344,11 @@ class Engine(Issuing):
         end in ``issue`` or ``release``: the caller's stream waits for it.  Without
         ``fence`` only its entry is marked; ``fence_callers`` (or ``issue``) fences it."""
         prepared = call.prepared
+        if not prepared.loaded:  # its direct kernel, if any: loading may synchronize the
+            # context, so never while a caller waits (lanes issue it too, one process)
+            with self.device.relaxed_capture() if call.captured else contextlib.nullcontext():
+                self.executor.load(call.plan)
+            prepared.loaded = True
         if call.captured:
             with self.device.relaxed_capture():
                 self.executor.reserve([(call.plan, prepared.marks)], captured=True)
@@ -352,12 +359,8 @@ class Engine(Issuing):
             return
         # Every lane and event the calls not yet issued will take, made before the fence:
         # no driver call that may synchronize the context runs while a caller waits.  A
-        # call on its caller's stream takes none (a direct one: its kernel, loaded once).
-        if call.on_caller:
-            if not prepared.loaded:
-                self.executor.load(call.plan)
-                prepared.loaded = True
-        else:
+        # call on its caller's stream takes none.
+        if not call.on_caller:
             self.executor.reserve(self.inflight.needs() + [(call.plan, prepared.marks)])
         self.sequences.count(call.plan, call.key)
         self.calls += 1
