@@ -4,7 +4,6 @@ the matching (``hoccl._engine`` says how a call flows through it)."""
 from __future__ import annotations
 
 import contextlib
-
 import threading
 import time
 from typing import Any, Callable, Dict, FrozenSet, List, Optional, Sequence, Tuple
