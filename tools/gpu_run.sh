@@ -55,6 +55,8 @@ fi
 # wheels installed and packed here (tools/device_carry.sh --ucx: UCX's, without headers)
 [ -f .wheels/site.tar.xz ] && mkdir -p "$DEPS" && tar xJf .wheels/site.tar.xz -C "$DEPS"
 export PYTHONPATH=$PWD:$DEPS
+# a step cut at its limit keeps what it printed (Python buffers output to a file)
+export PYTHONUNBUFFERED=1
 MPIRUN="mpirun -np 2 -x PYTHONPATH -x NCCL_NVLS_ENABLE -x TORCH_SYMM_MEM_DISABLE_MULTICAST -x NVSHMEM_DISABLE_NVLS"
 summary=()
 # the whole run's budget in seconds (the device tool stops a command at 600 s, and only
