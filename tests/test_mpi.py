@@ -287,6 +287,17 @@ def test_captured_calls_replay_with_resetting_signals(ranks):
 
 
 @pytest.mark.mpi
+def test_captured_calls_of_a_world_of_one_replay():
+    """run_capture.py with one rank: its out-of-place calls are direct kernels, its
+    in-place ones the completion alone, captured and replayed 50 times, every output
+    checked, eager calls between (no ring and no diverging rank: there is no peer)."""
+    returncode, output = _run_program(1, "run_capture.py", "--backend", "host",
+                                      "--replays", "50")
+    assert returncode == 0 and "capture: 1 passed, 0 failed" in output, output[-4000:]
+    assert "ok     replays: 50 replays of 3 graphs" in output, output[-4000:]
+
+
+@pytest.mark.mpi
 @pytest.mark.parametrize("ranks", [2, 3])
 def test_direct_kernels_across_processes(ranks):
     """run_checks.py with ``kernel_bytes``: every collective that has a direct kernel runs
