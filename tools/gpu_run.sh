@@ -345,7 +345,9 @@ if [ "$what" = world1 ]; then
   step capture-1 40 python3 tests/mpi/run_capture.py --backend cuda --replays 50
   step gpu-mpirun 60 $MPIRUN python3 tests/mpi/run_checks.py --backend cuda --counts 0,1,17,100003
   step gpu-mpirun-3 60 $MPIRUN3 python3 tests/mpi/run_checks.py --backend cuda --counts 0,17,100003
-  step gpu-local 150 python3 -m pytest -q -x -p no:cacheprovider --timeout=90 tests/gpu "$@"
+  # each test named as it ends, so a test cut at its limit is known (its stack is printed)
+  step gpu-local 240 python3 -m pytest -v -x -p no:cacheprovider --timeout=90 --durations=10 \
+    tests/gpu "$@"
 fi
 if [ "$what" = profile1 ]; then
   # where one rank's repeated small call spends the host's time (world 1): the pieces of a
