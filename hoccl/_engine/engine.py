@@ -299,16 +299,26 @@ class Engine(Issuing):
         would, less what the repeat needs no more: preparing, binding, matching.  False
         (nothing done) where the replay no longer holds, or the communicator cannot take
         calls (closed, aborted, a direct kernel's divergence found), or the stream is
-        being captured: the call must then go the whole way, which raises what it must."""
+        being captured: the call must then go the whole way, which raises what it must.
+        A call with no step and no peer enqueues nothing at all."""
         if self.closed or self.aborted or self.error_word.value:
             return False
         device = self.device
+        prepared = replay.prepared
+        if not prepared.program and not replay.offers:
+            # nothing to move and no peer (a world of one in place, unscaled): no work on
+            # any stream, eager or captured, as NCCL's one rank enqueues none
+            caller = device.resolve_stream(stream, keepalive)
+            if (stream_key(caller) != replay.caller_key
+                    or not replay.valid(self.layout_epoch, self.preparer.cache.generation)):
+                return False
+            self.replayed += 1
+            return True
         device.activate()
         caller = device.resolve_stream(stream, keepalive)
         if (stream_key(caller) != replay.caller_key or device.capturing(caller)
                 or not replay.valid(self.layout_epoch, self.preparer.cache.generation)):
             return False
-        prepared = replay.prepared
         plan = prepared.plan
         program = prepared.program
         assert program is not None  # ``valid``

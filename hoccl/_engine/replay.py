@@ -8,7 +8,8 @@ up, no plan bound and no message awaited.  It takes the next number and signal b
 of its sequence, and submits the bound program (its command list: memory operations,
 copies, launches, every address resolved) on the caller's stream with the values that
 change patched in (the signal base, the completion value, the wait for the previous
-call where the stream is not yet ordered after it).
+call where the stream is not yet ordered after it).  A world of one's call with no step
+(in place, unscaled) has an empty command list: its repeats submit nothing.
 
 What may be replayed, stated once: an eager call (not captured, not in a
 ``hoccl.group()``) of a communicator whose peers live in other processes (``hoccl.init``),
