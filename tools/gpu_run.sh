@@ -335,10 +335,8 @@ if [ "$what" = hostcost ]; then
 fi
 if [ "$what" = world1 ]; then
   # a world of one as one direct kernel: the host cost (BASELINE's, this tree's beside NCCL,
-  # 2 ranks), where a call's time goes, then the cuda checks of the paths it changes (every
-  # collective at world 1 against numpy, replays, graphs, 2 ranks, the GPU tier)
-  step profile-ag 40 python3 tools/profile_call.py --registered --burst 50 --iters 1000 \
-    --collective all_gather
+  # 2 ranks), the cuda checks of the paths it changes (every collective at world 1 against
+  # numpy, replays, graphs, 2 and 3 ranks, the GPU tier), then where a call's time goes
   HOST_COST_BATCHED=0 host_cost_steps 60
   step checks-1 60 python3 tests/mpi/run_checks.py --backend cuda --counts 0,1,17,100003
   step replay-1 40 python3 tests/mpi/run_replay.py --backend cuda
@@ -346,8 +344,10 @@ if [ "$what" = world1 ]; then
   step gpu-mpirun 60 $MPIRUN python3 tests/mpi/run_checks.py --backend cuda --counts 0,1,17,100003
   step gpu-mpirun-3 60 $MPIRUN3 python3 tests/mpi/run_checks.py --backend cuda --counts 0,17,100003
   # each test named as it ends, so a test cut at its limit is known (its stack is printed)
-  step gpu-local 240 python3 -m pytest -v -x -p no:cacheprovider --timeout=90 --durations=10 \
+  step gpu-local 200 python3 -m pytest -v -x -p no:cacheprovider --timeout=90 --durations=10 \
     tests/gpu "$@"
+  step profile-ag 40 python3 tools/profile_call.py --registered --burst 50 --iters 1000 \
+    --collective all_gather
 fi
 if [ "$what" = profile1 ]; then
   # where one rank's repeated small call spends the host's time (world 1): the pieces of a
