@@ -222,8 +222,10 @@ class Communicator(CommunicatorApi):
 
     @property
     def calls(self) -> int:
-        """How many calls (collectives, send, recv, barrier) this rank has made so far: a
-        mark for ``finished``."""
+        """A mark of this rank's calls (collectives, send, recv, barrier) so far, for
+        ``finished`` and ``order_after``: it grows with every call that enqueues work,
+        which is every call but a world of one's repeat with nothing to move (in place,
+        unscaled)."""
         return self._engine.calls
 
     def finished(self, mark: int) -> bool:
