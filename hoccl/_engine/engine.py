@@ -22,7 +22,7 @@ from .issue import Issuing
 from .memory import DeviceShare, Memory
 from .order import Order
 from .prepared import Preparer
-from .replay import Replay
+from .replay import Replay, replay_of
 from .sequences import Sequences
 from .signals import SignalPad
 
@@ -280,18 +280,8 @@ class Engine(Issuing):
     # -- a repeated call: replayed -------------------------------------------------------
     def replayable(self, call: Call) -> Optional[Replay]:
         """A ``Replay`` of ``call`` (just submitted alone, and issued) if its repeats can be
-        replayed (``hoccl._engine.replay`` says which); else None."""
-        prepared = call.prepared
-        group = self.group
-        if (call.captured or not call.issued or prepared.program is None
-                or group is None or not group.exported):
-            return None
-        alone = call.plan.participants == (self.rank,)
-        if not alone and (prepared.fast is None or prepared.bound_to is not prepared.fast):
-            return None
-        return Replay(call.name, prepared, stream_key(call.caller),
-                      self.preparer.cache.generation, offers=not alone,
-                      on_caller=call.on_caller)
+        replayed (``replay_of``); else None."""
+        return replay_of(call, self.rank, self.group, self.preparer.cache.generation)
 
     def replay(self, replay: Replay, stream: Any, keepalive: Tuple[Any, ...]) -> bool:
         """Submit a repeat of ``replay``'s call on ``stream`` (the caller's, as the public
@@ -299,26 +289,21 @@ class Engine(Issuing):
         would, less what the repeat needs no more: preparing, binding, matching.  False
         (nothing done) where the replay no longer holds, or the communicator cannot take
         calls (closed, aborted, a direct kernel's divergence found), or the stream is
-        being captured: the call must then go the whole way, which raises what it must.
-        A call with no step and no peer enqueues nothing at all."""
+        being captured: the call must then go the whole way, which raises what it must."""
         if self.closed or self.aborted or self.error_word.value:
             return False
         device = self.device
-        prepared = replay.prepared
-        if not prepared.program and not replay.offers:
-            # nothing to move and no peer (a world of one in place, unscaled): no work on
-            # any stream, eager or captured, as NCCL's one rank enqueues none
-            caller = device.resolve_stream(stream, keepalive)
-            if (stream_key(caller) != replay.caller_key
-                    or not replay.valid(self.layout_epoch, self.preparer.cache.generation)):
-                return False
-            self.replayed += 1
-            return True
-        device.activate()
+        empty = replay.empty  # nothing to move, no peer: nothing enqueued, eager or captured
+        if not empty:
+            device.activate()
         caller = device.resolve_stream(stream, keepalive)
-        if (stream_key(caller) != replay.caller_key or device.capturing(caller)
+        if (stream_key(caller) != replay.caller_key or (not empty and device.capturing(caller))
                 or not replay.valid(self.layout_epoch, self.preparer.cache.generation)):
             return False
+        if empty:
+            self.replayed += 1
+            return True
+        prepared = replay.prepared
         plan = prepared.plan
         program = prepared.program
         assert program is not None  # ``valid``

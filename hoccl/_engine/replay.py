@@ -28,11 +28,27 @@ tuning: ``CallCache.generation``), the caller's stream, or the communicator's st
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
-from .calls import PreparedCall
+from .calls import Call, Matcher, PreparedCall, stream_key
 
-__all__ = ["Replay"]
+__all__ = ["Replay", "replay_of"]
+
+
+def replay_of(call: Call, rank: int, group: Optional[Matcher], generation: int
+              ) -> Optional["Replay"]:
+    """A ``Replay`` of ``call`` (rank ``rank``'s, just submitted alone and issued; its
+    engine's ``group`` and cache ``generation``) if its repeats may be replayed (above);
+    else None."""
+    prepared = call.prepared
+    if (call.captured or not call.issued or prepared.program is None
+            or group is None or not group.exported):
+        return None
+    alone = call.plan.participants == (rank,)
+    if not alone and (prepared.fast is None or prepared.bound_to is not prepared.fast):
+        return None
+    return Replay(call.name, prepared, stream_key(call.caller), generation, offers=not alone,
+                  on_caller=call.on_caller)
 
 
 @dataclass(eq=False, slots=True)
@@ -49,6 +65,12 @@ class Replay:
     offers: bool
     #: it runs on its caller's stream (``Executor.issue_on_caller``), else on the lanes
     on_caller: bool
+
+    @property
+    def empty(self) -> bool:
+        """Nothing to move and no peer (a world of one's call in place, unscaled): its
+        repeats enqueue no work at all, as NCCL's one rank enqueues none."""
+        return not self.prepared.program and not self.offers
 
     def valid(self, layout_epoch: int, generation: int) -> bool:
         """Whether nothing it was built from has changed since."""
