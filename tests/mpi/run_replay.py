@@ -8,7 +8,8 @@ numpy's.  Calls that may be replayed (every call at world 1; across processes, r
 buffers of these symmetric collectives, and plain buffers where the plan the backend
 chose touches no peer buffer but its scratch: a pushed reduce_scatter, a one-shot
 all_reduce) are counted as replayed from their second or third call on, the others
-never; at world 1 the repeats of a call in place enqueue nothing.  Then what a replay was built from changes, and the next call
+never; at world 1 the repeats of a call in place enqueue nothing.  Then what a replay
+was built from changes, and the next call
 goes the full path (prepared afresh) and stays exact, its repeats replayed again: another
 caller stream, new options (``set_options``), a newly registered window; and a call
 inside ``hoccl.group()``, which is never replayed.
