@@ -6,7 +6,6 @@ group or a subgroup (SHRINK_DEFAULT and SHRINK_ABORT) and go on exactly: 20 all_
 then DDP and FSDP2 steps equal to a reference."""
 
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,20 +21,16 @@ ROOT = Path(__file__).resolve().parent.parent
 PROGRAM = Path(__file__).parent / "torch_programs" / "run_shrink.py"
 
 
-def _free_port():
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def _job(ranks, *args, env=None):
     """``ranks`` workers of run_shrink.py on a store hosted here (``env`` added to their
     environment); each one's output."""
     if not hasattr(dist, "shrink_group"):
         pytest.skip("this torch has no dist.shrink_group")
-    port = _free_port()
-    store = dist.TCPStore("127.0.0.1", port, ranks, is_master=True, wait_for_workers=False,
+    # the store binds a free port itself (a port probed, then closed, may be taken
+    # before the store binds it)
+    store = dist.TCPStore("127.0.0.1", 0, ranks, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=120))
+    port = store.port
     outputs = []
     with tempfile.TemporaryDirectory() as stamps:
         workers = []

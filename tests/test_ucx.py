@@ -7,7 +7,6 @@ test_hierarchical_mpi.py, test_hierarchical_pairs.py, test_torch.py and
 test_torch_pipeline.py.  Skipped where ucxx is not installed."""
 
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -129,12 +128,6 @@ def test_pairwise_steps_move_what_each_collective_moves(size):
     assert _run_members(size, lambda t: (t.barrier(), True)) == [True] * size
 
 
-def _free_port():
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 @pytest.mark.parametrize("mode", ["watched", "all"])
 @pytest.mark.parametrize("how", ["exit", "kill", "mid"])
 def test_a_peer_that_dies_is_reported_as_peer_dead_within_the_timeout(how, mode):
@@ -143,9 +136,11 @@ def test_a_peer_that_dies_is_reported_as_peer_dead_within_the_timeout(how, mode)
     as between machines)."""
     pytest.importorskip("ucxx")
     dist = pytest.importorskip("torch.distributed")
-    port = _free_port()
-    store = dist.TCPStore("127.0.0.1", port, 2, is_master=True, wait_for_workers=False,
+    # the store binds a free port itself (a port probed, then closed, may be taken
+    # before the store binds it)
+    store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=60))
+    port = store.port
     workers = []
     for rank in range(2):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
@@ -346,9 +341,11 @@ def test_two_hosts_all_reduce_over_ucx_folds_each_chunk_exact(peer, progress):
     UCX's worker (``HOCCL_UCX_PROGRESS``), checked in each member."""
     pytest.importorskip("ucxx")
     dist = pytest.importorskip("torch.distributed")
-    port = _free_port()
-    store = dist.TCPStore("127.0.0.1", port, 2, is_master=True, wait_for_workers=False,
+    # the store binds a free port itself (a port probed, then closed, may be taken
+    # before the store binds it)
+    store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=60))
+    port = store.port
     workers = []
     for rank in range(2):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
